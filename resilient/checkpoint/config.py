@@ -1,0 +1,47 @@
+"""Checkpoint settings, validated where they are made."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .digest import DEFAULT_CHUNK_BYTES
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint."""
+
+    dir: str | os.PathLike[str]
+    """Local directory or ``s3://bucket/prefix``."""
+    every_steps: int | None = 100
+    """Save after every N completed optimizer updates; None saves only on request."""
+    keep: int = 3
+    """Committed checkpoints to keep (newest first); at least 1."""
+    permanent_every: int | None = None
+    """Also keep every checkpoint whose step is a multiple of this, forever."""
+    async_save: bool = True
+    """Write in the background; the step loop pays only for a host-memory snapshot."""
+    save_on_finish: bool = True
+    """Commit a final checkpoint when ``Run.steps()`` runs out."""
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (MinIO, moto, ...); None uses AWS."""
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Digest chunk size; chunks are hashed in parallel."""
+    timeout_s: float = 600.0
+    """Longest wait for peers during a commit or restore before it fails."""
+
+    def __post_init__(self) -> None:
+        if not os.fspath(self.dir):
+            raise ConfigError("CheckpointConfig.dir is empty: give a directory or s3://bucket/prefix")
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ConfigError(f"CheckpointConfig.every_steps={self.every_steps} must be >= 1 (or None)")
+        if self.keep < 1:
+            raise ConfigError(f"CheckpointConfig.keep={self.keep} must be >= 1: the newest commit is always kept")
+        if self.permanent_every is not None and self.permanent_every < 1:
+            raise ConfigError(f"CheckpointConfig.permanent_every={self.permanent_every} must be >= 1 (or None)")
+        if self.chunk_bytes < 4096:
+            raise ConfigError(f"CheckpointConfig.chunk_bytes={self.chunk_bytes} must be at least 4096")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"CheckpointConfig.timeout_s={self.timeout_s} must be positive")

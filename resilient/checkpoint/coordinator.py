@@ -1,0 +1,91 @@
+"""Small collectives the checkpoint protocol needs, on a dedicated group.
+
+Checkpoint commits run on a background thread while the training loop runs
+its own collectives, so they use a separate gloo process group: calls on one
+group stay in the same order on every rank, whatever the other group does.
+Payloads are bytes carried in uint8 tensors (never pickled objects).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+
+
+class Coordinator:
+    """Collectives among the ranks of one job; the single-process case is trivial."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, group: object | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._group = group
+
+    @classmethod
+    def from_environment(cls, timeout_s: float) -> Coordinator:
+        """Use ``torch.distributed`` when initialised, otherwise a single process."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls()
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), group)
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    def gather(self, payload: bytes) -> list[bytes] | None:
+        """Every rank's payload on rank 0 (in rank order); None elsewhere."""
+        if self.world_size == 1:
+            return [payload]
+        import torch.distributed as dist
+
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.int64), group=self._group)
+        longest = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        if payload:
+            mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(parts, mine, group=self._group)
+        if not self.is_root:
+            return None
+        return [_to_bytes(p[: int(s.item())]) for p, s in zip(parts, sizes)]
+
+    def broadcast(self, payload: bytes | None) -> bytes:
+        """Rank 0's ``payload`` on every rank."""
+        if self.world_size == 1:
+            assert payload is not None
+            return payload
+        import torch.distributed as dist
+
+        size = torch.tensor([len(payload) if self.is_root and payload is not None else 0], dtype=torch.int64)
+        dist.broadcast(size, src=self._global_root(), group=self._group)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.is_root and payload:
+            buf[:] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        dist.broadcast(buf, src=self._global_root(), group=self._group)
+        return _to_bytes(buf)
+
+    def all_ok(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank."""
+        if self.world_size == 1:
+            return ok
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(flag.item())
+
+    def _global_root(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_global_rank(self._group, 0)  # type: ignore[arg-type]
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    out = bytearray(t.numel())
+    if out:
+        torch.frombuffer(out, dtype=torch.uint8).copy_(t)
+    return bytes(out)

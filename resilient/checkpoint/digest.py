@@ -1,0 +1,80 @@
+"""Chunked SHA-256 digests that hash in parallel with I/O.
+
+A file's digest is the SHA-256 of the concatenated SHA-256 digests of its
+fixed-size chunks (the last one may be short).  Chunks are hashed on a small
+thread pool (``hashlib`` releases the GIL on large buffers), so hashing
+overlaps the write or read it belongs to instead of adding to it, and a
+multi-core host hashes several chunks at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+
+ALGORITHM = "sha256-chunked"
+DEFAULT_CHUNK_BYTES = 16 << 20
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def hash_pool() -> Executor:
+    """The process-wide hashing pool (created on first use, never at import)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="resilient-hash")
+    return _pool
+
+
+def _sha256(data: memoryview | bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+class ChunkedHasher:
+    """Incremental chunked digest; feed with :meth:`update`, finish with :meth:`hexdigest`.
+
+    Buffers passed to :meth:`update` must stay unchanged until
+    :meth:`hexdigest` returns, because whole chunks are hashed in place on
+    the pool without a copy.
+    """
+
+    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, executor: Executor | None = None) -> None:
+        if chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        self.chunk_bytes = chunk_bytes
+        self._executor = executor if executor is not None else hash_pool()
+        self._futures: list[Future[bytes]] = []
+        self._partial = bytearray()
+        self.size = 0
+
+    def update(self, data: memoryview | bytes | bytearray) -> None:
+        view = memoryview(data).cast("B")
+        self.size += len(view)
+        if self._partial:
+            take = min(len(view), self.chunk_bytes - len(self._partial))
+            self._partial += view[:take]
+            view = view[take:]
+            if len(self._partial) == self.chunk_bytes:
+                self._futures.append(self._executor.submit(_sha256, bytes(self._partial)))
+                self._partial = bytearray()
+        whole = len(view) - len(view) % self.chunk_bytes
+        for start in range(0, whole, self.chunk_bytes):
+            self._futures.append(self._executor.submit(_sha256, view[start : start + self.chunk_bytes]))
+        if whole < len(view):
+            self._partial += view[whole:]
+
+    def hexdigest(self) -> str:
+        if self._partial or not self._futures:
+            self._futures.append(self._executor.submit(_sha256, bytes(self._partial)))
+            self._partial = bytearray()
+        outer = hashlib.sha256()
+        for future in self._futures:
+            outer.update(future.result())
+        return outer.hexdigest()
+
+
+def digest_bytes(data: bytes | bytearray | memoryview, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> str:
+    """Digest of an in-memory buffer (used by tests and small files)."""
+    hasher = ChunkedHasher(chunk_bytes)
+    hasher.update(data)
+    return hasher.hexdigest()

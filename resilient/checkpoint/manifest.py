@@ -1,0 +1,158 @@
+"""The checkpoint manifest: what a committed checkpoint contains.
+
+A checkpoint exists only once its manifest is committed.  The manifest lists
+every file with its size and digest, the step and world size it was taken
+at, its parent, and fingerprints of the model, the user's config and the
+code.  :func:`parse_manifest` trusts nothing: schema, names, paths, sizes
+and digests are all checked before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import CheckpointCorruptError
+from .digest import ALGORITHM
+
+SCHEMA = "resilient.checkpoint/1"
+MANIFEST_FILE = "manifest.json"
+_NAME = re.compile(r"^step_(\d{10})$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:010d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step encoded in a checkpoint name, or None if it is not one."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_safe_relpath(path: str) -> bool:
+    """True for a relative path of plain segments: no ``..``, no absolute path."""
+    if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path:
+        return False
+    return all(_SEGMENT.match(seg) and seg not in (".", "..") for seg in path.split("/"))
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint. ``rank`` is None for replicated state."""
+
+    path: str
+    size: int
+    digest: str
+    rank: int | None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    name: str
+    step: int
+    world_size: int
+    files: tuple[FileEntry, ...]
+    parent: str | None
+    created_unix: float
+    chunk_bytes: int
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    schema: str = SCHEMA
+    digest_algorithm: str = ALGORITHM
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file_for(self, rank: int | None) -> FileEntry:
+        for f in self.files:
+            if f.rank == rank:
+                return f
+        raise KeyError(rank)
+
+    def to_bytes(self) -> bytes:
+        body = asdict(self)
+        body["files"] = [asdict(f) for f in self.files]
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+
+def parse_manifest(raw: bytes, name: str) -> Manifest:
+    """Parse and validate a manifest; raise :class:`CheckpointCorruptError` if anything is off."""
+
+    def bad(problem: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(name, MANIFEST_FILE, problem)
+
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise bad("not a JSON object")
+    if body.get("schema") != SCHEMA:
+        raise bad(
+            f"unknown schema version {body.get('schema')!r} (this build reads {SCHEMA!r}; "
+            "restore it with the resilient version that wrote it)"
+        )
+    if body.get("digest_algorithm") != ALGORITHM:
+        raise bad(f"unknown digest algorithm {body.get('digest_algorithm')!r}")
+    if body.get("name") != name or step_of(name) is None:
+        raise bad(f"manifest names {body.get('name')!r} but lives at {name!r}")
+    step, world = body.get("step"), body.get("world_size")
+    if not _is_int(step) or step != step_of(name):
+        raise bad(f"step {step!r} does not match the checkpoint name")
+    if not _is_int(world) or world < 1:
+        raise bad(f"world size {world!r} is not a positive integer")
+    chunk = body.get("chunk_bytes")
+    if not _is_int(chunk) or chunk <= 0:
+        raise bad(f"chunk_bytes {chunk!r} is not a positive integer")
+    files_raw = body.get("files")
+    if not isinstance(files_raw, list):
+        raise bad("file list missing")
+    files = []
+    for f in files_raw:
+        if not isinstance(f, dict):
+            raise bad("file entry is not an object")
+        path, size, digest, rank = f.get("path"), f.get("size"), f.get("digest"), f.get("rank")
+        if not is_safe_relpath(path) or path == MANIFEST_FILE:
+            raise bad(f"file path {path!r} is not a plain relative path inside the checkpoint")
+        if not _is_int(size) or size < 0:
+            raise bad(f"file {path}: size {size!r} is not a non-negative integer")
+        if not isinstance(digest, str) or not _DIGEST.match(digest):
+            raise bad(f"file {path}: digest {digest!r} is malformed")
+        if rank is not None and (not _is_int(rank) or not 0 <= rank < world):
+            raise bad(f"file {path}: rank {rank!r} outside world size {world}")
+        files.append(FileEntry(path=path, size=size, digest=digest, rank=rank))
+    ranks = sorted(f.rank for f in files if f.rank is not None)
+    if ranks != list(range(world)) or sum(f.rank is None for f in files) != 1:
+        raise bad(f"expected one replicated file and one file per rank 0..{world - 1}, found ranks {ranks}")
+    if len({f.path for f in files}) != len(files):
+        raise bad("duplicate file paths")
+    parent = body.get("parent")
+    if parent is not None and step_of(parent) is None:
+        raise bad(f"parent {parent!r} is not a checkpoint name")
+    created = body.get("created_unix")
+    if not isinstance(created, (int, float)):
+        raise bad("created_unix missing")
+    fingerprint, counters = body.get("fingerprint", {}), body.get("counters", {})
+    if not isinstance(fingerprint, dict) or not isinstance(counters, dict):
+        raise bad("fingerprint/counters must be objects")
+    return Manifest(
+        name=name,
+        step=step,
+        world_size=world,
+        files=tuple(files),
+        parent=parent,
+        created_unix=float(created),
+        chunk_bytes=chunk,
+        fingerprint=fingerprint,
+        counters=counters,
+    )
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

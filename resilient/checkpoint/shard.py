@@ -1,0 +1,139 @@
+"""The shard file format: a JSON header followed by raw tensor bytes.
+
+Layout::
+
+    b"RSLSHRD1"                 8-byte magic
+    header length               8-byte little-endian unsigned
+    header                      UTF-8 JSON: skeleton + tensor table
+    zero padding                up to a 64-byte boundary
+    data                        tensor bytes at 64-byte-aligned offsets
+
+The skeleton comes from :mod:`resilient.checkpoint.tree`; each tensor entry
+gives dtype, shape, offset and byte count within the data section.  Reading
+checks every entry against the file before touching the bytes, so a damaged
+header is reported, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+MAGIC = b"RSLSHRD1"
+ALIGN = 64
+FORMAT_VERSION = 1
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where each tensor goes in the data section, and the encoded header."""
+
+    header: bytes
+    entries: tuple[TensorEntry, ...]
+    data_bytes: int
+
+
+def plan_layout(skeleton: Any, tensors: list[torch.Tensor]) -> ShardLayout:
+    """Assign aligned offsets to ``tensors`` and encode the header (with padding)."""
+    entries = []
+    offset = 0
+    for t in tensors:
+        if t.dtype not in DTYPE_NAMES:
+            raise TypeError(f"tensor dtype {t.dtype} cannot be checkpointed")
+        nbytes = t.numel() * t.element_size()
+        entries.append(TensorEntry(DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
+        offset = _align(offset + nbytes)
+    table = [{"dtype": e.dtype, "shape": list(e.shape), "offset": e.offset, "nbytes": e.nbytes} for e in entries]
+    body = json.dumps(
+        {"format": FORMAT_VERSION, "skeleton": skeleton, "tensors": table, "data_bytes": offset},
+        separators=(",", ":"),
+    ).encode()
+    prefix = MAGIC + struct.pack("<Q", len(body)) + body
+    header = prefix + b"\0" * (_align(len(prefix)) - len(prefix))
+    return ShardLayout(header=header, entries=tuple(entries), data_bytes=offset)
+
+
+def decode(buf: bytearray | memoryview) -> tuple[Any, list[torch.Tensor]]:
+    """Parse a whole shard held in a writable buffer; tensors alias ``buf``.
+
+    Raises ``ValueError`` describing the first inconsistency found.
+    """
+    view = memoryview(buf).cast("B")
+    if len(view) < 16 or bytes(view[:8]) != MAGIC:
+        raise ValueError("not a shard file (bad magic bytes)")
+    (hlen,) = struct.unpack("<Q", view[8:16])
+    if 16 + hlen > len(view):
+        raise ValueError(f"header length {hlen} runs past the end of the file")
+    try:
+        header = json.loads(bytes(view[16 : 16 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
+        raise ValueError(f"unsupported shard format {header.get('format') if isinstance(header, dict) else header!r}")
+    data_start = _align(16 + hlen)
+    data_bytes = header.get("data_bytes")
+    if not isinstance(data_bytes, int) or data_start + data_bytes != len(view):
+        raise ValueError(f"file is {len(view)} bytes but its header describes {data_start}+{data_bytes}")
+    tensors = []
+    table = header.get("tensors")
+    if not isinstance(table, list):
+        raise ValueError("tensor table missing")
+    for i, e in enumerate(table):
+        tensors.append(_tensor_from(buf, data_start, data_bytes, i, e))
+    return header.get("skeleton"), tensors
+
+
+def _tensor_from(buf: Any, data_start: int, data_bytes: int, i: int, e: Any) -> torch.Tensor:
+    if not isinstance(e, dict) or e.get("dtype") not in DTYPES:
+        raise ValueError(f"tensor {i}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
+    dtype = DTYPES[e["dtype"]]
+    shape, offset, nbytes = e.get("shape"), e.get("offset"), e.get("nbytes")
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ValueError(f"tensor {i}: bad shape {shape!r}")
+    if not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or offset % ALIGN:
+        raise ValueError(f"tensor {i}: bad offset {offset!r}")
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize != nbytes or offset + nbytes > data_bytes:
+        raise ValueError(f"tensor {i}: {nbytes} bytes at {offset} do not fit shape {shape} of {e['dtype']}")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
+    return flat.view(dtype).view(shape)

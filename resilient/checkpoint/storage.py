@@ -1,0 +1,305 @@
+"""Where checkpoints live: the storage protocol and the local-directory backend.
+
+A backend stores files of a checkpoint being written (its *staging* area)
+and then publishes the checkpoint in one atomic step, the commit.  Readers
+see only committed checkpoints.  Layout of the local backend::
+
+    ROOT/step_0000000100/manifest.json   committed checkpoint (a directory)
+    ROOT/.staging/step_0000000200.TOKEN/  a save in progress
+    ROOT/.quarantine/step_0000000150.TS/  failed verification, with QUARANTINE.json
+    ROOT/.trash/...                       being deleted by retention
+
+The commit renames the fully written and fsynced staging directory to its
+final name and fsyncs ROOT, so a crash leaves either the old state or the
+new checkpoint, never a torn one.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import CommitConflictError, StorageError
+from .digest import ChunkedHasher
+from .manifest import MANIFEST_FILE, step_of
+
+WRITE_PIECE = 16 << 20
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A save in progress. Manifest paths of its files are ``file_prefix + relpath``."""
+
+    name: str
+    token: str
+    file_prefix: str
+
+
+class Storage(ABC):
+    """A checkpoint store. Every method raises :class:`StorageError` on I/O failure."""
+
+    url: str
+
+    def check_writable(self) -> None:
+        """Raise :class:`StorageError` now if saves cannot succeed (called once at start)."""
+
+    @abstractmethod
+    def list_committed(self) -> list[str]:
+        """Names of committed checkpoints, oldest step first."""
+
+    @abstractmethod
+    def begin(self, name: str, token: str) -> Staging:
+        """Prepare a staging area for checkpoint ``name``; safe to call from every rank."""
+
+    @abstractmethod
+    def write_file(
+        self, staging: Staging, relpath: str, segments: Sequence[memoryview], chunk_bytes: int
+    ) -> tuple[int, str]:
+        """Durably write the concatenated ``segments``; return (size, digest)."""
+
+    @abstractmethod
+    def commit(self, staging: Staging, manifest: bytes) -> None:
+        """Publish the staged checkpoint atomically with ``manifest``.
+
+        Raises :class:`CommitConflictError` if ``staging.name`` is already committed.
+        """
+
+    @abstractmethod
+    def abort(self, staging: Staging) -> None:
+        """Remove what a failed save staged (best effort, never raises)."""
+
+    @abstractmethod
+    def read_manifest(self, name: str) -> bytes:
+        """Raw manifest bytes of a committed checkpoint."""
+
+    @abstractmethod
+    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
+        """Whole content of a checkpoint file and its digest, hashed while reading."""
+
+    @abstractmethod
+    def quarantine(self, name: str, reason: str) -> str:
+        """Move a committed checkpoint out of the committed set; return where it went."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove a committed checkpoint; it leaves the committed set first."""
+
+    @abstractmethod
+    def collect_garbage(self, keep_token: str | None = None) -> list[str]:
+        """Remove leftovers of crashed saves and deletions (except ``keep_token``'s)."""
+
+    @abstractmethod
+    def list_quarantined(self) -> list[str]:
+        """Entries in quarantine, oldest first."""
+
+
+def pieces(segments: Sequence[memoryview], size: int = WRITE_PIECE) -> list[memoryview]:
+    """Split byte segments into views of at most ``size`` bytes, without copying."""
+    out = []
+    for seg in segments:
+        view = memoryview(seg).cast("B")
+        for start in range(0, len(view), size):
+            out.append(view[start : start + size])
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _storage_error(action: str, path: str, e: OSError) -> StorageError:
+    fix = {
+        errno.ENOSPC: "free space on that filesystem or point CheckpointConfig.dir at a larger one",
+        errno.EDQUOT: "raise the quota or point CheckpointConfig.dir elsewhere",
+        errno.EACCES: "make the directory writable by this user or choose another CheckpointConfig.dir",
+        errno.EROFS: "the filesystem is read-only; choose another CheckpointConfig.dir",
+        errno.EPERM: "make the directory writable by this user or choose another CheckpointConfig.dir",
+    }.get(e.errno or 0, "check the filesystem and retry")
+    return StorageError(f"could not {action} {path}: {e.strerror or e} ({fix})")
+
+
+class LocalStorage(Storage):
+    """Checkpoints in a directory on a local or shared POSIX filesystem."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.url = self.root
+        self._staging_root = os.path.join(self.root, ".staging")
+        self._quarantine_root = os.path.join(self.root, ".quarantine")
+        self._trash_root = os.path.join(self.root, ".trash")
+
+    def _mkdirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise _storage_error("create directory", path, e) from e
+
+    def check_writable(self) -> None:
+        self._mkdirs(self._staging_root)
+        probe = os.path.join(self._staging_root, f".probe.{os.getpid()}")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.remove(probe)
+        except OSError as e:
+            raise _storage_error("write to", self.root, e) from e
+
+    def list_committed(self) -> list[str]:
+        try:
+            entries = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise _storage_error("list", self.root, e) from e
+        names = [n for n in entries if step_of(n) is not None and os.path.isdir(os.path.join(self.root, n))]
+        return sorted(names, key=lambda n: step_of(n) or 0)
+
+    def _staging_dir(self, staging: Staging) -> str:
+        return os.path.join(self._staging_root, f"{staging.name}.{staging.token}")
+
+    def begin(self, name: str, token: str) -> Staging:
+        staging = Staging(name=name, token=token, file_prefix="")
+        self._mkdirs(self._staging_dir(staging))
+        return staging
+
+    def write_file(
+        self, staging: Staging, relpath: str, segments: Sequence[memoryview], chunk_bytes: int
+    ) -> tuple[int, str]:
+        path = os.path.join(self._staging_dir(staging), relpath)
+        hasher = ChunkedHasher(chunk_bytes)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                for piece in pieces(segments):
+                    hasher.update(piece)  # hashed on the pool while we write
+                    written = 0
+                    while written < len(piece):
+                        written += os.write(fd, piece[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise _storage_error("write", path, e) from e
+        return hasher.size, hasher.hexdigest()
+
+    def commit(self, staging: Staging, manifest: bytes) -> None:
+        src = self._staging_dir(staging)
+        dst = os.path.join(self.root, staging.name)
+        mpath = os.path.join(src, MANIFEST_FILE)
+        try:
+            fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, manifest)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _fsync_dir(src)
+        except OSError as e:
+            raise _storage_error("write manifest", mpath, e) from e
+        if os.path.exists(dst):
+            raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}")
+        try:
+            os.rename(src, dst)  # the commit point
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}") from e
+            raise _storage_error("publish", dst, e) from e
+        _fsync_dir(self.root)
+
+    def abort(self, staging: Staging) -> None:
+        shutil.rmtree(self._staging_dir(staging), ignore_errors=True)
+
+    def read_manifest(self, name: str) -> bytes:
+        path = os.path.join(self.root, name, MANIFEST_FILE)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return b""
+        except OSError as e:
+            raise _storage_error("read", path, e) from e
+
+    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
+        full = os.path.join(self.root, name, path)
+        hasher = ChunkedHasher(chunk_bytes)
+        try:
+            with open(full, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                view = memoryview(buf)
+                pos = 0
+                while pos < size:
+                    n = f.readinto(view[pos : min(size, pos + WRITE_PIECE)])
+                    if not n:
+                        raise OSError(errno.EIO, "file shrank while being read")
+                    hasher.update(view[pos : pos + n])
+                    pos += n
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _storage_error("read", full, e) from e
+        return buf, hasher.hexdigest()
+
+    def quarantine(self, name: str, reason: str) -> str:
+        self._mkdirs(self._quarantine_root)
+        dst = os.path.join(self._quarantine_root, f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{os.getpid()}")
+        try:
+            os.rename(os.path.join(self.root, name), dst)
+            _fsync_dir(self.root)
+            with open(os.path.join(dst, "QUARANTINE.json"), "w", encoding="utf-8") as f:
+                json.dump({"checkpoint": name, "reason": reason, "time_unix": time.time()}, f, indent=1)
+        except OSError as e:
+            raise _storage_error("quarantine", name, e) from e
+        return dst
+
+    def delete(self, name: str) -> None:
+        self._mkdirs(self._trash_root)
+        trash = os.path.join(self._trash_root, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
+        try:
+            os.rename(os.path.join(self.root, name), trash)  # leaves the committed set atomically
+            _fsync_dir(self.root)
+        except OSError as e:
+            raise _storage_error("delete", name, e) from e
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def collect_garbage(self, keep_token: str | None = None) -> list[str]:
+        removed = []
+        for parent in (self._staging_root, self._trash_root):
+            try:
+                entries = os.listdir(parent)
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if keep_token is not None and parent == self._staging_root and entry.endswith("." + keep_token):
+                    continue
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+                removed.append(os.path.join(os.path.basename(parent), entry))
+        return removed
+
+    def list_quarantined(self) -> list[str]:
+        try:
+            return sorted(os.listdir(self._quarantine_root))
+        except FileNotFoundError:
+            return []
+
+
+def open_storage(url: str | os.PathLike[str], *, endpoint_url: str | None = None) -> Storage:
+    """A backend for ``url``: ``s3://bucket/prefix`` or a local directory path."""
+    text = os.fspath(url)
+    if text.startswith("s3://"):
+        from .s3 import S3Storage
+
+        return S3Storage(text, endpoint_url=endpoint_url)
+    if "://" in text:
+        raise StorageError(f"unsupported checkpoint location {text!r}: use a directory path or s3://bucket/prefix")
+    return LocalStorage(text)

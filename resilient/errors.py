@@ -1,0 +1,55 @@
+"""The one exception hierarchy of resilient.
+
+Every error a user can meet derives from :class:`ResilientError`, so a caller
+can catch the whole family; each message names what is wrong and how to fix
+it.  Builtin names (``TimeoutError`` and friends) are never shadowed.
+"""
+
+from __future__ import annotations
+
+
+class ResilientError(Exception):
+    """Base class of every error raised by resilient."""
+
+
+class ConfigError(ResilientError, ValueError):
+    """A setting given by the user is invalid; the message says which and why."""
+
+
+class CheckpointError(ResilientError):
+    """Base class of checkpoint failures."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint failed verification (schema, paths, sizes or digests)."""
+
+    def __init__(self, checkpoint: str, file: str | None, problem: str) -> None:
+        self.checkpoint = checkpoint
+        self.file = file
+        self.problem = problem
+        where = f"{checkpoint}/{file}" if file else checkpoint
+        super().__init__(
+            f"checkpoint {where} failed verification: {problem}. "
+            "It cannot be restored; it will be quarantined and the previous "
+            "committed checkpoint used instead."
+        )
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A valid checkpoint does not fit the job that tries to restore it."""
+
+
+class NoValidCheckpointError(CheckpointError):
+    """Committed checkpoints exist but none of them passed verification."""
+
+
+class CommitConflictError(CheckpointError):
+    """Another writer already committed a checkpoint under the same name."""
+
+
+class StorageError(CheckpointError):
+    """The storage backend failed (I/O error, full disk, S3 error or timeout)."""
+
+
+class SerializationError(CheckpointError, TypeError):
+    """Training state holds an object that cannot be saved without pickle."""

@@ -1,0 +1,242 @@
+"""``resilient.Run``: the object a training script creates.
+
+It restores the newest committed checkpoint on creation, drives the step
+loop (``for step in run.steps(n)``), takes checkpoints at completed-update
+boundaries on the configured cadence, and counts progress.  A script changes
+in about five lines; see the README.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from . import __version__
+from .checkpoint.config import CheckpointConfig
+from .checkpoint.coordinator import Coordinator
+from .checkpoint.manager import RANK, REPLICATED, CheckpointManager, Restored, SaveResult
+from .data.loader import ElasticLoader
+from .errors import ConfigError
+from .events import EventLog
+from .state import (
+    Stateful,
+    capture_rng,
+    check_stateful,
+    load_model_state,
+    load_optimizer_state,
+    model_fingerprint,
+    restore_rng,
+    unwrap,
+)
+
+
+class Run:
+    """One rank's view of a resumable training run.
+
+    ``step`` is the number of completed optimizer updates; inside the loop
+    body it is the index of the update being computed.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: ElasticLoader | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        state: Mapping[str, Stateful] | None = None,
+        config: Mapping[str, Any] | None = None,
+        events: EventLog | None = None,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"Run(model=...) needs a torch.nn.Module, got {type(model).__qualname__}")
+        for name, obj in (state or {}).items():
+            check_stateful(name, obj)
+        for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
+            if obj is not None:
+                check_stateful(name, obj)
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.data = data
+        self.user_state = dict(state or {})
+        self.config = dict(config) if config is not None else None
+        self.events = events if events is not None else EventLog()
+        self.step = 0
+        self.samples = 0
+        """Samples this rank trained on (reported through :meth:`report`)."""
+        self.tokens = 0
+        """Tokens this rank trained on (reported through :meth:`report`)."""
+        self.last_loss: float | None = None
+        self.restored_from: str | None = None
+        self._last_saved_step: int | None = None
+        self._step_started: float | None = None
+        self.last_step_s: float | None = None
+
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        if data is not None:
+            data.bind(self.rank, self.world_size)
+        self._fingerprint = {
+            "model": model_fingerprint(model),
+            "config": _digest_config(self.config),
+            "code": {"resilient": __version__, "torch": torch.__version__},
+        }
+        self.checkpoints: CheckpointManager | None = None
+        if checkpoint is not None:
+            coordinator = Coordinator.from_environment(checkpoint.timeout_s)
+            self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events)
+            restored = self.checkpoints.restore()
+            if restored is not None:
+                self._apply(restored)
+        self.events.emit("run_started", rank=self.rank, world_size=self.world_size, step=self.step,
+                         restored_from=self.restored_from)
+
+    # ------------------------------------------------------------- the loop
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the index of each update still to do, up to ``total`` updates.
+
+        Resuming the generator marks the previous update complete; at each
+        boundary a due checkpoint is snapshotted before the next update.
+        """
+        if total < 0:
+            raise ConfigError(f"Run.steps({total}): the number of steps must be >= 0")
+        while self.step < total:
+            self._maybe_checkpoint()
+            self._step_started = time.perf_counter()
+            yield self.step
+            self.last_step_s = time.perf_counter() - self._step_started
+            self.step += 1
+        ckpt = self.checkpoints
+        if ckpt is not None and ckpt.config.save_on_finish and self._last_saved_step != self.step:
+            self._save(wait=False)
+
+    def report(self, *, loss: Any = None, tokens: int = 0, samples: int | None = None) -> None:
+        """Count this rank's progress for the current update."""
+        if loss is not None:
+            self.last_loss = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
+        if samples is None:
+            samples = self.data.batch_size if self.data is not None else 0
+        self.samples += int(samples)
+        self.tokens += int(tokens)
+
+    def save(self) -> SaveResult:
+        """Commit a checkpoint of the state after ``step`` updates; return once committed.
+
+        Call it at the top of an iteration (before any work of that step) or
+        outside the loop.
+        """
+        if self.checkpoints is None:
+            raise ConfigError("Run.save() needs checkpoint=CheckpointConfig(...) when the Run is created")
+        previous = self.checkpoints.wait()
+        if self._last_saved_step == self.step and previous is not None and previous.step == self.step and previous.ok:
+            return previous
+        result = self._save(wait=True)
+        assert result is not None
+        return result
+
+    def close(self) -> SaveResult | None:
+        """Wait for the in-flight checkpoint (if any) to commit; return its outcome."""
+        result = self.checkpoints.wait() if self.checkpoints is not None else None
+        self.events.emit("run_closed", step=self.step)
+        return result
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- helpers
+    def _maybe_checkpoint(self) -> None:
+        ckpt = self.checkpoints
+        if ckpt is None or ckpt.config.every_steps is None or self.step == 0:
+            return
+        if self.step % ckpt.config.every_steps == 0 and self._last_saved_step != self.step:
+            self._save(wait=False)
+
+    def _save(self, *, wait: bool) -> SaveResult | None:
+        assert self.checkpoints is not None
+        self._last_saved_step = self.step
+        return self.checkpoints.save(
+            self.step,
+            self._payloads(),
+            counters={"samples": self.samples, "tokens": self.tokens},
+            fingerprint=self._fingerprint,
+            wait=wait,
+        )
+
+    def _payloads(self) -> dict[str, Any]:
+        payloads: dict[str, Any] = {
+            RANK: {
+                "rng": capture_rng(),
+                "data": self.data.state_dict() if self.data is not None else None,
+                "user": {name: obj.state_dict() for name, obj in self.user_state.items()},
+                "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens},
+            }
+        }
+        if self.rank == 0:
+            payloads[REPLICATED] = {
+                "model": unwrap(self.model).state_dict(),
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "step": self.step,
+            }
+        return payloads
+
+    def _apply(self, restored: Restored) -> None:
+        name = restored.manifest.name
+        rep, mine = restored.replicated, restored.rank_state
+        load_model_state(self.model, rep["model"], name)
+        for label, obj, value in (
+            ("optimizer", self.optimizer, rep["optimizer"]),
+            ("scheduler", self.scheduler, rep["scheduler"]),
+            ("scaler", self.scaler, rep["scaler"]),
+        ):
+            if (obj is None) != (value is None):
+                raise ConfigError(
+                    f"checkpoint {name} {'has' if value is not None else 'lacks'} {label} state but this Run "
+                    f"{'lacks' if obj is None else 'has'} a {label}; create the Run with the same components"
+                )
+        if self.optimizer is not None:
+            load_optimizer_state(self.optimizer, rep["optimizer"], name)
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(rep["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(rep["scaler"])
+        missing = set(self.user_state) - set(mine["user"])
+        if missing:
+            raise ConfigError(f"checkpoint {name} has no state for {sorted(missing)}; it was saved without them")
+        for key, obj in self.user_state.items():
+            obj.load_state_dict(mine["user"][key])
+        if self.data is not None:
+            if mine["data"] is None:
+                raise ConfigError(f"checkpoint {name} has no data cursor; it was saved without data=ElasticLoader")
+            self.data.load_state_dict(mine["data"])
+        counters = mine["counters"]
+        self.step, self.samples, self.tokens = counters["step"], counters["samples"], counters["tokens"]
+        restore_rng(mine["rng"])  # last: loading above must not consume random numbers after it
+        saved_config = restored.manifest.fingerprint.get("config")
+        if saved_config != self._fingerprint["config"]:
+            self.events.emit("config_changed", checkpoint=name, saved=saved_config, now=self._fingerprint["config"])
+        self.restored_from = name
+        self._last_saved_step = self.step
+
+
+def _digest_config(config: Mapping[str, Any] | None) -> str | None:
+    if config is None:
+        return None
+    text = json.dumps(config, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
