@@ -9,12 +9,13 @@ and digests are all checked before anything is read.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .digest import ALGORITHM
 
 SCHEMA = "resilient.checkpoint/1"
@@ -78,7 +79,18 @@ class Manifest:
     def to_bytes(self) -> bytes:
         body = asdict(self)
         body["files"] = [asdict(f) for f in self.files]
-        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+        body["manifest_digest"] = _content_digest(body)
+        return _canonical(body)
+
+
+def _content_digest(body: dict[str, Any]) -> str:
+    """Digest of every field but the digest itself, so any edit is detected."""
+    rest = {k: v for k, v in body.items() if k != "manifest_digest"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
 
 def parse_manifest(raw: bytes, name: str) -> Manifest:
@@ -93,11 +105,18 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
         raise bad(f"not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise bad("not a JSON object")
-    if body.get("schema") != SCHEMA:
-        raise bad(
-            f"unknown schema version {body.get('schema')!r} (this build reads {SCHEMA!r}; "
-            "restore it with the resilient version that wrote it)"
-        )
+    schema = body.get("schema")
+    if schema != SCHEMA:
+        if isinstance(schema, str) and re.fullmatch(r"resilient\.checkpoint/([2-9]|[1-9]\d+)", schema):
+            raise CheckpointMismatchError(
+                f"checkpoint {name} uses schema {schema!r} but this build of resilient reads {SCHEMA!r}: "
+                "upgrade resilient to restore it (the checkpoint is left as it is)"
+            )
+        raise bad(f"unknown schema {schema!r} (expected {SCHEMA!r})")
+    if body.get("manifest_digest") != _content_digest(body):
+        raise bad("manifest digest mismatch (the manifest was modified after commit)")
+    if raw != _canonical(body):
+        raise bad("manifest bytes differ from their canonical form (the file was modified after commit)")
     if body.get("digest_algorithm") != ALGORITHM:
         raise bad(f"unknown digest algorithm {body.get('digest_algorithm')!r}")
     if body.get("name") != name or step_of(name) is None:

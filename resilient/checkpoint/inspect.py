@@ -1,0 +1,332 @@
+"""Offline examination of a checkpoint store: list, verify, inspect, collect.
+
+These are the library half of ``resilient checkpoint ...``: they return
+frozen dataclasses and never print.  Corruption is a *finding* reported in
+the result (a bad manifest, a missing or altered file), never an exception;
+:class:`StorageError` propagates, because an unreadable store says nothing
+about whether the checkpoint is good.  Verification applies the same checks
+as a restore (:mod:`resilient.checkpoint.manager`): manifest schema and
+paths, then each file's size, digest and decodability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest, step_of
+from .retention import decide_retention
+from .shard import decode
+from .storage import Storage
+from .tree import unflatten
+
+# What a damaged shard can make the decoder raise.  decode/unflatten report
+# inconsistencies as ValueError; absurdly nested JSON can exhaust recursion.
+_DECODE_ERRORS = (ValueError, RecursionError)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint as its manifest describes it (no file is read)."""
+
+    name: str
+    step: int
+    world_size: int | None
+    total_bytes: int | None
+    n_files: int | None
+    created_unix: float | None
+    parent: str | None
+    manifest_ok: bool
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    """Verification of one file; ``None`` in a check means it could not be made."""
+
+    path: str
+    rank: int | None
+    size_expected: int
+    size_actual: int | None
+    digest_ok: bool | None
+    decode_ok: bool | None
+    problem: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Outcome of :func:`verify_checkpoint`; ``problem`` summarises the first failures."""
+
+    name: str
+    ok: bool
+    files: tuple[FileCheck, ...]
+    problem: str | None
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    """What one shard holds, from its tensor table and decoded skeleton."""
+
+    path: str
+    rank: int | None
+    size: int
+    digest_ok: bool | None
+    n_tensors: int | None
+    tensor_bytes: int | None
+    keys: tuple[str, ...]
+    """Top-level keys of the saved tree (model, optimizer, rng, data, counters, ...)."""
+    sections: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per top-level key: (number of tensors, tensor bytes)."""
+    counters: dict[str, Any] | None = None
+    """The rank's ``counters`` (step, samples, tokens), if the file has them."""
+    data: dict[str, Any] | None = None
+    """The rank's data-loader cursor, if the file has one."""
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointDetail:
+    """Manifest of a checkpoint plus a summary of each of its files."""
+
+    manifest: Manifest
+    files: tuple[FileSummary, ...]
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What :func:`collect` removed (or would remove, in a dry run) and why."""
+
+    dry_run: bool
+    garbage: tuple[str, ...]
+    """Leftovers of crashed saves and deletions removed (never listed in a dry run)."""
+    kept: tuple[str, ...]
+    deleted: tuple[str, ...]
+    """Checkpoints deleted, or that would be deleted in a dry run."""
+    newest_verified: str | None
+    failed: tuple[tuple[str, str], ...]
+    """(name, problem) of newer checkpoints that failed verification on the way."""
+    reason: str
+
+
+def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:
+    """Every committed checkpoint, oldest first, from its manifest alone."""
+    out = []
+    for name in storage.list_committed():
+        step = step_of(name)
+        assert step is not None, f"storage listed {name!r}, which is not a checkpoint name"
+        try:
+            manifest = read_manifest(storage, name)
+        except CheckpointCorruptError as e:
+            out.append(CheckpointInfo(name, step, None, None, None, None, None, False, e.problem))
+            continue
+        except CheckpointMismatchError as e:  # written by a newer resilient: not corrupt, just unreadable here
+            out.append(CheckpointInfo(name, step, None, None, None, None, None, False, str(e)))
+            continue
+        out.append(
+            CheckpointInfo(
+                name=name,
+                step=step,
+                world_size=manifest.world_size,
+                total_bytes=manifest.total_bytes,
+                n_files=len(manifest.files),
+                created_unix=manifest.created_unix,
+                parent=manifest.parent,
+                manifest_ok=True,
+                problem=None,
+            )
+        )
+    return out
+
+
+def read_manifest(storage: Storage, name: str) -> Manifest:
+    """The validated manifest of ``name``.
+
+    Raises :class:`CheckpointCorruptError` if it is missing or invalid,
+    :class:`CheckpointMismatchError` if a newer resilient wrote it.
+    """
+    try:
+        raw = storage.read_manifest(name)
+    except FileNotFoundError:
+        raw = b""
+    if not raw:
+        raise CheckpointCorruptError(name, MANIFEST_FILE, "manifest is missing")
+    return parse_manifest(raw, name)
+
+
+def verify_checkpoint(storage: Storage, name: str) -> VerifyReport:
+    """Check the manifest, then every file's size, digest and decodability.
+
+    Raises :class:`StorageError` when the store cannot be read.
+    """
+    try:
+        manifest = read_manifest(storage, name)
+    except CheckpointCorruptError as e:
+        return VerifyReport(name=name, ok=False, files=(), problem=f"{MANIFEST_FILE}: {e.problem}")
+    except CheckpointMismatchError as e:
+        return VerifyReport(name=name, ok=False, files=(), problem=f"{MANIFEST_FILE}: {e}")
+    checks = []
+    for entry in manifest.files:
+        try:
+            buf, digest = storage.read_file(name, entry.path, manifest.chunk_bytes)
+        except FileNotFoundError:
+            checks.append(FileCheck(entry.path, entry.rank, entry.size, None, None, None, "file is missing"))
+            continue
+        problems = []
+        if len(buf) != entry.size:
+            problems.append(f"size is {len(buf)} bytes, manifest says {entry.size} (truncated or overwritten)")
+        digest_ok = digest == entry.digest
+        if not digest_ok:
+            problems.append(
+                f"digest mismatch (content changed after commit): {digest[:16]}... != {entry.digest[:16]}..."
+            )
+        # Decode even after a digest mismatch: whether the damage is in the
+        # header (undecodable) or only in tensor bytes tells the user more.
+        decode_ok = True
+        try:
+            skeleton, tensors = decode(buf)
+            unflatten(skeleton, tensors)
+        except _DECODE_ERRORS as e:
+            decode_ok = False
+            problems.append(f"undecodable content ({e})")
+        problem = "; ".join(problems) or None
+        checks.append(FileCheck(entry.path, entry.rank, entry.size, len(buf), digest_ok, decode_ok, problem))
+    bad = [f"{c.path}: {c.problem}" for c in checks if c.problem]
+    return VerifyReport(name=name, ok=not bad, files=tuple(checks), problem="; ".join(bad) or None)
+
+
+def inspect_checkpoint(storage: Storage, name: str) -> CheckpointDetail:
+    """Manifest plus per-file tensor summary; reads (and digests) every file.
+
+    Raises :class:`CheckpointCorruptError` when the manifest is missing or
+    invalid (there is nothing to summarise), :class:`CheckpointMismatchError`
+    when a newer resilient wrote it, :class:`StorageError` on I/O failure.  Damaged or missing files are reported in ``FileSummary.problem``.
+    """
+    manifest = read_manifest(storage, name)
+    return CheckpointDetail(manifest=manifest, files=tuple(_summarise(storage, manifest, e) for e in manifest.files))
+
+
+def _summarise(storage: Storage, manifest: Manifest, entry: FileEntry) -> FileSummary:
+    try:
+        buf, digest = storage.read_file(manifest.name, entry.path, manifest.chunk_bytes)
+    except FileNotFoundError:
+        return FileSummary(entry.path, entry.rank, entry.size, None, None, None, (), problem="file is missing")
+    digest_ok = digest == entry.digest and len(buf) == entry.size
+    try:
+        skeleton, tensors = decode(buf)
+        tree = unflatten(skeleton, tensors)
+    except _DECODE_ERRORS as e:
+        return FileSummary(
+            entry.path, entry.rank, len(buf), digest_ok, None, None, (), problem=f"undecodable content ({e})"
+        )
+    keys: tuple[str, ...] = ()
+    sections: dict[str, tuple[int, int]] = {}
+    counters = data = None
+    if isinstance(tree, dict):
+        keys = tuple(str(k) for k in tree)
+        sections = {str(k): _tensor_totals(v) for k, v in tree.items()}
+        counters = _plain(tree["counters"]) if isinstance(tree.get("counters"), dict) else None
+        data = _plain(tree["data"]) if isinstance(tree.get("data"), dict) else None
+    return FileSummary(
+        path=entry.path,
+        rank=entry.rank,
+        size=len(buf),
+        digest_ok=digest_ok,
+        n_tensors=len(tensors),
+        tensor_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        keys=keys,
+        sections=sections,
+        counters=counters,
+        data=data,
+        problem=None if digest_ok else "digest or size does not match the manifest",
+    )
+
+
+def _tensor_totals(node: Any) -> tuple[int, int]:
+    if isinstance(node, torch.Tensor):
+        return 1, node.numel() * node.element_size()
+    children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+    count = size = 0
+    for child in children:
+        c, s = _tensor_totals(child)
+        count, size = count + c, size + s
+    return count, size
+
+
+def _plain(node: Any) -> Any:
+    """A JSON-able copy of a small tree; tensors become short descriptions."""
+    if isinstance(node, torch.Tensor):
+        return node.item() if node.numel() == 1 else f"tensor{tuple(node.shape)} {node.dtype}"
+    if isinstance(node, dict):
+        return {str(k): _plain(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_plain(v) for v in node]
+    return node
+
+
+def collect(
+    storage: Storage,
+    *,
+    keep: int,
+    permanent_every: int | None,
+    dry_run: bool,
+    verify: Callable[[Storage, str], VerifyReport] = verify_checkpoint,
+) -> GcReport:
+    """Remove crash leftovers and apply retention, protecting the newest verified checkpoint.
+
+    Checkpoints are verified newest first until one passes; that one is
+    always kept.  When none passes, nothing is deleted: deleting then would
+    only destroy evidence (or the only copies, if verification itself is
+    at fault).  Raises :class:`CheckpointMismatchError`, before touching
+    anything, if a newer resilient wrote any of the checkpoints (this build
+    cannot judge them), :class:`StorageError` on I/O failure.
+    """
+    committed = storage.list_committed()
+    for name in committed:  # manifests only: cheap next to verifying files
+        try:
+            read_manifest(storage, name)
+        except CheckpointCorruptError:
+            pass  # verification below reports it
+        except CheckpointMismatchError as e:
+            raise CheckpointMismatchError(f"{e}; not collecting garbage in {storage.url} with this version") from e
+    failed: list[tuple[str, str]] = []
+    newest_verified = None
+    for name in reversed(committed):
+        report = verify(storage, name)
+        if report.ok:
+            newest_verified = name
+            break
+        failed.append((name, report.problem or "failed verification"))
+    if committed and newest_verified is None:
+        return GcReport(
+            dry_run=dry_run,
+            garbage=(),
+            kept=tuple(committed),
+            deleted=(),
+            newest_verified=None,
+            failed=tuple(failed),
+            reason=f"none of the {len(committed)} checkpoints passed verification; deleting nothing",
+        )
+    decision = decide_retention(committed, keep=keep, permanent_every=permanent_every, newest_verified=newest_verified)
+    assert newest_verified is None or newest_verified in decision.keep
+    garbage: list[str] = []
+    if not dry_run:
+        garbage = storage.collect_garbage()
+        for victim in decision.delete:
+            storage.delete(victim)
+    return GcReport(
+        dry_run=dry_run,
+        garbage=tuple(garbage),
+        kept=decision.keep,
+        deleted=decision.delete,
+        newest_verified=newest_verified,
+        failed=tuple(failed),
+        reason=decision.reason,
+    )

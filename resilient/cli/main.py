@@ -1,0 +1,57 @@
+"""Entry point of the ``resilient`` command: parsing, dispatch and error reporting.
+
+Each subcommand module registers its parser with ``add_parser`` and sets a
+``handler(args) -> int``.  Handlers import torch and the checkpoint code
+inside the function, so building the parser (``resilient --help``) stays
+cheap.  Exit codes: 0 success, 1 a check failed (e.g. a corrupt
+checkpoint), 2 a usage or storage error, reported on stderr as
+``resilient: error: <message>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from ..errors import ResilientError
+from . import checkpoint_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="resilient",
+        description="Tools for resilient training runs.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    checkpoint_cmd.add_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version and usage errors; argparse already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    try:
+        return int(args.handler(args))
+    except ResilientError as e:
+        print(f"resilient: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("resilient: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (``| head``); don't let the interpreter complain at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

@@ -1,0 +1,221 @@
+"""A small, deterministic training script driven by the tests.
+
+It trains a tiny MLP with dropout on synthetic data whose items draw random
+augmentations, and uses python, numpy and torch RNG in the loop, so every
+piece of state a resume must carry influences the result.  Each rank writes
+one JSON line per step (sample ids, learning rate, exact loss) and a final
+line with digests of parameters, optimizer state and RNG streams.
+
+``--fault POINT --fault-step S`` SIGKILLs the process at POINT during the
+save at step S (first attempt only: a marker file records that it fired).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import resilient
+from resilient.checkpoint import manager as ckpt_manager
+from resilient.checkpoint import snapshot as ckpt_snapshot
+from resilient.checkpoint import storage as ckpt_storage
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Items are fixed features plus fresh torch-RNG noise (an 'augmentation')."""
+
+    def __init__(self, n: int = 96) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.01 * torch.randn(8), self.y[i]
+
+
+def digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def state_digests(model, optimizer) -> dict:
+    opt_tensors = [v for s in optimizer.state.values() for _, v in sorted(s.items()) if torch.is_tensor(v)]
+    return {
+        "params": digest(list(model.parameters())),
+        "optimizer": digest(opt_tensors),
+        "torch_rng": hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest(),
+        "python_rng": hashlib.sha256(repr(random.getstate()).encode()).hexdigest(),
+        "numpy_rng": hashlib.sha256(repr(np.random.get_state()).encode()).hexdigest(),
+    }
+
+
+def arm_fault(point: str, marker: str) -> None:
+    """Install a one-shot SIGKILL at ``point`` of the commit path."""
+
+    def die() -> None:
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "snapshot":
+        real_take = ckpt_manager.take_snapshots
+
+        def take(payloads, buffer):
+            die()
+            return real_take(payloads, buffer)
+
+        ckpt_manager.take_snapshots = take
+    elif point == "write":
+        real_write = os.write
+        count = [0]
+
+        def write(fd, data):
+            count[0] += 1
+            if count[0] == 2:  # after the first piece of a shard reached the file
+                die()
+            return real_write(fd, data)
+
+        ckpt_storage.os.write = write  # type: ignore[attr-defined]
+    elif point == "before_manifest":
+        real_commit = ckpt_storage.LocalStorage.commit
+
+        def commit(self, staging, manifest):
+            die()
+            return real_commit(self, staging, manifest)
+
+        ckpt_storage.LocalStorage.commit = commit
+    elif point == "before_rename":
+        real_rename = os.rename
+
+        def rename(src, dst):
+            if ".staging" in str(src):
+                die()
+            return real_rename(src, dst)
+
+        ckpt_storage.os.rename = rename  # type: ignore[attr-defined]
+    elif point == "after_rename":
+        real_fsync_dir = ckpt_storage._fsync_dir
+
+        def fsync_dir(path):
+            if os.path.basename(path) not in (".staging",) and not os.path.basename(path).startswith("step_"):
+                die()
+            return real_fsync_dir(path)
+
+        ckpt_storage._fsync_dir = fsync_dir
+    elif point == "retention":
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path, *a, **k):
+            if ".trash" in str(path):
+                die()
+            return real_rmtree(path, *a, **k)
+
+        ckpt_storage.shutil.rmtree = rmtree  # type: ignore[attr-defined]
+    elif point == "s3_upload":
+        from resilient.checkpoint import s3 as ckpt_s3
+
+        real = ckpt_s3.S3Storage.write_file
+
+        def write_file(self, staging, relpath, segments, chunk_bytes):
+            if relpath.startswith("rank"):
+                die()
+            return real(self, staging, relpath, segments, chunk_bytes)
+
+        ckpt_s3.S3Storage.write_file = write_file
+    elif point == "s3_before_manifest":
+        from resilient.checkpoint import s3 as ckpt_s3
+
+        real_c = ckpt_s3.S3Storage.commit
+
+        def s3_commit(self, staging, manifest):
+            die()
+            return real_c(self, staging, manifest)
+
+        ckpt_s3.S3Storage.commit = s3_commit
+    else:
+        raise SystemExit(f"unknown fault point {point}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dir", default=None, help="checkpoint location; omit for no checkpointing")
+    p.add_argument("--endpoint-url", default=None)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--trace", required=True)
+    p.add_argument("--fault", default=None)
+    p.add_argument("--fault-step", type=int, default=None)
+    p.add_argument("--sync", action="store_true", help="synchronous saves")
+    args = p.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+        torch.set_num_threads(1)
+    rank = dist.get_rank() if world > 1 else 0
+
+    torch.manual_seed(1234)
+    random.seed(99)
+    np.random.seed(5)
+    model: torch.nn.Module = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+    )
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
+    data = resilient.ElasticLoader(Noisy(), batch_size=4, seed=11)
+    ckpt = None
+    if args.dir:
+        ckpt = resilient.CheckpointConfig(
+            dir=args.dir, every_steps=args.every, keep=args.keep, endpoint_url=args.endpoint_url,
+            async_save=not args.sync, timeout_s=60,
+        )
+    run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt)
+
+    marker = f"{args.trace}.fault-fired"
+    trace = open(f"{args.trace}.rank{rank}", "a")
+    trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step}) + "\n")
+    for step in run.steps(args.steps):
+        if args.fault and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
+            run.checkpoints.wait()  # the fault is for the next save, not one still in flight
+            arm_fault(args.fault, marker)
+        x, y = next(run.data)
+        noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
+        loss = torch.nn.functional.mse_loss(model(x), y) + noise
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        run.report(loss=loss, tokens=x.shape[0] * 8)
+        trace.write(json.dumps({
+            "step": step, "indices": run.data.last_indices, "lr": float(optimizer.param_groups[0]["lr"]).hex(),
+            "loss": loss.item().hex(),
+        }) + "\n")
+        trace.flush()
+    run.close()
+    inner = model.module if world > 1 else model
+    trace.write(json.dumps({"event": "end", "step": run.step, **state_digests(inner, optimizer)}) + "\n")
+    trace.close()
+    if world > 1:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
