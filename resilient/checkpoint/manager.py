@@ -288,7 +288,7 @@ class CheckpointManager:
                 if manifest is None:
                     raise CheckpointCorruptError(name, "manifest.json", "manifest is missing")
             except CheckpointCorruptError as e:
-                self._quarantine(name, e.problem)
+                self._quarantine(name, f"{e.file}: {e.problem}")
                 problems.append(str(e))
                 continue
             if manifest.world_size != self.coord.world_size:

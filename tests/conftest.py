@@ -1,0 +1,17 @@
+"""Fixtures shared by the suite: real servers and checkpoint locations."""
+
+from __future__ import annotations
+
+import pytest
+
+from .s3_server import moto_server, s3_url  # noqa: F401  (fixtures)
+from .stores import LocalStore, S3Store
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """An empty checkpoint location on each backend, with raw access for tampering."""
+    if request.param == "local":
+        return LocalStore(tmp_path / "ckpt")
+    url, endpoint = request.getfixturevalue("s3_url")
+    return S3Store(url, endpoint)

@@ -1,0 +1,93 @@
+"""The examples run: train_gpt.py on one process, and the crash/resume demo end to end under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+# A smaller model than the examples' defaults keeps this file well under a minute and a half on 2 cores.
+SMALL_MODEL = ["--layers", "2", "--batch-size", "8"]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # a single-process run must not think it is distributed
+    return env
+
+
+@pytest.mark.timeout(120)
+def test_train_gpt_single_process(tmp_path: Path) -> None:
+    ckpt, trace = tmp_path / "ckpt", tmp_path / "trace.jsonl"
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "train_gpt.py"),
+        "--steps",
+        "30",
+        "--every",
+        "10",
+        "--keep",
+        "2",
+        "--ckpt-dir",
+        str(ckpt),
+        "--trace",
+        str(trace),
+        "--log-every",
+        "10",
+        *SMALL_MODEL,
+    ]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "final_step=30" in proc.stdout
+
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    starts = [r for r in records if r["kind"] == "start"]
+    steps = [r for r in records if r["kind"] == "step"]
+    finals = [r for r in records if r["kind"] == "final"]
+    assert len(starts) == 1 and starts[0]["restored_from"] is None
+    assert [r["step"] for r in steps] == list(range(30))
+    assert all(len(r["indices"]) == 8 and r["lr"] > 0 and r["loss"] > 0 for r in steps)
+    assert len(finals) == 1 and finals[0]["step"] == 30
+    assert len(finals[0]["param_sha256"]) == 64 and len(finals[0]["optimizer_sha256"]) == 64
+
+    committed = sorted(p.name for p in ckpt.iterdir() if (p / "manifest.json").is_file())
+    assert committed == ["step_0000000020", "step_0000000030"]  # keep=2
+
+    # Running it again restores the final checkpoint and has nothing left to do.
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "restored_from=step_0000000030 final_step=30" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_resume_demo_matches(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "resume_demo.py"),
+        "--steps",
+        "60",
+        "--every",
+        "20",
+        "--crash-at",
+        "45",
+        "--workdir",
+        str(tmp_path / "demo"),
+        "--timeout",
+        "150",
+        "--",
+        *SMALL_MODEL,
+    ]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=230)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "verdict: MATCH" in out, out[-6000:]
+    assert "rank 1 was SIGKILLed" in out
+    assert "step_0000000040 (resumed at step 40)" in out
+    assert "5 (steps 40..44)" in out

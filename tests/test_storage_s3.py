@@ -1,0 +1,302 @@
+"""S3Storage against a real (moto) S3 server: layout, commit protocol, cleanup, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+
+import boto3
+import pytest
+from botocore.exceptions import ClientError
+
+from resilient.checkpoint import s3
+from resilient.checkpoint.digest import digest_bytes
+from resilient.checkpoint.manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
+from resilient.checkpoint.s3 import S3Storage
+from resilient.checkpoint.storage import Staging, open_storage
+from resilient.errors import CommitConflictError, StorageError
+
+CHUNK = 1 << 20
+MiB = 1 << 20
+
+
+def store_for(s3_url: tuple[str, str], **kwargs: object) -> S3Storage:
+    url, endpoint = s3_url
+    return S3Storage(url, endpoint_url=endpoint, **kwargs)  # type: ignore[arg-type]
+
+
+def client_for(s3_url: tuple[str, str]):  # type: ignore[no-untyped-def]
+    return boto3.client("s3", endpoint_url=s3_url[1], region_name="us-east-1")
+
+
+def bucket_of(s3_url: tuple[str, str]) -> str:
+    return s3_url[0][len("s3://") :].split("/")[0]
+
+
+def keys(s3_url: tuple[str, str], prefix: str = "") -> list[str]:
+    resp = client_for(s3_url).list_objects_v2(Bucket=bucket_of(s3_url), Prefix=prefix)
+    return sorted(o["Key"] for o in resp.get("Contents", []))
+
+
+def stage(store: S3Storage, step: int, token: str, files: dict[str, bytes] | None = None) -> tuple[Staging, bytes]:
+    """Write a world-size-1 checkpoint's files and build (but not commit) its manifest."""
+    name = checkpoint_name(step)
+    staging = store.begin(name, token)
+    files = files or {"replicated.bin": b"r" * 10, "rank_00000.bin": os.urandom(1000)}
+    entries = []
+    for (rel, data), rank in zip(files.items(), (None, 0)):
+        size, digest = store.write_file(staging, rel, [memoryview(data)], CHUNK)
+        entries.append(FileEntry(path=staging.file_prefix + rel, size=size, digest=digest, rank=rank))
+    manifest = Manifest(
+        name=name,
+        step=step,
+        world_size=1,
+        files=tuple(entries),
+        parent=None,
+        created_unix=time.time(),
+        chunk_bytes=CHUNK,
+    )
+    return staging, manifest.to_bytes()
+
+
+def commit(store: S3Storage, step: int, token: str = "tok1") -> tuple[Staging, bytes]:
+    staging, raw = stage(store, step, token)
+    store.commit(staging, raw)
+    return staging, raw
+
+
+def test_small_file_roundtrip(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    staging = store.begin("step_0000000001", "tokA")
+    assert staging.file_prefix == "tokA/"
+    header, body = b"hdr" * 7, os.urandom(3 * MiB + 5)
+    size, digest = store.write_file(staging, "rank_00000.bin", [memoryview(header), memoryview(body)], CHUNK)
+    assert size == len(header) + len(body)
+    assert digest == digest_bytes(header + body, CHUNK)
+    assert keys(s3_url) == ["ckpts/step_0000000001/tokA/rank_00000.bin"]
+    buf, got = store.read_file("step_0000000001", "tokA/rank_00000.bin", CHUNK)
+    assert isinstance(buf, bytearray) and buf == header + body and got == digest
+
+
+def test_empty_file_roundtrip(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    staging = store.begin("step_0000000001", "tokA")
+    assert store.write_file(staging, "empty.bin", [], CHUNK) == (0, digest_bytes(b"", CHUNK))
+    assert store.read_file("step_0000000001", "tokA/empty.bin", CHUNK) == (bytearray(), digest_bytes(b"", CHUNK))
+
+
+def test_large_file_multipart(s3_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_for(s3_url)
+    staging = store.begin("step_0000000002", "tokB")
+    # Odd segment sizes: pieces() yields short views at every segment boundary.
+    segments = [b"H" * 100, os.urandom(20 * MiB + 3), os.urandom(21 * MiB), b"T" * 7]
+    data = b"".join(segments)
+    size, digest = store.write_file(staging, "rank_00000.bin", [memoryview(s) for s in segments], CHUNK)
+    assert (size, digest) == (len(data), digest_bytes(data, CHUNK))
+    key = "ckpts/step_0000000002/tokB/rank_00000.bin"
+    head = client_for(s3_url).head_object(Bucket=bucket_of(s3_url), Key=key)
+    assert head["ContentLength"] == len(data)
+    assert "-" in head["ETag"], "expected a multipart upload"
+    uploads = client_for(s3_url).list_multipart_uploads(Bucket=bucket_of(s3_url)).get("Uploads", [])
+    assert uploads == []
+    buf, got = store.read_file("step_0000000002", "tokB/rank_00000.bin", CHUNK)
+    assert buf == data and got == digest
+    monkeypatch.setattr(s3, "RANGE_BYTES", 4 * MiB)  # force parallel ranged GETs
+    buf, got = store.read_file("step_0000000002", "tokB/rank_00000.bin", 3 * MiB)
+    assert buf == data and got == digest_bytes(data, 3 * MiB)
+
+
+def test_failed_multipart_upload_is_aborted(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    real = store._client.upload_part
+
+    def flaky(**kwargs):  # type: ignore[no-untyped-def]
+        if kwargs["PartNumber"] == 2:
+            raise ClientError({"Error": {"Code": "InternalError", "Message": "injected"}}, "UploadPart")
+        return real(**kwargs)
+
+    store._client.upload_part = flaky  # type: ignore[method-assign]
+    staging = store.begin("step_0000000003", "tokC")
+    with pytest.raises(StorageError, match="InternalError"):
+        store.write_file(staging, "rank_00000.bin", [memoryview(os.urandom(40 * MiB))], CHUNK)
+    assert client_for(s3_url).list_multipart_uploads(Bucket=bucket_of(s3_url)).get("Uploads", []) == []
+    assert keys(s3_url) == []
+
+
+def test_commit_lists_in_step_order(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    assert store.list_committed() == []
+    raws = {step: commit(store, step)[1] for step in (100, 20, 3)}
+    assert store.list_committed() == [checkpoint_name(s) for s in (3, 20, 100)]
+    assert store.read_manifest(checkpoint_name(20)) == raws[20]
+    manifest = parse_manifest(store.read_manifest(checkpoint_name(20)), checkpoint_name(20))
+    for entry in manifest.files:
+        buf, digest = store.read_file(manifest.name, entry.path, manifest.chunk_bytes)
+        assert (len(buf), digest) == (entry.size, entry.digest)
+    assert store.read_manifest(checkpoint_name(999)) == b""
+
+
+def test_second_commit_conflicts(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    first, raw = commit(store, 5, token="tokA")
+    store.commit(first, raw)  # same manifest again: our own commit retried, not a conflict
+    other, other_raw = stage(store, 5, "tokB")
+    with pytest.raises(CommitConflictError, match="already committed"):
+        store.commit(other, other_raw)
+    store.abort(other)
+    assert store.read_manifest(checkpoint_name(5)) == raw
+    assert keys(s3_url, "ckpts/step_0000000005/tokB/") == []
+    assert len(keys(s3_url, "ckpts/step_0000000005/tokA/")) == 2
+
+
+def test_commit_refuses_missing_file(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    staging, raw = stage(store, 6, "tokA")
+    client_for(s3_url).delete_object(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000006/tokA/rank_00000.bin")
+    with pytest.raises(StorageError, match="refusing to commit"):
+        store.commit(staging, raw)
+    assert store.list_committed() == []
+
+
+def test_abort_removes_staging_but_not_a_landed_commit(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    staging, _ = stage(store, 7, "tokA")
+    store.abort(staging)
+    assert keys(s3_url) == []
+    committed, _ = commit(store, 8, "tokB")
+    store.abort(committed)  # e.g. the commit's response was lost: the data must stay
+    assert store.list_committed() == [checkpoint_name(8)]
+    assert len(keys(s3_url, "ckpts/step_0000000008/")) == 3
+
+
+def test_uncommitted_staging_is_invisible_and_collected(s3_url: tuple[str, str]) -> None:
+    store = store_for(s3_url)
+    stage(store, 5, "crashed")
+    stage(store, 6, "current")
+    commit(store, 7, "done")
+    stage(store, 7, "loser")  # lost the commit race and crashed before aborting
+    c = client_for(s3_url)
+    c.put_object(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000009/leftover.bin", Body=b"x")
+    upload = c.create_multipart_upload(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000010/crashed/rank_00000.bin")
+    c.create_multipart_upload(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000010/current/rank_00000.bin")
+    assert store.list_committed() == [checkpoint_name(7)]
+
+    removed = store.collect_garbage(keep_token="current")
+    assert sorted(removed) == [
+        "step_0000000005/crashed/",
+        "step_0000000007/loser/",
+        "step_0000000009/leftover.bin",
+        "step_0000000010/crashed/rank_00000.bin (incomplete multipart upload)",
+    ]
+    assert keys(s3_url, "ckpts/step_0000000005/") == []
+    assert len(keys(s3_url, "ckpts/step_0000000006/current/")) == 2
+    assert keys(s3_url, "ckpts/step_0000000007/loser/") == []
+    assert len(keys(s3_url, "ckpts/step_0000000007/")) == 3
+    left = [u["UploadId"] for u in c.list_multipart_uploads(Bucket=bucket_of(s3_url)).get("Uploads", [])]
+    assert upload["UploadId"] not in left and len(left) == 1
+    assert store.list_committed() == [checkpoint_name(7)]
+    assert store.collect_garbage(keep_token="current") == []
+    assert store.collect_garbage() == [
+        "step_0000000006/current/",
+        "step_0000000010/current/rank_00000.bin (incomplete multipart upload)",
+    ]
+
+
+def test_quarantine_moves_checkpoint(s3_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_for(s3_url)
+    commit(store, 10)
+    kept, _ = commit(store, 11)
+    big = os.urandom(12 * MiB + 1)
+    store.write_file(kept, "extra.bin", [memoryview(big)], CHUNK)
+    monkeypatch.setattr(s3, "COPY_LIMIT", 1 * MiB)  # exercise the part-by-part copy too
+    monkeypatch.setattr(s3, "COPY_PART_BYTES", 5 * MiB)
+    where = store.quarantine(checkpoint_name(11), "digest mismatch")
+    entry = where.rstrip("/").rsplit("/", 1)[1]
+    assert where == f"s3://{bucket_of(s3_url)}/ckpts/.quarantine/{entry}/"
+    assert entry.startswith("step_0000000011.")
+    assert store.list_committed() == [checkpoint_name(10)]
+    assert store.list_quarantined() == [entry]
+    assert keys(s3_url, "ckpts/step_0000000011/") == []
+    moved = keys(s3_url, f"ckpts/.quarantine/{entry}/")
+    assert [k.rsplit("/", 1)[1] for k in moved] == [
+        "QUARANTINE.json",
+        "manifest.json",
+        "extra.bin",
+        "rank_00000.bin",
+        "replicated.bin",
+    ]
+    c = client_for(s3_url)
+    note = json.loads(
+        c.get_object(Bucket=bucket_of(s3_url), Key=f"ckpts/.quarantine/{entry}/QUARANTINE.json")["Body"].read()
+    )
+    assert note["checkpoint"] == checkpoint_name(11) and note["reason"] == "digest mismatch"
+    assert abs(note["time_unix"] - time.time()) < 60
+    copied = c.get_object(Bucket=bucket_of(s3_url), Key=f"ckpts/.quarantine/{entry}/tok1/extra.bin")["Body"].read()
+    assert copied == big
+    with pytest.raises(FileNotFoundError):
+        store.read_file(checkpoint_name(11), "tok1/rank_00000.bin", CHUNK)
+    with pytest.raises(StorageError, match="not committed"):
+        store.quarantine(checkpoint_name(11), "again")
+
+
+def test_delete(s3_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(s3, "LIST_PAGE", 2)  # paginate every listing
+    store = store_for(s3_url)
+    for step in (1, 2, 3, 4, 5):
+        commit(store, step)
+    assert store.list_committed() == [checkpoint_name(s) for s in (1, 2, 3, 4, 5)]
+    store.delete(checkpoint_name(3))
+    assert store.list_committed() == [checkpoint_name(s) for s in (1, 2, 4, 5)]
+    assert keys(s3_url, "ckpts/step_0000000003") == []
+    with pytest.raises(StorageError, match="no such checkpoint"):
+        store.delete(checkpoint_name(3))
+
+
+def test_bucket_without_prefix(s3_url: tuple[str, str]) -> None:
+    url = f"s3://{bucket_of(s3_url)}"
+    store = open_storage(url, endpoint_url=s3_url[1])
+    assert isinstance(store, S3Storage) and store.url == url
+    commit(store, 1)  # type: ignore[arg-type]
+    assert store.list_committed() == [checkpoint_name(1)]
+    assert keys(s3_url)[0] == "step_0000000001/manifest.json"
+
+
+def test_missing_object_is_file_not_found(s3_url: tuple[str, str]) -> None:
+    with pytest.raises(FileNotFoundError):
+        store_for(s3_url).read_file(checkpoint_name(1), "tok/rank_00000.bin", CHUNK)
+
+
+def test_missing_bucket_is_explained(s3_url: tuple[str, str]) -> None:
+    store = S3Storage("s3://no-such-bucket-for-resilient/x", endpoint_url=s3_url[1])
+    expected = "bucket no-such-bucket-for-resilient does not exist; create it or fix CheckpointConfig.dir"
+    with pytest.raises(StorageError, match=expected):
+        store.list_committed()
+    with pytest.raises(StorageError, match=expected):
+        store.write_file(store.begin("step_0000000001", "t"), "a.bin", [memoryview(b"abc")], CHUNK)
+
+
+def test_unreachable_endpoint_fails_fast(s3_url: tuple[str, str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once we leave: nothing listens there
+    store = S3Storage(
+        "s3://bucket/x", endpoint_url=f"http://127.0.0.1:{port}", connect_timeout=1, read_timeout=1, max_attempts=2
+    )
+    start = time.monotonic()
+    with pytest.raises(StorageError, match="cannot reach S3 at http://127.0.0.1"):
+        store.list_committed()
+    assert time.monotonic() - start < 10
+
+
+def test_missing_boto3_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    with pytest.raises(StorageError, match=r"pip install 'resilient-train\[s3\]'"):
+        S3Storage("s3://bucket/x")
+
+
+def test_bad_url() -> None:
+    with pytest.raises(StorageError, match="names no bucket"):
+        S3Storage("s3:///prefix")
