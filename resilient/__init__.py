@@ -2,38 +2,60 @@
 
 The worker-side surface is small: :class:`Run`, :class:`ElasticLoader` and
 :class:`CheckpointConfig`.  Importing the package starts no threads, reads
-no environment variables and does not import :mod:`resilient.chaos`.
+no environment variables, does not import :mod:`resilient.chaos`, and does
+not import torch: the names below load their modules on first use, so light
+processes (the CLI, the node agent) stay light.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from .checkpoint.config import CheckpointConfig  # noqa: E402
-from .data.loader import ElasticLoader  # noqa: E402
-from .errors import (  # noqa: E402
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    ConfigError,
-    NoValidCheckpointError,
-    ResilientError,
-    StorageError,
-)
-from .events import EventLog  # noqa: E402
-from .run import Run  # noqa: E402
-from .state import Stateful  # noqa: E402
+_EXPORTS = {
+    "CheckpointConfig": "resilient.checkpoint.config",
+    "ElasticLoader": "resilient.data.loader",
+    "EventLog": "resilient.events",
+    "Run": "resilient.run",
+    "Stateful": "resilient.state",
+    "CheckpointCorruptError": "resilient.errors",
+    "CheckpointError": "resilient.errors",
+    "CheckpointMismatchError": "resilient.errors",
+    "ConfigError": "resilient.errors",
+    "NoValidCheckpointError": "resilient.errors",
+    "ResilientError": "resilient.errors",
+    "StorageError": "resilient.errors",
+}
 
-__all__ = [
-    "CheckpointConfig",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "ConfigError",
-    "ElasticLoader",
-    "EventLog",
-    "NoValidCheckpointError",
-    "ResilientError",
-    "Run",
-    "Stateful",
-    "StorageError",
-    "__version__",
-]
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+if TYPE_CHECKING:
+    from .checkpoint.config import CheckpointConfig
+    from .data.loader import ElasticLoader
+    from .errors import (
+        CheckpointCorruptError,
+        CheckpointError,
+        CheckpointMismatchError,
+        ConfigError,
+        NoValidCheckpointError,
+        ResilientError,
+        StorageError,
+    )
+    from .events import EventLog
+    from .run import Run
+    from .state import Stateful
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -28,11 +28,7 @@ class CheckpointCorruptError(CheckpointError):
         self.file = file
         self.problem = problem
         where = f"{checkpoint}/{file}" if file else checkpoint
-        super().__init__(
-            f"checkpoint {where} failed verification: {problem}. "
-            "It cannot be restored; it will be quarantined and the previous "
-            "committed checkpoint used instead."
-        )
+        super().__init__(f"checkpoint {where} failed verification: {problem}")
 
 
 class CheckpointMismatchError(CheckpointError):

@@ -139,9 +139,10 @@ class Run:
         """
         if self.checkpoints is None:
             raise ConfigError("Run.save() needs checkpoint=CheckpointConfig(...) when the Run is created")
-        previous = self.checkpoints.wait()
-        if self._last_saved_step == self.step and previous is not None and previous.step == self.step and previous.ok:
-            return previous
+        self.checkpoints.wait()
+        results = self.checkpoints.results
+        if results and results[-1].step == self.step and results[-1].ok:
+            return results[-1]  # this state is already committed
         result = self._save(wait=True)
         assert result is not None
         return result

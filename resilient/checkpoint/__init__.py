@@ -1,18 +1,39 @@
-"""Checkpoints that commit atomically through verified manifests."""
+"""Checkpoints that commit atomically through verified manifests.
 
-from .config import CheckpointConfig
-from .manager import CheckpointManager, Restored, SaveResult
-from .manifest import Manifest, parse_manifest
-from .storage import LocalStorage, Storage, open_storage
+Submodules load on first use (see :mod:`resilient`), so listing or
+verifying checkpoints from the CLI does not pay for what it does not use.
+"""
 
-__all__ = [
-    "CheckpointConfig",
-    "CheckpointManager",
-    "LocalStorage",
-    "Manifest",
-    "Restored",
-    "SaveResult",
-    "Storage",
-    "open_storage",
-    "parse_manifest",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CheckpointConfig": "resilient.checkpoint.config",
+    "CheckpointManager": "resilient.checkpoint.manager",
+    "Restored": "resilient.checkpoint.manager",
+    "SaveResult": "resilient.checkpoint.manager",
+    "Manifest": "resilient.checkpoint.manifest",
+    "parse_manifest": "resilient.checkpoint.manifest",
+    "LocalStorage": "resilient.checkpoint.storage",
+    "Storage": "resilient.checkpoint.storage",
+    "open_storage": "resilient.checkpoint.storage",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .config import CheckpointConfig
+    from .manager import CheckpointManager, Restored, SaveResult
+    from .manifest import Manifest, parse_manifest
+    from .storage import LocalStorage, Storage, open_storage
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'resilient.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

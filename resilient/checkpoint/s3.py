@@ -26,6 +26,7 @@ import errno
 import json
 import os
 import time
+import uuid
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -287,6 +288,13 @@ class S3Storage(Storage):
         return self._call("head_object", key, absent=_ABSENT, Key=key) is not None
 
     # --------------------------------------------------------------- write
+    def check_writable(self) -> None:
+        # A real write, not a HEAD: it proves the bucket exists and that these
+        # credentials may write there, before the first save depends on it.
+        key = f"{self._root}.probe-{uuid.uuid4().hex[:12]}"
+        self._call("put_object", key, Key=key, Body=b"ok")
+        self._call("delete_object", key, Key=key)
+
     def list_committed(self) -> list[str]:
         names = [n for n in self._ls(self._root)[1] if step_of(n) is not None]
         with ThreadPoolExecutor(8, thread_name_prefix="resilient-s3") as pool:
