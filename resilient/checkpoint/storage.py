@@ -18,18 +18,23 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import shutil
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 from ..errors import CommitConflictError, StorageError
 from .digest import ChunkedHasher
 from .manifest import MANIFEST_FILE, step_of
 
 WRITE_PIECE = 16 << 20
+
+ReadBuffer = Union[bytearray, mmap.mmap]
+"""A file's content: writable, so tensors can be decoded from it without a copy."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +84,7 @@ class Storage(ABC):
         """Raw manifest bytes of a committed checkpoint."""
 
     @abstractmethod
-    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
+    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[ReadBuffer, str]:
         """Whole content of a checkpoint file and its digest, hashed while reading."""
 
     @abstractmethod
@@ -229,26 +234,32 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", path, e) from e
 
-    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
+    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[ReadBuffer, str]:
+        # A private (copy-on-write) mapping: no zero-filled buffer to allocate
+        # and no copy out of the page cache; the hash pool reads the pages in
+        # parallel, and decoded tensors alias them until something writes.
         full = os.path.join(self.root, name, path)
         hasher = ChunkedHasher(chunk_bytes)
         try:
-            with open(full, "rb", buffering=0) as f:
+            with open(full, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                buf = bytearray(size)
-                view = memoryview(buf)
-                pos = 0
-                while pos < size:
-                    n = f.readinto(view[pos : min(size, pos + WRITE_PIECE)])
-                    if not n:
-                        raise OSError(errno.EIO, "file shrank while being read")
-                    hasher.update(view[pos : pos + n])
-                    pos += n
+                if size == 0:
+                    hasher.update(b"")
+                    return bytearray(), hasher.hexdigest()
+                mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
         except FileNotFoundError:
             raise
+        except (OSError, ValueError) as e:
+            raise _storage_error("read", full, e if isinstance(e, OSError) else OSError(errno.EIO, str(e))) from e
+        view = memoryview(mapped)
+        for start in range(0, size, WRITE_PIECE):
+            hasher.update(view[start : start + WRITE_PIECE])
+        try:
+            return mapped, hasher.hexdigest()
         except OSError as e:
             raise _storage_error("read", full, e) from e
-        return buf, hasher.hexdigest()
+        finally:
+            view.release()
 
     def quarantine(self, name: str, reason: str) -> str:
         self._mkdirs(self._quarantine_root)

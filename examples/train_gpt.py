@@ -1,0 +1,381 @@
+"""Train a small character-level GPT with ``resilient``: one process or ``torchrun``.
+
+Single process::
+
+    python examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt/ckpt --trace runs/gpt/trace.jsonl
+
+Two ranks (gloo + DDP, CPU)::
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt/ckpt
+
+Kill it at any point and run the same command again: it restores the newest
+committed checkpoint and continues as if nothing happened.  The text is
+generated deterministically inside this script, so nothing is downloaded.
+
+``--crash-at-step S --crash-rank R`` makes rank R SIGKILL itself at the top
+of step S, on a fresh start only (a run that restored a checkpoint never
+crashes), so that relaunching the same command resumes and finishes.
+``--trace PATH`` appends one JSON line per step and rank (step, lr, loss,
+sample indices) and, on rank 0 at the end, the digests of the final model
+parameters and optimizer state; ``examples/resume_demo.py`` compares two
+such traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import resilient
+
+
+# --------------------------------------------------------------------- data
+def _phrases(text: str) -> list[str]:
+    return text.split("|")
+
+
+_SUBJECTS = _phrases(
+    "the cat|a dog|my friend|the old man|a small bird|the teacher|"
+    "our team|the farmer|a young girl|the robot|her brother|the captain"
+)
+_VERBS = _phrases("sees|likes|finds|carries|paints|follows|builds|remembers|opens|visits|watches|forgets")
+_OBJECTS = _phrases(
+    "the red box|a green apple|the long road|a quiet house|the blue river|some bread|"
+    "a heavy stone|the tall tree|an empty cup|the bright moon|a wooden chair|the map"
+)
+_PLACES = _phrases(
+    "in the morning|near the lake|after dinner|at the market|under the bridge|before the rain|in the garden|on the hill"
+)
+_JOINS = ["and then", "but later", "so", "while"]
+
+
+def make_text(n_chars: int, seed: int = 0) -> str:
+    """Deterministic English-like sentences from a fixed small vocabulary (own RNG: global state untouched)."""
+    rng = random.Random(seed)
+    parts: list[str] = []
+    size = 0
+    while size < n_chars:
+        clause = f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+        if rng.random() < 0.5:
+            clause += f" {rng.choice(_PLACES)}"
+        if rng.random() < 0.3:
+            clause += f" {rng.choice(_JOINS)} {rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)}"
+        sentence = clause[0].upper() + clause[1:] + rng.choice([".", ".", ".", "!", "?"]) + " "
+        parts.append(sentence)
+        size += len(sentence)
+    return "".join(parts)[:n_chars]
+
+
+class CharWindows(torch.utils.data.Dataset):
+    """Item ``i``: the ``block_size + 1`` token ids starting at character ``i * stride``."""
+
+    def __init__(self, text: str, block_size: int, stride: int = 1) -> None:
+        self.chars = sorted(set(text))
+        self.stoi = {c: i for i, c in enumerate(self.chars)}
+        self.ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
+        self.block_size = block_size
+        self.stride = stride
+        self._len = (len(self.ids) - (block_size + 1)) // stride + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        start = i * self.stride
+        return self.ids[start : start + self.block_size + 1].clone()
+
+
+# -------------------------------------------------------------------- model
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention + MLP."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.ln1 = nn.LayerNorm(d_model)
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        x = x + self.drop(self.proj(y))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(
+        self, vocab_size: int, block_size: int, d_model: int, n_layers: int, n_heads: int, dropout: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head.weight = self.tok.weight  # tied
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(t, device=idx.device)))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
+    """LR multiplier: linear warmup, then cosine decay to ``floor``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+# ------------------------------------------------------------------ digests
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def param_digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        h.update(_tensor_bytes(p))
+    return h.hexdigest()
+
+
+def optimizer_digest(optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    state = optimizer.state_dict()["state"]
+    for pid in sorted(state):
+        for key in sorted(state[pid]):
+            value = state[pid][key]
+            h.update(f"{pid}.{key};".encode())
+            h.update(_tensor_bytes(value) if isinstance(value, torch.Tensor) else repr(value).encode())
+    return h.hexdigest()
+
+
+class Trace:
+    """Append-only JSON lines; one ``write`` per record so that ranks can share a file."""
+
+    def __init__(self, path: str | None) -> None:
+        self.fd = None
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.fd is not None:
+            os.write(self.fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# --------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=300, help="total optimizer updates")
+    p.add_argument("--ckpt-dir", default="runs/gpt/ckpt", help="checkpoint directory (or s3://bucket/prefix)")
+    p.add_argument("--every", type=int, default=50, help="checkpoint every N steps")
+    p.add_argument("--keep", type=int, default=3, help="committed checkpoints to keep")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--text-chars", type=int, default=200_000)
+    p.add_argument(
+        "--crash-at-step",
+        type=int,
+        default=None,
+        help="SIGKILL --crash-rank at the top of this step, on a fresh start only (never after a restore)",
+    )
+    p.add_argument("--crash-rank", type=int, default=0)
+    p.add_argument("--trace", default=None, help="append per-step JSON lines here")
+    p.add_argument("--log-every", type=int, default=50)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world_size > 1
+    if distributed:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    rank = int(os.environ.get("RANK", "0")) if distributed else 0
+    torch.use_deterministic_algorithms(True)
+
+    text = make_text(args.text_chars, seed=args.seed)
+    dataset = CharWindows(text, args.block_size)
+    data = resilient.ElasticLoader(dataset, batch_size=args.batch_size, seed=args.seed)
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    gpt = GPT(dataset.vocab_size, args.block_size, args.d_model, args.layers, args.heads, dropout=0.1)
+    torch.manual_seed(args.seed + 1 + rank)  # distinct dropout streams per rank
+    model: nn.Module = gpt
+    if distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(gpt)
+
+    decay = [p for n, p in gpt.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in gpt.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
+
+    run = resilient.Run(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        checkpoint=resilient.CheckpointConfig(dir=args.ckpt_dir, every_steps=args.every, keep=args.keep),
+        config={
+            k: v
+            for k, v in vars(args).items()  # what defines the run (a change is logged on restore)
+            if k not in ("crash_at_step", "crash_rank", "trace", "ckpt_dir", "log_every", "keep", "every")
+        },
+    )
+    trace = Trace(args.trace)
+    trace.write(
+        {
+            "kind": "start",
+            "rank": rank,
+            "world_size": world_size,
+            "step": run.step,
+            "restored_from": run.restored_from,
+            "pid": os.getpid(),
+        }
+    )
+    if rank == 0:
+        n_params = sum(p.numel() for p in gpt.parameters())
+        where = f"restored {run.restored_from} (step {run.step})" if run.restored_from else "fresh start"
+        print(
+            f"[train_gpt] world_size={world_size} params={n_params} vocab={dataset.vocab_size} "
+            f"windows={len(dataset)} {where}",
+            flush=True,
+        )
+
+    crash_armed = args.crash_at_step is not None and rank == args.crash_rank and run.restored_from is None
+    model.train()
+    t0, s0 = time.perf_counter(), run.step
+    t_last, s_last = t0, run.step
+    for step in run.steps(args.steps):
+        if crash_armed and step == args.crash_at_step:
+            print(f"[train_gpt] rank {rank}: simulated crash, SIGKILL at the top of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch = next(data)  # the same object as run.data
+        lr = optimizer.param_groups[0]["lr"]
+        loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.report(loss=loss, tokens=batch[:, 1:].numel())
+        trace.write(
+            {
+                "kind": "step",
+                "rank": rank,
+                "step": step,
+                "lr": lr,
+                "loss": run.last_loss,
+                "indices": list(data.last_indices),
+            }
+        )
+        done = step + 1
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+            now = time.perf_counter()
+            rate = (done - s_last) / max(now - t_last, 1e-9)
+            print(
+                f"[train_gpt] step {done:5d}/{args.steps}  loss {run.last_loss:.4f}  lr {lr:.2e}  {rate:.1f} steps/s",
+                flush=True,
+            )
+            t_last, s_last = now, done
+    elapsed = time.perf_counter() - t0
+    result = run.close()
+
+    p_digest, o_digest = param_digest(gpt), optimizer_digest(optimizer)
+    if rank == 0:
+        trace.write(
+            {
+                "kind": "final",
+                "rank": rank,
+                "step": run.step,
+                "restored_from": run.restored_from,
+                "param_sha256": p_digest,
+                "optimizer_sha256": o_digest,
+                "last_checkpoint": result.name if result is not None else None,
+                "steps_per_s": (run.step - s0) / max(elapsed, 1e-9),
+            }
+        )
+        print(
+            f"[train_gpt] done: restored_from={run.restored_from} final_step={run.step} "
+            f"ran {run.step - s0} steps in {elapsed:.1f}s ({(run.step - s0) / max(elapsed, 1e-9):.1f} steps/s) "
+            f"last_checkpoint={result.name if result is not None else None} ok={result.ok if result else None} "
+            f"param_sha256={p_digest[:16]} optimizer_sha256={o_digest[:16]}",
+            flush=True,
+        )
+    trace.close()
+    if distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
