@@ -10,20 +10,29 @@ multi-core host hashes several chunks at once.
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 ALGORITHM = "sha256-chunked"
 DEFAULT_CHUNK_BYTES = 16 << 20
 
-_pool: ThreadPoolExecutor | None = None
+_pools: dict[str, ThreadPoolExecutor] = {}
 
 
-def hash_pool() -> Executor:
-    """The process-wide hashing pool (created on first use, never at import)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="resilient-hash")
-    return _pool
+def hash_pool(purpose: str = "read") -> Executor:
+    """The process-wide hashing pool for ``purpose`` (created on first use, never at import).
+
+    Writes leave one core to the thread that copies data into the page cache
+    (with both cores hashing, the writer starved and durable throughput fell);
+    reads hash on every core, since the hashing threads do the reading.
+    """
+    pool = _pools.get(purpose)
+    if pool is None:
+        cores = os.cpu_count() or 1
+        workers = max(1, min(4, cores - 1)) if purpose == "write" else max(1, min(4, cores))
+        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"resilient-hash-{purpose}")
+        _pools[purpose] = pool
+    return pool
 
 
 def _sha256(data: memoryview | bytes) -> bytes:

@@ -33,7 +33,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..errors import CommitConflictError, StorageError
-from .digest import ChunkedHasher
+from .digest import ChunkedHasher, hash_pool
 from .manifest import MANIFEST_FILE, step_of
 from .storage import Staging, Storage, pieces
 
@@ -311,7 +311,7 @@ class S3Storage(Storage):
     ) -> tuple[int, str]:
         key = self._key(staging.name, staging.file_prefix + relpath)
         views = pieces(segments)
-        hasher = ChunkedHasher(chunk_bytes)
+        hasher = ChunkedHasher(chunk_bytes, hash_pool("write"))
         if sum(len(v) for v in views) <= MULTIPART_THRESHOLD:
             for v in views:
                 hasher.update(v)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Union
 
 from ..errors import CommitConflictError, StorageError
-from .digest import ChunkedHasher
+from .digest import ChunkedHasher, hash_pool
 from .manifest import MANIFEST_FILE, step_of
 
 WRITE_PIECE = 16 << 20
@@ -181,7 +181,7 @@ class LocalStorage(Storage):
         self, staging: Staging, relpath: str, segments: Sequence[memoryview], chunk_bytes: int
     ) -> tuple[int, str]:
         path = os.path.join(self._staging_dir(staging), relpath)
-        hasher = ChunkedHasher(chunk_bytes)
+        hasher = ChunkedHasher(chunk_bytes, hash_pool("write"))
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
