@@ -62,6 +62,7 @@ class Run:
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 check_stateful(name, obj)
+        _refuse_sharded(model)
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -241,3 +242,14 @@ def _digest_config(config: Mapping[str, Any] | None) -> str | None:
         return None
     text = json.dumps(config, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _refuse_sharded(model: torch.nn.Module) -> None:
+    """Sharded parameters need per-owner saving; say so up front instead of failing mid-save."""
+    for name, p in model.named_parameters():
+        if type(p.data) is not torch.Tensor and type(p) not in (torch.Tensor, torch.nn.Parameter):
+            raise ConfigError(
+                f"parameter {name!r} is a {type(p.data).__qualname__} (sharded, e.g. FSDP2/DTensor); resilient "
+                "checkpoints hold replicated (DDP) or single-process state only. Use DDP, or save sharded state "
+                "with torch.distributed.checkpoint"
+            )

@@ -53,3 +53,18 @@ def test_kill_during_save_loses_nothing(tmp_path, reference, point, expected):
     assert not os.listdir(ckpt / ".staging"), "staging leftovers of the crashed save were not collected"
     assert not os.path.exists(ckpt / ".trash") or not os.listdir(ckpt / ".trash")
     assert storage.list_committed() == ["step_0000000015"]
+
+
+def test_rank_killed_while_writing_under_ddp_aborts_the_commit(tmp_path):
+    """Rank 1 dies mid-shard while rank 0 finished its files: nothing is committed."""
+    ckpt = tmp_path / "ckpt"
+    common = ["--steps", str(STEPS), "--dir", str(ckpt), "--every", "5", "--keep", "1"]
+    run_worker(tmp_path / "ref", "--steps", str(STEPS), nproc=2)
+    run_worker(tmp_path / "t", *common, "--fault", "write", "--fault-step", "10", "--fault-rank", "1",
+               nproc=2, expect="killed")
+    assert LocalStorage(ckpt).list_committed() == ["step_0000000005"]
+    run_worker(tmp_path / "t", *common, nproc=2)
+    for rank in (0, 1):
+        resumed = read_trace(tmp_path / "t", rank)
+        assert resumed.starts[-1]["restored_from"] == "step_0000000005"
+        assert_same_run(read_trace(tmp_path / "ref", rank), resumed)

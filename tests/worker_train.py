@@ -160,6 +160,7 @@ def main() -> int:
     p.add_argument("--trace", required=True)
     p.add_argument("--fault", default=None)
     p.add_argument("--fault-step", type=int, default=None)
+    p.add_argument("--fault-rank", type=int, default=None, help="only this rank faults (default: all)")
     p.add_argument("--sync", action="store_true", help="synchronous saves")
     args = p.parse_args()
 
@@ -192,7 +193,8 @@ def main() -> int:
     trace = open(f"{args.trace}.rank{rank}", "a")
     trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step}) + "\n")
     for step in run.steps(args.steps):
-        if args.fault and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
+        faulty = args.fault and args.fault_rank in (None, rank)
+        if faulty and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
             run.checkpoints.wait()  # the fault is for the next save, not one still in flight
             arm_fault(args.fault, marker)
         x, y = next(run.data)
