@@ -29,7 +29,21 @@ _EXPORTS = {
     "StorageError": "resilient.errors",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "ConfigError",
+    "ElasticLoader",
+    "EventLog",
+    "NoValidCheckpointError",
+    "ResilientError",
+    "Run",
+    "Stateful",
+    "StorageError",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from .checkpoint.config import CheckpointConfig

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 import resilient
 from resilient.checkpoint import manager as ckpt_manager
-from resilient.checkpoint import snapshot as ckpt_snapshot
 from resilient.checkpoint import storage as ckpt_storage
 
 

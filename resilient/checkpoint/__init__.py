@@ -21,7 +21,17 @@ _EXPORTS = {
     "open_storage": "resilient.checkpoint.storage",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "LocalStorage",
+    "Manifest",
+    "Restored",
+    "SaveResult",
+    "Storage",
+    "open_storage",
+    "parse_manifest",
+]
 
 if TYPE_CHECKING:
     from .config import CheckpointConfig

@@ -9,6 +9,7 @@ Payloads are bytes carried in uint8 tensors (never pickled objects).
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ import torch
 class Coordinator:
     """Collectives among the ranks of one job; the single-process case is trivial."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: object | None = None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
         self.rank = rank
         self.world_size = world_size
         self._group = group
@@ -81,7 +82,7 @@ class Coordinator:
     def _global_root(self) -> int:
         import torch.distributed as dist
 
-        return dist.get_global_rank(self._group, 0)  # type: ignore[arg-type]
+        return dist.get_global_rank(self._group, 0)
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:

@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .digest import ALGORITHM
@@ -35,7 +35,7 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def is_safe_relpath(path: str) -> bool:
+def is_safe_relpath(path: object) -> TypeGuard[str]:
     """True for a relative path of plain segments: no ``..``, no absolute path."""
     if not isinstance(path, str) or not path or path.startswith("/") or "\\" in path:
         return False
@@ -173,5 +173,5 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
     )
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)

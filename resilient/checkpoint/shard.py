@@ -17,6 +17,7 @@ header is reported, never trusted.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -88,7 +89,7 @@ def plan_layout(skeleton: Any, tensors: list[torch.Tensor]) -> ShardLayout:
     return ShardLayout(header=header, entries=tuple(entries), data_bytes=offset)
 
 
-def decode(buf: bytearray | memoryview) -> tuple[Any, list[torch.Tensor]]:
+def decode(buf: bytearray | memoryview | mmap.mmap) -> tuple[Any, list[torch.Tensor]]:
     """Parse a whole shard held in a writable buffer; tensors alias ``buf``.
 
     Raises ``ValueError`` describing the first inconsistency found.
@@ -113,8 +114,8 @@ def decode(buf: bytearray | memoryview) -> tuple[Any, list[torch.Tensor]]:
     table = header.get("tensors")
     if not isinstance(table, list):
         raise ValueError("tensor table missing")
-    for i, e in enumerate(table):
-        tensors.append(_tensor_from(buf, data_start, data_bytes, i, e))
+    for i, entry in enumerate(table):
+        tensors.append(_tensor_from(buf, data_start, data_bytes, i, entry))
     return header.get("skeleton"), tensors
 
 

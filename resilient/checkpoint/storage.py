@@ -25,7 +25,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from ..errors import CommitConflictError, StorageError
 from .digest import ChunkedHasher, hash_pool
@@ -33,7 +32,7 @@ from .manifest import MANIFEST_FILE, step_of
 
 WRITE_PIECE = 16 << 20
 
-ReadBuffer = Union[bytearray, mmap.mmap]
+ReadBuffer = bytearray | mmap.mmap
 """A file's content: writable, so tensors can be decoded from it without a copy."""
 
 
