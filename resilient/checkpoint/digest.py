@@ -35,16 +35,20 @@ def hash_pool(purpose: str = "read") -> Executor:
     return pool
 
 
-def _sha256(data: memoryview | bytes) -> bytes:
-    return hashlib.sha256(data).digest()
+def _sha256(views: list[memoryview]) -> bytes:
+    h = hashlib.sha256()
+    for view in views:
+        h.update(view)
+    return h.digest()
 
 
 class ChunkedHasher:
     """Incremental chunked digest; feed with :meth:`update`, finish with :meth:`hexdigest`.
 
     Buffers passed to :meth:`update` must stay unchanged until
-    :meth:`hexdigest` returns, because whole chunks are hashed in place on
-    the pool without a copy.
+    :meth:`hexdigest` returns: chunks are hashed in place on the pool, and a
+    chunk that straddles two buffers is hashed from views of both, never
+    from a copy (copying straddling chunks cost more than the disk write).
     """
 
     def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES, executor: Executor | None = None) -> None:
@@ -53,29 +57,26 @@ class ChunkedHasher:
         self.chunk_bytes = chunk_bytes
         self._executor = executor if executor is not None else hash_pool()
         self._futures: list[Future[bytes]] = []
-        self._partial = bytearray()
+        self._pending: list[memoryview] = []
+        self._pending_bytes = 0
         self.size = 0
 
     def update(self, data: memoryview | bytes | bytearray) -> None:
         view = memoryview(data).cast("B")
         self.size += len(view)
-        if self._partial:
-            take = min(len(view), self.chunk_bytes - len(self._partial))
-            self._partial += view[:take]
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self._pending_bytes)
+            self._pending.append(view[:take])
+            self._pending_bytes += take
             view = view[take:]
-            if len(self._partial) == self.chunk_bytes:
-                self._futures.append(self._executor.submit(_sha256, bytes(self._partial)))
-                self._partial = bytearray()
-        whole = len(view) - len(view) % self.chunk_bytes
-        for start in range(0, whole, self.chunk_bytes):
-            self._futures.append(self._executor.submit(_sha256, view[start : start + self.chunk_bytes]))
-        if whole < len(view):
-            self._partial += view[whole:]
+            if self._pending_bytes == self.chunk_bytes:
+                self._futures.append(self._executor.submit(_sha256, self._pending))
+                self._pending, self._pending_bytes = [], 0
 
     def hexdigest(self) -> str:
-        if self._partial or not self._futures:
-            self._futures.append(self._executor.submit(_sha256, bytes(self._partial)))
-            self._partial = bytearray()
+        if self._pending or not self._futures:
+            self._futures.append(self._executor.submit(_sha256, self._pending))
+            self._pending, self._pending_bytes = [], 0
         outer = hashlib.sha256()
         for future in self._futures:
             outer.update(future.result())
