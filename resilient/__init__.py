@@ -9,8 +9,9 @@ processes (the CLI, the node agent) stay light.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -62,13 +63,7 @@ if TYPE_CHECKING:
     from .state import Stateful
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'resilient' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("resilient", _EXPORTS, globals())
 
 
 def __dir__() -> list[str]:

@@ -6,8 +6,9 @@ verifying checkpoints from the CLI does not pay for what it does not use.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from .._lazy import lazy_getattr
 
 _EXPORTS = {
     "CheckpointConfig": "resilient.checkpoint.config",
@@ -40,10 +41,4 @@ if TYPE_CHECKING:
     from .storage import LocalStorage, Storage, open_storage
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'resilient.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("resilient.checkpoint", _EXPORTS, globals())
