@@ -1,0 +1,68 @@
+"""What a Run saves beyond model and optimizer: scaler, user state, counters, config fingerprint."""
+
+from __future__ import annotations
+
+import torch
+
+import resilient
+
+
+class Ema:
+    """A user object with its own state (an exponential moving average of the loss)."""
+
+    def __init__(self) -> None:
+        self.value, self.count = 0.0, 0
+
+    def update(self, x: float) -> None:
+        self.value = 0.9 * self.value + 0.1 * x
+        self.count += 1
+
+    def state_dict(self):
+        return {"value": self.value, "count": self.count}
+
+    def load_state_dict(self, state):
+        self.value, self.count = state["value"], state["count"]
+
+
+def make(tmp_path, config):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2)
+    ema = Ema()
+    events = resilient.EventLog(tmp_path / "events.jsonl")
+    run = resilient.Run(model=model, optimizer=opt, scaler=scaler, state={"ema": ema}, config=config,
+                        checkpoint=resilient.CheckpointConfig(dir=tmp_path / "c", every_steps=None), events=events)
+    return run, model, opt, scaler, ema, events
+
+
+def test_scaler_user_state_and_counters_survive_a_restart(tmp_path):
+    run, model, opt, scaler, ema, _ = make(tmp_path, {"lr": 0.1})
+    for _ in run.steps(5):
+        loss = model(torch.ones(2, 3)).pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ema.update(loss.item())
+        run.report(loss=loss, tokens=6, samples=2)
+    assert run.save().ok
+    run2, model2, _, scaler2, ema2, events2 = make(tmp_path, {"lr": 0.1})
+    assert run2.restored_from == "step_0000000005"
+    assert (run2.step, run2.samples, run2.tokens) == (5, 10, 30)
+    assert scaler2.get_scale() == scaler.get_scale() != 1024.0
+    assert scaler2.state_dict() == scaler.state_dict()
+    assert (ema2.value, ema2.count) == (ema.value, ema.count)
+    assert torch.equal(model2.weight, model.weight)
+    assert not events2.of_kind("config_changed")
+    committed = run.checkpoints.last_committed
+    assert committed.counters == {"samples": 10, "step": 5, "tokens": 30}
+    assert (tmp_path / "events.jsonl").read_text().count("checkpoint_restored") == 1
+
+
+def test_a_changed_config_is_flagged_on_resume(tmp_path):
+    run, *_ = make(tmp_path, {"lr": 0.1})
+    run.save()
+    run2, *_, events = make(tmp_path, {"lr": 0.2})
+    (changed,) = events.of_kind("config_changed")
+    assert changed.fields["checkpoint"] == "step_0000000000"
