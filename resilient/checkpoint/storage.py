@@ -234,31 +234,31 @@ class LocalStorage(Storage):
             raise _storage_error("read", path, e) from e
 
     def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[ReadBuffer, str]:
-        # A private (copy-on-write) mapping: no zero-filled buffer to allocate
-        # and no copy out of the page cache; the hash pool reads the pages in
-        # parallel, and decoded tensors alias them until something writes.
+        # Read into an anonymous mapping: unlike a bytearray it is not
+        # zero-filled first, and unlike a mapping of the file the bytes we
+        # verify are the bytes we use (no later SIGBUS or change under us,
+        # and no copy-on-write faults in the first optimizer step).
         full = os.path.join(self.root, name, path)
         hasher = ChunkedHasher(chunk_bytes)
         try:
-            with open(full, "rb") as f:
+            with open(full, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
-                if size == 0:
-                    hasher.update(b"")
-                    return bytearray(), hasher.hexdigest()
-                mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+                buf: ReadBuffer = mmap.mmap(-1, size) if size else bytearray()
+                view = memoryview(buf)
+                pos = 0
+                while pos < size:
+                    n = f.readinto(view[pos : min(size, pos + WRITE_PIECE)])
+                    if not n:
+                        raise OSError(errno.EIO, "file shrank while being read")
+                    hasher.update(view[pos : pos + n])  # hashed on the pool while the next piece is read
+                    pos += n
+                digest = hasher.hexdigest()
+                view.release()
         except FileNotFoundError:
             raise
-        except (OSError, ValueError) as e:
-            raise _storage_error("read", full, e if isinstance(e, OSError) else OSError(errno.EIO, str(e))) from e
-        view = memoryview(mapped)
-        for start in range(0, size, WRITE_PIECE):
-            hasher.update(view[start : start + WRITE_PIECE])
-        try:
-            return mapped, hasher.hexdigest()
         except OSError as e:
             raise _storage_error("read", full, e) from e
-        finally:
-            view.release()
+        return buf, digest
 
     def quarantine(self, name: str, reason: str) -> str:
         self._mkdirs(self._quarantine_root)
