@@ -27,7 +27,6 @@ import json
 import os
 import time
 import uuid
-from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
@@ -35,6 +34,7 @@ from typing import Any
 from ..errors import CommitConflictError, StorageError
 from .digest import ChunkedHasher, hash_pool
 from .manifest import MANIFEST_FILE, step_of
+from .s3_support import ViewsReader, group_views, import_boto, parse_url
 from .storage import Staging, Storage, pieces
 
 MULTIPART_THRESHOLD = 16 << 20  # larger objects go up as parallel multipart parts
@@ -48,38 +48,9 @@ LIST_PAGE = 1000
 READ_ATTEMPTS = 3  # a body that breaks mid-stream is fetched again (the SDK retries only the request)
 QUARANTINE_DIR = ".quarantine"
 QUARANTINE_FILE = "QUARANTINE.json"
-MIN_BOTOCORE = (1, 36)
 _ABSENT = ("NoSuchKey", "404", "NotFound")
 _CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
 _AUTH = ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
-
-
-def _import_boto() -> tuple[Any, Any]:
-    try:
-        import boto3
-        import botocore
-        from botocore.config import Config
-    except ImportError as e:
-        raise StorageError(
-            f"s3:// checkpoint locations need boto3, which is not installed ({e}): pip install 'resilient-train[s3]'"
-        ) from e
-    # Conditional PUT (the commit) and the checksum settings below arrived in botocore 1.36;
-    # an older one would fail only at commit time, after every file was uploaded.
-    if tuple(int(x) for x in botocore.__version__.split(".")[:2]) < MIN_BOTOCORE:
-        raise StorageError(
-            f"botocore {botocore.__version__} is too old for s3:// checkpoints (need >= 1.36): "
-            "pip install -U 'resilient-train[s3]' boto3"
-        )
-    return boto3, Config
-
-
-def _parse_url(url: str) -> tuple[str, str]:
-    if not url.startswith("s3://"):
-        raise StorageError(f"{url!r} is not an S3 location: use s3://bucket/prefix")
-    bucket, _, prefix = url[len("s3://") :].partition("/")
-    if not bucket:
-        raise StorageError(f"{url!r} names no bucket: use s3://bucket/prefix")
-    return bucket, "/".join(seg for seg in prefix.split("/") if seg)
 
 
 def _code(e: Any) -> str:
@@ -94,61 +65,6 @@ def _referenced_tokens(raw: bytes) -> set[str] | None:
         return None
 
 
-class _ViewsReader:
-    """A seekable read-only file over byte views, so boto3 can send them without a joined copy."""
-
-    def __init__(self, views: Sequence[memoryview]) -> None:
-        self._views = list(views)
-        self._starts = []
-        total = 0
-        for v in self._views:
-            self._starts.append(total)
-            total += len(v)
-        self._len, self._pos = total, 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = self._len if size is None or size < 0 else min(self._len, self._pos + size)
-        out = []
-        while self._pos < end:
-            i = bisect_right(self._starts, self._pos) - 1
-            off = self._pos - self._starts[i]
-            take = min(end - self._pos, len(self._views[i]) - off)
-            out.append(self._views[i][off : off + take])
-            self._pos += take
-        return b"".join(out)
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._len}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-
-def _group(views: Sequence[memoryview], target: int) -> Iterator[list[memoryview]]:
-    """Consecutive views gathered into parts of at least ``target`` bytes (the last may be short)."""
-    part: list[memoryview] = []
-    filled = 0
-    for v in views:
-        part.append(v)
-        filled += len(v)
-        if filled >= target:
-            yield part
-            part, filled = [], 0
-    if part:
-        yield part
-
-
 class S3Storage(Storage):
     """Checkpoints in an S3 (or S3-compatible) bucket; see the module docstring for the layout."""
 
@@ -161,10 +77,10 @@ class S3Storage(Storage):
         read_timeout: float = 120.0,
         max_attempts: int = 5,
     ) -> None:
-        self.bucket, self.prefix = _parse_url(url)
+        self.bucket, self.prefix = parse_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._root = f"{self.prefix}/" if self.prefix else ""
-        boto3, Config = _import_boto()
+        boto3, Config = import_boto()
         config = Config(
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
@@ -315,7 +231,7 @@ class S3Storage(Storage):
         if sum(len(v) for v in views) <= MULTIPART_THRESHOLD:
             for v in views:
                 hasher.update(v)
-            self._call("put_object", key, Key=key, Body=_ViewsReader(views))
+            self._call("put_object", key, Key=key, Body=ViewsReader(views))
         else:
             self._multipart_upload(key, views, hasher)
         return hasher.size, hasher.hexdigest()
@@ -327,7 +243,7 @@ class S3Storage(Storage):
         pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="resilient-s3")
         try:
             futures = []
-            for number, part in enumerate(_group(views, target), start=1):
+            for number, part in enumerate(group_views(views, target), start=1):
                 futures.append(pool.submit(self._upload_part, key, upload_id, number, part))
                 for v in part:
                     hasher.update(v)  # hashing overlaps the parts already uploading
@@ -344,7 +260,7 @@ class S3Storage(Storage):
             raise
 
     def _upload_part(self, key: str, upload_id: str, number: int, part: list[memoryview]) -> str:
-        resp = self._call("upload_part", key, Key=key, UploadId=upload_id, PartNumber=number, Body=_ViewsReader(part))
+        resp = self._call("upload_part", key, Key=key, UploadId=upload_id, PartNumber=number, Body=ViewsReader(part))
         return str(resp["ETag"])
 
     def _check_staged(self, staging: Staging, manifest: bytes) -> None:
