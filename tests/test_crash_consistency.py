@@ -68,3 +68,23 @@ def test_rank_killed_while_writing_under_ddp_aborts_the_commit(tmp_path):
         resumed = read_trace(tmp_path / "t", rank)
         assert resumed.starts[-1]["restored_from"] == "step_0000000005"
         assert_same_run(read_trace(tmp_path / "ref", rank), resumed)
+
+
+S3_POINTS = [("s3_upload", "step_0000000005"), ("s3_before_manifest", "step_0000000005")]
+
+
+@pytest.mark.parametrize(("point", "expected"), S3_POINTS, ids=[p for p, _ in S3_POINTS])
+def test_kill_during_save_to_s3_loses_nothing(tmp_path, reference, s3_url, point, expected):
+    from resilient.checkpoint.s3 import S3Storage
+
+    url, endpoint = s3_url
+    common = ["--steps", str(STEPS), "--dir", url, "--endpoint-url", endpoint, "--every", "5", "--keep", "1"]
+    run_worker(tmp_path / "t", *common, "--fault", point, "--fault-step", "10", expect="killed")
+    storage = S3Storage(url, endpoint_url=endpoint)
+    assert storage.list_committed() == [expected]
+    run_worker(tmp_path / "t", *common)
+    resumed = read_trace(tmp_path / "t")
+    assert resumed.starts[-1]["restored_from"] == expected
+    assert_same_run(reference, resumed)
+    assert storage.list_committed() == ["step_0000000015"]
+    assert storage.collect_garbage() == [], "leftovers of the crashed save survived the resumed run"

@@ -29,3 +29,14 @@ def test_resumed_run_is_bitwise_equal(tmp_path, nproc, mode):
         assert [s["restored_from"] for s in b.starts] == [None, f"step_{N:010d}"]
         assert len(b.all_steps) == N + K, "no step may be repeated or skipped"
         assert_same_run(a, b)
+
+
+def test_resumed_run_from_s3_is_bitwise_equal(tmp_path, s3_url):
+    url, endpoint = s3_url
+    common = ["--dir", url, "--endpoint-url", endpoint, "--every", "5"]
+    run_worker(tmp_path / "a", "--steps", str(N + K))
+    run_worker(tmp_path / "b", "--steps", str(N), *common)
+    run_worker(tmp_path / "b", "--steps", str(N + K), *common)
+    a, b = read_trace(tmp_path / "a"), read_trace(tmp_path / "b")
+    assert [s["restored_from"] for s in b.starts] == [None, f"step_{N:010d}"]
+    assert_same_run(a, b)
