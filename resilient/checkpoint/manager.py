@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import deque
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -97,7 +98,8 @@ class CheckpointManager:
         self.events = events
         self.storage = storage if storage is not None else open_storage(config.dir, endpoint_url=config.endpoint_url)
         self.last_committed: Manifest | None = None
-        self.results: list[SaveResult] = []
+        self.results: deque[SaveResult] = deque(maxlen=64)
+        """Outcomes of the most recent saves, oldest first."""
         self._buffer = HostBuffer()
         self._inflight: _Job | None = None
         self._thread: threading.Thread | None = None
