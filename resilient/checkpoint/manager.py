@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import deque
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
