@@ -79,6 +79,7 @@ class Run:
         self.last_loss: float | None = None
         self.restored_from: str | None = None
         self._last_saved_step: int | None = None
+        self._prepared = False
         self._step_started: float | None = None
         self.last_step_s: float | None = None
 
@@ -163,7 +164,13 @@ class Run:
     # -------------------------------------------------------------- helpers
     def _maybe_checkpoint(self) -> None:
         ckpt = self.checkpoints
-        if ckpt is None or ckpt.config.every_steps is None or self.step == 0:
+        if ckpt is None or self.step == 0:
+            return
+        if not self._prepared:
+            # After the first update the optimizer state exists, so the size is known.
+            self._prepared = True
+            ckpt.prepare(self._payloads())
+        if ckpt.config.every_steps is None:
             return
         if self.step % ckpt.config.every_steps == 0 and self._last_saved_step != self.step:
             self._save(wait=False)

@@ -66,3 +66,24 @@ def test_a_changed_config_is_flagged_on_resume(tmp_path):
     run2, *_, events = make(tmp_path, {"lr": 0.2})
     (changed,) = events.of_kind("config_changed")
     assert changed.fields["checkpoint"] == "step_0000000000"
+
+
+def test_the_host_buffer_is_prepared_before_the_first_save(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    run = resilient.Run(model=model, optimizer=opt,
+                        checkpoint=resilient.CheckpointConfig(dir=tmp_path / "c", every_steps=50))
+    manager = run.checkpoints
+    for step in run.steps(3):
+        if step == 2:  # the boundary after the first update started the preparation
+            with manager._buffer.in_use:  # waits for it to finish
+                prepared = manager._buffer.capacity
+        model(torch.ones(1, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    from resilient.checkpoint.snapshot import snapshot_bytes
+
+    assert prepared >= snapshot_bytes(run._payloads()) > 3 * 64 * 64 * 4, "model + AdamW state not covered"
+    result = run.close()
+    assert result.ok and manager._buffer.capacity == prepared, "the final save had to grow the buffer"

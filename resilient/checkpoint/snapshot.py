@@ -59,6 +59,11 @@ class Snapshot:
         return [memoryview(self.header), self.data]
 
 
+def snapshot_bytes(payloads: dict[str, Any]) -> int:
+    """Host-buffer bytes that :func:`take_snapshots` would need for ``payloads``."""
+    return sum(plan_layout(*flatten(tree, key)).data_bytes for key, tree in payloads.items())
+
+
 def take_snapshots(payloads: dict[str, Any], buffer: HostBuffer) -> dict[str, Snapshot]:
     """Copy each payload tree into one region of ``buffer``; return their shards.
 
