@@ -254,7 +254,7 @@ def _digest_config(config: Mapping[str, Any] | None) -> str | None:
 def _refuse_sharded(model: torch.nn.Module) -> None:
     """Sharded parameters need per-owner saving; say so up front instead of failing mid-save."""
     for name, p in model.named_parameters():
-        if type(p.data) is not torch.Tensor and type(p) not in (torch.Tensor, torch.nn.Parameter):
+        if type(p.data) is not torch.Tensor:  # a plain Parameter's data is a plain Tensor
             raise ConfigError(
                 f"parameter {name!r} is a {type(p.data).__qualname__} (sharded, e.g. FSDP2/DTensor); resilient "
                 "checkpoints hold replicated (DDP) or single-process state only. Use DDP, or save sharded state "

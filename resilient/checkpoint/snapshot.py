@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .shard import plan_layout
+from .shard import ShardLayout, plan_layout
 from .tree import flatten
 
 
@@ -59,9 +59,21 @@ class Snapshot:
         return [memoryview(self.header), self.data]
 
 
+def _plan(payloads: dict[str, Any]) -> tuple[dict[str, tuple[ShardLayout, list[torch.Tensor], int]], int]:
+    """Each payload's layout, tensors and offset in the host buffer, and the bytes needed."""
+    plans = {}
+    total = 0
+    for key, tree in payloads.items():
+        skeleton, tensors = flatten(tree, key)
+        layout = plan_layout(skeleton, tensors)
+        plans[key] = (layout, tensors, total)
+        total += layout.data_bytes
+    return plans, total
+
+
 def snapshot_bytes(payloads: dict[str, Any]) -> int:
     """Host-buffer bytes that :func:`take_snapshots` would need for ``payloads``."""
-    return sum(plan_layout(*flatten(tree, key)).data_bytes for key, tree in payloads.items())
+    return _plan(payloads)[1]
 
 
 def take_snapshots(payloads: dict[str, Any], buffer: HostBuffer) -> dict[str, Snapshot]:
@@ -71,13 +83,7 @@ def take_snapshots(payloads: dict[str, Any], buffer: HostBuffer) -> dict[str, Sn
     may mutate them.  The caller holds ``buffer.in_use`` until the snapshots
     have been written.
     """
-    plans = {}
-    total = 0
-    for key, tree in payloads.items():
-        skeleton, tensors = flatten(tree, key)
-        layout = plan_layout(skeleton, tensors)
-        plans[key] = (layout, tensors, total)
-        total += layout.data_bytes
+    plans, total = _plan(payloads)
     host = buffer.reserve(total)
     needs_sync = False
     out = {}
