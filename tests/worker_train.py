@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import random
-import shutil
 import signal
 import sys
 
@@ -63,90 +63,47 @@ def state_digests(model, optimizer) -> dict:
     }
 
 
+def _s3():
+    from resilient.checkpoint.s3 import S3Storage
+
+    return S3Storage
+
+
+_write_calls = itertools.count(1)
+
+# point -> (owner of the function, its name, which calls to die in)
+FAULT_POINTS = {
+    "snapshot": (lambda: ckpt_manager, "take_snapshots", lambda *a: True),  # during the host copy
+    # the second piece: the first one of a shard already reached the file
+    "write": (lambda: ckpt_storage.os, "write", lambda *a: next(_write_calls) == 2),
+    "before_manifest": (lambda: ckpt_storage.LocalStorage, "commit", lambda *a: True),
+    "before_rename": (lambda: ckpt_storage.os, "rename", lambda src, dst: ".staging" in str(src)),
+    # fsync of the checkpoint root, right after the rename (staging dirs are named step_*)
+    "after_rename": (
+        lambda: ckpt_storage, "_fsync_dir",
+        lambda path: os.path.basename(path) != ".staging" and not os.path.basename(path).startswith("step_"),
+    ),
+    "retention": (lambda: ckpt_storage.shutil, "rmtree", lambda path, *a, **k: ".trash" in str(path)),
+    "s3_upload": (_s3, "write_file", lambda self, staging, relpath, *a: relpath.startswith("rank")),
+    "s3_before_manifest": (_s3, "commit", lambda *a: True),
+}
+
+
 def arm_fault(point: str, marker: str) -> None:
     """Install a one-shot SIGKILL at ``point`` of the commit path."""
-
-    def die() -> None:
-        open(marker, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if point == "snapshot":
-        real_take = ckpt_manager.take_snapshots
-
-        def take(payloads, buffer):
-            die()
-            return real_take(payloads, buffer)
-
-        ckpt_manager.take_snapshots = take
-    elif point == "write":
-        real_write = os.write
-        count = [0]
-
-        def write(fd, data):
-            count[0] += 1
-            if count[0] == 2:  # after the first piece of a shard reached the file
-                die()
-            return real_write(fd, data)
-
-        ckpt_storage.os.write = write  # type: ignore[attr-defined]
-    elif point == "before_manifest":
-        real_commit = ckpt_storage.LocalStorage.commit
-
-        def commit(self, staging, manifest):
-            die()
-            return real_commit(self, staging, manifest)
-
-        ckpt_storage.LocalStorage.commit = commit
-    elif point == "before_rename":
-        real_rename = os.rename
-
-        def rename(src, dst):
-            if ".staging" in str(src):
-                die()
-            return real_rename(src, dst)
-
-        ckpt_storage.os.rename = rename  # type: ignore[attr-defined]
-    elif point == "after_rename":
-        real_fsync_dir = ckpt_storage._fsync_dir
-
-        def fsync_dir(path):
-            if os.path.basename(path) not in (".staging",) and not os.path.basename(path).startswith("step_"):
-                die()
-            return real_fsync_dir(path)
-
-        ckpt_storage._fsync_dir = fsync_dir
-    elif point == "retention":
-        real_rmtree = shutil.rmtree
-
-        def rmtree(path, *a, **k):
-            if ".trash" in str(path):
-                die()
-            return real_rmtree(path, *a, **k)
-
-        ckpt_storage.shutil.rmtree = rmtree  # type: ignore[attr-defined]
-    elif point == "s3_upload":
-        from resilient.checkpoint import s3 as ckpt_s3
-
-        real = ckpt_s3.S3Storage.write_file
-
-        def write_file(self, staging, relpath, segments, chunk_bytes):
-            if relpath.startswith("rank"):
-                die()
-            return real(self, staging, relpath, segments, chunk_bytes)
-
-        ckpt_s3.S3Storage.write_file = write_file
-    elif point == "s3_before_manifest":
-        from resilient.checkpoint import s3 as ckpt_s3
-
-        real_c = ckpt_s3.S3Storage.commit
-
-        def s3_commit(self, staging, manifest):
-            die()
-            return real_c(self, staging, manifest)
-
-        ckpt_s3.S3Storage.commit = s3_commit
-    else:
+    if point not in FAULT_POINTS:
         raise SystemExit(f"unknown fault point {point}")
+    owner_of, attr, fires = FAULT_POINTS[point]
+    owner = owner_of()
+    real = getattr(owner, attr)
+
+    def wrapper(*args, **kwargs):
+        if fires(*args, **kwargs):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    setattr(owner, attr, wrapper)
 
 
 def main() -> int:
