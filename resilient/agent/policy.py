@@ -1,0 +1,250 @@
+"""The restart policy: after a failure, restart the group (and when) or stop the run, and why.
+
+Pure functions of (failure, history, config, now); the supervisor gathers the
+inputs (the restart count lives in the store, so the budget is global, not
+per agent) and carries out the decision.  Checks, in order:
+
+1. exit-code contract: a rank that exited with a code in
+   :data:`~resilient.exitcodes.NO_RESTART_CODES` said restarting cannot help;
+2. crash-loop breaker: ``crash_loop_restarts`` restarts in a row without a
+   newly committed checkpoint means every attempt dies before making
+   progress; named before the budget because it says more;
+3. global budget: ``max_restarts`` restarts used;
+4. otherwise restart after an exponential backoff in the restarts since the
+   last progress (a run that keeps committing is never slowed down).
+
+:func:`first_failure` picks the failure an incident is about when several
+ranks fail together.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ..errors import ConfigError
+from ..exitcodes import NO_RESTART_CODES, describe_exit, signal_name
+
+FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy"]
+Verdict = Literal["budget_exhausted", "crash_loop", "do_not_restart"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartConfig:
+    """How many times, and how fast, a failed group is restarted."""
+
+    max_restarts: int = 3
+    """Restarts allowed for the whole run (counted across all nodes in the store); 0 never restarts."""
+    backoff_initial_s: float = 0.0
+    """Delay before the first restart after progress; 0 restarts immediately."""
+    backoff_factor: float = 2.0
+    """Each restart without progress multiplies the delay by this."""
+    backoff_max_s: float = 30.0
+    """The delay never exceeds this."""
+    crash_loop_restarts: int = 3
+    """Stop after this many restarts in a row without a newly committed checkpoint."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ConfigError(f"RestartConfig.max_restarts={self.max_restarts} must be >= 0 (0 never restarts)")
+        if not (self.backoff_initial_s >= 0 and math.isfinite(self.backoff_initial_s)):
+            raise ConfigError(f"RestartConfig.backoff_initial_s={self.backoff_initial_s} must be >= 0 seconds")
+        if not (self.backoff_factor >= 1 and math.isfinite(self.backoff_factor)):
+            raise ConfigError(f"RestartConfig.backoff_factor={self.backoff_factor} must be >= 1")
+        if not (self.backoff_max_s >= self.backoff_initial_s and math.isfinite(self.backoff_max_s)):
+            raise ConfigError(
+                f"RestartConfig.backoff_max_s={self.backoff_max_s} must be finite and >= "
+                f"backoff_initial_s={self.backoff_initial_s}"
+            )
+        if self.crash_loop_restarts < 1:
+            raise ConfigError(f"RestartConfig.crash_loop_restarts={self.crash_loop_restarts} must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    """One thing that went wrong with a rank or a node, as the agent saw it."""
+
+    kind: FailureKind
+    time: float
+    """Agent clock when it was seen: the exit was reaped, the hang detected, the node declared lost."""
+    rank: int | None = None
+    node: str | None = None
+    exit_code: int | None = None
+    """For ``exit``: the non-zero exit status."""
+    signal: int | None = None
+    """For ``signal``: the signal number that killed the process."""
+    section: str | None = None
+    """Section the rank was in (from its last heartbeat)."""
+    step: int | None = None
+    caused_by_agent: bool = False
+    """The agent itself killed this process while stopping the group: a casualty, never the cause."""
+    detail: str | None = None
+    """Evidence in one line: ``exc_type: message`` from the error file, a hang's reason, a health problem."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "exit" and not self.exit_code:
+            raise ValueError(f"a Failure of kind 'exit' needs a non-zero exit_code, got {self.exit_code}")
+        if self.kind == "signal" and not (self.signal and self.signal > 0):
+            raise ValueError(f"a Failure of kind 'signal' needs a signal number > 0, got {self.signal}")
+
+    def describe(self) -> str:
+        """One line for an on-call engineer, e.g. ``rank 1 on node n1 was killed by SIGKILL in 'step' at step 57``."""
+        who = f"rank {self.rank}" if self.rank is not None else "a rank"
+        if self.node is not None:
+            who = f"node {self.node}" if self.rank is None else f"{who} on node {self.node}"
+        if self.kind == "exit":
+            assert self.exit_code is not None
+            what = f"failed with {describe_exit(self.exit_code)}"
+        elif self.kind == "signal":
+            assert self.signal is not None
+            what = f"was killed by {signal_name(self.signal)}"
+        elif self.kind == "hang":
+            what = "hung"
+        elif self.kind == "node_lost":
+            what = "was lost"
+        else:
+            what = "became unhealthy"
+        text = f"{who} {what}"
+        if self.section is not None:
+            text += f" in section {self.section!r}"
+        if self.step is not None:
+            text += f" at step {self.step}"
+        if self.caused_by_agent:
+            text += " (stopped by the agent)"
+        if self.detail:
+            text += f": {self.detail}"
+        return text
+
+
+@dataclass(frozen=True, kw_only=True)
+class History:
+    """What the policy needs to know about earlier restarts of this run."""
+
+    restarts_used: int = 0
+    """Restarts of the whole run so far (from the store: global, not per agent)."""
+    restarts_since_progress: int = 0
+    """Restarts since the newest committed checkpoint last advanced."""
+    newest_committed_step: int | None = None
+    """Step of the newest committed checkpoint; None if nothing was committed yet."""
+
+    def with_commit(self, committed_step: int | None) -> History:
+        """This history after seeing ``committed_step`` committed; a newer step resets the crash-loop count."""
+        if committed_step is None or (
+            self.newest_committed_step is not None and committed_step <= self.newest_committed_step
+        ):
+            return self
+        return replace(self, newest_committed_step=committed_step, restarts_since_progress=0)
+
+    def after_restart(self, committed_step: int | None = None) -> History:
+        """This history after one more restart, resuming from ``committed_step`` (the newest commit known)."""
+        seen = self.with_commit(committed_step)
+        return replace(
+            seen, restarts_used=seen.restarts_used + 1, restarts_since_progress=seen.restarts_since_progress + 1
+        )
+
+
+class Action(enum.Enum):
+    """What the supervisor does next."""
+
+    RESTART = "restart"
+    STOP = "stop"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartDecision:
+    """A restart (after ``delay_s``, not before ``not_before``) or a stop with a verdict."""
+
+    action: Action
+    delay_s: float
+    not_before: float
+    """``now + delay_s`` on the caller's clock."""
+    reason: str
+    verdict: Verdict | None
+    """Why the run stops; None for a restart."""
+
+
+def backoff_s(history: History, cfg: RestartConfig) -> float:
+    """Delay before the next restart: ``initial * factor ** restarts_since_progress``, at most ``backoff_max_s``."""
+    if cfg.backoff_initial_s == 0:
+        return 0.0
+    exponent = history.restarts_since_progress
+    # Compare exponents, not powers: factor ** exponent can overflow a float.
+    if cfg.backoff_factor > 1 and exponent * math.log(cfg.backoff_factor) >= math.log(
+        cfg.backoff_max_s / cfg.backoff_initial_s
+    ):
+        return cfg.backoff_max_s
+    return min(cfg.backoff_max_s, cfg.backoff_initial_s * cfg.backoff_factor**exponent)
+
+
+def _resume_point(history: History) -> str:
+    if history.newest_committed_step is None:
+        return "no checkpoint committed yet"
+    return f"newest committed checkpoint: step {history.newest_committed_step}"
+
+
+def decide_restart(failure: Failure, history: History, cfg: RestartConfig, now: float) -> RestartDecision:
+    """Restart or stop after ``failure``; call with ``history`` already updated by :meth:`History.with_commit`."""
+    what = failure.describe()
+
+    def stop(verdict: Verdict, reason: str) -> RestartDecision:
+        return RestartDecision(action=Action.STOP, delay_s=0.0, not_before=now, reason=reason, verdict=verdict)
+
+    if failure.kind == "exit" and failure.exit_code in NO_RESTART_CODES:
+        return stop(
+            "do_not_restart",
+            f"not restarting: {what}; by the exit-code contract a restart cannot help. Fix the cause "
+            "(the rank's error file has the traceback) and start the run again",
+        )
+    if history.restarts_since_progress >= cfg.crash_loop_restarts:
+        if history.newest_committed_step is None:
+            stuck = "every attempt failed before the first checkpoint was committed"
+        else:
+            stuck = f"every attempt failed before committing past step {history.newest_committed_step}"
+        return stop(
+            "crash_loop",
+            f"crash loop: {history.restarts_since_progress} restarts in a row without a newly committed "
+            f"checkpoint (crash_loop_restarts={cfg.crash_loop_restarts}); {stuck}. Last failure: {what}",
+        )
+    if history.restarts_used >= cfg.max_restarts:
+        return stop(
+            "budget_exhausted",
+            f"restart budget exhausted: {history.restarts_used} of max_restarts={cfg.max_restarts} used by the "
+            f"whole run. Last failure: {what}. Raise --max-restarts or fix the cause; {_resume_point(history)}",
+        )
+    delay = backoff_s(history, cfg)
+    when = "now" if delay == 0 else f"in {delay:.1f} s"
+    if history.newest_committed_step is None:
+        start = "no commit reported yet (the workers restore the newest that verifies, if any)"
+    else:
+        start = (f"newest commit reported: step {history.newest_committed_step} "
+                 "(the workers restore the newest that verifies)")
+    return RestartDecision(
+        action=Action.RESTART,
+        delay_s=delay,
+        not_before=now + delay,
+        reason=f"restart {history.restarts_used + 1} of {cfg.max_restarts} {when} after: {what}; {start}",
+        verdict=None,
+    )
+
+
+_KIND_ORDER: dict[FailureKind, int] = {"exit": 0, "signal": 1, "hang": 2, "unhealthy": 3, "node_lost": 4}
+
+
+def first_failure(failures: Sequence[Failure]) -> Failure:
+    """The failure an incident is about: the earliest one the agent did not cause itself.
+
+    Casualties of the agent's own stop (``caused_by_agent``) are chosen only
+    when nothing else failed.  A hang's time is its detection.  Ties go to a
+    process's own death (exit, then signal) before a hang or a node event,
+    then to the lowest rank.
+    """
+    if not failures:
+        raise ValueError("first_failure needs at least one failure")
+    genuine = [f for f in failures if not f.caused_by_agent] or list(failures)
+    return min(
+        genuine,
+        key=lambda f: (f.time, _KIND_ORDER[f.kind], f.rank if f.rank is not None else math.inf),
+    )

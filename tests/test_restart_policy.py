@@ -1,0 +1,201 @@
+"""The restart policy and first-failure attribution, with made-up failures and times."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from resilient.agent.policy import (
+    Action,
+    Failure,
+    History,
+    RestartConfig,
+    backoff_s,
+    decide_restart,
+    first_failure,
+)
+from resilient.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, StorageError
+from resilient.exitcodes import (
+    EXIT_CONFIG,
+    EXIT_PREEMPTED_AGENT,
+    EXIT_STOPPED,
+    EXIT_UNHEALTHY,
+    EXIT_UNRECOVERABLE,
+    NO_RESTART_CODES,
+    describe_exit,
+    exit_code_for,
+)
+
+CRASH = Failure(kind="exit", time=10.0, rank=1, node="n1", exit_code=1, section="step", step=47)
+
+
+def test_exit_code_contract() -> None:
+    assert exit_code_for(ConfigError("bad")) == EXIT_CONFIG
+    assert exit_code_for(NoValidCheckpointError("x")) == EXIT_UNRECOVERABLE
+    assert exit_code_for(CheckpointMismatchError("x")) == EXIT_UNRECOVERABLE
+    assert exit_code_for(StorageError("disk")) is None
+    assert exit_code_for(RuntimeError("boom")) is None
+
+
+@pytest.mark.parametrize(
+    ("code", "words"),
+    [
+        (0, "exit 0 (success)"),
+        (1, "exit 1"),
+        (78, "exit 78 (configuration error: not restarted)"),
+        (79, "exit 79 (unrecoverable state: not restarted)"),
+        (-9, "killed by SIGKILL"),
+        (-15, "killed by SIGTERM"),
+        (137, "exit 137 (128+9: a shell's report of a child killed by SIGKILL)"),
+        (-200, "killed by signal 200"),
+    ],
+)
+def test_describe_exit(code: int, words: str) -> None:
+    assert describe_exit(code) == words
+
+
+def test_agent_exit_codes_are_described_only_as_the_agents() -> None:
+    assert describe_exit(EXIT_STOPPED, agent=True) == "exit 80 (stopped with a verdict)"
+    assert describe_exit(EXIT_UNHEALTHY, agent=True) == "exit 81 (node unhealthy: stepped out)"
+    assert describe_exit(EXIT_PREEMPTED_AGENT, agent=True) == "exit 75 (preempted: resubmit to resume)"
+    assert describe_exit(EXIT_STOPPED) == "exit 80"  # a worker exiting 80 is an ordinary failure
+    assert not {EXIT_STOPPED, EXIT_UNHEALTHY, EXIT_PREEMPTED_AGENT} & NO_RESTART_CODES
+
+
+def test_restart_immediately_by_default() -> None:
+    d = decide_restart(CRASH, History(newest_committed_step=40), RestartConfig(), now=100.0)
+    assert (d.action, d.delay_s, d.not_before, d.verdict) == (Action.RESTART, 0.0, 100.0, None)
+    assert d.reason == (
+        "restart 1 of 3 now after: rank 1 on node n1 failed with exit 1 in section 'step' at step 47; "
+        "newest commit reported: step 40 (the workers restore the newest that verifies)"
+    )
+
+
+def test_backoff_grows_without_progress_and_is_capped() -> None:
+    cfg = RestartConfig(
+        backoff_initial_s=1.0, backoff_factor=2.0, backoff_max_s=5.0, max_restarts=100, crash_loop_restarts=100
+    )
+    delays = [backoff_s(History(restarts_since_progress=k), cfg) for k in range(6)]
+    assert delays == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
+    assert backoff_s(History(restarts_since_progress=10_000), cfg) == 5.0  # no float overflow
+    d = decide_restart(CRASH, History(restarts_used=2, restarts_since_progress=2), cfg, now=50.0)
+    assert (d.action, d.delay_s, d.not_before) == (Action.RESTART, 4.0, 54.0)
+    assert d.reason.startswith("restart 3 of 100 in 4.0 s after: rank 1")
+    assert d.reason.endswith("no commit reported yet (the workers restore the newest that verifies, if any)")
+
+
+def test_do_not_restart_exit_codes_stop_even_with_budget_left() -> None:
+    bad_config = Failure(kind="exit", time=1.0, rank=0, exit_code=78, section="init", step=0)
+    d = decide_restart(bad_config, History(), RestartConfig(), now=1.0)
+    assert (d.action, d.verdict) == (Action.STOP, "do_not_restart")
+    assert d.reason.startswith(
+        "not restarting: rank 0 failed with exit 78 (configuration error: not restarted) in section 'init' at step 0"
+    )
+
+
+def test_budget_exhausted_is_global() -> None:
+    history = History(restarts_used=3, restarts_since_progress=0, newest_committed_step=120)
+    d = decide_restart(CRASH, history, RestartConfig(max_restarts=3), now=1.0)
+    assert (d.action, d.verdict) == (Action.STOP, "budget_exhausted")
+    assert "3 of max_restarts=3 used by the whole run" in d.reason
+    assert "newest committed checkpoint: step 120" in d.reason
+    zero = decide_restart(CRASH, History(), RestartConfig(max_restarts=0), now=1.0)
+    assert zero.verdict == "budget_exhausted"
+
+
+def test_crash_loop_before_first_commit_stops_with_verdict() -> None:
+    """A script that dies before committing anything: K restarts, then a verdict, not forever."""
+    cfg = RestartConfig(max_restarts=10, crash_loop_restarts=3)
+    history = History()
+    actions = []
+    for attempt in range(10):
+        failure = Failure(kind="exit", time=float(attempt), rank=0, exit_code=1, section="init", step=0)
+        d = decide_restart(failure, history.with_commit(None), cfg, now=float(attempt))
+        actions.append(d.action)
+        if d.action is Action.STOP:
+            break
+        history = history.after_restart(None)
+    assert actions == [Action.RESTART] * 3 + [Action.STOP]
+    assert d.verdict == "crash_loop"
+    assert d.reason == (
+        "crash loop: 3 restarts in a row without a newly committed checkpoint (crash_loop_restarts=3); "
+        "every attempt failed before the first checkpoint was committed. "
+        "Last failure: rank 0 failed with exit 1 in section 'init' at step 0"
+    )
+
+
+def test_crash_loop_names_the_step_it_is_stuck_at() -> None:
+    history = History(restarts_used=4, restarts_since_progress=3, newest_committed_step=40)
+    d = decide_restart(CRASH, history, RestartConfig(max_restarts=10), now=0.0)
+    assert d.verdict == "crash_loop"
+    assert "every attempt failed before committing past step 40" in d.reason
+    assert "at step 47" in d.reason
+
+
+def test_crash_loop_wins_over_budget_when_both_apply() -> None:
+    history = History(restarts_used=3, restarts_since_progress=3)
+    assert decide_restart(CRASH, history, RestartConfig(max_restarts=3), now=0.0).verdict == "crash_loop"
+
+
+def test_progress_resets_crash_loop_and_backoff() -> None:
+    h = History().after_restart(None).after_restart(None)
+    assert (h.restarts_used, h.restarts_since_progress, h.newest_committed_step) == (2, 2, None)
+    h = h.with_commit(10)
+    assert (h.restarts_used, h.restarts_since_progress, h.newest_committed_step) == (2, 0, 10)
+    assert h.with_commit(10) is h and h.with_commit(5) is h and h.with_commit(None) is h
+    h = h.after_restart(20)
+    assert (h.restarts_used, h.restarts_since_progress, h.newest_committed_step) == (3, 1, 20)
+    h = h.after_restart(20)
+    assert (h.restarts_used, h.restarts_since_progress) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_restarts": -1}, "max_restarts=-1"),
+        ({"backoff_initial_s": -1.0}, "backoff_initial_s=-1.0"),
+        ({"backoff_factor": 0.5}, "backoff_factor=0.5"),
+        ({"backoff_initial_s": 10.0, "backoff_max_s": 5.0}, "backoff_max_s=5.0 must be finite and >= "),
+        ({"crash_loop_restarts": 0}, "crash_loop_restarts=0"),
+    ],
+)
+def test_invalid_restart_config(kwargs: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RestartConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_failure_invariants_and_descriptions() -> None:
+    with pytest.raises(ValueError):
+        Failure(kind="exit", time=0.0, rank=0, exit_code=0)
+    with pytest.raises(ValueError):
+        Failure(kind="signal", time=0.0, rank=0)
+    killed = Failure(kind="signal", time=0.0, rank=2, signal=signal.SIGKILL, section="checkpoint", step=30)
+    assert killed.describe() == "rank 2 was killed by SIGKILL in section 'checkpoint' at step 30"
+    hang = Failure(kind="hang", time=0.0, rank=1, section="step", step=57, detail="rank 1 has been in ...")
+    assert hang.describe() == "rank 1 hung in section 'step' at step 57: rank 1 has been in ..."
+    assert Failure(kind="node_lost", time=0.0, node="n2").describe() == "node n2 was lost"
+    assert Failure(kind="unhealthy", time=0.0, node="n2").describe() == "node n2 became unhealthy"
+
+
+def test_first_failure_ignores_the_agents_own_casualties() -> None:
+    real = Failure(kind="exit", time=5.0, rank=1, exit_code=3)
+    casualties = [
+        Failure(kind="signal", time=4.0, rank=0, signal=signal.SIGTERM, caused_by_agent=True),
+        Failure(kind="signal", time=4.5, rank=2, signal=signal.SIGKILL, caused_by_agent=True),
+    ]
+    assert first_failure([*casualties, real]) is real
+    # Nothing else failed: the earliest casualty is all there is to report.
+    assert first_failure(casualties) is casualties[0]
+
+
+def test_first_failure_is_the_earliest_and_ties_prefer_a_real_death() -> None:
+    hang = Failure(kind="hang", time=12.0, rank=0, section="step")
+    crash = Failure(kind="exit", time=12.0, rank=3, exit_code=1)
+    later = Failure(kind="signal", time=12.5, rank=1, signal=signal.SIGSEGV)
+    assert first_failure([later, hang, crash]) is crash
+    a = Failure(kind="exit", time=1.0, rank=2, exit_code=1)
+    b = Failure(kind="exit", time=1.0, rank=1, exit_code=1)
+    assert first_failure([a, b]) is b
+    with pytest.raises(ValueError):
+        first_failure([])
