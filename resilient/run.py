@@ -4,19 +4,29 @@ It restores the newest committed checkpoint on creation, drives the step
 loop (``for step in run.steps(n)``), takes checkpoints at completed-update
 boundaries on the configured cadence, and counts progress.  A script changes
 in about five lines; see the README.
+
+Under the node agent (``resilient run`` sets ``RESILIENT_AGENT_SOCKET``) a
+Run also reports the section it is in (``init``, ``restore``, ``step``,
+``data``, ``checkpoint`` and the user's own, see :meth:`Run.section`) with
+each heartbeat, dumps its stacks on request, writes an error file on an
+uncaught exception, injects planned faults, and stops gracefully when
+asked: see :mod:`resilient.agent.worker_hooks`.  Without an agent none of
+this is installed and the Run behaves exactly as it would otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import __version__
+from .agent.worker_env import WorkerEnv
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
 from .checkpoint.manager import RANK, REPLICATED, CheckpointManager, Restored, SaveResult
@@ -33,6 +43,11 @@ from .state import (
     restore_rng,
     unwrap,
 )
+
+if TYPE_CHECKING:
+    from .agent.worker_hooks import WorkerHooks
+
+_FROM_ENVIRONMENT: Any = object()
 
 
 class Run:
@@ -54,7 +69,21 @@ class Run:
         state: Mapping[str, Stateful] | None = None,
         config: Mapping[str, Any] | None = None,
         events: EventLog | None = None,
+        agent: WorkerEnv | None = _FROM_ENVIRONMENT,
     ) -> None:
+        """``agent``: the agent contract; read from the environment unless given (None: no agent)."""
+        self.events = events if events is not None else EventLog()
+        self._section = "init"
+        self._hooks: WorkerHooks | None = None
+        env = WorkerEnv.from_environ(os.environ) if agent is _FROM_ENVIRONMENT else agent
+        if env is not None:
+            from .agent.worker_hooks import WorkerHooks
+
+            self._hooks = WorkerHooks(env, events=self.events)
+            self._hooks.install()  # first, so that even the checks below end in an error file
+            self._hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
+            for note in self._hooks.notes:
+                self.events.emit("agent_hook_missing", note=note)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"Run(model=...) needs a torch.nn.Module, got {type(model).__qualname__}")
         for name, obj in (state or {}).items():
@@ -70,7 +99,6 @@ class Run:
         self.data = data
         self.user_state = dict(state or {})
         self.config = dict(config) if config is not None else None
-        self.events = events if events is not None else EventLog()
         self.step = 0
         self.samples = 0
         """Samples this rank trained on (reported through :meth:`report`)."""
@@ -90,6 +118,8 @@ class Run:
         self.world_size = dist.get_world_size() if distributed else 1
         if data is not None:
             data.bind(self.rank, self.world_size)
+            if self._hooks is not None:
+                data.report_section = self.section
         self._fingerprint = {
             "model": model_fingerprint(model),
             "config": _digest_config(self.config),
@@ -97,11 +127,12 @@ class Run:
         }
         self.checkpoints: CheckpointManager | None = None
         if checkpoint is not None:
-            coordinator = Coordinator.from_environment(checkpoint.timeout_s)
-            self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events)
-            restored = self.checkpoints.restore()
-            if restored is not None:
-                self._apply(restored)
+            with self.section("restore"):
+                coordinator = Coordinator.from_environment(checkpoint.timeout_s)
+                self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events)
+                restored = self.checkpoints.restore()
+                if restored is not None:
+                    self._apply(restored)
         self.events.emit("run_started", rank=self.rank, world_size=self.world_size, step=self.step,
                          restored_from=self.restored_from)
 
@@ -111,12 +142,23 @@ class Run:
 
         Resuming the generator marks the previous update complete; at each
         boundary a due checkpoint is snapshotted before the next update.
+
+        Under the agent, a graceful stop request ends the loop at a
+        boundary by committing a checkpoint and raising ``SystemExit(0)``
+        from here; let it propagate (``except Exception`` does not catch it)
+        so the process exits 0, running ``finally`` blocks and ``with``
+        exits on the way.
         """
         if total < 0:
             raise ConfigError(f"Run.steps({total}): the number of steps must be >= 0")
+        hooks = self._hooks
         while self.step < total:
+            if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):
+                self._maybe_stop(hooks)
             self._maybe_checkpoint()
             self._step_started = time.perf_counter()
+            if hooks is not None:
+                self._enter("step")
             yield self.step
             self.last_step_s = time.perf_counter() - self._step_started
             self.step += 1
@@ -141,19 +183,35 @@ class Run:
         """
         if self.checkpoints is None:
             raise ConfigError("Run.save() needs checkpoint=CheckpointConfig(...) when the Run is created")
-        self.checkpoints.wait()
-        results = self.checkpoints.results
-        if results and results[-1].step == self.step and results[-1].ok:
-            return results[-1]  # this state is already committed
-        result = self._save(wait=True)
+        with self.section("checkpoint"):
+            self.checkpoints.wait()
+            results = self.checkpoints.results
+            if results and results[-1].step == self.step and results[-1].ok:
+                return results[-1]  # this state is already committed
+            result = self._save(wait=True)
         assert result is not None
         return result
 
     def close(self) -> SaveResult | None:
         """Wait for the in-flight checkpoint (if any) to commit; return its outcome."""
-        result = self.checkpoints.wait() if self.checkpoints is not None else None
+        result = None
+        if self.checkpoints is not None:
+            with self.section("checkpoint"):
+                result = self.checkpoints.wait()
         self.events.emit("run_closed", step=self.step)
+        if self._hooks is not None:
+            self._hooks.bye(self.step, self._committed_step())
         return result
+
+    def section(self, name: str) -> _Section:
+        """Context manager marking a part of the loop, e.g. ``with run.section("eval"): ...``.
+
+        Under the agent, entering it sends a heartbeat naming ``name`` (so a
+        hang there is attributed, and timed with that section's timeout) and
+        leaving it re-enters the enclosing section.  Without an agent it only
+        records the name.
+        """
+        return _Section(self, name)
 
     def __enter__(self) -> Run:
         return self
@@ -162,6 +220,34 @@ class Run:
         self.close()
 
     # -------------------------------------------------------------- helpers
+    def _enter(self, section: str) -> None:
+        self._section = section
+        if self._hooks is not None:
+            self._hooks.enter(section, self.step, self._committed_step())
+
+    def _committed_step(self) -> int | None:
+        manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
+        return manifest.step if manifest is not None else None
+
+    def _maybe_stop(self, hooks: WorkerHooks) -> None:
+        """Stop at this boundary if the agent asked for it and ``step`` reached its stop step.
+
+        The agent picks a stop step ahead of every rank so that all ranks
+        commit the same step together.  A rank that is already past it stops
+        at its current boundary instead; if its peers stop at another step,
+        their commits do not match and the commit fails (or waits for its
+        timeout), so the agent must choose the stop step with room to spare.
+        """
+        request = hooks.take_stop_request()
+        if request is None or self.step < request.stop_at_step:
+            return
+        result = self.save() if self.checkpoints is not None else None
+        committed = result.name if result is not None and result.ok else None
+        self.events.emit("graceful_stop", step=self.step, stop_at_step=request.stop_at_step, reason=request.reason,
+                         committed=committed, error=result.error if result is not None else None)
+        hooks.bye(self.step, self._committed_step())
+        raise SystemExit(0)
+
     def _maybe_checkpoint(self) -> None:
         ckpt = self.checkpoints
         if ckpt is None or self.step == 0:
@@ -178,13 +264,14 @@ class Run:
     def _save(self, *, wait: bool) -> SaveResult | None:
         assert self.checkpoints is not None
         self._last_saved_step = self.step
-        return self.checkpoints.save(
-            self.step,
-            self._payloads(),
-            counters={"samples": self.samples, "tokens": self.tokens},
-            fingerprint=self._fingerprint,
-            wait=wait,
-        )
+        with self.section("checkpoint"):
+            return self.checkpoints.save(
+                self.step,
+                self._payloads(),
+                counters={"samples": self.samples, "tokens": self.tokens},
+                fingerprint=self._fingerprint,
+                wait=wait,
+            )
 
     def _payloads(self) -> dict[str, Any]:
         payloads: dict[str, Any] = {
@@ -242,6 +329,32 @@ class Run:
             self.events.emit("config_changed", checkpoint=name, saved=saved_config, now=self._fingerprint["config"])
         self.restored_from = name
         self._last_saved_step = self.step
+
+
+class _Section:
+    """``Run.section(name)``: enter ``name``, re-enter the enclosing section on the way out."""
+
+    __slots__ = ("_name", "_outer", "_run")
+
+    def __init__(self, run: Run, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"Run.section({name!r}): a section needs a non-empty name")
+        self._run = run
+        self._name = name
+        self._outer: str | None = None
+
+    def __enter__(self) -> None:
+        outer = self._run._section
+        if outer != self._name:  # already inside it (e.g. save() around _save()): nothing to report
+            self._outer = outer
+            self._run._enter(self._name)
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        hooks = self._run._hooks
+        if exc is not None and hooks is not None:
+            hooks.raised_in(exc, self._name)  # the error file names where it was raised, not where it surfaced
+        if self._outer is not None:
+            self._run._enter(self._outer)
 
 
 def _digest_config(config: Mapping[str, Any] | None) -> str | None:

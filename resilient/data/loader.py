@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import torch
@@ -61,6 +62,8 @@ class ElasticLoader:
         self.last_indices: list[int] = []
         """Dataset indices of the batch most recently returned on this rank."""
         self._perms: dict[int, torch.Tensor] = {}
+        self.report_section: Callable[[str], AbstractContextManager[Any]] | None = None
+        """Set by a Run under an agent (``Run.section``): producing a batch is then reported as section "data"."""
         self.rank, self.world_size = 0, 1
         if rank is not None or world_size is not None:
             self.bind(rank or 0, world_size or 1)
@@ -109,6 +112,12 @@ class ElasticLoader:
         return self
 
     def __next__(self) -> Any:
+        if self.report_section is not None:
+            with self.report_section("data"):
+                return self._produce()
+        return self._produce()
+
+    def _produce(self) -> Any:
         started = self._clock()
         indices = self.indices_at(self.consumed + self.rank * self.batch_size, self.batch_size)
         batch = self.collate_fn([self.dataset[i] for i in indices])

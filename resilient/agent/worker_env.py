@@ -1,0 +1,175 @@
+"""The environment contract from the agent to its workers, read in one place.
+
+The agent starts each worker with torch's usual variables (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ...) plus ``RESILIENT_*`` ones naming its
+heartbeat socket and the per-rank files it reads (stack dumps, error file,
+stop control file).  :meth:`WorkerEnv.from_environ` is the only place
+outside :mod:`resilient.cli` that reads environment variables, and it reads
+only these.  It returns None when ``RESILIENT_AGENT_SOCKET`` is unset: the
+worker is not under an agent and :class:`resilient.Run` behaves as it
+would without one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import ConfigError
+
+_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What the agent told this worker (each field names its variable)."""
+
+    agent_socket: str
+    """RESILIENT_AGENT_SOCKET: the agent's unix datagram socket for heartbeats."""
+    rank: int = 0
+    """RANK: global rank."""
+    world_size: int = 1
+    """WORLD_SIZE: number of ranks."""
+    local_rank: int = 0
+    """LOCAL_RANK: rank on this node."""
+    local_world_size: int = 1
+    """LOCAL_WORLD_SIZE: ranks on this node."""
+    group_rank: int = 0
+    """GROUP_RANK: this node's index among the nodes."""
+    group_world_size: int = 1
+    """GROUP_WORLD_SIZE: number of nodes."""
+    master_addr: str | None = None
+    """MASTER_ADDR: address of the process-group store."""
+    master_port: int | None = None
+    """MASTER_PORT: port of the process-group store."""
+    run_id: str | None = None
+    """RESILIENT_RUN_ID (else TORCHELASTIC_RUN_ID): the run's name."""
+    run_dir: str | None = None
+    """RESILIENT_RUN_DIR: the run directory."""
+    node_id: str | None = None
+    """RESILIENT_NODE_ID: this node's name in the run."""
+    generation: int = 0
+    """RESILIENT_GENERATION: membership generation this worker belongs to."""
+    attempt: int = 0
+    """RESILIENT_ATTEMPT (= TORCHELASTIC_RESTART_COUNT): restarts so far."""
+    stack_file: str | None = None
+    """RESILIENT_STACK_FILE: faulthandler appends all-thread stacks here; None: no dumps."""
+    stack_signal: int = int(signal.SIGUSR2)
+    """RESILIENT_STACK_SIGNAL: signal that asks for a stack dump."""
+    error_file: str | None = None
+    """RESILIENT_ERROR_FILE: JSON written on an uncaught exception; None: not written."""
+    control_file: str | None = None
+    """RESILIENT_CONTROL_FILE: JSON stop request {"stop_at_step": S, "reason": ...}; None: no graceful stop."""
+    stop_signal: int = int(signal.SIGUSR1)
+    """RESILIENT_STOP_SIGNAL: signal sent after the control file was written."""
+    fault_plan: str | None = None
+    """RESILIENT_FAULT_PLAN: a chaos plan (JSON) to inject faults from; None: no faults."""
+
+    def __post_init__(self) -> None:
+        if not self.agent_socket:
+            raise ConfigError("RESILIENT_AGENT_SOCKET is empty: set it to the agent's socket path, or unset it")
+        for outer, inner, n, i in (
+            ("WORLD_SIZE", "RANK", self.world_size, self.rank),
+            ("LOCAL_WORLD_SIZE", "LOCAL_RANK", self.local_world_size, self.local_rank),
+            ("GROUP_WORLD_SIZE", "GROUP_RANK", self.group_world_size, self.group_rank),
+        ):
+            if n < 1 or not 0 <= i < n:
+                raise ConfigError(f"{inner}={i} is not within {outer}={n}: the agent must give 0 <= {inner} < {outer}")
+        for var, value in (("RESILIENT_GENERATION", self.generation), ("RESILIENT_ATTEMPT", self.attempt)):
+            if value < 0:
+                raise ConfigError(f"{var}={value} must be >= 0")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"MASTER_PORT={self.master_port} is not a TCP port (1..65535)")
+        for var, signum in (("RESILIENT_STACK_SIGNAL", self.stack_signal), ("RESILIENT_STOP_SIGNAL", self.stop_signal)):
+            try:
+                sig = signal.Signals(signum)
+            except ValueError:
+                raise ConfigError(f"{var}={signum} is not a signal number on this platform") from None
+            if sig in _UNCATCHABLE:
+                raise ConfigError(f"{var}={signum} ({sig.name}) cannot be caught; use e.g. SIGUSR1 (10) or SIGUSR2 (12)")
+        if self.stack_signal == self.stop_signal:
+            raise ConfigError(
+                f"RESILIENT_STACK_SIGNAL and RESILIENT_STOP_SIGNAL are both {self.stop_signal}; they must differ"
+            )
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
+        """Read the agent's variables; None when not under an agent (RESILIENT_AGENT_SOCKET unset).
+
+        Raises :class:`ConfigError` naming the variable when one is invalid.
+        """
+        socket_path = environ.get("RESILIENT_AGENT_SOCKET")
+        if socket_path is None:
+            return None
+        attempt = _int(environ, "RESILIENT_ATTEMPT")
+        restarts = _int(environ, "TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and restarts is not None and attempt != restarts:
+            raise ConfigError(
+                f"RESILIENT_ATTEMPT={attempt} but TORCHELASTIC_RESTART_COUNT={restarts}; the agent sets both "
+                "to the number of restarts so far"
+            )
+        values: dict[str, Any] = {
+            "agent_socket": socket_path,
+            "rank": _int(environ, "RANK"),
+            "world_size": _int(environ, "WORLD_SIZE"),
+            "local_rank": _int(environ, "LOCAL_RANK"),
+            "local_world_size": _int(environ, "LOCAL_WORLD_SIZE"),
+            "group_rank": _int(environ, "GROUP_RANK"),
+            "group_world_size": _int(environ, "GROUP_WORLD_SIZE"),
+            "master_addr": _str(environ, "MASTER_ADDR"),
+            "master_port": _int(environ, "MASTER_PORT"),
+            "run_id": _str(environ, "RESILIENT_RUN_ID") or _str(environ, "TORCHELASTIC_RUN_ID"),
+            "run_dir": _str(environ, "RESILIENT_RUN_DIR"),
+            "node_id": _str(environ, "RESILIENT_NODE_ID"),
+            "generation": _int(environ, "RESILIENT_GENERATION"),
+            "attempt": attempt if attempt is not None else restarts,
+            "stack_file": _str(environ, "RESILIENT_STACK_FILE"),
+            "stack_signal": _int(environ, "RESILIENT_STACK_SIGNAL"),
+            "error_file": _str(environ, "RESILIENT_ERROR_FILE"),
+            "control_file": _str(environ, "RESILIENT_CONTROL_FILE"),
+            "stop_signal": _int(environ, "RESILIENT_STOP_SIGNAL"),
+            "fault_plan": _str(environ, "RESILIENT_FAULT_PLAN"),
+        }
+        return cls(**{k: v for k, v in values.items() if v is not None})
+
+    def to_environ(self) -> dict[str, str]:
+        """The variables that :meth:`from_environ` reads back into this WorkerEnv (for launchers and tests)."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out[_VARS[f.name]] = str(value)
+        if self.run_id is not None:
+            out["TORCHELASTIC_RUN_ID"] = self.run_id
+        out["TORCHELASTIC_RESTART_COUNT"] = str(self.attempt)
+        return out
+
+
+_VARS = {
+    "agent_socket": "RESILIENT_AGENT_SOCKET", "rank": "RANK", "world_size": "WORLD_SIZE",
+    "local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE", "group_rank": "GROUP_RANK",
+    "group_world_size": "GROUP_WORLD_SIZE", "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
+    "run_id": "RESILIENT_RUN_ID", "run_dir": "RESILIENT_RUN_DIR", "node_id": "RESILIENT_NODE_ID",
+    "generation": "RESILIENT_GENERATION", "attempt": "RESILIENT_ATTEMPT", "stack_file": "RESILIENT_STACK_FILE",
+    "stack_signal": "RESILIENT_STACK_SIGNAL", "error_file": "RESILIENT_ERROR_FILE",
+    "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
+    "fault_plan": "RESILIENT_FAULT_PLAN",
+}
+
+
+def _str(environ: Mapping[str, str], var: str) -> str | None:
+    value = environ.get(var)
+    return value if value else None  # set but empty means unset, as in a shell's VAR= prefix
+
+
+def _int(environ: Mapping[str, str], var: str) -> int | None:
+    value = _str(environ, var)
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ConfigError(f"{var}={value!r} is not an integer") from None

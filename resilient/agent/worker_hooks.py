@@ -1,0 +1,214 @@
+"""The worker's side of the agent contract, as used by :class:`resilient.Run`.
+
+:class:`WorkerHooks` holds everything a worker process does for its agent:
+
+- heartbeats: ``hello`` once, a ``section`` message on every section entry,
+  ``bye`` when no more will come (:mod:`resilient.agent.heartbeat`);
+- stack dumps: faulthandler writes every thread's stack to the rank's stack
+  file when the agent sends ``RESILIENT_STACK_SIGNAL`` (it runs in C, so it
+  works while the main thread is stuck in a lock or a sleep);
+- the error file: an uncaught exception is written as JSON for the agent's
+  first-failure report, and exceptions under the exit-code contract
+  (:func:`resilient.exitcodes.exit_code_for`) end the process with their
+  code so the agent does not restart a run that cannot succeed;
+- graceful stop: ``RESILIENT_STOP_SIGNAL`` only sets a flag; the Run reads
+  the control file at its next step boundary (:meth:`take_stop_request`);
+- chaos: a fault plan (``RESILIENT_FAULT_PLAN``) is loaded lazily and its
+  faults fire on section entry.
+
+Only the main thread can install signal handlers; a Run created elsewhere
+gets heartbeats and stack dumps but no graceful stop, and says so in
+``notes``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import IO, TYPE_CHECKING, Any
+
+from .heartbeat import HeartbeatSender
+from .worker_env import WorkerEnv
+
+if TYPE_CHECKING:
+    from ..chaos.inject import FaultInjector
+    from ..events import EventLog
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """What the agent asked for in the control file."""
+
+    stop_at_step: int
+    """Commit and exit at the first step boundary where ``step >= stop_at_step``."""
+    reason: str
+
+
+def read_stop_request(path: str) -> StopRequest:
+    """Parse the control file the agent wrote before signalling.
+
+    A missing or invalid file still means "stop": the signal says the agent
+    wants the worker gone, so it stops at its current boundary (step 0
+    means "now") with a reason that says what was wrong with the file.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as e:
+        return StopRequest(0, f"stop signal without a readable control file {path} ({e}); stopping now")
+    step = raw.get("stop_at_step") if isinstance(raw, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int):
+        return StopRequest(0, f"control file {path} has no integer stop_at_step ({raw!r}); stopping now")
+    return StopRequest(step, str(raw.get("reason") or "stop requested by the agent"))
+
+
+class WorkerHooks:
+    """Heartbeats, stack dumps, error file, stop requests and faults for one worker process."""
+
+    def __init__(self, env: WorkerEnv, *, events: EventLog | None = None) -> None:
+        self.env = env
+        self.events = events
+        self.sender = HeartbeatSender(env.agent_socket, rank=env.rank, local_rank=env.local_rank)
+        self.section = "init"
+        self.step = 0
+        self.committed_step: int | None = None
+        self.stop_signalled = False
+        """Set by the stop signal handler; cleared when the control file is read."""
+        self.stop_request: StopRequest | None = None
+        self.injector: FaultInjector | None = None
+        self.notes: list[str] = []
+        """What could not be installed, and why."""
+        self._raised_in: tuple[BaseException, str] | None = None
+        self._stack_file: IO[str] | None = None
+        self._prev_excepthook: Any = None
+        self._prev_stop_handler: Any = None
+        self._said_bye = False
+
+    # ------------------------------------------------------------ install
+    def install(self) -> None:
+        """Register the stack dump, excepthook and stop handler; load the fault plan if any."""
+        env = self.env
+        self._prev_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook  # first: a bad fault plan below is a ConfigError, exit 78
+        if env.stack_file is not None:
+            self._stack_file = open(env.stack_file, "a", encoding="utf-8")  # noqa: SIM115  kept open for the handler
+            faulthandler.register(env.stack_signal, file=self._stack_file, all_threads=True, chain=False)
+        if env.control_file is not None:
+            if threading.current_thread() is threading.main_thread():
+                self._prev_stop_handler = signal.signal(env.stop_signal, self._on_stop_signal)
+            else:
+                self.notes.append("Run created outside the main thread: no graceful stop on the stop signal")
+        if env.fault_plan is not None:
+            from ..chaos.inject import FaultInjector  # only now: `import resilient` never loads chaos
+            from ..chaos.plan import FaultPlan
+
+            plan = FaultPlan.load(env.fault_plan)
+            self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events)
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` (for tests and for processes that outlive their Run)."""
+        if self._stack_file is not None:
+            faulthandler.unregister(self.env.stack_signal)
+            self._stack_file.close()
+            self._stack_file = None
+        if sys.excepthook == self._excepthook:
+            sys.excepthook = self._prev_excepthook
+        if self._prev_stop_handler is not None:
+            signal.signal(self.env.stop_signal, self._prev_stop_handler)
+            self._prev_stop_handler = None
+        self.sender.close()
+
+    # ---------------------------------------------------------- heartbeats
+    def hello(self, checkpoint: str | None) -> None:
+        self.sender.send("hello", self.section, self.step, committed_step=self.committed_step, checkpoint=checkpoint)
+        if self.injector is not None:
+            self.injector.at(self.section, self.step)
+
+    def enter(self, section: str, step: int, committed_step: int | None) -> None:
+        """Report entering ``section`` at ``step``; fire a planned fault there, if any."""
+        self.section = section
+        self.step = step
+        self.committed_step = committed_step
+        if not self._said_bye:  # after bye (e.g. Run.close() after a graceful stop) the agent expects silence
+            self.sender.send("section", section, step, committed_step=committed_step)
+        if self.injector is not None:
+            self.injector.at(section, step)
+
+    def bye(self, step: int, committed_step: int | None) -> None:
+        """Tell the agent that no more heartbeats will come from this process."""
+        if self._said_bye:
+            return
+        self._said_bye = True
+        self.step, self.committed_step = step, committed_step
+        self.sender.send("bye", self.section, step, committed_step=committed_step)
+
+    def raised_in(self, exc: BaseException, section: str) -> None:
+        """Remember the innermost section an exception left, for the error file."""
+        if self._raised_in is None or self._raised_in[0] is not exc:
+            self._raised_in = (exc, section)
+
+    # ---------------------------------------------------------------- stop
+    def _on_stop_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stop_signalled = True  # only a flag: the Run acts at its next step boundary
+
+    def take_stop_request(self) -> StopRequest | None:
+        """The pending stop request, reading the control file if a stop signal came since the last read."""
+        if self.stop_signalled:
+            self.stop_signalled = False
+            assert self.env.control_file is not None
+            self.stop_request = read_stop_request(self.env.control_file)
+            if self.events is not None:
+                self.events.emit("stop_requested", step=self.step, stop_at_step=self.stop_request.stop_at_step,
+                                 reason=self.stop_request.reason)
+        return self.stop_request
+
+    # -------------------------------------------------------------- errors
+    def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        code = None
+        try:
+            from ..exitcodes import exit_code_for
+
+            code = exit_code_for(exc)
+            self.write_error(exc_type, exc, tb, code)
+        except Exception as e:  # noqa: BLE001  the hook must still print the original error
+            print(f"resilient: could not write the error file: {e}", file=sys.stderr)
+        (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+        if code is not None:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+            os._exit(code)
+
+    def write_error(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None,
+                    exit_code: int | None) -> None:
+        """Write the error file atomically (nothing when the agent gave none)."""
+        path = self.env.error_file
+        if path is None:
+            return
+        section = self._raised_in[1] if self._raised_in and self._raised_in[0] is exc else self.section
+        module = exc_type.__module__
+        record = {
+            "rank": self.env.rank,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "exc_type": exc_type.__qualname__ if module == "builtins" else f"{module}.{exc_type.__qualname__}",
+            "message": str(exc),
+            "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
+            "section": section,
+            "step": self.step,
+            "exit_code": exit_code,
+        }
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)

@@ -1,0 +1,143 @@
+"""Carry out a fault plan inside a worker process.
+
+:class:`FaultInjector` keeps the faults of a plan that can strike this
+process (its node, rank and restart attempt), indexed by (section, step),
+so the check at every section entry is one dict lookup.  Each fault fires
+at most once per process, and is recorded (an event, and a line on stderr
+that lands in the rank's log) before it fires: a SIGKILLed process cannot
+say afterwards what happened to it.
+
+The functions that hang are named for what they do (``_hang``,
+``_deadlock``, ``_deadlock_partner``) so that a stack dump of the victim
+reads as an explanation.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, TextIO
+
+from .plan import Fault, FaultPlan
+
+if TYPE_CHECKING:
+    from ..events import EventLog
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a ``raise`` fault: an ordinary, restartable crash."""
+
+
+class FaultInjector:
+    """The faults of ``plan`` that can strike worker ``rank`` on ``node`` in restart ``attempt``."""
+
+    def __init__(
+        self,
+        plan: FaultPlan,
+        node: str | None,
+        rank: int,
+        attempt: int,
+        *,
+        events: EventLog | None = None,
+        log: TextIO | None = None,
+    ) -> None:
+        self.plan = plan
+        self.node = node
+        self.rank = rank
+        self.attempt = attempt
+        self.events = events
+        self._log = log
+        self.fired: list[Fault] = []
+        """Faults fired so far in this process (the ones that returned: hangs with a duration)."""
+        self._index: dict[tuple[str, int], list[Fault]] = {}
+        for fault in plan.for_worker(node, rank, attempt):
+            self._index.setdefault((fault.section, fault.step), []).append(fault)
+
+    @property
+    def armed(self) -> bool:
+        """Whether any fault can still strike this process."""
+        return bool(self._index)
+
+    def at(self, section: str, step: int) -> None:
+        """Called on entering ``section`` at ``step``: fire the first matching fault, if any."""
+        if not self._index:
+            return
+        faults = self._index.get((section, step))
+        if not faults:
+            return
+        fault = faults.pop(0)  # at most once per process, even when the section is entered again
+        if not faults:
+            del self._index[(section, step)]
+        self.fire(fault, step)
+
+    def fire(self, fault: Fault, step: int) -> None:
+        """Record ``fault``, then carry it out."""
+        message = f"resilient.chaos: injecting fault into rank {self.rank} (pid {os.getpid()}): {fault.describe()}"
+        if self.events is not None:
+            self.events.emit("fault_injected", fault=fault.to_dict(), step=step, rank=self.rank, node=self.node,
+                             attempt=self.attempt, seed=self.plan.seed, message=message)
+        log = self._log if self._log is not None else sys.stderr
+        try:
+            log.write(message + "\n")
+            log.flush()
+        except (OSError, ValueError):
+            pass  # a closed stderr must not stop the fault
+        self.fired.append(fault)
+        if fault.kind == "kill":
+            _flush_stdio()
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "exit":
+            _flush_stdio()
+            os._exit(fault.code)
+        elif fault.kind == "raise":
+            raise InjectedFault(message)
+        elif fault.kind == "hang":
+            _hang(fault.duration_s)
+        elif fault.kind == "deadlock":
+            _deadlock()
+        elif fault.kind == "sigstop":
+            _flush_stdio()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:  # pragma: no cover - Fault validates its kind
+            raise AssertionError(fault.kind)
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def _hang(duration_s: float | None) -> None:
+    """Sleep for ``duration_s`` (None: forever); signal handlers still run meanwhile."""
+    if duration_s is not None:
+        time.sleep(duration_s)
+        return
+    while True:
+        time.sleep(3600)
+
+
+def _deadlock() -> None:
+    """Take lock A, let a partner take lock B, then each waits for the other's lock: forever."""
+    lock_a, lock_b = threading.Lock(), threading.Lock()
+    partner_holds_b = threading.Event()
+    main_holds_a = threading.Event()
+
+    def _deadlock_partner() -> None:
+        with lock_b:
+            partner_holds_b.set()
+            main_holds_a.wait()
+            with lock_a:  # never acquired
+                pass
+
+    with lock_a:
+        threading.Thread(target=_deadlock_partner, name="resilient-chaos-deadlock", daemon=True).start()
+        main_holds_a.set()
+        partner_holds_b.wait()
+        with lock_b:  # never acquired
+            pass

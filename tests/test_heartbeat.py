@@ -1,0 +1,244 @@
+"""Heartbeats: the datagram format, a real sender process, and the receiver's defences."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.agent.heartbeat import (
+    RECONNECT_INTERVAL_S,
+    Heartbeat,
+    HeartbeatError,
+    HeartbeatReceiver,
+    HeartbeatSender,
+    decode,
+    encode,
+)
+from resilient.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(condition, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+class Inbox:
+    """Collects what a receiver hands over, from its thread."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Heartbeat, float]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, hb: Heartbeat, received_at: float) -> None:
+        with self._lock:
+            self.items.append((hb, received_at))
+
+    def messages(self) -> list[Heartbeat]:
+        with self._lock:
+            return [hb for hb, _ in self.items]
+
+
+@pytest.fixture
+def sock_path(tmp_path_factory):
+    # pytest's tmp paths can exceed the 107-byte socket limit; use a short private dir
+    d = Path(f"/tmp/rhb-{os.getpid()}-{time.monotonic_ns()}")
+    d.mkdir(mode=0o700)
+    yield d / "hb.sock"
+    for p in d.iterdir():
+        p.unlink()
+    d.rmdir()
+
+
+def test_encode_decode_round_trip():
+    hb = Heartbeat(rank=3, local_rank=1, pid=42, section="data", step=7, seq=9, kind="hello",
+                   checkpoint="s3://b/p", committed_step=5)
+    assert decode(encode(hb)) == hb
+
+
+def test_sender_fast_path_writes_what_decode_reads(sock_path):
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox)
+    try:
+        sender = HeartbeatSender(sock_path, rank=2, local_rank=0, pid=77)
+        assert sender.send("hello", 'we"ird \\ nämé', 0, checkpoint='/ck "x"')
+        assert sender.send("section", "step", 12, committed_step=10)
+        wait_for(lambda: len(inbox.messages()) == 2, what="two heartbeats")
+    finally:
+        receiver.close()
+    first, second = inbox.messages()
+    assert first == Heartbeat(rank=2, local_rank=0, pid=77, section='we"ird \\ nämé', step=0, seq=1, kind="hello",
+                              checkpoint='/ck "x"', committed_step=None)
+    assert second == Heartbeat(rank=2, local_rank=0, pid=77, section="step", step=12, seq=2, kind="section",
+                               checkpoint=None, committed_step=10)
+
+
+@pytest.mark.parametrize(
+    "data, problem",
+    [
+        (b"\xff\xfe", "not UTF-8 JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"v": 2}', "protocol version"),
+        (b'{"v": 1, "rank": "0"}', "'rank' must be an integer"),
+        (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":true,"seq":1}', "'step' must be an integer"),
+        (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":1,"seq":1,"kind":"ping","section":"s"}', "'kind'"),
+        (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":1,"seq":1,"kind":"bye","section":""}', "'section'"),
+        (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":1,"seq":1,"kind":"bye","section":"s","committed_step":"3"}',
+         "'committed_step'"),
+    ],
+)
+def test_decode_names_the_problem(data, problem):
+    with pytest.raises(HeartbeatError, match=problem):
+        decode(data)
+
+
+def test_round_trip_from_a_real_sender_process(sock_path):
+    """A separate process sends hello, sections and bye; the receiver stamps them with its own clock."""
+    ticks = iter(range(1000, 10**6))
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox, clock=lambda: float(next(ticks)))
+    code = (
+        "import os, sys, time\n"
+        "from resilient.agent.heartbeat import HeartbeatSender\n"
+        f"s = HeartbeatSender({str(sock_path)!r}, rank=5, local_rank=1)\n"
+        "ok = [s.send('hello', 'init', 0, checkpoint='/ckpt')]\n"
+        "for step in range(50):\n"
+        "    ok.append(s.send('section', 'step', step, committed_step=step // 10 * 10 or None))\n"
+        "    time.sleep(0.0005)\n"
+        "ok.append(s.send('bye', 'step', 50, committed_step=50))\n"
+        "print(os.getpid(), all(ok), s.dropped, 'torch' in sys.modules)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.split()
+        wait_for(lambda: len(inbox.messages()) == 52, what="52 heartbeats")
+    finally:
+        receiver.close()
+    pid, all_ok, dropped, torch_loaded = int(out[0]), out[1], int(out[2]), out[3]
+    assert (all_ok, dropped, torch_loaded) == ("True", 0, "False")  # the sender stays light
+    msgs = inbox.messages()
+    assert [m.kind for m in msgs] == ["hello"] + ["section"] * 50 + ["bye"]
+    assert [m.seq for m in msgs] == list(range(1, 53))
+    assert {m.pid for m in msgs} == {pid} and {m.rank for m in msgs} == {5} and {m.local_rank for m in msgs} == {1}
+    assert msgs[0].checkpoint == "/ckpt" and msgs[0].section == "init"
+    assert [m.step for m in msgs[1:-1]] == list(range(50))
+    assert msgs[25].committed_step == 20 and msgs[-1].committed_step == 50
+    stamps = [t for _, t in inbox.items]
+    assert stamps == sorted(stamps) and stamps[0] >= 1000  # the injected clock, not time.monotonic
+    assert receiver.received == 52 and receiver.malformed == 0
+
+
+def test_malformed_datagrams_are_counted_and_dropped(sock_path):
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as raw:
+            for junk in (b"not json", b'{"v": 99}', b"[]"):
+                raw.sendto(junk, str(sock_path))
+        HeartbeatSender(sock_path, rank=0, local_rank=0).send("section", "step", 1)
+        wait_for(lambda: receiver.malformed == 3 and receiver.received == 1, what="3 malformed + 1 valid")
+        assert "JSON" in (receiver.last_error or "") or "list" in (receiver.last_error or "")
+    finally:
+        receiver.close()
+    assert [m.step for m in inbox.messages()] == [1]
+
+
+def test_a_failing_callback_does_not_stop_intake(sock_path):
+    seen = []
+
+    def flaky(hb, _at):
+        seen.append(hb.step)
+        if hb.step == 1:
+            raise RuntimeError("agent bug")
+
+    receiver = HeartbeatReceiver(sock_path, flaky)
+    try:
+        sender = HeartbeatSender(sock_path, rank=0, local_rank=0)
+        for step in range(3):
+            sender.send("section", "step", step)
+        wait_for(lambda: len(seen) == 3, what="three callbacks")
+    finally:
+        receiver.close()
+    assert receiver.callback_errors == 1
+
+
+def test_sender_never_raises_and_counts_drops(sock_path, tmp_path):
+    now = [0.0]
+    sender = HeartbeatSender(sock_path, rank=0, local_rank=0, clock=lambda: now[0])
+    assert not sender.send("section", "step", 1)  # nobody bound the path yet
+    assert "FileNotFoundError" in (sender.last_error or "")
+    assert not sender.send("section", "step", 2)  # within the reconnect interval: dropped without a syscall
+    assert sender.dropped == 2
+
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox)
+    now[0] += RECONNECT_INTERVAL_S
+    assert sender.send("section", "step", 3)
+    wait_for(lambda: len(inbox.messages()) == 1, what="the first heartbeat after the agent came up")
+    receiver.close()  # the agent goes away: ECONNREFUSED / ENOENT, never an exception
+    assert not sender.send("section", "step", 4)
+    now[0] += RECONNECT_INTERVAL_S
+    assert not sender.send("section", "step", 5)
+
+    receiver = HeartbeatReceiver(sock_path, inbox)  # it comes back on the same path: found again
+    now[0] += RECONNECT_INTERVAL_S
+    try:
+        assert sender.send("section", "step", 6)
+        wait_for(lambda: len(inbox.messages()) == 2, what="a heartbeat to the rebound socket")
+    finally:
+        receiver.close()
+    assert [m.step for m in inbox.messages()] == [3, 6] and sender.dropped == 4 and sender.sent == 2
+
+    not_a_socket = tmp_path / "plain-file"
+    not_a_socket.write_text("")
+    other = HeartbeatSender(not_a_socket, rank=0, local_rank=0)
+    assert not other.send("section", "step", 0) and other.dropped == 1
+    sender.close()
+    assert not sender.send("section", "step", 7)  # even a closed sender does not raise
+
+
+def test_receiver_socket_is_private_and_paths_are_checked(sock_path, tmp_path):
+    receiver = HeartbeatReceiver(sock_path, Inbox())
+    try:
+        mode = os.stat(sock_path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        assert [p.name for p in sock_path.parent.iterdir()] == ["hb.sock"]  # the temporary name is gone
+    finally:
+        receiver.close()
+    assert not sock_path.exists()
+    # a stale socket from a dead agent is replaced
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    stale.bind(str(sock_path))
+    stale.close()
+    HeartbeatReceiver(sock_path, Inbox()).close()
+    regular = tmp_path / "regular"
+    regular.write_text("x")
+    with pytest.raises(ConfigError, match="not a socket"):
+        HeartbeatReceiver(regular, Inbox())
+    with pytest.raises(ConfigError, match="107-byte limit"):
+        HeartbeatReceiver(tmp_path / ("x" * 120), Inbox())
+
+
+def test_worker_side_agent_modules_do_not_import_torch():
+    code = (
+        "import sys, resilient.agent\n"
+        "light = [m for m in sys.modules if m.startswith('resilient.agent.')]\n"
+        "import resilient.agent.heartbeat, resilient.agent.worker_env, resilient.agent.worker_hooks\n"
+        "import resilient.chaos.plan, resilient.chaos.inject\n"
+        "print(light, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.strip()
+    assert out == "[] False"
