@@ -1,20 +1,23 @@
-"""Kill a 2-rank training job mid-run, relaunch it, and show the resumed run is the same run.
+"""Kill a rank of a 2-rank training job mid-run and show the recovered run is the same run.
 
-    python examples/resume_demo.py                       # ~2-3 minutes on 2 CPU cores
+    python examples/resume_demo.py                       # ~1-2 minutes on 2 CPU cores
 
-It launches ``examples/train_gpt.py`` under ``torchrun`` (gloo + DDP, CPU):
+It launches ``examples/train_gpt.py`` under ``resilient run`` (the node
+agent, embedded defaults: no external service; gloo + DDP, CPU):
 
   (a) a reference run of N steps, uninterrupted;
   (b) the same run in a fresh checkpoint directory, where rank 1 SIGKILLs
-      itself at the top of step S: torchrun tears the job down, non-zero exit;
-  (c) the same command again: it restores the newest committed checkpoint and
-      finishes (a restored run never crashes itself);
-  (d) a comparison of the two traces: per step and rank, the learning rate,
+      itself at the top of step S: the agent records the incident (which
+      rank, which signal, which section and step), stops rank 0, restarts
+      both from the newest committed checkpoint, and the job finishes with
+      exit code 0 (a restored run never crashes itself);
+  (c) a comparison of the two traces: per step and rank, the learning rate,
       the loss and the sample indices, and the final digests of the model
       parameters and the optimizer state, which must be bitwise equal.
 
-It prints an evidence table and exits 0 on MATCH, 1 on MISMATCH, 2 when a
-launch did not behave as expected.  Arguments after ``--`` go to train_gpt.py.
+It prints the incident, an evidence table, and exits 0 on MATCH, 1 on
+MISMATCH, 2 when a launch did not behave as expected.  Arguments after
+``--`` go to train_gpt.py.
 """
 
 from __future__ import annotations
@@ -36,14 +39,15 @@ NPROC = 2
 CRASH_RANK = 1
 
 
-def launch(label: str, train_args: list[str], timeout_s: float) -> tuple[int, str]:
-    """Run ``torchrun ... train_gpt.py`` streaming its output prefixed by ``label``; return (exit code, output)."""
+def launch(label: str, run_dir: str, train_args: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run ``resilient run ... train_gpt.py`` streaming its output prefixed by ``label``; return (exit code, output)."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
+        "resilient",
+        "run",
         f"--nproc-per-node={NPROC}",
+        f"--run-dir={run_dir}",
         TRAIN,
         *train_args,
     ]
@@ -156,15 +160,17 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def committed(ckpt_dir: str) -> list[str]:
-    try:
-        return sorted(
-            n
-            for n in os.listdir(ckpt_dir)
-            if n.startswith("step_") and os.path.isfile(os.path.join(ckpt_dir, n, "manifest.json"))
-        )
-    except FileNotFoundError:
-        return []
+def incident_summaries(run_dir: str) -> list[str]:
+    """One line per incident the agent wrote: what failed, and what the agent decided."""
+    found = []
+    folder = os.path.join(run_dir, "incidents")
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name), encoding="utf-8") as f:
+            inc = json.load(f)
+        decision = inc.get("decision") or {}
+        found.append(f"{inc['id']}: {inc['summary']}")
+        found.append(f"  decision: {decision.get('action')}: {decision.get('reason')}")
+    return found
 
 
 # --------------------------------------------------------------------- main
@@ -220,27 +226,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nDEMO FAILED: {why}", flush=True)
         return 2
 
-    rc, _ = launch("reference", [*common, "--ckpt-dir", ref_ckpt, "--trace", ref_trace, *extra], args.timeout)
+    ref_cmd = [*common, "--ckpt-dir", ref_ckpt, "--trace", ref_trace, *extra]
+    rc, _ = launch("reference", os.path.join(ref_dir, "run"), ref_cmd, args.timeout)
     if rc != 0:
         return fail(f"the reference run exited with {rc}")
 
-    rc, out = launch("crash", res_cmd, args.timeout)
-    killed = "SIGKILL" in out or "Signal 9" in out
-    if rc == 0:
-        return fail("the run that should crash finished cleanly")
-    survived = committed(res_ckpt)
-    print(
-        f"\n>>> the job died as planned: torchrun exit code {rc}"
-        f"{f', rank {CRASH_RANK} was SIGKILLed' if killed else ''}; committed checkpoints left: "
-        f"{', '.join(survived) or 'none'}\n    (the tracebacks above are torchrun and rank 0 reporting the planned crash)",
-        flush=True,
-    )
-    if not survived:
-        return fail("no checkpoint was committed before the crash")
-
-    rc, _ = launch("resume", res_cmd, args.timeout)
+    res_run = os.path.join(res_dir, "run")
+    rc, _ = launch("crash", res_run, res_cmd, args.timeout)
     if rc != 0:
-        return fail(f"the resumed run exited with {rc}")
+        return fail(f"the agent did not recover the crashed run: exit code {rc}")
+    incidents = incident_summaries(res_run)
+    print("\n>>> incidents recorded by the agent:" if incidents else "\n>>> no incident was recorded", flush=True)
+    for line in incidents:
+        print(f"    {line}", flush=True)
+    if not incidents:
+        return fail("the planned crash left no incident")
 
     ref, res = Trace(ref_trace), Trace(res_trace)
     problems, compared = compare(ref, res, args.steps)

@@ -12,6 +12,9 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 apt_packages=()
 "$PY" -c "import venv, ensurepip" 2>/dev/null || apt_packages+=(python3-venv python3-pip)
 command -v mount >/dev/null || apt_packages+=(mount)
+# Real servers the tests start: etcd for multi-node rendezvous, openssl for its TLS test.
+command -v etcd >/dev/null || apt_packages+=(etcd-server)
+command -v openssl >/dev/null || apt_packages+=(openssl)
 if ((${#apt_packages[@]})); then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}"

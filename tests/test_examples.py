@@ -1,4 +1,4 @@
-"""The examples run: train_gpt.py on one process, and the crash/resume demo end to end under torchrun."""
+"""The examples run: train_gpt.py on one process, and the crash/recover demo end to end under `resilient run`."""
 
 from __future__ import annotations
 
@@ -88,6 +88,7 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "verdict: MATCH" in out, out[-6000:]
-    assert "rank 1 was SIGKILLed" in out
+    assert "rank 1 on " in out and ": killed by SIGKILL in section 'step' at step 45" in out
+    assert "decision: restart" in out
     assert "step_0000000040 (resumed at step 40)" in out
     assert "5 (steps 40..44)" in out

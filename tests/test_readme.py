@@ -45,3 +45,31 @@ def test_readme_commands_exist():
         assert (Path(__file__).parent.parent / command.split()[1]).exists()
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
     assert "bash scripts/test.sh" in ci
+
+
+def test_readme_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
+    from resilient.chaos.plan import FaultPlan
+    from resilient.cli.main import build_parser
+
+    (commands,) = [b for b in blocks("bash") if "resilient run" in b]
+    lines = [line for line in commands.replace("\\\n", " ").splitlines() if line.strip().startswith("resilient")]
+    assert len(lines) >= 4
+    parser = build_parser()
+    for line in lines:
+        parser.parse_args(shlex.split(line.split("#")[0])[1:])  # every flag shown exists
+
+    # The one-machine command, shortened and with a smaller model, runs under the agent.
+    argv = shlex.split(lines[0].split("#")[0])
+    assert argv[:4] == ["resilient", "run", "--nproc-per-node", "2"]
+    argv[argv.index("--steps") + 1] = "6"
+    argv = [str(tmp_path / a) if a.startswith("runs/") else a for a in argv]
+    repo = Path(__file__).parent.parent
+    cmd = [sys.executable, "-m", "resilient", "run", "--run-dir", str(tmp_path / "run"), "--quiet",
+           *argv[2:], "--layers", "1", "--batch-size", "4"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=180, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "succeeded: all workers exited 0" in proc.stderr
+    assert (tmp_path / "runs" / "gpt" / "ckpt" / "step_0000000006" / "manifest.json").exists()
+
+    (plan,) = [b for b in blocks("json") if '"faults"' in b]
+    assert [f.kind for f in FaultPlan.loads(plan).faults] == ["kill", "hang"]

@@ -20,6 +20,7 @@ import os
 import random
 import signal
 import sys
+import time
 
 import numpy as np
 import torch
@@ -118,6 +119,8 @@ def main() -> int:
     p.add_argument("--fault-step", type=int, default=None)
     p.add_argument("--fault-rank", type=int, default=None, help="only this rank faults (default: all)")
     p.add_argument("--sync", action="store_true", help="synchronous saves")
+    p.add_argument("--elastic", action="store_true", help="allow resuming on a different number of ranks")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (slower runs)")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -141,13 +144,14 @@ def main() -> int:
     if args.dir:
         ckpt = resilient.CheckpointConfig(
             dir=args.dir, every_steps=args.every, keep=args.keep, endpoint_url=args.endpoint_url,
-            async_save=not args.sync, timeout_s=60,
+            async_save=not args.sync, timeout_s=60, elastic=args.elastic,
         )
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt)
 
     marker = f"{args.trace}.fault-fired"
     trace = open(f"{args.trace}.rank{rank}", "a")
-    trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step}) + "\n")
+    trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step,
+                            "world_size": world}) + "\n")
     for step in run.steps(args.steps):
         faulty = args.fault and args.fault_rank in (None, rank)
         if faulty and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
@@ -157,6 +161,8 @@ def main() -> int:
         noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
         loss = torch.nn.functional.mse_loss(model(x), y) + noise
         loss.backward()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

@@ -31,6 +31,8 @@ class CheckpointConfig:
     """Digest chunk size; chunks are hashed in parallel."""
     timeout_s: float = 600.0
     """Longest wait for peers during a commit or restore before it fails."""
+    elastic: bool = False
+    """Allow restoring a checkpoint written by a different number of ranks (see docs/architecture.md)."""
 
     def __post_init__(self) -> None:
         if not os.fspath(self.dir):

@@ -314,11 +314,15 @@ class CheckpointManager:
                 self._quarantine(name, f"{e.file}: {e.problem}")
                 problems.append(str(e))
                 continue
-            if manifest.world_size != self.coord.world_size:
+            if manifest.world_size != self.coord.world_size and self.config.elastic:
+                self.events.emit("checkpoint_resharded", name=name, saved_world_size=manifest.world_size,
+                                 world_size=self.coord.world_size, rank_state_from=self.coord.rank % manifest.world_size)
+            elif manifest.world_size != self.coord.world_size:
                 raise CheckpointMismatchError(
                     f"checkpoint {name} in {self.storage.url} was written by {manifest.world_size} ranks but this "
                     f"job has {self.coord.world_size}; restart with {manifest.world_size} ranks, or point "
-                    "CheckpointConfig.dir at a fresh location to start a new run"
+                    "CheckpointConfig.dir at a fresh location to start a new run (or set CheckpointConfig(elastic=True) "
+                    "to continue on a different number of ranks)"
                 )
             status, detail, restored = self._load_local(manifest)
             statuses = self.coord.gather(json.dumps([status, detail]).encode())
@@ -359,7 +363,9 @@ class CheckpointManager:
         """Read and verify this rank's files: ("ok"|"corrupt"|"error", detail, restored)."""
         try:
             trees = {}
-            for key, entry in ((REPLICATED, manifest.file_for(None)), (RANK, manifest.file_for(self.coord.rank))):
+            # Elastic restore: rank r takes the per-rank state of rank r mod the saved world size.
+            source_rank = self.coord.rank % manifest.world_size
+            for key, entry in ((REPLICATED, manifest.file_for(None)), (RANK, manifest.file_for(source_rank))):
                 trees[key] = self._read_verified(manifest, entry)
             return "ok", "", Restored(manifest, trees[REPLICATED], trees[RANK])
         except CheckpointCorruptError as e:

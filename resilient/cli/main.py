@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ResilientError
-from . import checkpoint_cmd
+from . import checkpoint_cmd, run_cmd, status_cmd, stop_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    run_cmd.add_parser(commands)
+    status_cmd.add_parser(commands)
+    stop_cmd.add_parser(commands)
     checkpoint_cmd.add_parser(commands)
     return parser
 

@@ -1,0 +1,87 @@
+"""The agent's configuration: one validated dataclass built by the CLI or by code."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..watchdog.sections import SectionTimeouts
+from .health import HealthConfig
+from .policy import RestartConfig
+from .rendezvous import RendezvousTimeouts
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Everything one node agent needs to supervise its workers."""
+
+    entrypoint: tuple[str, ...]
+    """The worker command line, e.g. (sys.executable, "-u", "train.py", "--steps", "300")."""
+    run_id: str
+    """Name shared by every node of the run."""
+    node_id: str
+    """This node's unique name within the run."""
+    run_dir: Path
+    """Where events, logs, incidents and status go."""
+    nproc_per_node: int = 1
+    """Worker processes on this node."""
+    min_nodes: int = 1
+    """Fewest nodes the run continues with."""
+    max_nodes: int = 1
+    """Most nodes admitted to a generation."""
+    store_url: str | None = None
+    """etcd://host:port[,host:port] for many machines; None for the embedded one-machine store."""
+    etcd_options: Mapping[str, object] = field(default_factory=dict)
+    """Extra EtcdConfig fields (username, password, ca_file, cert_file, key_file, outage_tolerance_s)."""
+    local_addr: str = "127.0.0.1"
+    """Address other nodes reach this one at (the workers' MASTER_ADDR when this node has rank 0)."""
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    """Restart budget, backoff and crash-loop breaker."""
+    sections: SectionTimeouts = field(default_factory=SectionTimeouts)
+    """Hang timeouts per section."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Thresholds below which the node steps out."""
+    health_paths: tuple[str, ...] = ()
+    """Directories whose free space is checked (e.g. where checkpoints go)."""
+    health_interval_s: float = 10.0
+    """Seconds between health checks while running."""
+    rendezvous: RendezvousTimeouts = field(default_factory=RendezvousTimeouts)
+    """Join, last-call and keep-alive timing."""
+    monitor_interval_s: float = 0.1
+    """Seconds between checks of the workers."""
+    stop_grace_s: float = 5.0
+    """After a failure, seconds between SIGTERM and SIGKILL for the remaining workers."""
+    preempt_grace_s: float = 60.0
+    """On SIGTERM, seconds the workers get to commit a checkpoint and exit."""
+    preempt_margin_steps: int = 2
+    """Steps ahead of the furthest rank at which a graceful stop is scheduled."""
+    fault_plan: Path | None = None
+    """A chaos plan handed to the workers (tests and drills)."""
+    echo_output: bool = True
+    """Copy worker output to this process's stdout with a rank prefix."""
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+    """Base environment of the workers (the CLI passes its own)."""
+
+    def __post_init__(self) -> None:
+        if not self.entrypoint:
+            raise ConfigError("AgentConfig.entrypoint is empty: give the training script to run")
+        if not _NODE_ID.match(self.node_id):
+            raise ConfigError(f"node id {self.node_id!r} must be 1-63 letters, digits, '.', '_' or '-'")
+        if not _NODE_ID.match(self.run_id):
+            raise ConfigError(f"run id {self.run_id!r} must be 1-63 letters, digits, '.', '_' or '-'")
+        if self.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise ConfigError(f"--nnodes {self.min_nodes}:{self.max_nodes} needs 1 <= MIN <= MAX")
+        if self.max_nodes > 1 and self.store_url is None:
+            raise ConfigError("--nnodes above 1 needs a shared store: pass --store etcd://HOST:PORT")
+        for name in ("health_interval_s", "monitor_interval_s", "stop_grace_s", "preempt_grace_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.preempt_margin_steps < 1:
+            raise ConfigError("AgentConfig.preempt_margin_steps must be >= 1")

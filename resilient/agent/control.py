@@ -1,0 +1,132 @@
+"""The agent's control endpoint: a unix socket that reads status and accepts a stop.
+
+One JSON request per connection, one JSON answer.  The socket is created
+with mode 0600 (only the run's user can connect), and every request that
+changes the run must also carry the run's token (``<run_dir>/token``,
+mode 0600), so that a socket path alone, e.g. leaked into a container,
+is not enough to stop a run.  Reading status needs no token.
+
+Requests::
+
+    {"op": "status"}                                  -> {"ok": true, "status": {...}}
+    {"op": "stop", "token": "...", "reason": "..."}   -> {"ok": true, "stop_requested": "..."}
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ResilientError
+
+_MAX_REQUEST = 64 * 1024
+
+
+class ControlError(ResilientError):
+    """A control request failed: no agent listening, refused, or a bad answer."""
+
+
+class ControlServer:
+    """Serve control requests for one agent on ``path`` from a daemon thread."""
+
+    def __init__(self, path: Path, token: str, status: Callable[[], dict[str, Any]],
+                 request_stop: Callable[[str], None]) -> None:
+        self.path = path
+        self._token = token
+        self._status = status
+        self._request_stop = request_stop
+        if path.exists():
+            path.unlink()  # left by an agent that died; nothing can be listening on it
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            self._sock.bind(str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        self._sock.listen(8)
+        self._sock.settimeout(0.5)
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="resilient-control", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    answer = self.handle(_read_request(conn))
+                except (OSError, ValueError) as e:
+                    answer = {"ok": False, "error": f"bad request: {e}"}
+                try:
+                    conn.sendall(json.dumps(answer, default=str).encode() + b"\n")
+                except OSError:
+                    pass  # the client went away; nothing to tell it
+
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "status":
+            return {"ok": True, "status": self._status()}
+        if op == "stop":
+            given = str(request.get("token", ""))
+            if not hmac.compare_digest(given.encode(), self._token.encode()):
+                return {"ok": False, "error": "wrong or missing run token: read it from <run_dir>/token"}
+            reason = str(request.get("reason") or "stop requested through the control socket")
+            self._request_stop(reason)
+            return {"ok": True, "stop_requested": reason}
+        return {"ok": False, "error": f"unknown op {op!r}; use 'status' or 'stop'"}
+
+    def close(self) -> None:
+        self._closed.set()
+        self._sock.close()
+        self._thread.join(timeout=5)
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _read_request(conn: socket.socket) -> dict[str, Any]:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < _MAX_REQUEST:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    request = json.loads(data.decode())
+    if not isinstance(request, dict):
+        raise ValueError("the request must be a JSON object")
+    return request
+
+
+def call(path: Path, request: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
+    """Send one request to the agent listening on ``path`` and return its answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        try:
+            s.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            raise ControlError(f"no agent is listening on {path} ({e.strerror}); is the run still going?") from None
+        s.sendall(json.dumps(request).encode() + b"\n")
+        answer = b""
+        while not answer.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    try:
+        return dict(json.loads(answer.decode()))
+    except ValueError:
+        raise ControlError(f"the agent on {path} sent an unreadable answer") from None

@@ -1,0 +1,278 @@
+"""One generation on one node: start the workers, watch them, report the outcome.
+
+The watch loop runs on the agent's main thread and never waits on the
+network: facts that live in the shared store (a verdict, a stop request,
+nodes waiting to join) are polled by :class:`PeerWatch` on its own thread,
+so a store outage cannot delay hang detection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..watchdog.attribution import Suspect, attribute_hang
+from ..watchdog.sections import decide_hang
+from ..watchdog.stacks import StackCapture, capture, find_py_spy
+from .health import assess, probe
+from .incidents import Incident, describe_failure, read_error_file, stacks_record, write_incident
+from .launcher import Exit, WorkerGroup, WorkerSpec
+from .policy import Failure, first_failure
+from .rendezvous import Assignment
+from .rundir import write_json_atomic
+
+if TYPE_CHECKING:
+    from .supervisor import Agent
+
+STACK_SIGNAL = signal.SIGUSR2
+STOP_SIGNAL = signal.SIGUSR1
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a generation ended on this node."""
+
+    kind: str
+    """"succeeded", "failed", "membership", "preempted", "interrupted", "verdict" or "unhealthy"."""
+    reason: str
+    failure: Failure | None = None
+    incident: Incident | None = None
+
+
+class PeerWatch:
+    """Polls the shared store once a second on its own thread; the watch loop reads the results."""
+
+    def __init__(self, agent: Agent, interval_s: float = 1.0) -> None:
+        self._agent = agent
+        self._interval = interval_s
+        self.verdict: dict[str, Any] | None = None
+        self.stop: dict[str, Any] | None = None
+        self.waiting = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="peer-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        agent = self._agent
+        multi = agent.config.max_nodes > 1
+        while not self._done.wait(self._interval):
+            try:
+                self.verdict = agent._shared_verdict()
+                found = agent.control.get("stop")
+                self.stop = json.loads(found.value) if found is not None else None
+                if multi and agent._rendezvous is not None:
+                    self.waiting = agent._rendezvous.num_nodes_waiting()
+            except Exception as e:  # an outage must not end a healthy generation
+                agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=30)
+
+
+def worker_specs(agent: Agent, a: Assignment, attempt: int, gdir: Path) -> list[WorkerSpec]:
+    from .supervisor import heartbeat_socket
+
+    c = agent.config
+    world = a.num_nodes * c.nproc_per_node
+    base = dict(c.worker_env)
+    if c.nproc_per_node > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes must not each take every core
+    specs = []
+    for local in range(c.nproc_per_node):
+        rank = a.node_rank * c.nproc_per_node + local
+        env = {
+            **base,
+            "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(a.node_rank),
+            "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+            "ROLE_NAME": "default", "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(c.restart.max_restarts),
+            "TORCHELASTIC_RUN_ID": c.run_id,
+            "RESILIENT_RUN_ID": c.run_id, "RESILIENT_RUN_DIR": str(c.run_dir), "RESILIENT_NODE_ID": c.node_id,
+            "RESILIENT_GENERATION": str(a.generation), "RESILIENT_ATTEMPT": str(attempt),
+            "RESILIENT_AGENT_SOCKET": heartbeat_socket(agent.run_dir, local),
+            "RESILIENT_STACK_FILE": str(gdir / f"rank{rank}.stacks.txt"),
+            "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
+            "RESILIENT_ERROR_FILE": str(gdir / f"rank{rank}.error.json"),
+            "RESILIENT_CONTROL_FILE": str(gdir / "control.json"),
+            "RESILIENT_STOP_SIGNAL": str(int(STOP_SIGNAL)),
+        }
+        if c.fault_plan is not None:
+            env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
+        specs.append(WorkerSpec(local_rank=local, rank=rank, argv=tuple(c.entrypoint), env=env,
+                                log_file=gdir / f"rank{rank}.log", echo=c.echo_output))
+    return specs
+
+
+def run_generation(agent: Agent, a: Assignment, attempt: int) -> Outcome:
+    gdir = agent.run_dir.generation_dir(a.generation)
+    gdir.mkdir(parents=True, exist_ok=True)
+    group = WorkerGroup(worker_specs(agent, a, attempt, gdir), agent.clock, agent.echo_to)
+    pids = {rank: w.pid for rank, w in group.workers.items()}
+    agent.tracker.start_generation(pids, agent.clock())
+    agent.status.attach(group, a)
+    agent.emit("workers_started", generation=a.generation, attempt=attempt, pids=pids)
+    peers = PeerWatch(agent)
+    try:
+        return _watch(agent, group, a, gdir, peers)
+    finally:
+        peers.close()
+        group.stop(agent.config.stop_grace_s)
+        agent.status.detach()
+
+
+def _watch(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch) -> Outcome:
+    c = agent.config
+    stop_deadline: float | None = None
+    stop_at: int | None = None
+    next_health = agent.clock() + c.health_interval_s
+    while True:
+        now = agent.clock()
+        failed = [e for e in group.exits() if e.returncode != 0]
+        if failed and stop_deadline is None:
+            return _failure(agent, group, a, gdir, now)
+        if group.all_exited():
+            if stop_deadline is not None:
+                note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
+                return Outcome("preempted", f"workers stopped at step {stop_at} after committing a checkpoint{note}")
+            return Outcome("succeeded", "all workers exited 0")
+        if agent.interrupted:
+            return Outcome("interrupted", "SIGINT: workers stopped without a checkpoint")
+        if peers.verdict is not None:
+            return Outcome("verdict", f"node {peers.verdict.get('node')} stopped the run: {peers.verdict.get('reason')}")
+        if stop_deadline is None and (agent.stop_requested or peers.stop):
+            stop_at = _request_stop(agent, group, gdir, peers.stop)
+            stop_deadline = now + c.preempt_grace_s
+        if stop_deadline is not None:
+            if now > stop_deadline:
+                return Outcome("preempted", f"workers did not stop within {c.preempt_grace_s:.0f} s; killed")
+        else:
+            # A rank that already exited (0: failures were handled above) cannot hang.
+            views = {r: v for r, v in agent.tracker.views().items() if group.workers[r].exit is None}
+            hang = decide_hang(views, agent.tracker.stats, c.sections, now)
+            if hang is not None:
+                return _hang(agent, group, a, gdir, hang, now)
+            if peers.waiting > 0:
+                return Outcome("membership", f"{peers.waiting} node(s) waiting to join the run")
+        if now >= next_health:
+            next_health = now + c.health_interval_s
+            health = assess(probe(list(c.health_paths)), c.health)
+            if not health.healthy:
+                agent.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
+                return Outcome("unhealthy", health.reason)
+        time.sleep(c.monitor_interval_s)
+
+
+def _request_stop(agent: Agent, group: WorkerGroup, gdir: Path, shared: dict[str, Any] | None) -> int:
+    """Ask every worker to commit at a step that no rank has reached yet, then exit."""
+    if shared is not None:
+        stop_at, reason = int(shared["stop_at_step"]), str(shared.get("reason", "stop requested by a peer"))
+    else:
+        views = agent.tracker.views()
+        furthest = max([v.step for v in views.values()] + [agent.tracker.max_step])
+        stop_at, reason = furthest + agent.config.preempt_margin_steps, agent.stop_requested or "stop requested"
+        request = json.dumps({"stop_at_step": stop_at, "reason": reason, "node": agent.config.node_id})
+        try:
+            created, entry = agent.control.put_if_absent("stop", request.encode())
+            if not created:  # another node asked first: use its step
+                stop_at = int(json.loads(entry.value)["stop_at_step"])
+        except Exception as e:  # without the store, this node still stops its own workers cleanly
+            agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+    write_json_atomic(gdir / "control.json", {"stop_at_step": stop_at, "reason": reason})
+    for w in group.running():
+        try:
+            os.kill(w.pid, STOP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    agent.emit("stop_requested", stop_at_step=stop_at, reason=reason, grace_s=agent.config.preempt_grace_s)
+    return stop_at
+
+
+def _failure(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, now: float) -> Outcome:
+    ranks = agent.tracker.ranks()
+    stop_started = agent.clock()
+    group.stop(agent.config.stop_grace_s)
+    failures = [_as_failure(agent, e, ranks, caused_by_agent=e.at >= stop_started)
+                for e in group.exits() if e.returncode != 0]
+    first = first_failure(failures)
+    assert first.rank is not None
+    info = ranks.get(first.rank)
+    error = read_error_file(gdir / f"rank{first.rank}.error.json")
+    returncode = first.exit_code if first.exit_code is not None else -(first.signal or 0)
+    summary = describe_failure(first.kind, first.rank, agent.config.node_id, returncode, first.section, first.step)
+    incident = Incident(
+        id=f"g{a.generation:04d}-{agent.config.node_id}", node=agent.config.node_id, generation=a.generation,
+        kind=first.kind, rank=first.rank, pid=info.pid if info else None, section=first.section, step=first.step,
+        summary=summary, exit_code=first.exit_code, signal=first.signal, error=error,
+        other_failures=tuple(describe_failure(f.kind, f.rank, f.node or "?", f.exit_code if f.exit_code is not None
+                                              else -(f.signal or 0), f.section, f.step,
+                                              "stopped by the agent" if f.caused_by_agent else "")
+                             for f in failures if f is not first),
+    )
+    agent.emit("worker_failed", generation=a.generation, rank=first.rank, summary=summary)
+    return Outcome("failed", summary, first, incident)
+
+
+def _as_failure(agent: Agent, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool) -> Failure:
+    info = ranks.get(e.rank)
+    return Failure(
+        kind="signal" if e.signal else "exit", rank=e.rank, node=agent.config.node_id,
+        exit_code=None if e.signal else e.returncode, signal=e.signal,
+        section=info.section if info else None, step=info.step if info else None, time=e.at,
+        caused_by_agent=caused_by_agent,
+    )
+
+
+def _hang(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
+    ranks = agent.tracker.ranks()
+    agent.emit("hang_detected", generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
+               timeout_s=hang.timeout_s, source=hang.source, overrun_s=hang.overrun_s, reason=hang.reason)
+    py_spy = find_py_spy()
+    # The rank the policy flagged first (its stacks matter most), then its peers.
+    order = [hang.rank] + [r for r in sorted(group.workers) if r != hang.rank]
+    captures: dict[int, StackCapture] = {}
+    for rank in order:
+        w = group.workers[rank]
+        if w.exit is None:
+            captures[rank] = capture(w.pid, gdir / f"rank{rank}.stacks.txt", STACK_SIGNAL, py_spy)
+    suspects = [Suspect(rank, ranks[rank].section, ranks[rank].step, now - ranks[rank].entered_at,
+                        captures[rank].state, captures[rank].text) for rank in captures if rank in ranks]
+    culprit = attribute_hang(suspects) if suspects else None
+    rank = culprit.rank if culprit else hang.rank
+    info = ranks.get(rank)
+    section = info.section if info else hang.section
+    step = info.step if info else hang.step
+    group.stop(agent.config.stop_grace_s)
+    summary = describe_failure("hang", rank, agent.config.node_id, None, section, step,
+                               f"no progress for {hang.overrun_s + hang.timeout_s:.1f} s "
+                               f"(timeout {hang.timeout_s:.1f} s, {hang.source})")
+    failure = Failure(kind="hang", rank=rank, node=agent.config.node_id, exit_code=None, signal=None,
+                      section=section, step=step, time=now, caused_by_agent=False)
+    incident = Incident(
+        id=f"g{a.generation:04d}-{agent.config.node_id}", node=agent.config.node_id, generation=a.generation,
+        kind="hang", rank=rank, pid=info.pid if info else None, section=section, step=step, summary=summary,
+        hang={"timeout_s": hang.timeout_s, "source": hang.source, "overrun_s": hang.overrun_s,
+              "policy_reason": hang.reason, "attribution": culprit.reason if culprit else "only rank overrunning",
+              "stack_tool": py_spy or "faulthandler only"},
+        stacks=stacks_record(captures),
+    )
+    return Outcome("failed", summary, failure, incident)
+
+
+def record_incident(agent: Agent, incident: Incident) -> None:
+    path = write_incident(agent.run_dir.incidents, incident)
+    agent.emit("incident", path=str(path), **incident.event_fields())
+    try:  # readable with `resilient status --store` from any machine
+        record = {**incident.event_fields(), "node": incident.node, "wall_time": incident.wall_time}
+        agent.control.put(f"incidents/{incident.id}", json.dumps(record).encode())
+    except Exception as e:
+        agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+    print(f"resilient: incident {incident.id}: {incident.summary}", file=sys.stderr, flush=True)

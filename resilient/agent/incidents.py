@@ -1,0 +1,108 @@
+"""Incident records: what broke first, with the evidence an on-call engineer needs.
+
+An incident is written once, as ``<run_dir>/incidents/<id>.json``, and
+announced as an ``incident`` event whose fields summarise it.  It names
+the first failure (rank, node, exit code or signal, the section and step it
+was in), carries the worker's traceback from its error file and, for a
+hang, every captured stack, and records what the agent decided.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..exitcodes import describe_exit
+from ..watchdog.stacks import StackCapture
+from .rundir import write_json_atomic
+
+
+@dataclass(frozen=True, kw_only=True)
+class Incident:
+    """One failure of the run and how the agent answered it."""
+
+    id: str
+    node: str
+    generation: int
+    kind: str
+    """"exit", "signal", "hang", "unhealthy" or "node_lost"."""
+    rank: int | None
+    pid: int | None
+    section: str | None
+    step: int | None
+    summary: str
+    """One line for a pager: what failed, where, and how."""
+    exit_code: int | None = None
+    signal: int | None = None
+    error: Mapping[str, Any] | None = None
+    """The worker's error file: exc_type, message, traceback."""
+    hang: Mapping[str, Any] | None = None
+    """For hangs: timeout, its source, overrun and how the culprit was chosen."""
+    stacks: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    """Captured stacks by rank: state, method, text, note."""
+    other_failures: tuple[str, ...] = ()
+    """Failures that followed the first one (usually its casualties)."""
+    decision: Mapping[str, Any] | None = None
+    """The restart decision: action, reason, verdict, delay."""
+    wall_time: float = field(default_factory=time.time)
+
+    def with_decision(self, decision: Any) -> Incident:
+        """This incident with the restart decision taken on it."""
+        return replace(self, decision={"action": decision.action.value, "reason": decision.reason,
+                                       "verdict": decision.verdict, "delay_s": decision.delay_s})
+
+    def event_fields(self) -> dict[str, Any]:
+        """The compact form that goes into the event log."""
+        error = self.error or {}
+        return {
+            "id": self.id, "generation": self.generation, "failure": self.kind,
+            "rank": self.rank, "section": self.section, "step": self.step, "summary": self.summary,
+            "exit_code": self.exit_code, "signal": self.signal,
+            "error": f"{error.get('exc_type')}: {error.get('message')}" if error else None,
+            "decision": dict(self.decision) if self.decision else None,
+        }
+
+
+def describe_failure(kind: str, rank: int | None, node: str, returncode: int | None, section: str | None,
+                     step: int | None, extra: str = "") -> str:
+    """A one-line summary such as "rank 1 on n1 killed by SIGKILL in section 'step' at step 57"."""
+    what = describe_exit(returncode) if returncode is not None else kind
+    where = f" in section '{section}'" if section else ""
+    at = f" at step {step}" if step is not None else ""
+    who = f"rank {rank}" if rank is not None else "node"
+    return f"{who} on {node}: {what}{where}{at}{(': ' + extra) if extra else ''}"
+
+
+def read_error_file(path: Path) -> dict[str, Any] | None:
+    """The worker's error record, or None if it did not write one (e.g. it was killed)."""
+    try:
+        data = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def stacks_record(captures: Mapping[int, StackCapture]) -> dict[int, dict[str, Any]]:
+    return {rank: asdict(c) for rank, c in sorted(captures.items())}
+
+
+def write_incident(incidents_dir: Path, incident: Incident) -> Path:
+    incidents_dir.mkdir(parents=True, exist_ok=True)
+    path = incidents_dir / f"{incident.id}.json"
+    write_json_atomic(path, asdict(incident))
+    return path
+
+
+def load_incidents(incidents_dir: Path) -> list[dict[str, Any]]:
+    """Every incident of the run, oldest first."""
+    found = []
+    for path in sorted(incidents_dir.glob("*.json")):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (json.JSONDecodeError, OSError):
+            continue
+    return sorted(found, key=lambda i: i.get("wall_time", 0))

@@ -1,0 +1,159 @@
+"""Start, watch and stop one node's worker processes.
+
+Mechanism only: the supervisor decides, this module carries it out.  Each
+worker is a child in its own session (so that stopping it also stops what
+it spawned), with stdout and stderr copied line by line to a per-rank log
+file and, prefixed with the rank, to the agent's own stdout.  A waiter
+thread per worker stamps the moment it exited, so that the first failure
+can be told from the casualties that followed it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """What one worker process runs and with which environment."""
+
+    local_rank: int
+    rank: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    log_file: Path
+    echo: bool = True
+    """Copy the worker's output to the agent's stdout, prefixed ``[rank N]``."""
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How and when a worker ended."""
+
+    rank: int
+    local_rank: int
+    pid: int
+    returncode: int
+    """As ``subprocess`` reports it: negative for a signal."""
+    at: float
+    """Clock time at which the exit was observed."""
+
+    @property
+    def signal(self) -> int | None:
+        return -self.returncode if self.returncode < 0 else None
+
+
+class Worker:
+    """One running worker process."""
+
+    def __init__(self, spec: WorkerSpec, clock: Callable[[], float], echo_to: IO[str]) -> None:
+        self.spec = spec
+        self._clock = clock
+        spec.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(spec.log_file, "ab", buffering=0)
+        self.proc = subprocess.Popen(
+            list(spec.argv),
+            env=dict(spec.env),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        self.exit: Exit | None = None
+        self._echo_to = echo_to
+        self._copier = threading.Thread(target=self._copy_output, name=f"rank{spec.rank}-output", daemon=True)
+        self._copier.start()
+        self._waiter = threading.Thread(target=self._wait, name=f"rank{spec.rank}-wait", daemon=True)
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        code = self.proc.wait()
+        self.exit = Exit(self.spec.rank, self.spec.local_rank, self.pid, code, self._clock())
+
+    def _copy_output(self) -> None:
+        assert self.proc.stdout is not None
+        prefix = f"[rank {self.spec.rank}] ".encode()
+        for line in iter(self.proc.stdout.readline, b""):
+            self._log.write(line)
+            if self.spec.echo:
+                try:
+                    self._echo_to.write((prefix + line).decode(errors="replace"))
+                    self._echo_to.flush()
+                except (OSError, ValueError):
+                    pass  # the agent's stdout went away; the log file still has everything
+        self.proc.stdout.close()
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the worker's whole session, if it still runs."""
+        if self.exit is not None:
+            return
+        try:
+            os.killpg(self.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Wait for output copying to end and close the log."""
+        self._waiter.join(timeout)
+        self._copier.join(timeout)
+        self._log.close()
+
+
+class WorkerGroup:
+    """The workers of one generation on this node."""
+
+    def __init__(self, specs: Sequence[WorkerSpec], clock: Callable[[], float] = time.monotonic,
+                 echo_to: IO[str] | None = None) -> None:
+        self._clock = clock
+        self.workers: dict[int, Worker] = {}
+        out = echo_to if echo_to is not None else sys.stdout
+        try:
+            for spec in specs:
+                self.workers[spec.rank] = Worker(spec, clock, out)
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+
+    def exits(self) -> list[Exit]:
+        """Exits observed so far, earliest first."""
+        found = [w.exit for w in self.workers.values() if w.exit is not None]
+        return sorted(found, key=lambda e: e.at)
+
+    def running(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.exit is None]
+
+    def all_exited(self) -> bool:
+        return all(w.exit is not None for w in self.workers.values())
+
+    def signal(self, signum: int) -> None:
+        for w in self.workers.values():
+            w.signal(signum)
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM every worker still running, SIGKILL after ``grace_s``, then reap them all.
+
+        A stopped (SIGSTOPped) worker is continued first so that SIGTERM can act.
+        """
+        self.signal(signal.SIGTERM)
+        self.signal(signal.SIGCONT)
+        deadline = self._clock() + grace_s
+        while self.running() and self._clock() < deadline:
+            time.sleep(0.02)
+        if self.running():
+            self.signal(signal.SIGKILL)
+        for w in self.workers.values():
+            try:
+                w.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail like this
+                pass
+            w.finish()

@@ -1,0 +1,150 @@
+"""Rendezvous: which nodes form the next generation, and where its workers meet.
+
+Both flavours go through torch elastic's ``DynamicRendezvousHandler``:
+
+* embedded (one machine, no external service): the agent hosts a TCPStore
+  on loopback and uses torch's ``C10dRendezvousBackend`` on it;
+* etcd (many machines): our etcd v3 ``RendezvousBackend`` and store, so
+  that no node hosts the state the others depend on.
+
+After each round the node with rank 0 takes the next generation number from
+the control store and publishes it, with a fresh ``MASTER_ADDR:MASTER_PORT``
+for the workers, in the round's own key space.  Workers of a new generation
+therefore never meet keys or a store left over from the previous one (the
+stale-address failure seen with a store shared across restarts).
+
+torch is imported inside functions: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from ..coord.store import ControlStore
+
+_GENERATION_KEY = "resilient/generation"
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """This node's place in a completed rendezvous round."""
+
+    node_rank: int
+    num_nodes: int
+    generation: int
+    master_addr: str
+    master_port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RendezvousTimeouts:
+    """How long each phase of a rendezvous may take."""
+
+    join_s: float = 600.0
+    """Give up joining after this long (a node that never sees enough peers)."""
+    last_call_s: float = 1.0
+    """After the minimum number of nodes joined, wait this long for more before closing the round."""
+    close_s: float = 30.0
+    keep_alive_s: float = 1.0
+    """Interval of the rendezvous keep-alive each node writes."""
+    keep_alive_attempts: int = 3
+    """Missed keep-alives after which a node is considered dead."""
+
+
+class Rendezvous:
+    """Thin wrapper over a torch rendezvous handler that adds generations and worker addresses."""
+
+    def __init__(self, handler: Any, control: ControlStore, local_addr: str, hosted_store: Any = None) -> None:
+        self._handler = handler
+        self._control = control
+        self._local_addr = local_addr
+        self._hosted_store = hosted_store  # kept alive: the embedded TCPStore server lives in this object
+
+    def next(self) -> Assignment:
+        """Join the next round (blocks until it completes); raises torch's RendezvousError subclasses."""
+        info = self._handler.next_rendezvous()
+        store, node_rank, num_nodes = info.store, info.rank, info.world_size
+        if node_rank == 0:
+            generation = self._control.add("generation", 1)
+            store.set(_GENERATION_KEY, str(generation))
+            store.set("resilient/master_addr", self._local_addr)
+            store.set("resilient/master_port", str(free_port(self._local_addr)))
+        generation = int(store.get(_GENERATION_KEY).decode())
+        addr = store.get("resilient/master_addr").decode()
+        port = int(store.get("resilient/master_port").decode())
+        return Assignment(node_rank, num_nodes, generation, addr, port)
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting to join: a reason to restart the group so that they can."""
+        return int(self._handler.num_nodes_waiting())
+
+    def close(self) -> None:
+        """Mark the rendezvous closed: other nodes stop instead of waiting for a new round."""
+        self._handler.set_closed()
+
+    def is_closed(self) -> bool:
+        return bool(self._handler.is_closed())
+
+    def shutdown(self) -> None:
+        try:
+            self._handler.shutdown()
+        except Exception:  # best effort at exit; the store may already be gone
+            pass
+
+
+def free_port(addr: str) -> int:
+    """A port that is free on ``addr`` now (the rank-0 worker binds it moments later)."""
+    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def _timeout(t: RendezvousTimeouts) -> Any:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+    return RendezvousTimeout(
+        join=timedelta(seconds=t.join_s), last_call=timedelta(seconds=t.last_call_s),
+        close=timedelta(seconds=t.close_s), heartbeat=timedelta(seconds=t.keep_alive_s * t.keep_alive_attempts),
+    )
+
+
+def _no_shared_worker_store() -> None:
+    # torch otherwise keeps one TCPStore for all rounds and hands it to the
+    # workers; we give each generation a fresh address instead (see above).
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+
+
+def embedded_rendezvous(run_id: str, control: ControlStore, timeouts: RendezvousTimeouts,
+                        local_addr: str = "127.0.0.1") -> Rendezvous:
+    """One machine: a TCPStore hosted by this agent on loopback, torch's c10d backend on it."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    _no_shared_worker_store()
+    store = TCPStore(local_addr, 0, is_master=True, timeout=timedelta(seconds=timeouts.join_s), wait_for_workers=False)
+    backend = C10dRendezvousBackend(store, run_id)
+    handler = DynamicRendezvousHandler.from_backend(
+        run_id, store, backend, min_nodes=1, max_nodes=1, local_addr=local_addr, timeout=_timeout(timeouts),
+        keep_alive_interval=timeouts.keep_alive_s,  # type: ignore[arg-type]
+        keep_alive_max_attempt=timeouts.keep_alive_attempts,
+    )
+    return Rendezvous(handler, control, local_addr, hosted_store=store)
+
+
+def etcd_rendezvous(etcd: Any, run_id: str, control: ControlStore, min_nodes: int, max_nodes: int,
+                    timeouts: RendezvousTimeouts, local_addr: str) -> Rendezvous:
+    """Many machines: torch's dynamic rendezvous over our etcd v3 backend."""
+    from ..coord.rendezvous import create_etcd_rendezvous_handler
+
+    _no_shared_worker_store()
+    handler = create_etcd_rendezvous_handler(
+        etcd, run_id, min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr,
+        join_timeout_s=timeouts.join_s, last_call_s=timeouts.last_call_s, close_s=timeouts.close_s,
+        keep_alive_interval_s=timeouts.keep_alive_s, keep_alive_max_attempt=timeouts.keep_alive_attempts,
+    )
+    return Rendezvous(handler, control, local_addr)

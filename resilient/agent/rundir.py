@@ -1,0 +1,120 @@
+"""The run directory: where a run's agents keep what an operator reads.
+
+Layout (one directory per run, shared by the agents of that run when they
+share a filesystem)::
+
+    <run_dir>/token                      the run's secret, mode 0600
+    <run_dir>/events.jsonl               agents' events, one JSON object a line
+    <run_dir>/incidents/<id>.json        one file per incident, with evidence
+    <run_dir>/nodes/<node>/status.json   the node's live status, rewritten each second
+    <run_dir>/nodes/<node>/g<G>/rank<R>.log         worker stdout and stderr
+    <run_dir>/nodes/<node>/g<G>/rank<R>.error.json  worker's uncaught exception
+    <run_dir>/nodes/<node>/g<G>/rank<R>.stacks.txt  faulthandler dumps
+    <run_dir>/nodes/<node>/g<G>/control.json        stop request for the workers
+
+The unix socket for worker heartbeats lives in a short private directory
+under the system temp dir, because socket paths are limited to 107 bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+_SOCKET_PATH_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory, seen from one node."""
+
+    root: Path
+    node_id: str
+
+    @property
+    def events(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / "token"
+
+    @property
+    def incidents(self) -> Path:
+        return self.root / "incidents"
+
+    @property
+    def node_dir(self) -> Path:
+        return self.root / "nodes" / self.node_id
+
+    @property
+    def status_file(self) -> Path:
+        return self.node_dir / "status.json"
+
+    def generation_dir(self, generation: int) -> Path:
+        return self.node_dir / f"g{generation}"
+
+    def socket_path(self, name: str) -> Path:
+        """A unix socket path for ``name``, short enough for the kernel's limit."""
+        path = self.node_dir / name
+        if len(os.fsencode(path)) <= _SOCKET_PATH_LIMIT:
+            return path
+        key = hashlib.sha256(os.fsencode(self.node_dir.resolve())).hexdigest()[:16]
+        short = Path(tempfile.gettempdir()) / f"resilient-{key}"
+        short.mkdir(mode=0o700, exist_ok=True)
+        return short / name
+
+    def create(self) -> str:
+        """Create the directories (private to the user) and the token; return the token."""
+        for d in (self.root, self.incidents, self.node_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        return ensure_token(self.token_file)
+
+
+def ensure_token(path: Path) -> str:
+    """Return the run's token, creating it (mode 0600, exclusively) if it does not exist yet."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_token(path)
+    token = secrets.token_hex(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    return token
+
+
+def read_token(path: Path) -> str:
+    """Read the token, refusing one that other users can read."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        raise ConfigError(f"run token {path} has mode {mode:o}; other users can read it. Run: chmod 600 {path}")
+    token = path.read_text().strip()
+    if len(token) < 32:
+        raise ConfigError(f"run token {path} is empty or truncated; delete it and restart the agent to make a new one")
+    return token
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Replace ``path`` with ``data`` as JSON so readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON in ``path``, or None when it does not exist or is not (yet) valid."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,254 @@
+"""The node agent: rendezvous, start the workers, watch them, decide, repeat.
+
+Composed, not inherited: the decisions come from pure policies
+(:func:`~resilient.agent.policy.decide_restart`,
+:func:`~resilient.watchdog.sections.decide_hang`,
+:func:`~resilient.agent.health.assess`), the processes from
+:class:`~resilient.agent.launcher.WorkerGroup`, membership from
+:class:`~resilient.agent.rendezvous.Rendezvous`, and shared facts (the
+restart budget, the verdict, a stop request) from the control store, so
+that every node of a run counts and decides the same way.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ..events import EventLog
+from ..exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
+from . import generation as gen_mod
+from .config import AgentConfig
+from .control import ControlServer
+from .generation import Outcome
+from .health import assess, probe
+from .heartbeat import HeartbeatReceiver
+from .policy import Action, History, decide_restart
+from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
+from .rundir import RunDir
+from .status import StatusPublisher
+from .tracker import RankTracker
+
+
+@dataclass(frozen=True)
+class AgentResult:
+    """How the agent ended."""
+
+    exit_code: int
+    verdict: str
+    """"succeeded", "preempted", "budget_exhausted", "crash_loop", "do_not_restart", "unhealthy", ..."""
+    reason: str
+    generation: int
+    restarts_used: int
+
+
+class Agent:
+    """Supervises this node's workers for one run until it succeeds or a verdict stops it."""
+
+    def __init__(self, config: AgentConfig, *, clock: Callable[[], float] = time.monotonic,
+                 echo_to: IO[str] | None = None) -> None:
+        self.config = config
+        self.clock = clock
+        self.echo_to = echo_to if echo_to is not None else sys.stdout
+        self.run_dir = RunDir(config.run_dir, config.node_id)
+        self.token = self.run_dir.create()
+        self.events = EventLog(self.run_dir.events)
+        self.tracker = RankTracker()
+        self.control = self._control_store()
+        self.stop_requested: str | None = None
+        """Set (from a signal handler or another thread) to ask for a graceful stop."""
+        self.interrupted = False
+        self._receivers: list[HeartbeatReceiver] = []
+        self._rendezvous: Rendezvous | None = None
+        self.status = StatusPublisher(self)
+
+    # ------------------------------------------------------------ plumbing
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.events.emit(kind, node=self.config.node_id, **fields)
+
+    def _control_store(self) -> Any:
+        if self.config.store_url is None:
+            from ..coord.store import MemoryControlStore
+
+            return MemoryControlStore()
+        from ..coord.etcd import EtcdClient, EtcdConfig
+        from ..coord.store import EtcdControlStore
+
+        etcd = EtcdConfig.from_url(self.config.store_url, **self.config.etcd_options)  # type: ignore[arg-type]
+        self._etcd_config = etcd
+        client = EtcdClient(etcd, on_outage=lambda event, detail: self.emit(f"store_outage_{event}", detail=detail))
+        return EtcdControlStore(client, f"/resilient/{self.config.run_id}/")
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM: commit a checkpoint and stop gracefully.  SIGINT: stop now."""
+
+        def on_term(signum: int, frame: object) -> None:
+            self.stop_requested = f"signal {signal.Signals(signum).name}"
+
+        def on_int(signum: int, frame: object) -> None:
+            self.interrupted = True
+
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_int)
+
+    def _on_stop_request(self, reason: str) -> None:
+        self.emit("stop_request_received", reason=reason)
+        self.stop_requested = reason
+
+    def _make_rendezvous(self) -> Rendezvous:
+        c = self.config
+        if c.store_url is None:
+            return embedded_rendezvous(c.run_id, self.control, c.rendezvous, c.local_addr)
+        return etcd_rendezvous(self._etcd_config, c.run_id, self.control, c.min_nodes, c.max_nodes, c.rendezvous,
+                               c.local_addr)
+
+    # ------------------------------------------------------------ the loop
+    def run(self) -> AgentResult:
+        c = self.config
+        self.emit("agent_started", run_id=c.run_id, nproc_per_node=c.nproc_per_node, nnodes=[c.min_nodes, c.max_nodes],
+                  store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
+        # One socket per local rank: a unix datagram queue holds only a few messages
+        # (net.unix.max_dgram_qlen, 10 here), so ranks sharing one would lose heartbeats.
+        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), self.tracker.on_heartbeat,
+                                             clock=self.clock) for local in range(c.nproc_per_node)]
+        self.status.start()
+        control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.status.snapshot,
+                                self._on_stop_request)
+        generation = 0
+        try:
+            self._rendezvous = self._make_rendezvous()
+            while True:
+                verdict = self._shared_verdict()
+                if verdict is not None:
+                    return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                health = assess(probe(list(c.health_paths)), c.health)
+                if not health.healthy:
+                    self.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
+                    return self._finish(EXIT_UNHEALTHY, "unhealthy", health.reason, generation)
+                if self.stop_requested or self.interrupted:
+                    return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped before workers started",
+                                        generation)
+                self.status.phase = "rendezvous"
+                try:
+                    assignment = self._rendezvous.next()
+                except Exception as e:  # torch raises RendezvousClosedError, RendezvousTimeoutError, ...
+                    verdict = self._shared_verdict()
+                    if verdict is not None:
+                        return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                    self.emit("rendezvous_failed", error=f"{type(e).__name__}: {e}")
+                    return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)
+                generation = assignment.generation
+                self.emit("rendezvous_joined", generation=generation, node_rank=assignment.node_rank,
+                          num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
+                outcome = gen_mod.run_generation(self, assignment, self._restarts_used())
+                result = self._after(outcome, generation)
+                if result is not None:
+                    return result
+        finally:
+            control.close()
+            self.status.stop()
+            for receiver in self._receivers:
+                receiver.close()
+            if self._rendezvous is not None:
+                self._rendezvous.shutdown()
+
+    def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
+        """Turn a generation's outcome into the next move; None means: next round."""
+        if outcome.kind == "succeeded":
+            return self._finish(0, "succeeded", "all workers exited 0", generation)
+        if outcome.kind == "preempted":
+            return self._finish(EXIT_PREEMPTED_AGENT, "preempted", outcome.reason, generation)
+        if outcome.kind == "interrupted":
+            return self._finish(130, "interrupted", outcome.reason, generation)
+        if outcome.kind == "verdict":
+            v = self._shared_verdict() or {"exit_code": EXIT_STOPPED, "verdict": "stopped", "reason": outcome.reason}
+            return self._finish(v["exit_code"], v["verdict"], v["reason"], generation)
+        if outcome.kind == "unhealthy":
+            return self._finish(EXIT_UNHEALTHY, "unhealthy", outcome.reason, generation)
+        if outcome.kind == "membership":
+            self.emit("membership_changed", generation=generation, reason=outcome.reason)
+            return None
+        assert outcome.kind == "failed" and outcome.failure is not None and outcome.incident is not None
+        history = self._history(exclude_generation=generation)
+        decision = decide_restart(outcome.failure, history, self.config.restart, self.clock())
+        incident = outcome.incident.with_decision(decision)
+        gen_mod.record_incident(self, incident)
+        if decision.action is Action.STOP:
+            code = outcome.failure.exit_code if decision.verdict == "do_not_restart" and outcome.failure.exit_code \
+                else EXIT_STOPPED
+            self._publish_verdict(decision.verdict or "stopped", decision.reason, code)
+            return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
+        self._count_restart(generation, decision.reason)
+        self.emit("restart", generation=generation, reason=decision.reason, delay_s=decision.delay_s,
+                  restarts_used=self._restarts_used())
+        if decision.delay_s > 0:
+            time.sleep(decision.delay_s)
+        return None
+
+    # ------------------------------------------------ shared facts (store)
+    def _restarts_used(self) -> int:
+        return len(self.control.get_prefix("restarts/"))
+
+    def _history(self, exclude_generation: int | None = None) -> History:
+        """The global restart history: every node reads the same records.
+
+        The record of ``exclude_generation`` (a peer may already have counted
+        the failure being decided) is left out, so every node decides alike.
+        """
+        import json
+
+        records = [json.loads(e.value) for e in self.control.get_prefix("restarts/")]
+        records = [r for r in records if r.get("generation") != exclude_generation]
+        committed = self.tracker.committed_step
+        since = sum(1 for r in records if r.get("committed_step") == committed)
+        return History(restarts_used=len(records), restarts_since_progress=since, newest_committed_step=committed)
+
+    def _count_restart(self, generation: int, reason: str) -> None:
+        import json
+
+        record = {"generation": generation, "node": self.config.node_id, "reason": reason,
+                  "committed_step": self.tracker.committed_step}
+        # One record per failed generation, whichever node writes it first: the budget is global.
+        self.control.put_if_absent(f"restarts/{generation:08d}", json.dumps(record).encode())
+
+    def _publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
+        import json
+
+        record = {"verdict": verdict, "reason": reason, "exit_code": exit_code, "node": self.config.node_id}
+        self.control.put_if_absent("verdict", json.dumps(record).encode())
+        if self._rendezvous is not None:
+            try:
+                self._rendezvous.close()
+            except Exception as e:  # the verdict key still tells the other nodes
+                self.emit("rendezvous_close_failed", error=f"{type(e).__name__}: {e}")
+
+    def _shared_verdict(self) -> dict[str, Any] | None:
+        import json
+
+        found = self.control.get("verdict")
+        return json.loads(found.value) if found is not None else None
+
+    def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
+        result = AgentResult(code, verdict, reason, generation, self._restarts_used())
+        self.status.phase = f"finished: {verdict}"
+        self.emit("agent_finished", exit_code=code, verdict=verdict, reason=reason, generation=generation,
+                  restarts_used=result.restarts_used)
+        return result
+
+
+def heartbeat_socket(run_dir: RunDir, local_rank: int) -> str:
+    """The heartbeat socket of one local rank."""
+    return str(run_dir.socket_path(f"hb{local_rank}.sock"))
+
+
+def run_agent(config: AgentConfig, *, install_signals: bool = True) -> AgentResult:
+    """Build an agent, run it to the end and return how it ended."""
+    agent = Agent(config)
+    if install_signals and threading.current_thread() is threading.main_thread():
+        agent.install_signal_handlers()
+    return agent.run()

@@ -1,0 +1,175 @@
+"""``resilient run``: supervise a training script, as torchrun does, with hang detection.
+
+Flags that torchrun has keep its names (``--nnodes``, ``--nproc-per-node``,
+``--max-restarts``, ``--rdzv-id``, ``--rdzv-endpoint``, ``--local-addr``,
+``--monitor-interval``); the rest are ours.  Environment variables read
+here: ``RESILIENT_ETCD_PASSWORD`` (so a password need not be on the
+command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser(
+        "run", help="run a training script under the node agent (a drop-in for torchrun)",
+        description="Start NPROC workers of SCRIPT on this node, restart them from the newest committed "
+        "checkpoint when one fails or hangs, and stop with a verdict when restarting cannot help.",
+    )
+    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes in the run (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
+                   help="worker processes on this node (default 1)")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
+                   help="restarts allowed for the whole run, all nodes together (default 3)")
+    p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID",
+                   help="name shared by every node (default: run-<date>-<time> on one node; required with --store)")
+    p.add_argument("--node-id", metavar="ID", help="this node's unique name (default: the host name)")
+    p.add_argument("--run-dir", type=Path, metavar="DIR", help="events, logs and incidents (default: runs/<run id>)")
+    p.add_argument("--store", metavar="URL", help="etcd://HOST:PORT[,HOST:PORT] or etcds:// (TLS); omit on one machine")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
+                   help="etcd endpoint, same as --store etcd://HOST:PORT")
+    p.add_argument("--rdzv-backend", "--rdzv_backend", choices=["etcd", "etcd-v3", "c10d", "static"],
+                   help="accepted for torchrun compatibility; the store URL decides")
+    p.add_argument("--etcd-user", metavar="USER", help=f"etcd user (password from ${PASSWORD_ENV})")
+    p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle for etcds://")
+    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcds://")
+    p.add_argument("--etcd-key", metavar="FILE", help="client key for etcds://")
+    p.add_argument("--store-outage-tolerance", type=float, default=60.0, metavar="S",
+                   help="seconds an unreachable store is retried before giving up (default 60)")
+    p.add_argument("--local-addr", "--local_addr", metavar="ADDR",
+                   help="address peers reach this node at (default 127.0.0.1 alone, else the host name)")
+    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S",
+                   help="seconds between checks of the workers (default 0.1)")
+    p.add_argument("--section-timeout", action="append", default=[], metavar="SECTION=S",
+                   help="fixed hang timeout for a section (init, restore, data, step, checkpoint); repeatable")
+    p.add_argument("--timeout-factor", type=float, metavar="X", help="calibrated timeout = max seen x X (default 3)")
+    p.add_argument("--timeout-warmup", type=int, metavar="N", help="observations before calibrating (default 5)")
+    p.add_argument("--timeout-floor", type=float, metavar="S", help="lowest calibrated timeout (default 5)")
+    p.add_argument("--crash-loop-restarts", type=int, default=3, metavar="K",
+                   help="stop after K restarts without a newly committed checkpoint (default 3)")
+    p.add_argument("--restart-backoff", type=float, default=0.0, metavar="S",
+                   help="first restart delay, doubled per restart without progress (default 0)")
+    p.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
+                   help="after a failure, SIGTERM-to-SIGKILL grace for the other workers (default 5)")
+    p.add_argument("--preempt-grace", type=float, default=60.0, metavar="S",
+                   help="on SIGTERM, seconds the workers get to checkpoint and exit (default 60)")
+    p.add_argument("--health-path", action="append", default=[], metavar="DIR",
+                   help="directory whose free space is checked (e.g. the checkpoint dir); repeatable")
+    p.add_argument("--min-free-disk-gb", type=float, metavar="GB", help="step out below this free disk (default 1)")
+    p.add_argument("--min-free-memory-gb", type=float, metavar="GB",
+                   help="step out below this available memory (default 0.5)")
+    p.add_argument("--rdzv-last-call", type=float, default=1.0, metavar="S",
+                   help="wait this long for more nodes once the minimum joined (default 1)")
+    p.add_argument("--rdzv-join-timeout", type=float, default=600.0, metavar="S",
+                   help="give up if the minimum of nodes has not joined by then (default 600)")
+    p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
+    p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
+    p.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
+    p.set_defaults(handler=cmd_run)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    try:
+        if ":" in text:
+            lo, hi = text.split(":", 1)
+            return int(lo), int(hi)
+        return int(text), int(text)
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: give N or MIN:MAX, e.g. --nnodes 2:3") from None
+
+
+def parse_sections(items: list[str]) -> dict[str, float]:
+    found = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            found[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"--section-timeout {item!r}: write SECTION=SECONDS, e.g. step=30") from None
+    return found
+
+
+def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
+    from ..agent.config import AgentConfig
+    from ..agent.health import HealthConfig
+    from ..agent.policy import RestartConfig
+    from ..agent.rendezvous import RendezvousTimeouts
+    from ..watchdog.sections import SectionTimeouts
+
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    store = args.store or (f"etcd://{args.rdzv_endpoint}" if args.rdzv_endpoint else None)
+    if store is not None and not args.run_id:
+        raise ConfigError("--store needs --run-id: every node of the run must give the same one")
+    run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    node_id = args.node_id or socket.gethostname().split(".")[0]
+    local_addr = args.local_addr or ("127.0.0.1" if store is None else socket.getfqdn())
+    if args.no_python:
+        entry = (args.script, *args.script_args)
+    elif args.module:
+        entry = (sys.executable, "-u", "-m", args.script, *args.script_args)
+    else:
+        if not Path(args.script).exists():
+            raise ConfigError(f"training script {args.script} does not exist (use -m for a module)")
+        entry = (sys.executable, "-u", args.script, *args.script_args)
+    etcd: dict[str, Any] = {"outage_tolerance_s": args.store_outage_tolerance}
+    if args.etcd_user:
+        etcd["username"] = args.etcd_user
+        etcd["password"] = environ.get(PASSWORD_ENV)
+        if not etcd["password"]:
+            raise ConfigError(f"--etcd-user needs the password in ${PASSWORD_ENV}")
+    for key, value in (("ca_file", args.etcd_ca), ("cert_file", args.etcd_cert), ("key_file", args.etcd_key)):
+        if value:
+            etcd[key] = value
+    sections: dict[str, Any] = {"explicit": parse_sections(args.section_timeout)}
+    for key, value in (("factor", args.timeout_factor), ("warmup", args.timeout_warmup),
+                       ("floor_s", args.timeout_floor)):
+        if value is not None:
+            sections[key] = value
+    health: dict[str, Any] = {}
+    if args.min_free_disk_gb is not None:
+        health["min_free_disk_bytes"] = int(args.min_free_disk_gb * 2**30)
+    if args.min_free_memory_gb is not None:
+        health["min_free_memory_bytes"] = int(args.min_free_memory_gb * 2**30)
+    return AgentConfig(
+        entrypoint=entry, run_id=run_id, node_id=node_id,
+        run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
+        nproc_per_node=args.nproc_per_node, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
+        etcd_options=etcd if store else {}, local_addr=local_addr,
+        restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
+                              backoff_initial_s=args.restart_backoff),
+        sections=SectionTimeouts(**sections), health=HealthConfig(**health), health_paths=tuple(args.health_path),
+        rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
+        monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
+        fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
+        worker_env=dict(environ),
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..agent.supervisor import run_agent
+
+    config = build_config(args, dict(os.environ))
+    print(f"resilient: run {config.run_id} node {config.node_id}: {config.nproc_per_node} worker(s); "
+          f"run dir {config.run_dir}", file=sys.stderr, flush=True)
+    result = run_agent(config)
+    print(f"resilient: {result.verdict}: {result.reason} (generation {result.generation}, "
+          f"restarts used {result.restarts_used}/{config.restart.max_restarts}); exit {result.exit_code}",
+          file=sys.stderr, flush=True)
+    return result.exit_code

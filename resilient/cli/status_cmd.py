@@ -1,0 +1,164 @@
+"""``resilient status``: the first command on-call runs.
+
+Shows the run's nodes, their ranks and the section each is in, the
+generation, restarts used, the newest committed checkpoint and its age, the
+verdict if the run stopped, and recent incidents with their first failure.
+Reads a run directory (``--run-dir``) or the shared store (``--store URL
+--run-id ID``); it never changes the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .checkpoint_cmd import _age, format_table
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("status", help="nodes, ranks, restarts, newest checkpoint and incidents of a run")
+    p.add_argument("--run-dir", type=Path, metavar="DIR", help="the run directory (default: the only one in runs/)")
+    p.add_argument("--store", metavar="URL", help="read from etcd://HOST:PORT instead of a run directory")
+    p.add_argument("--run-id", metavar="ID", help="run id in the store (with --store)")
+    p.add_argument("--incidents", type=int, default=5, metavar="N", help="recent incidents to show (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_status)
+
+
+def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
+    from ..agent.incidents import load_incidents
+    from ..agent.rundir import read_json
+
+    if not run_dir.is_dir():
+        raise ConfigError(f"no run directory at {run_dir}: pass the --run-dir that `resilient run` printed")
+    nodes = [s for p in sorted((run_dir / "nodes").glob("*/status.json")) if (s := read_json(p)) is not None]
+    events = _read_events(run_dir / "events.jsonl")
+    restarts = [e for e in events if e.get("kind") == "restart"]
+    finished = [e for e in events if e.get("kind") == "agent_finished"]
+    return {
+        "source": str(run_dir), "nodes": nodes,
+        "restarts_used": max([e.get("restarts_used") or 0 for e in restarts + finished + nodes] or [0]),
+        "verdicts": [{k: e.get(k) for k in ("node", "verdict", "reason", "exit_code")} for e in finished],
+        "incidents": load_incidents(run_dir / "incidents"),
+    }
+
+
+def collect_from_store(url: str, run_id: str) -> dict[str, Any]:
+    from ..coord.etcd import EtcdClient, EtcdConfig
+    from ..coord.store import EtcdControlStore
+
+    store = EtcdControlStore(EtcdClient(EtcdConfig.from_url(url, outage_tolerance_s=5.0)), f"/resilient/{run_id}/")
+    nodes = [json.loads(e.value) for e in sorted(store.get_prefix("status/"), key=lambda e: e.key)]
+    verdict = store.get("verdict")
+    incidents = [json.loads(e.value) for e in sorted(store.get_prefix("incidents/"), key=lambda e: e.key)]
+    return {
+        "source": f"{url} run {run_id}", "nodes": nodes, "restarts_used": len(store.get_prefix("restarts/")),
+        "verdicts": [json.loads(verdict.value)] if verdict is not None else [], "incidents": incidents,
+    }
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line being written right now
+    return found
+
+
+def newest_checkpoint(location: str | None) -> dict[str, Any] | None:
+    """Name, step and creation time of the newest committed checkpoint at ``location``."""
+    if not location:
+        return None
+    try:
+        from ..checkpoint.inspect import list_checkpoints
+        from ..checkpoint.storage import open_storage
+
+        infos = [i for i in list_checkpoints(open_storage(location)) if i.manifest_ok]
+    except Exception as e:  # status must still print the rest
+        return {"location": location, "error": f"{type(e).__name__}: {e}"}
+    if not infos:
+        return {"location": location, "name": None}
+    newest = max(infos, key=lambda i: i.step)
+    return {"location": location, "name": newest.name, "step": newest.step, "created_unix": newest.created_unix}
+
+
+def render(status: dict[str, Any], max_incidents: int) -> str:
+    now = time.time()
+    out = [f"run status from {status['source']}"]
+    nodes = status["nodes"]
+    if not nodes:
+        out.append("no node has published status yet")
+    max_restarts = max([n.get("max_restarts", 0) for n in nodes] or [0])
+    for n in nodes:
+        out.append(f"node {n['node']} (agent pid {n.get('agent_pid')}): {n.get('phase')}, generation "
+                   f"{n.get('generation')}, node rank {n.get('node_rank')} of {n.get('num_nodes')}, "
+                   f"updated {_age(now, n.get('updated_at'))} ago")
+        rows = [[r, str(v["pid"]), v["section"], str(v["step"]), f"{v['in_section_s']:.1f}s",
+                 "-" if v.get("last_heartbeat_age_s") is None else f"{v['last_heartbeat_age_s']:.1f}s",
+                 "yes" if v.get("alive") else "no"] for r, v in sorted(n.get("ranks", {}).items(), key=lambda x: int(x[0]))]
+        if rows:
+            table = format_table(["RANK", "PID", "SECTION", "STEP", "IN SECTION", "LAST BEAT", "ALIVE"], rows)
+            out.extend("  " + line for line in table.splitlines())
+        timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
+                             if t["source"] != "initial")
+        if timeouts:
+            out.append(f"  hang timeouts: {timeouts}")
+    out.append(f"restarts used: {status['restarts_used']} of {max_restarts}")
+    ckpt = status.get("checkpoint")
+    if ckpt is None:
+        out.append("newest committed checkpoint: unknown (no worker reported a checkpoint location)")
+    elif ckpt.get("error"):
+        out.append(f"newest committed checkpoint: cannot read {ckpt['location']}: {ckpt['error']}")
+    elif ckpt.get("name") is None:
+        out.append(f"newest committed checkpoint: none yet in {ckpt['location']}")
+    else:
+        out.append(f"newest committed checkpoint: {ckpt['name']} (step {ckpt['step']}), "
+                   f"{_age(now, ckpt['created_unix'])} old, in {ckpt['location']}")
+    for v in status["verdicts"]:
+        out.append(f"verdict from node {v.get('node')}: {v.get('verdict')}: {v.get('reason')} "
+                   f"(exit {v.get('exit_code')})")
+    incidents = status["incidents"][-max_incidents:]
+    out.append(f"incidents: {len(status['incidents'])}" + (" (most recent last)" if incidents else ""))
+    for inc in incidents:
+        decision = inc.get("decision") or {}
+        out.append(f"  {inc.get('id')}: {inc.get('summary')}")
+        error = inc.get("error")
+        if isinstance(error, dict):
+            out.append(f"    error: {error.get('exc_type')}: {error.get('message')}")
+        elif error:
+            out.append(f"    error: {error}")
+        if decision:
+            out.append(f"    decision: {decision.get('action')}: {decision.get('reason')}")
+    return "\n".join(out)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.store:
+        if not args.run_id:
+            raise ConfigError("--store needs --run-id")
+        status = collect_from_store(args.store, args.run_id)
+    else:
+        run_dir = args.run_dir
+        if run_dir is None:
+            found = sorted(p for p in Path("runs").glob("*") if (p / "events.jsonl").exists())
+            if len(found) != 1:
+                raise ConfigError(f"{len(found)} run directories under runs/; pick one with --run-dir")
+            run_dir = found[0]
+        status = collect_from_run_dir(run_dir)
+    location = next((n.get("checkpoint") for n in status["nodes"] if n.get("checkpoint")), None)
+    status["checkpoint"] = newest_checkpoint(location)
+    if args.json:
+        print(json.dumps(status, indent=1, default=str))
+    else:
+        print(render(status, args.incidents))
+    return 0

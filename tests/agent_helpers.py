@@ -1,0 +1,66 @@
+"""Run ``resilient run`` and ``resilient status`` as real processes and read what they leave behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .helpers import REPO, WORKER
+
+
+def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra or {})}
+
+
+def agent_cmd(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "resilient", "run", "--run-dir", str(run_dir), "--quiet", *flags,
+            str(script), *script_args]
+
+
+def run_agent(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = (),
+              timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = agent_cmd(run_dir, *flags, script=script, script_args=script_args)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=agent_env(env), check=False)
+
+
+def start_agent(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = (),
+                env: dict[str, str] | None = None, log: Path | None = None) -> subprocess.Popen:
+    out = open(log, "w") if log is not None else subprocess.DEVNULL
+    cmd = agent_cmd(run_dir, *flags, script=script, script_args=script_args)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=agent_env(env))
+
+
+def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    found = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    return [e for e in found if kind is None or e["kind"] == kind]
+
+
+def incidents(run_dir: Path) -> list[dict[str, Any]]:
+    files = sorted((run_dir / "incidents").glob("*.json"))
+    return sorted((json.loads(p.read_text()) for p in files), key=lambda i: i["wall_time"])
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def node_status(run_dir: Path, node: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "nodes" / node / "status.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
