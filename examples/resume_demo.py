@@ -15,8 +15,9 @@ agent, embedded defaults: no external service; gloo + DDP, CPU):
       the loss and the sample indices, and the final digests of the model
       parameters and the optimizer state, which must be bitwise equal.
 
-It prints the incident, an evidence table, and exits 0 on MATCH, 1 on
-MISMATCH, 2 when a launch did not behave as expected.  Arguments after
+It prints the incident, an evidence table and the goodput report of the
+crashed run (where its time went, and what the incident cost), and exits 0
+on MATCH, 1 on MISMATCH, 2 when a launch did not behave as expected.  Arguments after
 ``--`` go to train_gpt.py.
 """
 
@@ -297,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "MATCH" if not problems else "MISMATCH"
     print(f"verdict: {verdict}  (demo took {time.monotonic() - started:.0f}s; files in {args.workdir})")
     print("=" * 100, flush=True)
+
+    # Where the crashed run's time went, from the agent's goodput ledger.
+    print(f"\n=== goodput of the crashed + recovered run: resilient report goodput {res_run}", flush=True)
+    report = subprocess.run([sys.executable, "-m", "resilient", "report", "goodput", res_run],
+                            capture_output=True, text=True, timeout=120, check=False)
+    print(report.stdout + report.stderr, flush=True)
+    if report.returncode != 0:
+        return fail(f"the goodput report failed with exit code {report.returncode}")
     return 0 if verdict == "MATCH" else 1
 
 

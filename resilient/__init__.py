@@ -9,7 +9,7 @@ processes (the CLI, the node agent) stay light.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._lazy import lazy_getattr
 

@@ -75,6 +75,7 @@ class Run:
         self.events = events if events is not None else EventLog()
         self._section = "init"
         self._hooks: WorkerHooks | None = None
+        self._reported_save: SaveResult | None = None
         env = WorkerEnv.from_environ(os.environ) if agent is _FROM_ENVIRONMENT else agent
         if env is not None:
             from .agent.worker_hooks import WorkerHooks
@@ -162,6 +163,9 @@ class Run:
             yield self.step
             self.last_step_s = time.perf_counter() - self._step_started
             self.step += 1
+            # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
+            # its way out, or the agent would see the next step start before it does.
+            self._section = _BETWEEN
         ckpt = self.checkpoints
         if ckpt is not None and ckpt.config.save_on_finish and self._last_saved_step != self.step:
             self._save(wait=False)
@@ -223,7 +227,18 @@ class Run:
     def _enter(self, section: str) -> None:
         self._section = section
         if self._hooks is not None:
-            self._hooks.enter(section, self.step, self._committed_step())
+            self._hooks.enter(section, self.step, self._committed_step(), tokens=self.tokens, samples=self.samples,
+                              save=self._new_save_report())
+
+    def _new_save_report(self) -> dict[str, Any] | None:
+        """The newest finished save, once: what the agent exports as checkpoint duration and bytes."""
+        results = self.checkpoints.results if self.checkpoints is not None else None
+        if not results or results[-1] is self._reported_save:
+            return None
+        result = self._reported_save = results[-1]
+        size = result.manifest.total_bytes if result.manifest is not None else 0
+        return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
+                "bytes": size}
 
     def _committed_step(self) -> int | None:
         manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
@@ -331,6 +346,10 @@ class Run:
         self._last_saved_step = self.step
 
 
+_BETWEEN = ""
+"""The section between two updates (at a step boundary): not reported."""
+
+
 class _Section:
     """``Run.section(name)``: enter ``name``, re-enter the enclosing section on the way out."""
 
@@ -354,7 +373,10 @@ class _Section:
         if exc is not None and hooks is not None:
             hooks.raised_in(exc, self._name)  # the error file names where it was raised, not where it surfaced
         if self._outer is not None:
-            self._run._enter(self._outer)
+            if self._outer == _BETWEEN:
+                self._run._section = _BETWEEN  # nothing to re-enter: the next step reports itself
+            else:
+                self._run._enter(self._outer)
 
 
 def _digest_config(config: Mapping[str, Any] | None) -> str | None:

@@ -15,6 +15,9 @@ command -v mount >/dev/null || apt_packages+=(mount)
 # Real servers the tests start: etcd for multi-node rendezvous, openssl for its TLS test.
 command -v etcd >/dev/null || apt_packages+=(etcd-server)
 command -v openssl >/dev/null || apt_packages+=(openssl)
+# Prometheus (with promtool) and Alertmanager (with amtool) for the metrics, alert and dashboard tests.
+command -v prometheus >/dev/null || apt_packages+=(prometheus)
+command -v prometheus-alertmanager >/dev/null || apt_packages+=(prometheus-alertmanager)
 if ((${#apt_packages[@]})); then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}"

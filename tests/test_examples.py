@@ -90,5 +90,6 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     assert "verdict: MATCH" in out, out[-6000:]
     assert "rank 1 on " in out and ": killed by SIGKILL in section 'step' at step 45" in out
     assert "decision: restart" in out
+    assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report
     assert "step_0000000040 (resumed at step 40)" in out
     assert "5 (steps 40..44)" in out

@@ -51,12 +51,15 @@ def test_readme_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
     from resilient.chaos.plan import FaultPlan
     from resilient.cli.main import build_parser
 
-    (commands,) = [b for b in blocks("bash") if "resilient run" in b]
+    parser = build_parser()
+    shown = [line for b in blocks("bash") for line in b.replace("\\\n", " ").splitlines()
+             if line.strip().startswith("resilient ")]
+    for line in shown:
+        parser.parse_args(shlex.split(line.split("#")[0])[1:])  # every command and flag shown exists
+    assert any("report goodput" in line for line in shown) and any("--metrics-port" in line for line in shown)
+    (commands,) = [b for b in blocks("bash") if "--store etcd" in b]
     lines = [line for line in commands.replace("\\\n", " ").splitlines() if line.strip().startswith("resilient")]
     assert len(lines) >= 4
-    parser = build_parser()
-    for line in lines:
-        parser.parse_args(shlex.split(line.split("#")[0])[1:])  # every flag shown exists
 
     # The one-machine command, shortened and with a smaller model, runs under the agent.
     argv = shlex.split(lines[0].split("#")[0])

@@ -226,12 +226,12 @@ def test_run_reports_its_sections(tmp_path, agent):
         ("hello", "init", 0), (S, "restore", 0), (S, "init", 0),  # restore re-enters init
         (S, "step", 0), (S, "data", 0), (S, "step", 0),  # next(run.data) inside the step
         (S, "step", 1), (S, "data", 1), (S, "step", 1),
-        (S, "checkpoint", 2), (S, "step", 2),  # the cadence checkpoint after 2 updates, at the boundary
-        (S, "step", 2), (S, "data", 2), (S, "step", 2),
-        (S, "checkpoint", 3), (S, "step", 3),  # save_on_finish
-        (S, "eval", 3), (S, "step", 3),  # a user section re-enters the enclosing one
-        (S, "checkpoint", 3), (S, "step", 3),  # close() waits for the last commit
-        ("bye", "step", 3),
+        (S, "checkpoint", 2),  # the cadence checkpoint after 2 updates, at the boundary (between steps:
+        (S, "step", 2), (S, "data", 2), (S, "step", 2),  # leaving it reports nothing until step 2 starts)
+        (S, "checkpoint", 3),  # save_on_finish
+        (S, "eval", 3),  # a user section after the loop; leaving it re-enters nothing
+        (S, "checkpoint", 3),  # close() waits for the last commit
+        ("bye", "checkpoint", 3),
     ]
     msgs = agent.seen()
     assert msgs[0].checkpoint == str(tmp_path / "ckpt") and msgs[0].pid == os.getpid()
@@ -296,7 +296,7 @@ def test_worker_under_agent_heartbeats_dumps_stacks_and_stops_gracefully(tmp_pat
     assert [e["step"] for e in read_events(tmp_path, "checkpoint_committed")] == [4, 7]
     wait_for(lambda: agent.sections()[-1][0] == "bye", timeout=5, what="bye")
     kinds = agent.sections()
-    assert kinds[0] == ("hello", "init", 0) and kinds[-1] == ("bye", "step", 7)
+    assert kinds[0] == ("hello", "init", 0) and kinds[-1] == ("bye", "checkpoint", 7)  # the stop step's commit, then bye
     assert [s for k, s, step in kinds if k == "section" and s == "step"].count("step") >= 7
     assert {("section", "data", 6), ("section", "checkpoint", 4), ("section", "checkpoint", 7)} <= set(kinds)
     msgs = agent.seen()

@@ -66,6 +66,20 @@ class AgentConfig:
     """Copy worker output to this process's stdout with a rank prefix."""
     worker_env: Mapping[str, str] = field(default_factory=dict)
     """Base environment of the workers (the CLI passes its own)."""
+    metrics_port: int | None = None
+    """Serve Prometheus /metrics on this port (0: a free one); None: no metrics server."""
+    metrics_addr: str = "127.0.0.1"
+    """Address of the metrics server (loopback unless asked otherwise)."""
+    stall_alert_after_s: float = 600.0
+    """Exported alerting threshold: seconds without a new step before the run counts as stalled."""
+    goodput_objective: float = 0.9
+    """Exported alerting threshold: the goodput ratio the run should keep."""
+    ideal_step_s: float | None = None
+    """Ideal step time for the ledger; None measures it (mean of steps <= median + 3 MAD)."""
+    flops_per_step: float | None = None
+    """Model FLOPs of one optimizer step of the whole job, for MFU."""
+    peak_flops_per_device: float | None = None
+    """Peak FLOP/s of one device (rank); None looks it up by GPU name, and on CPU means no MFU."""
 
     def __post_init__(self) -> None:
         if not self.entrypoint:
@@ -83,5 +97,13 @@ class AgentConfig:
         for name in ("health_interval_s", "monitor_interval_s", "stop_grace_s", "preempt_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"--metrics-port {self.metrics_port} is not a port; use 0 for a free one")
+        if not 0 < self.goodput_objective <= 1:
+            raise ConfigError(f"--goodput-objective {self.goodput_objective} must be in (0, 1]")
+        for name in ("stall_alert_after_s", "ideal_step_s", "flops_per_step", "peak_flops_per_device"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"AgentConfig.{name} must be > 0, got {value}")
         if self.preempt_margin_steps < 1:
             raise ConfigError("AgentConfig.preempt_margin_steps must be >= 1")

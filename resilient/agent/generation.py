@@ -44,6 +44,10 @@ class Outcome:
     reason: str
     failure: Failure | None = None
     incident: Incident | None = None
+    detected_at: float = 0.0
+    """Agent clock when the failure was detected."""
+    last_progress_at: float = 0.0
+    """Agent clock of the failing rank's last sign of progress (its last heartbeat)."""
 
 
 class PeerWatch:
@@ -118,6 +122,9 @@ def run_generation(agent: Agent, a: Assignment, attempt: int) -> Outcome:
     group = WorkerGroup(worker_specs(agent, a, attempt, gdir), agent.clock, agent.echo_to)
     pids = {rank: w.pid for rank, w in group.workers.items()}
     agent.tracker.start_generation(pids, agent.clock())
+    agent.accounting.generation_started(a.generation, a.num_nodes * agent.config.nproc_per_node,
+                                        agent.config.max_nodes * agent.config.nproc_per_node,
+                                        restart=agent.last_outcome in ("failed", "membership"), lead_rank=min(pids))
     agent.status.attach(group, a)
     agent.emit("workers_started", generation=a.generation, attempt=attempt, pids=pids)
     peers = PeerWatch(agent)
@@ -218,7 +225,8 @@ def _failure(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, now: f
                              for f in failures if f is not first),
     )
     agent.emit("worker_failed", generation=a.generation, rank=first.rank, summary=summary)
-    return Outcome("failed", summary, first, incident)
+    last_progress = info.last_seen if info is not None else first.time
+    return Outcome("failed", summary, first, incident, detected_at=first.time, last_progress_at=last_progress)
 
 
 def _as_failure(agent: Agent, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool) -> Failure:
@@ -264,7 +272,8 @@ def _hang(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any
               "stack_tool": py_spy or "faulthandler only"},
         stacks=stacks_record(captures),
     )
-    return Outcome("failed", summary, failure, incident)
+    last_progress = info.entered_at if info is not None else now
+    return Outcome("failed", summary, failure, incident, detected_at=now, last_progress_at=last_progress)
 
 
 def record_incident(agent: Agent, incident: Incident) -> None:

@@ -68,10 +68,17 @@ class Heartbeat:
     """Checkpoint directory or URL (hello only)."""
     committed_step: int | None = None
     """Newest committed checkpoint step known to the worker."""
+    tokens: int = 0
+    """The rank's cumulative token counter (``Run.tokens``)."""
+    samples: int = 0
+    """The rank's cumulative sample counter (``Run.samples``)."""
+    save: dict[str, Any] | None = None
+    """A save that finished since the last heartbeat: step, duration_s, bytes, ok."""
     v: int = PROTOCOL_VERSION
 
 
 _INT_FIELDS = ("rank", "local_rank", "pid", "step", "seq")
+_COUNTERS = ("tokens", "samples")  # optional: absent means 0
 
 
 def encode(hb: Heartbeat) -> bytes:
@@ -102,9 +109,16 @@ def decode(data: bytes) -> Heartbeat:
     committed = obj.get("committed_step")
     if committed is not None and not _is_int(committed):
         raise HeartbeatError(f"field 'committed_step' must be an integer or null, got {committed!r}")
+    for key in _COUNTERS:
+        if not _is_int(obj.get(key, 0)):
+            raise HeartbeatError(f"field {key!r} must be an integer, got {obj.get(key)!r}")
+    save = obj.get("save")
+    if save is not None and not (isinstance(save, dict) and _is_int(save.get("step"))):
+        raise HeartbeatError(f"field 'save' must be null or an object with an integer step, got {save!r}")
     return Heartbeat(
         rank=obj["rank"], local_rank=obj["local_rank"], pid=obj["pid"], section=section, step=obj["step"],
         seq=obj["seq"], kind=obj["kind"], checkpoint=checkpoint, committed_step=committed,
+        tokens=obj.get("tokens", 0), samples=obj.get("samples", 0), save=save,
     )
 
 
@@ -150,7 +164,8 @@ class HeartbeatSender:
         self._sections: dict[str, str] = {}
 
     def send(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
-             checkpoint: str | None = None) -> bool:
+             checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
+             save: dict[str, Any] | None = None) -> bool:
         """Send one heartbeat; True when the agent's socket took it."""
         self._seq += 1
         try:
@@ -167,8 +182,10 @@ class HeartbeatSender:
                 quoted = self._sections[section] = json.dumps(section)
             where = "null" if checkpoint is None else json.dumps(checkpoint)
             committed = "null" if committed_step is None else int(committed_step)
+            saved = "" if save is None else f',"save":{json.dumps(save)}'
             text = (f'{self._head}"section":{quoted},"step":{int(step)},"seq":{self._seq},"kind":"{kind}",'
-                    f'"checkpoint":{where},"committed_step":{committed}}}')
+                    f'"checkpoint":{where},"committed_step":{committed},"tokens":{int(tokens)},'
+                    f'"samples":{int(samples)}{saved}}}')
             self._sock.send(text.encode())
         except Exception as e:  # noqa: BLE001  the training loop must never see a heartbeat problem
             if not isinstance(e, BlockingIOError):

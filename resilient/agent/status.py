@@ -74,6 +74,7 @@ class StatusPublisher:
             "run_id": agent.config.run_id, "node": agent.config.node_id, "agent_pid": os.getpid(),
             "phase": self.phase, "updated_at": now_wall,
             "control_socket": str(agent.run_dir.socket_path("control.sock")),
+            "metrics_url": agent.metrics.url if agent.metrics is not None else None,
             "generation": a.generation if a else None, "node_rank": a.node_rank if a else None,
             "num_nodes": a.num_nodes if a else None, "nproc_per_node": agent.config.nproc_per_node,
             "ranks": ranks if group is not None else {},
@@ -92,6 +93,10 @@ class StatusPublisher:
             return None
 
     def publish(self) -> None:
+        try:
+            self._agent.accounting.save()
+        except OSError as e:
+            self._agent.emit("ledger_write_failed", error=str(e))
         snap = self.snapshot()
         try:
             write_json_atomic(self._agent.run_dir.status_file, snap)

@@ -23,6 +23,8 @@ from typing import IO, Any
 from ..events import EventLog
 from ..exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from . import generation as gen_mod
+from ..metrics.ledger import LedgerConfig
+from .accounting import NodeAccounting
 from .config import AgentConfig
 from .control import ControlServer
 from .generation import Outcome
@@ -60,11 +62,22 @@ class Agent:
         self.events = EventLog(self.run_dir.events)
         self.tracker = RankTracker()
         self.control = self._control_store()
+        self._restarts_used_cached = 0
+        self._peak_flops: float | None = None
         self.stop_requested: str | None = None
         """Set (from a signal handler or another thread) to ask for a graceful stop."""
         self.interrupted = False
         self._receivers: list[HeartbeatReceiver] = []
         self._rendezvous: Rendezvous | None = None
+        self.accounting = NodeAccounting(self.run_dir.node_dir / "ledger.json",
+                                         LedgerConfig(ideal_step_s=config.ideal_step_s))
+        if config.store_url is None and self.accounting.resumed:
+            # The embedded store lives in this process: continue the generation numbers of the agent that
+            # ran before on this run directory, so incident ids and logs do not collide.
+            self.control.put("generation", str(self.accounting.ledger.generation).encode())
+        self.metrics: Any = None
+        self.last_outcome: str | None = None
+        """How the previous generation ended ("failed", "membership", ...); None before the first."""
         self.status = StatusPublisher(self)
 
     # ------------------------------------------------------------ plumbing
@@ -96,6 +109,43 @@ class Agent:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_int)
 
+    def _on_heartbeat(self, hb: Any, received_at: float) -> None:
+        if self.tracker.on_heartbeat(hb, received_at):
+            self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
+                                      hb.committed_step, hb.save)
+
+    def node_view(self) -> Any:
+        """What a metrics scrape reports, computed now from the ledger and the agent's counters."""
+        from ..metrics.exporter import NodeView
+        from .accounting import job_mfu
+
+        acc, a = self.accounting, self.accounting.account()
+        c = self.config
+        return NodeView(
+            run_id=c.run_id, node=c.node_id, now=acc.now(), account=a,
+            restarts_by_reason=dict(acc.restarts_by_reason), hangs=acc.hangs,
+            incidents_by_kind=dict(acc.incidents_by_kind), restarts_used=self._restarts_used_cached,
+            restart_budget=c.restart.max_restarts, generation=a.generation or 0, world_size=a.world_size or 0,
+            full_world_size=c.max_nodes * c.nproc_per_node, checkpoint_duration_s=acc.checkpoint_duration_s,
+            checkpoint_bytes=acc.checkpoint_bytes, checkpoint_failures=acc.checkpoint_failures,
+            stall_threshold_s=c.stall_alert_after_s, goodput_objective=c.goodput_objective,
+            flops_per_step=c.flops_per_step,
+            peak_flops=self._peak_flops * c.nproc_per_node if self._peak_flops is not None else None,
+            mfu=job_mfu(a, c.flops_per_step, self._peak_flops),
+        )
+
+    def _start_metrics(self) -> None:
+        from ..metrics.exporter import MetricsServer
+        from .accounting import device_peak_flops
+
+        c = self.config
+        self._peak_flops = device_peak_flops(c.peak_flops_per_device)
+        if c.metrics_port is None:
+            return
+        self.metrics = MetricsServer(self.node_view, addr=c.metrics_addr, port=c.metrics_port)
+        self.emit("metrics_listening", port=self.metrics.port, url=self.metrics.url)
+        print(f"resilient: metrics for node {c.node_id} at {self.metrics.url}", file=sys.stderr, flush=True)
+
     def _on_stop_request(self, reason: str) -> None:
         self.emit("stop_request_received", reason=reason)
         self.stop_requested = reason
@@ -114,8 +164,10 @@ class Agent:
                   store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
         # One socket per local rank: a unix datagram queue holds only a few messages
         # (net.unix.max_dgram_qlen, 10 here), so ranks sharing one would lose heartbeats.
-        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), self.tracker.on_heartbeat,
+        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), self._on_heartbeat,
                                              clock=self.clock) for local in range(c.nproc_per_node)]
+        self.accounting.apply("agent_started")
+        self._start_metrics()
         self.status.start()
         control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.status.snapshot,
                                 self._on_stop_request)
@@ -151,7 +203,11 @@ class Agent:
                     return result
         finally:
             control.close()
+            self.accounting.apply("finished")
             self.status.stop()
+            self.accounting.save()
+            if self.metrics is not None:
+                self.metrics.close()
             for receiver in self._receivers:
                 receiver.close()
             if self._rendezvous is not None:
@@ -159,6 +215,8 @@ class Agent:
 
     def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
         """Turn a generation's outcome into the next move; None means: next round."""
+        self.last_outcome = outcome.kind
+        self.accounting.apply("generation_ended", outcome.kind)
         if outcome.kind == "succeeded":
             return self._finish(0, "succeeded", "all workers exited 0", generation)
         if outcome.kind == "preempted":
@@ -172,18 +230,21 @@ class Agent:
             return self._finish(EXIT_UNHEALTHY, "unhealthy", outcome.reason, generation)
         if outcome.kind == "membership":
             self.emit("membership_changed", generation=generation, reason=outcome.reason)
+            self.accounting.restarted("membership")
             return None
         assert outcome.kind == "failed" and outcome.failure is not None and outcome.incident is not None
         history = self._history(exclude_generation=generation)
         decision = decide_restart(outcome.failure, history, self.config.restart, self.clock())
         incident = outcome.incident.with_decision(decision)
         gen_mod.record_incident(self, incident)
+        self.accounting.failure(outcome.detected_at, outcome.last_progress_at, incident.id, incident.kind)
         if decision.action is Action.STOP:
             code = outcome.failure.exit_code if decision.verdict == "do_not_restart" and outcome.failure.exit_code \
                 else EXIT_STOPPED
             self._publish_verdict(decision.verdict or "stopped", decision.reason, code)
             return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
         self._count_restart(generation, decision.reason)
+        self.accounting.restarted(outcome.failure.kind)
         self.emit("restart", generation=generation, reason=decision.reason, delay_s=decision.delay_s,
                   restarts_used=self._restarts_used())
         if decision.delay_s > 0:
@@ -192,7 +253,8 @@ class Agent:
 
     # ------------------------------------------------ shared facts (store)
     def _restarts_used(self) -> int:
-        return len(self.control.get_prefix("restarts/"))
+        self._restarts_used_cached = len(self.control.get_prefix("restarts/"))
+        return self._restarts_used_cached
 
     def _history(self, exclude_generation: int | None = None) -> History:
         """The global restart history: every node reads the same records.

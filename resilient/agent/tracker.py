@@ -48,10 +48,11 @@ class RankTracker:
             self._pids = dict(pids)
             self._ranks = {r: RankInfo(r, pid, "init", 0, now, now) for r, pid in pids.items()}
 
-    def on_heartbeat(self, hb: Heartbeat, received_at: float) -> None:
+    def on_heartbeat(self, hb: Heartbeat, received_at: float) -> bool:
+        """Take one heartbeat; False when it comes from a worker of an earlier generation."""
         with self._lock:
             if self._pids.get(hb.rank) != hb.pid:
-                return  # a worker of an earlier generation, still shutting down
+                return False  # a worker of an earlier generation, still shutting down
             if hb.checkpoint:
                 self.checkpoint_location = hb.checkpoint
             if hb.committed_step is not None and (self.committed_step is None
@@ -60,17 +61,18 @@ class RankTracker:
             self.max_step = max(self.max_step, hb.step)
             old = self._ranks.get(hb.rank)
             if old is None:
-                return
+                return False
             if hb.kind == "bye":
                 self._ranks[hb.rank] = replace(old, section="exiting", last_seen=received_at,
                                                entered_at=received_at, heartbeats=old.heartbeats + 1)
-                return
+                return True
             if hb.section != old.section or hb.step != old.step:
-                self.stats = observe(self.stats, old.section, received_at - old.entered_at)
+                self.stats = observe(self.stats, old.section, max(0.0, received_at - old.entered_at))
                 self._ranks[hb.rank] = RankInfo(hb.rank, hb.pid, hb.section, hb.step, received_at, received_at,
                                                 old.heartbeats + 1)
             else:
                 self._ranks[hb.rank] = replace(old, last_seen=received_at, heartbeats=old.heartbeats + 1)
+            return True
 
     def ranks(self) -> dict[int, RankInfo]:
         with self._lock:

@@ -132,13 +132,15 @@ class WorkerHooks:
         if self.injector is not None:
             self.injector.at(self.section, self.step)
 
-    def enter(self, section: str, step: int, committed_step: int | None) -> None:
-        """Report entering ``section`` at ``step``; fire a planned fault there, if any."""
+    def enter(self, section: str, step: int, committed_step: int | None, *, tokens: int = 0, samples: int = 0,
+              save: dict[str, Any] | None = None) -> None:
+        """Report entering ``section`` at ``step`` (with the rank's counters); fire a planned fault there, if any."""
         self.section = section
         self.step = step
         self.committed_step = committed_step
         if not self._said_bye:  # after bye (e.g. Run.close() after a graceful stop) the agent expects silence
-            self.sender.send("section", section, step, committed_step=committed_step)
+            self.sender.send("section", section, step, committed_step=committed_step, tokens=tokens, samples=samples,
+                             save=save)
         if self.injector is not None:
             self.injector.at(section, step)
 

@@ -6,7 +6,7 @@ verifying checkpoints from the CLI does not pay for what it does not use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .._lazy import lazy_getattr
 

@@ -74,6 +74,19 @@ def add_parser(commands: Any) -> None:
                    help="wait this long for more nodes once the minimum joined (default 1)")
     p.add_argument("--rdzv-join-timeout", type=float, default=600.0, metavar="S",
                    help="give up if the minimum of nodes has not joined by then (default 600)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT (0: a free one, printed and logged); default: off")
+    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address of the metrics server (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
+    p.add_argument("--stall-alert-after", type=float, default=600.0, metavar="S",
+                   help="exported alert threshold: seconds without a new step = stalled (default 600)")
+    p.add_argument("--goodput-objective", type=float, default=0.9, metavar="R",
+                   help="exported alert threshold: goodput ratio the run should keep (default 0.9)")
+    p.add_argument("--ideal-step-time", type=float, metavar="S",
+                   help="ideal step time for goodput (default: measured, mean of steps <= median + 3 MAD)")
+    p.add_argument("--flops-per-step", type=float, metavar="F", help="model FLOPs of one step of the whole job (MFU)")
+    p.add_argument("--peak-tflops", type=float, metavar="T",
+                   help="peak TFLOP/s of one device (default: looked up by GPU name; needed on CPU for MFU)")
     p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
     p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
@@ -115,6 +128,11 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     store = args.store or (f"etcd://{args.rdzv_endpoint}" if args.rdzv_endpoint else None)
+    if args.rdzv_backend in ("etcd", "etcd-v3") and store is None:
+        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (or --store etcd://...)")
+    if args.rdzv_backend in ("c10d", "static") and store is not None:
+        print(f"resilient: warning: --rdzv-backend {args.rdzv_backend} has no effect: with --store the nodes meet "
+              "through etcd", file=sys.stderr)
     if store is not None and not args.run_id:
         raise ConfigError("--store needs --run-id: every node of the run must give the same one")
     run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
@@ -158,7 +176,10 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
-        worker_env=dict(environ),
+        worker_env=dict(environ), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+        stall_alert_after_s=args.stall_alert_after, goodput_objective=args.goodput_objective,
+        ideal_step_s=args.ideal_step_time, flops_per_step=args.flops_per_step,
+        peak_flops_per_device=args.peak_tflops * 1e12 if args.peak_tflops else None,
     )
 
 

@@ -1,0 +1,132 @@
+"""The agent's /metrics and the goodput report, on real runs with a real crash and a real agent restart."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import urllib.request
+
+from resilient.exitcodes import EXIT_PREEMPTED_AGENT
+from resilient.metrics.catalogue import BADPUT_CATEGORIES, METRICS
+
+from .agent_helpers import events, explain, node_status, run_agent, start_agent, wait_for
+
+NODE = "n0"
+
+
+def _worker(tmp_path, steps: int, *extra: str) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--every", "5", "--dir", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "t"),
+            *extra)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """Sample name with sorted labels -> value."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            samples[key] = float(value)
+    return samples
+
+
+def _value(samples: dict[str, float], name: str, **labels: str) -> float:
+    found = [v for k, v in samples.items() if k.split("{")[0] == name
+             and all(f'{lk}="{lv}"' in k for lk, lv in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_metrics_during_a_run_with_a_crash_and_the_goodput_report(tmp_path):
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 1, "step": 12, "attempt": 0, "section": "step"}]}))
+    run_dir = tmp_path / "run"
+    agent = start_agent(run_dir, "--nproc-per-node", "2", "--node-id", NODE, "--run-id", "metrics",
+                        "--metrics-port", "0", "--fault-plan", str(plan), "--flops-per-step", "2e6",
+                        "--peak-tflops", "0.001",
+                        script_args=_worker(tmp_path, 40, "--step-sleep", "0.05"), log=tmp_path / "agent.log")
+    try:
+        [listening] = wait_for(lambda: events(run_dir, "metrics_listening") if run_dir.exists() else None,
+                               timeout=60, what="the metrics server")
+        assert listening["url"].startswith("http://127.0.0.1:")
+        wait_for(lambda: (s := node_status(run_dir, NODE)) and s["generation"] == 2
+                 and any(r["step"] >= 20 for r in s["ranks"].values()), timeout=120, what="the restarted run")
+        samples = _scrape(listening["url"])
+    finally:
+        code = agent.wait(timeout=120)
+    assert code == 0, (tmp_path / "agent.log").read_text()[-3000:]
+
+    names = {k.split("{")[0] for k in samples}
+    for metric in METRICS:
+        wanted = f"{metric.name}_count" if metric.type == "histogram" else metric.name
+        assert wanted in names, f"{wanted} missing from the scrape"
+    labels = {"run_id": "metrics", "node": NODE}
+    # MFU: new steps x FLOPs per step over (their time x peak of the 2 devices), from the same account.
+    new_steps = (_value(samples, "resilient_attempted_steps_total", **labels)
+                 - _value(samples, "resilient_replayed_steps_total", **labels))
+    busy = _value(samples, "resilient_goodput_seconds_total", **labels) + sum(
+        _value(samples, "resilient_badput_seconds_total", category=c, **labels) for c in ("slowdown_excess", "degraded"))
+    assert _value(samples, "resilient_peak_flops", **labels) == 2e9
+    assert math.isclose(_value(samples, "resilient_mfu_ratio", scope="run", **labels),
+                        2e6 * new_steps / (busy * 2e9), rel_tol=1e-9)
+    wall = _value(samples, "resilient_wall_seconds_total", **labels)
+    parts = _value(samples, "resilient_goodput_seconds_total", **labels) + sum(
+        _value(samples, "resilient_badput_seconds_total", category=c, **labels) for c in BADPUT_CATEGORIES)
+    assert math.isclose(parts, wall, rel_tol=1e-9), (parts, wall)  # one scrape, one account
+    assert _value(samples, "resilient_restarts_total", reason="signal", **labels) == 1
+    assert _value(samples, "resilient_incidents_total", kind="signal", **labels) == 1
+    assert _value(samples, "resilient_generation", **labels) == 2
+    assert _value(samples, "resilient_replayed_steps_total", **labels) == 2  # steps 10 and 11, rolled back
+    assert _value(samples, "resilient_step_duration_seconds_count", rank="1", **labels) >= 20
+    assert _value(samples, "resilient_committed_tokens_total", **labels) < _value(
+        samples, "resilient_attempted_tokens_total", **labels)
+
+    report = subprocess.run([sys.executable, "-m", "resilient", "report", "goodput", str(run_dir)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert report.returncode == 0, report.stderr
+    out = report.stdout
+    assert "incident g0001-n0 (signal) cost" in out and "to detect" in out and "replayed" in out
+    assert "rank 1 on n0: killed by SIGKILL in section 'step' at step 12" in out
+    data = json.loads((run_dir / "goodput.json").read_text())
+    account = data["nodes"][NODE]
+    assert math.isclose(sum(account["seconds"].values()), account["wall_s"], rel_tol=1e-9)
+    assert account["committed_step"] == 40 and account["replayed_steps"] == 2
+    [cost] = account["incidents"]
+    assert cost["detection_s"] > 0 and cost["recovery_s"] > 0 and cost["replay_s"] > 0
+    assert math.isclose(cost["total_s"], cost["detection_s"] + cost["recovery_s"] + cost["replay_s"], rel_tol=1e-9)
+    assert (run_dir / "goodput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_account_continues_across_agent_restarts(tmp_path):
+    """Preempt the agent, start it again on the same run directory: one continuous account."""
+    run_dir = tmp_path / "run"
+    args = _worker(tmp_path, 30, "--step-sleep", "0.05")
+    agent = start_agent(run_dir, "--nproc-per-node", "1", "--node-id", NODE, "--run-id", "again",
+                        script_args=args, log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 8 for r in s["ranks"].values()),
+                 timeout=120, what="step 8")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=90) == EXIT_PREEMPTED_AGENT
+    finally:
+        agent.kill()
+    first = json.loads((run_dir / "nodes" / NODE / "ledger.json").read_text())
+    proc = run_agent(run_dir, "--nproc-per-node", "1", "--node-id", NODE, "--run-id", "again", script_args=args)
+    assert proc.returncode == 0, explain(proc)
+
+    from resilient.metrics.ledger import Ledger
+
+    saved = json.loads((run_dir / "nodes" / NODE / "ledger.json").read_text())
+    before = Ledger.from_dict(first["ledger"]).account(Ledger.from_dict(first["ledger"]).last_t)
+    ledger = Ledger.from_dict(saved["ledger"])
+    after = ledger.account(ledger.last_t)
+    assert after.wall_s > before.wall_s and after.seconds["productive"] > before.seconds["productive"]
+    assert after.seconds["idle"] > 0, "the gap between the two agents is idle time"
+    assert after.committed_step == 30
+    assert [e["generation"] for e in events(run_dir, "workers_started")] == [1, 2], "numbering continues"
+    assert after.attempted_steps - after.replayed_steps == 30, "every step counted once as progress"
+    assert math.isclose(sum(after.seconds.values()), after.wall_s, rel_tol=1e-9)
