@@ -242,3 +242,46 @@ def test_worker_side_agent_modules_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=True).stdout.strip()
     assert out == "[] False"
+
+
+def test_batching_sender_delivers_every_heartbeat_in_order_with_its_own_time(sock_path):
+    from resilient.agent.heartbeat import BatchingSender
+
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox)
+    try:
+        sender = BatchingSender(HeartbeatSender(sock_path, rank=1, local_rank=1, pid=99), interval_s=0.05)
+        sender.send("hello", "init", 0, checkpoint="/ck")
+        assert len(inbox.messages()) <= 1  # hello goes out at once ...
+        wait_for(lambda: len(inbox.messages()) == 1, what="the hello")
+        before = time.monotonic()
+        for step in range(400):  # ... sections are queued and sent in batches (several datagrams: 150 rows each)
+            sender.send("section", "step" if step % 2 else "data", step, committed_step=step // 10 * 10,
+                        tokens=step * 8, samples=step, save={"step": step, "ok": True} if step == 7 else None)
+        queued_at = time.monotonic()
+        sender.send("bye", "step", 400, committed_step=400)  # bye flushes everything queued before it
+        wait_for(lambda: len(inbox.messages()) == 402, what="402 heartbeats")
+        sender.close()
+    finally:
+        receiver.close()
+    msgs = inbox.messages()
+    assert [m.seq for m in msgs] == list(range(1, 403)) and receiver.malformed == 0
+    assert [m.kind for m in (msgs[0], msgs[-1])] == ["hello", "bye"]
+    body = msgs[1:-1]
+    assert [m.step for m in body] == list(range(400)) and body[7].save == {"step": 7, "ok": True}
+    assert body[399].tokens == 399 * 8 and body[399].committed_step == 390
+    stamps = [t for _, t in inbox.items[1:-1]]
+    # The agent gets each event's own time (the worker's monotonic clock), not the batch's arrival.
+    assert stamps == sorted(stamps) and before <= stamps[0] <= stamps[-1] <= queued_at
+
+
+def test_a_malformed_batch_is_counted_once(sock_path):
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b'{"v":1,"rank":0,"local_rank":0,"pid":1,"rows":[["section","step",1]]}', str(sock_path))
+        wait_for(lambda: receiver.malformed == 1, what="the malformed batch")
+    finally:
+        receiver.close()
+    assert "batch row" in (receiver.last_error or "") and inbox.messages() == []

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
-from .heartbeat import HeartbeatSender
+from .heartbeat import BatchingSender, HeartbeatSender
 from .worker_env import WorkerEnv
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class WorkerHooks:
     def __init__(self, env: WorkerEnv, *, events: EventLog | None = None) -> None:
         self.env = env
         self.events = events
-        self.sender = HeartbeatSender(env.agent_socket, rank=env.rank, local_rank=env.local_rank)
+        self.sender = BatchingSender(HeartbeatSender(env.agent_socket, rank=env.rank, local_rank=env.local_rank))
         self.section = "init"
         self.step = 0
         self.committed_step: int | None = None
@@ -129,7 +129,7 @@ class WorkerHooks:
     # ---------------------------------------------------------- heartbeats
     def hello(self, checkpoint: str | None) -> None:
         self.sender.send("hello", self.section, self.step, committed_step=self.committed_step, checkpoint=checkpoint)
-        if self.injector is not None:
+        if self.injector is not None:  # hello went out at once: nothing queued to flush
             self.injector.at(self.section, self.step)
 
     def enter(self, section: str, step: int, committed_step: int | None, *, tokens: int = 0, samples: int = 0,
@@ -142,6 +142,8 @@ class WorkerHooks:
             self.sender.send("section", section, step, committed_step=committed_step, tokens=tokens, samples=samples,
                              save=save)
         if self.injector is not None:
+            if self.injector.due(section, step):
+                self.sender.flush()  # the agent must see where the fault struck before it strikes
             self.injector.at(section, step)
 
     def bye(self, step: int, committed_step: int | None) -> None:

@@ -61,6 +61,10 @@ class FaultInjector:
         """Whether any fault can still strike this process."""
         return bool(self._index)
 
+    def due(self, section: str, step: int) -> bool:
+        """Whether entering ``section`` at ``step`` fires a fault (so the caller can flush what it owes first)."""
+        return bool(self._index) and (section, step) in self._index
+
     def at(self, section: str, step: int) -> None:
         """Called on entering ``section`` at ``step``: fire the first matching fault, if any."""
         if not self._index:
