@@ -68,11 +68,11 @@ class PeerWatch:
         multi = agent.config.max_nodes > 1
         while not self._done.wait(self._interval):
             try:
-                self.verdict = agent._shared_verdict()
+                self.verdict = agent.shared_verdict()
                 found = agent.control.get("stop")
                 self.stop = json.loads(found.value) if found is not None else None
-                if multi and agent._rendezvous is not None:
-                    self.waiting = agent._rendezvous.num_nodes_waiting()
+                if multi and agent.rendezvous is not None:
+                    self.waiting = agent.rendezvous.num_nodes_waiting()
             except Exception as e:  # an outage must not end a healthy generation
                 agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
 

@@ -78,7 +78,7 @@ class StatusPublisher:
             "generation": a.generation if a else None, "node_rank": a.node_rank if a else None,
             "num_nodes": a.num_nodes if a else None, "nproc_per_node": agent.config.nproc_per_node,
             "ranks": ranks if group is not None else {},
-            "max_restarts": agent.config.restart.max_restarts, "restarts_used": self._restarts_used(),
+            "max_restarts": agent.config.restart.max_restarts, "restarts_used": self.restarts_used(),
             "committed_step": agent.tracker.committed_step,
             "timeouts": [{"section": c.section, "timeout_s": round(c.timeout_s, 3), "source": c.source,
                           "observations": c.count, "max_seen_s": round(c.max_s, 3)}
@@ -86,9 +86,9 @@ class StatusPublisher:
             "checkpoint": agent.tracker.checkpoint_location,
         }
 
-    def _restarts_used(self) -> int | None:
+    def restarts_used(self) -> int | None:
         try:
-            return self._agent._restarts_used()
+            return self._agent.restarts_used()
         except Exception:  # store unreachable: status still shows the rest
             return None
 

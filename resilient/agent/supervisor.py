@@ -68,7 +68,7 @@ class Agent:
         """Set (from a signal handler or another thread) to ask for a graceful stop."""
         self.interrupted = False
         self._receivers: list[HeartbeatReceiver] = []
-        self._rendezvous: Rendezvous | None = None
+        self.rendezvous: Rendezvous | None = None
         self.accounting = NodeAccounting(self.run_dir.node_dir / "ledger.json",
                                          LedgerConfig(ideal_step_s=config.ideal_step_s))
         if config.store_url is None and self.accounting.resumed:
@@ -173,9 +173,9 @@ class Agent:
                                 self._on_stop_request)
         generation = 0
         try:
-            self._rendezvous = self._make_rendezvous()
+            self.rendezvous = self._make_rendezvous()
             while True:
-                verdict = self._shared_verdict()
+                verdict = self.shared_verdict()
                 if verdict is not None:
                     return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
                 health = assess(probe(list(c.health_paths)), c.health)
@@ -187,9 +187,9 @@ class Agent:
                                         generation)
                 self.status.phase = "rendezvous"
                 try:
-                    assignment = self._rendezvous.next()
+                    assignment = self.rendezvous.next()
                 except Exception as e:  # torch raises RendezvousClosedError, RendezvousTimeoutError, ...
-                    verdict = self._shared_verdict()
+                    verdict = self.shared_verdict()
                     if verdict is not None:
                         return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
                     self.emit("rendezvous_failed", error=f"{type(e).__name__}: {e}")
@@ -197,7 +197,7 @@ class Agent:
                 generation = assignment.generation
                 self.emit("rendezvous_joined", generation=generation, node_rank=assignment.node_rank,
                           num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
-                outcome = gen_mod.run_generation(self, assignment, self._restarts_used())
+                outcome = gen_mod.run_generation(self, assignment, self.restarts_used())
                 result = self._after(outcome, generation)
                 if result is not None:
                     return result
@@ -210,8 +210,8 @@ class Agent:
                 self.metrics.close()
             for receiver in self._receivers:
                 receiver.close()
-            if self._rendezvous is not None:
-                self._rendezvous.shutdown()
+            if self.rendezvous is not None:
+                self.rendezvous.shutdown()
 
     def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
         """Turn a generation's outcome into the next move; None means: next round."""
@@ -224,7 +224,7 @@ class Agent:
         if outcome.kind == "interrupted":
             return self._finish(130, "interrupted", outcome.reason, generation)
         if outcome.kind == "verdict":
-            v = self._shared_verdict() or {"exit_code": EXIT_STOPPED, "verdict": "stopped", "reason": outcome.reason}
+            v = self.shared_verdict() or {"exit_code": EXIT_STOPPED, "verdict": "stopped", "reason": outcome.reason}
             return self._finish(v["exit_code"], v["verdict"], v["reason"], generation)
         if outcome.kind == "unhealthy":
             return self._finish(EXIT_UNHEALTHY, "unhealthy", outcome.reason, generation)
@@ -246,13 +246,13 @@ class Agent:
         self._count_restart(generation, decision.reason)
         self.accounting.restarted(outcome.failure.kind)
         self.emit("restart", generation=generation, reason=decision.reason, delay_s=decision.delay_s,
-                  restarts_used=self._restarts_used())
+                  restarts_used=self.restarts_used())
         if decision.delay_s > 0:
             time.sleep(decision.delay_s)
         return None
 
     # ------------------------------------------------ shared facts (store)
-    def _restarts_used(self) -> int:
+    def restarts_used(self) -> int:
         self._restarts_used_cached = len(self.control.get_prefix("restarts/"))
         return self._restarts_used_cached
 
@@ -283,20 +283,20 @@ class Agent:
 
         record = {"verdict": verdict, "reason": reason, "exit_code": exit_code, "node": self.config.node_id}
         self.control.put_if_absent("verdict", json.dumps(record).encode())
-        if self._rendezvous is not None:
+        if self.rendezvous is not None:
             try:
-                self._rendezvous.close()
+                self.rendezvous.close()
             except Exception as e:  # the verdict key still tells the other nodes
                 self.emit("rendezvous_close_failed", error=f"{type(e).__name__}: {e}")
 
-    def _shared_verdict(self) -> dict[str, Any] | None:
+    def shared_verdict(self) -> dict[str, Any] | None:
         import json
 
         found = self.control.get("verdict")
         return json.loads(found.value) if found is not None else None
 
     def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
-        result = AgentResult(code, verdict, reason, generation, self._restarts_used())
+        result = AgentResult(code, verdict, reason, generation, self.restarts_used())
         self.status.phase = f"finished: {verdict}"
         self.emit("agent_finished", exit_code=code, verdict=verdict, reason=reason, generation=generation,
                   restarts_used=result.restarts_used)
