@@ -13,7 +13,7 @@ share a filesystem)::
     <run_dir>/nodes/<node>/g<G>/control.json        stop request for the workers
 
 The unix socket for worker heartbeats lives in a short private directory
-under the system temp dir, because socket paths are limited to 107 bytes.
+under the system temp dir when the run directory's path is too long for one.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-
-_SOCKET_PATH_LIMIT = 100
+from .heartbeat import SOCKET_PATH_LIMIT
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class RunDir:
     def socket_path(self, name: str) -> Path:
         """A unix socket path for ``name``, short enough for the kernel's limit."""
         path = self.node_dir / name
-        if len(os.fsencode(path)) <= _SOCKET_PATH_LIMIT:
+        if len(os.fsencode(path)) <= SOCKET_PATH_LIMIT:
             return path
         key = hashlib.sha256(os.fsencode(self.node_dir.resolve())).hexdigest()[:16]
         short = Path(tempfile.gettempdir()) / f"resilient-{key}"

@@ -84,7 +84,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 human_size(i.total_bytes),
                 _opt(i.n_files),
                 _utc(i.created_unix),
-                _age(now, i.created_unix),
+                age(now, i.created_unix),
                 i.parent or "-",
                 "ok" if i.manifest_ok else f"BAD: {i.problem}",
             ]
@@ -139,7 +139,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("location", storage.url),
         ("step", str(m.step)),
         ("world size", str(m.world_size)),
-        ("created", f"{_utc(m.created_unix)} ({_age(time.time(), m.created_unix)} ago)"),
+        ("created", f"{_utc(m.created_unix)} ({age(time.time(), m.created_unix)} ago)"),
         ("parent", m.parent or "-"),
         ("size", f"{human_size(m.total_bytes)} in {len(m.files)} files"),
         ("format", f"{m.schema}, {m.digest_algorithm} in {human_size(m.chunk_bytes)} chunks"),
@@ -292,7 +292,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def _age(now: float, then: float | None) -> str:
+def age(now: float, then: float | None) -> str:
     if then is None:
         return "-"
     seconds = max(0.0, now - then)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .checkpoint_cmd import _age, format_table
+from .checkpoint_cmd import age, format_table
 
 
 def add_parser(commands: Any) -> None:
@@ -102,7 +102,7 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
     for n in nodes:
         out.append(f"node {n['node']} (agent pid {n.get('agent_pid')}): {n.get('phase')}, generation "
                    f"{n.get('generation')}, node rank {n.get('node_rank')} of {n.get('num_nodes')}, "
-                   f"updated {_age(now, n.get('updated_at'))} ago")
+                   f"updated {age(now, n.get('updated_at'))} ago")
         rows = [[r, str(v["pid"]), v["section"], str(v["step"]), f"{v['in_section_s']:.1f}s",
                  "-" if v.get("last_heartbeat_age_s") is None else f"{v['last_heartbeat_age_s']:.1f}s",
                  "yes" if v.get("alive") else "no"] for r, v in sorted(n.get("ranks", {}).items(), key=lambda x: int(x[0]))]
@@ -123,7 +123,7 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
         out.append(f"newest committed checkpoint: none yet in {ckpt['location']}")
     else:
         out.append(f"newest committed checkpoint: {ckpt['name']} (step {ckpt['step']}), "
-                   f"{_age(now, ckpt['created_unix'])} old, in {ckpt['location']}")
+                   f"{age(now, ckpt['created_unix'])} old, in {ckpt['location']}")
     for v in status["verdicts"]:
         out.append(f"verdict from node {v.get('node')}: {v.get('verdict')}: {v.get('reason')} "
                    f"(exit {v.get('exit_code')})")
