@@ -80,7 +80,7 @@ def _run(agent_env, steps: int) -> float:
 
 
 def bench_step_loop(steps: int, tmp: Path) -> dict:
-    from resilient.agent.worker_env import WorkerEnv
+    from resilient.worker.env import WorkerEnv
 
     sock = tmp / "hb.sock"
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(sock), str(tmp / "ledger.json")],
@@ -132,7 +132,7 @@ def bench_ingest_and_scrape(tmp: Path, ranks: int, steps: int) -> dict:
     from resilient.metrics.exporter import MetricsServer, NodeView
 
     acc, timings = _fed_accounting(tmp, ranks, steps)
-    view = lambda: NodeView(run_id="bench", node="n0", now=acc.now(), account=acc.account(),  # noqa: E731
+    view = lambda: NodeView(run_id="bench", node="n0", now=acc.now(), account=acc.account(),
                             restart_budget=3, world_size=ranks, full_world_size=ranks)
     server = MetricsServer(view, port=0)
     floor_registry = CollectorRegistry()

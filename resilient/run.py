@@ -10,7 +10,7 @@ Run also reports the section it is in (``init``, ``restore``, ``step``,
 ``data``, ``checkpoint`` and the user's own, see :meth:`Run.section`) with
 each heartbeat, dumps its stacks on request, writes an error file on an
 uncaught exception, injects planned faults, and stops gracefully when
-asked: see :mod:`resilient.agent.worker_hooks`.  Without an agent none of
+asked: see :mod:`resilient.worker.hooks`.  Without an agent none of
 this is installed and the Run behaves exactly as it would otherwise.
 """
 
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import __version__
-from .agent.worker_env import WorkerEnv
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
 from .checkpoint.manager import RANK, REPLICATED, CheckpointManager, Restored, SaveResult
@@ -43,9 +42,10 @@ from .state import (
     restore_rng,
     unwrap,
 )
+from .worker.env import WorkerEnv
 
 if TYPE_CHECKING:
-    from .agent.worker_hooks import WorkerHooks
+    from .worker.hooks import WorkerHooks
 
 _FROM_ENVIRONMENT: Any = object()
 
@@ -78,7 +78,7 @@ class Run:
         self._reported_save: SaveResult | None = None
         env = WorkerEnv.from_environ(os.environ) if agent is _FROM_ENVIRONMENT else agent
         if env is not None:
-            from .agent.worker_hooks import WorkerHooks
+            from .worker.hooks import WorkerHooks
 
             self._hooks = WorkerHooks(env, events=self.events)
             self._hooks.install()  # first, so that even the checks below end in an error file

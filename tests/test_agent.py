@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from .agent_helpers import events, explain, incidents, node_status, run_agent, start_agent, wait_for
-from .helpers import assert_same_run, read_trace
 
 from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
+
+from .agent_helpers import events, explain, incidents, node_status, run_agent, start_agent, wait_for
+from .helpers import assert_same_run, read_trace
 
 STEPS = 30
 NODE = "n0"

@@ -90,7 +90,7 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     assert proc.returncode == 0, out[-6000:]
     assert "verdict: MATCH" in out, out[-6000:]
     # The kill lands at the top of step 45. These steps are shorter than the agent's 20 ms heartbeat batching,
-    # so the agent may still place rank 1 at the end of step 44 (see resilient/agent/heartbeat.py).
+    # so the agent may still place rank 1 at the end of step 44 (see resilient/worker/heartbeat.py).
     assert re.search(r"rank 1 on \S+: killed by SIGKILL in section '\w+' at step 4[45]", out), out[-6000:]
     assert "decision: restart" in out
     assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report

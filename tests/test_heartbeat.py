@@ -13,16 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from resilient.agent.heartbeat import (
-    RECONNECT_INTERVAL_S,
-    Heartbeat,
-    HeartbeatError,
-    HeartbeatReceiver,
-    HeartbeatSender,
-    decode,
-    encode,
-)
+from resilient.agent.heartbeat import HeartbeatReceiver
 from resilient.errors import ConfigError
+from resilient.worker.heartbeat import RECONNECT_INTERVAL_S, HeartbeatSender
+from resilient.worker.protocol import Heartbeat, HeartbeatError, decode, encode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -111,7 +105,7 @@ def test_round_trip_from_a_real_sender_process(sock_path):
     receiver = HeartbeatReceiver(sock_path, inbox, clock=lambda: float(next(ticks)))
     code = (
         "import os, sys, time\n"
-        "from resilient.agent.heartbeat import HeartbeatSender\n"
+        "from resilient.worker.heartbeat import HeartbeatSender\n"
         f"s = HeartbeatSender({str(sock_path)!r}, rank=5, local_rank=1)\n"
         "ok = [s.send('hello', 'init', 0, checkpoint='/ckpt')]\n"
         "for step in range(50):\n"
@@ -235,7 +229,7 @@ def test_worker_side_agent_modules_do_not_import_torch():
     code = (
         "import sys, resilient.agent\n"
         "light = [m for m in sys.modules if m.startswith('resilient.agent.')]\n"
-        "import resilient.agent.heartbeat, resilient.agent.worker_env, resilient.agent.worker_hooks\n"
+        "import resilient.worker.heartbeat, resilient.worker.env, resilient.worker.hooks\n"
         "import resilient.chaos.plan, resilient.chaos.inject\n"
         "print(light, 'torch' in sys.modules)\n"
     )
@@ -245,7 +239,7 @@ def test_worker_side_agent_modules_do_not_import_torch():
 
 
 def test_batching_sender_delivers_every_heartbeat_in_order_with_its_own_time(sock_path):
-    from resilient.agent.heartbeat import BatchingSender
+    from resilient.worker.heartbeat import BatchingSender
 
     inbox = Inbox()
     receiver = HeartbeatReceiver(sock_path, inbox)

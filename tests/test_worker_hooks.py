@@ -21,10 +21,11 @@ import pytest
 import torch
 
 import resilient
-from resilient.agent.heartbeat import Heartbeat, HeartbeatReceiver
-from resilient.agent.worker_env import WorkerEnv
-from resilient.agent.worker_hooks import StopRequest, read_stop_request
+from resilient.agent.heartbeat import HeartbeatReceiver
 from resilient.errors import ConfigError
+from resilient.worker.env import WorkerEnv
+from resilient.worker.hooks import StopRequest, read_stop_request
+from resilient.worker.protocol import Heartbeat
 
 REPO = Path(__file__).resolve().parent.parent
 

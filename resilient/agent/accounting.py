@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..fsutil import read_json, write_json_atomic
 from ..metrics.ledger import Ledger, LedgerConfig
-from .rundir import read_json, write_json_atomic
 
 
 class NodeAccounting:

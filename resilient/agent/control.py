@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ResilientError
+from .sockets import bind_private
 
 _MAX_REQUEST = 64 * 1024
 
@@ -41,15 +41,7 @@ class ControlServer:
         self._token = token
         self._status = status
         self._request_stop = request_stop
-        if path.exists():
-            path.unlink()  # left by an agent that died; nothing can be listening on it
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            self._sock.bind(str(path))
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
+        self._sock = bind_private(str(path), socket.SOCK_STREAM)
         self._sock.listen(8)
         self._sock.settimeout(0.5)
         self._closed = threading.Event()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..fsutil import write_json_atomic
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
@@ -26,7 +27,6 @@ from .incidents import Incident, describe_failure, read_error_file, stacks_recor
 from .launcher import Exit, WorkerGroup, WorkerSpec
 from .policy import Failure, first_failure
 from .rendezvous import Assignment
-from .rundir import write_json_atomic
 
 if TYPE_CHECKING:
     from .supervisor import Agent

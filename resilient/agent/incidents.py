@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..exitcodes import describe_exit
+from ..fsutil import write_json_atomic
 from ..watchdog.stacks import StackCapture
-from .rundir import write_json_atomic
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,16 +19,14 @@ under the system temp dir when the run directory's path is too long for one.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import secrets
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..errors import ConfigError
-from .heartbeat import SOCKET_PATH_LIMIT
+from .sockets import SOCKET_PATH_LIMIT
 
 
 @dataclass(frozen=True)
@@ -102,18 +100,3 @@ def read_token(path: Path) -> str:
     if len(token) < 32:
         raise ConfigError(f"run token {path} is empty or truncated; delete it and restart the agent to make a new one")
     return token
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Replace ``path`` with ``data`` as JSON so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any | None:
-    """The JSON in ``path``, or None when it does not exist or is not (yet) valid."""
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None

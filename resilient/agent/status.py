@@ -14,8 +14,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..fsutil import write_json_atomic
 from ..watchdog.sections import calibration_summary
-from .rundir import write_json_atomic
 
 if TYPE_CHECKING:
     from .launcher import WorkerGroup

@@ -22,8 +22,8 @@ from typing import IO, Any
 
 from ..events import EventLog
 from ..exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
-from . import generation as gen_mod
 from ..metrics.ledger import LedgerConfig
+from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .config import AgentConfig
 from .control import ControlServer

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..fsutil import write_text_atomic
 
 PLAN_VERSION = 1
 FAULT_KINDS = ("kill", "exit", "raise", "hang", "deadlock", "sigstop")
@@ -218,11 +219,7 @@ class FaultPlan:
 
     def dump(self, path: str | os.PathLike[str]) -> None:
         """Write the plan atomically (readers never see half a file)."""
-        path = os.fspath(path)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(self.dumps() + "\n")
-        os.replace(tmp, path)
+        write_text_atomic(path, self.dumps() + "\n")
 
     # ------------------------------------------------------- generation
     @classmethod

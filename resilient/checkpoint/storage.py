@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import CommitConflictError, StorageError
+from ..fsutil import fsync_dir
 from .digest import ChunkedHasher, hash_pool
 from .manifest import MANIFEST_FILE, step_of
 
@@ -111,14 +112,6 @@ def pieces(segments: Sequence[memoryview], size: int = WRITE_PIECE) -> list[memo
         for start in range(0, len(view), size):
             out.append(view[start : start + size])
     return out
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _storage_error(action: str, path: str, e: OSError) -> StorageError:
@@ -207,7 +200,7 @@ class LocalStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            _fsync_dir(src)
+            fsync_dir(src)
         except OSError as e:
             raise _storage_error("write manifest", mpath, e) from e
         if os.path.exists(dst):
@@ -218,7 +211,7 @@ class LocalStorage(Storage):
             if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
                 raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}") from e
             raise _storage_error("publish", dst, e) from e
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def abort(self, staging: Staging) -> None:
         shutil.rmtree(self._staging_dir(staging), ignore_errors=True)
@@ -265,7 +258,7 @@ class LocalStorage(Storage):
         dst = os.path.join(self._quarantine_root, f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{os.getpid()}")
         try:
             os.rename(os.path.join(self.root, name), dst)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             with open(os.path.join(dst, "QUARANTINE.json"), "w", encoding="utf-8") as f:
                 json.dump({"checkpoint": name, "reason": reason, "time_unix": time.time()}, f, indent=1)
         except OSError as e:
@@ -277,7 +270,7 @@ class LocalStorage(Storage):
         trash = os.path.join(self._trash_root, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
         try:
             os.rename(os.path.join(self.root, name), trash)  # leaves the committed set atomically
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as e:
             raise _storage_error("delete", name, e) from e
         shutil.rmtree(trash, ignore_errors=True)

@@ -31,7 +31,7 @@ def add_parser(commands: Any) -> None:
 
 def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
     from ..agent.incidents import load_incidents
-    from ..agent.rundir import read_json
+    from ..fsutil import read_json
 
     if not run_dir.is_dir():
         raise ConfigError(f"no run directory at {run_dir}: pass the --run-dir that `resilient run` printed")

@@ -26,7 +26,8 @@ def add_parser(commands: Any) -> None:
 
 def cmd_stop(args: argparse.Namespace) -> int:
     from ..agent.control import ControlError, call
-    from ..agent.rundir import read_json, read_token
+    from ..agent.rundir import read_token
+    from ..fsutil import read_json
 
     token_file = args.run_dir / "token"
     if not token_file.exists():

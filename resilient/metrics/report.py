@@ -32,7 +32,7 @@ class NodeReport:
 
 def load(run_dir: Path) -> list[NodeReport]:
     """Every node's account, as of the last event its ledger recorded."""
-    from ..agent.rundir import read_json
+    from ..fsutil import read_json
     from .ledger import Ledger
 
     paths = sorted((run_dir / "nodes").glob("*/ledger.json"))

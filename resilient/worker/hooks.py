@@ -3,7 +3,7 @@
 :class:`WorkerHooks` holds everything a worker process does for its agent:
 
 - heartbeats: ``hello`` once, a ``section`` message on every section entry,
-  ``bye`` when no more will come (:mod:`resilient.agent.heartbeat`);
+  ``bye`` when no more will come (:mod:`resilient.worker.heartbeat`);
 - stack dumps: faulthandler writes every thread's stack to the rank's stack
   file when the agent sends ``RESILIENT_STACK_SIGNAL`` (it runs in C, so it
   works while the main thread is stuck in a lock or a sleep);
@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
+from ..fsutil import write_json_atomic
+from .env import WorkerEnv
 from .heartbeat import BatchingSender, HeartbeatSender
-from .worker_env import WorkerEnv
 
 if TYPE_CHECKING:
     from ..chaos.inject import FaultInjector
@@ -212,7 +213,4 @@ class WorkerHooks:
             "step": self.step,
             "exit_code": exit_code,
         }
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, record)
