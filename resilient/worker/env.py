@@ -52,7 +52,9 @@ class WorkerEnv:
     node_id: str | None = None
     """RESILIENT_NODE_ID: this node's name in the run."""
     generation: int = 0
-    """RESILIENT_GENERATION: membership generation this worker belongs to."""
+    """RESILIENT_GENERATION: membership generation this worker belongs to (only moves forward within a run)."""
+    launch_id: str | None = None
+    """RESILIENT_LAUNCH_ID: this launch of the run (a resubmission of the same run id gets a new one)."""
     attempt: int = 0
     """RESILIENT_ATTEMPT (= TORCHELASTIC_RESTART_COUNT): restarts so far."""
     stack_file: str | None = None
@@ -125,6 +127,7 @@ class WorkerEnv:
             "run_dir": _str(environ, "RESILIENT_RUN_DIR"),
             "node_id": _str(environ, "RESILIENT_NODE_ID"),
             "generation": _int(environ, "RESILIENT_GENERATION"),
+            "launch_id": _str(environ, "RESILIENT_LAUNCH_ID"),
             "attempt": attempt if attempt is not None else restarts,
             "stack_file": _str(environ, "RESILIENT_STACK_FILE"),
             "stack_signal": _int(environ, "RESILIENT_STACK_SIGNAL"),
@@ -153,7 +156,7 @@ _VARS = {
     "local_rank": "LOCAL_RANK", "local_world_size": "LOCAL_WORLD_SIZE", "group_rank": "GROUP_RANK",
     "group_world_size": "GROUP_WORLD_SIZE", "master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT",
     "run_id": "RESILIENT_RUN_ID", "run_dir": "RESILIENT_RUN_DIR", "node_id": "RESILIENT_NODE_ID",
-    "generation": "RESILIENT_GENERATION", "attempt": "RESILIENT_ATTEMPT", "stack_file": "RESILIENT_STACK_FILE",
+    "generation": "RESILIENT_GENERATION", "launch_id": "RESILIENT_LAUNCH_ID", "attempt": "RESILIENT_ATTEMPT", "stack_file": "RESILIENT_STACK_FILE",
     "stack_signal": "RESILIENT_STACK_SIGNAL", "error_file": "RESILIENT_ERROR_FILE",
     "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
     "fault_plan": "RESILIENT_FAULT_PLAN",
