@@ -2,7 +2,8 @@
 
 * :mod:`.store`: the :class:`ControlStore` protocol, :class:`MemoryControlStore`
   (embedded default), :class:`EtcdControlStore`, and the store errors;
-* :mod:`.etcd`: :class:`EtcdClient`, our standard-library etcd v3 client;
+* :mod:`.etcd`: :class:`EtcdClient`, our standard-library etcd v3 client (key-value, leases);
+* :mod:`.etcd_transport`: how its requests reach etcd (failover, outage retries, auth, TLS);
 * :mod:`.rendezvous`: torch elastic ``RendezvousBackend`` over etcd and
   :func:`create_etcd_rendezvous_handler`;
 * :mod:`.etcd_store`: a torch c10d ``Store`` over etcd.
@@ -28,6 +29,7 @@ _EXPORTS = {
     "StoreUnavailableError": "resilient.coord.store",
     "EtcdClient": "resilient.coord.etcd",
     "EtcdConfig": "resilient.coord.etcd",
+    "EtcdTransport": "resilient.coord.etcd_transport",
     "create_etcd_rendezvous_handler": "resilient.coord.rendezvous",
     "make_etcd_rendezvous_backend": "resilient.coord.rendezvous",
     "make_etcd_c10d_store": "resilient.coord.etcd_store",

@@ -1,124 +1,22 @@
-"""A thin etcd v3 client over etcd's JSON gRPC gateway, standard library only.
+"""Our etcd v3 client, standard library only: key-value, transactions and leases over the JSON gateway.
 
-etcd 3.4+ serves its gRPC API as JSON over HTTP under ``/v3/``: keys and
-values travel base64-encoded, 64-bit integers as strings, and fields equal
-to their zero value are omitted.  We use a handful of calls: range, put,
-txn, deleterange, lease grant/keepalive/revoke and authenticate.
-
-Failure handling, the reason this client exists:
-
-* several endpoints: a connection failure moves on to the next one, and the
-  one that answered is tried first next time;
-* an unreachable store (every endpoint failed, or etcd answered
-  "unavailable", e.g. no leader) is retried with exponential backoff until
-  it has been unreachable for ``outage_tolerance_s``; the start and end of
-  each outage go to ``on_outage("start"|"end", detail)``; past the
-  tolerance calls raise :class:`StoreUnavailableError`;
-* user/password auth: a token from ``/v3/auth/authenticate`` goes in the
-  ``Authorization`` header and is fetched again when etcd says it expired;
-* TLS with a CA file and an optional client certificate (``https://``).
-
-Each request uses a fresh connection, so "connection refused" always means
-the request was not sent.  Clock and sleep are injected for tests.
+Keys and values travel base64-encoded, 64-bit integers as strings, and
+fields equal to their zero value are omitted.  We use a handful of calls:
+range, put, txn, deleterange and lease grant/keepalive/revoke.  How a call
+reaches etcd (failover, retries through an outage, auth, TLS) is
+:mod:`.etcd_transport`'s; :class:`EtcdConfig` and ``OutageCallback`` are
+re-exported here, where callers have always found them.
 """
 
 from __future__ import annotations
 
 import base64
-import http.client
-import json
-import ssl
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-from ..errors import ConfigError
-from .store import Entry, StoreAuthError, StoreRequestError, StoreUnavailableError
+from .etcd_transport import NOT_FOUND, EtcdConfig, EtcdTransport, OutageCallback
+from .store import Entry, StoreRequestError
 
-OutageCallback = Callable[[str, str], None]
-# gRPC Canceled (the gateway's connection closing while etcd shuts down), DeadlineExceeded and
-# Unavailable (no leader, timeout): the server is going or not ready, so try again.
-_UNAVAILABLE_CODES = frozenset({1, 4, 14})
-_NOT_FOUND = 5
-_UNAUTHENTICATED = 16
-_PERMISSION_DENIED = 7
-
-
-@dataclass(frozen=True, kw_only=True)
-class EtcdConfig:
-    """How to reach etcd."""
-
-    endpoints: tuple[str, ...]
-    """Client URLs tried in order, ``http://host:port`` or ``https://host:port`` (TLS)."""
-    username: str | None = None
-    """User for etcd auth; ``None`` when auth is disabled."""
-    password: str | None = None
-    """Password of ``username``."""
-    ca_file: str | None = None
-    """PEM file of the CA that signed etcd's certificate (https only; default: system CAs)."""
-    cert_file: str | None = None
-    """PEM client certificate for etcd's ``--client-cert-auth`` (https only)."""
-    key_file: str | None = None
-    """PEM private key of ``cert_file``."""
-    timeout_s: float = 5.0
-    """Timeout of one HTTP request, connect included."""
-    outage_tolerance_s: float = 30.0
-    """How long the store may stay unreachable before calls raise StoreUnavailableError."""
-    backoff_initial_s: float = 0.05
-    """First wait between retries while unreachable; doubles each time."""
-    backoff_max_s: float = 1.0
-    """Longest wait between retries."""
-
-    def __post_init__(self) -> None:
-        if not self.endpoints:
-            raise ConfigError("etcd endpoints are empty: give at least one, e.g. etcd://127.0.0.1:2379")
-        for url in self.endpoints:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
-                raise ConfigError(f"etcd endpoint {url!r} is invalid: use http://host:port or https://host:port")
-            try:
-                parts.port  # noqa: B018  (raises on a bad port)
-            except ValueError:
-                raise ConfigError(f"etcd endpoint {url!r} has an invalid port") from None
-        if (self.username is None) != (self.password is None):
-            raise ConfigError("etcd username and password must be given together (or neither)")
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ConfigError("etcd cert_file and key_file must be given together (or neither)")
-        tls_files = self.ca_file or self.cert_file
-        if tls_files and not all(u.startswith("https://") for u in self.endpoints):
-            raise ConfigError("etcd TLS files are set but an endpoint is not https://: use etcds://host:port")
-        if self.timeout_s <= 0 or self.outage_tolerance_s < 0:
-            raise ConfigError("etcd timeout_s must be > 0 and outage_tolerance_s >= 0")
-        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
-            raise ConfigError("etcd backoff must satisfy 0 < backoff_initial_s <= backoff_max_s")
-
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> EtcdConfig:
-        """Parse ``etcd://host:port[,host:port...]`` (plain) or ``etcds://...`` (TLS); ``options`` set the rest."""
-        scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in ("etcd", "etcds") or not rest.strip("/"):
-            raise ConfigError(f"store URL {url!r} is invalid: use etcd://host:port[,host:port] or etcds://...")
-        http_scheme = "https" if scheme == "etcds" else "http"
-        hosts = [h.strip() for h in rest.strip("/").split(",")]
-        if any(not h or "/" in h or "@" in h for h in hosts):
-            raise ConfigError(f"store URL {url!r} is invalid: list host:port pairs separated by commas")
-        endpoints = tuple(f"{http_scheme}://{h if h.rsplit(':', 1)[-1].isdigit() else h + ':2379'}" for h in hosts)
-        return cls(endpoints=endpoints, **options)
-
-    def describe(self) -> str:
-        """The endpoints, for messages (never the password)."""
-        return ", ".join(self.endpoints)
-
-
-class _Unreachable(Exception):
-    """Every endpoint failed to answer this attempt."""
-
-
-class _TokenRejected(Exception):
-    """etcd rejected our auth token (expired or revoked)."""
+__all__ = ["EtcdClient", "EtcdConfig", "OutageCallback"]
 
 
 def _b64(data: bytes) -> str:
@@ -147,37 +45,13 @@ def _entry(kv: dict[str, Any]) -> Entry:
 def _key(key: str) -> bytes:
     return key.encode("utf-8", "surrogateescape")
 
-
-class EtcdClient:
+class EtcdClient(EtcdTransport):
     """An etcd v3 client; thread-safe, one instance may serve every thread of a process.
 
-    Every method raises :class:`StoreUnavailableError` once etcd has been
-    unreachable for ``outage_tolerance_s``, :class:`StoreAuthError` on
-    rejected credentials or certificates, :class:`StoreRequestError` when
-    etcd rejects the request itself.
+    A transport with typed operations on top (a subclass rather than a
+    member so that one object is handed around and its outage state is one).
+    Every method raises what :meth:`EtcdTransport.call` raises.
     """
-
-    def __init__(
-        self,
-        config: EtcdConfig,
-        *,
-        on_outage: OutageCallback | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.config = config
-        self._on_outage = on_outage
-        self._clock = clock
-        self._sleep = sleep
-        self._lock = threading.Lock()
-        self._token: str | None = None
-        self._preferred = 0
-        self._outage_since: float | None = None
-        self._ssl: ssl.SSLContext | None = None
-        if any(u.startswith("https://") for u in config.endpoints):
-            self._ssl = ssl.create_default_context(cafile=config.ca_file)
-            if config.cert_file and config.key_file:
-                self._ssl.load_cert_chain(config.cert_file, config.key_file)
 
     # -- key-value ---------------------------------------------------------
 
@@ -258,151 +132,7 @@ class EtcdClient:
         try:
             self.call("/v3/lease/revoke", {"ID": str(lease_id)})
         except StoreRequestError as e:
-            if e.code == _NOT_FOUND:
+            if e.code == NOT_FOUND:
                 return False
             raise
         return True
-
-    # -- transport -----------------------------------------------------------
-
-    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to ``path`` with retries, auth and failover; returns the decoded answer."""
-        delay = self.config.backoff_initial_s
-        token_refreshed = False
-        while True:
-            try:
-                if self.config.username is not None and self._token is None:
-                    self._authenticate()
-                result = self._attempt(path, body, self._token)
-            except _Unreachable as e:
-                now = self._clock()
-                with self._lock:
-                    started = self._outage_since is None
-                    if started:
-                        self._outage_since = now
-                    since = self._outage_since
-                    assert since is not None
-                if started and self._on_outage is not None:
-                    self._on_outage("start", f"etcd unreachable: {e}")
-                remaining = since + self.config.outage_tolerance_s - now
-                if remaining <= 0:
-                    raise StoreUnavailableError(
-                        f"etcd at {self.config.describe()} has been unreachable for {now - since:.1f} s "
-                        f"(last error: {e}); check that etcd runs and these endpoints are right, or raise "
-                        f"outage_tolerance_s (now {self.config.outage_tolerance_s:g} s)"
-                    ) from None
-                self._sleep(min(delay, remaining))
-                delay = min(delay * 2, self.config.backoff_max_s)
-                continue
-            except _TokenRejected:
-                if token_refreshed:
-                    raise StoreAuthError(
-                        f"etcd at {self.config.describe()} rejected a fresh auth token for user "
-                        f"{self.config.username!r}; check the user's roles"
-                    ) from None
-                token_refreshed = True
-                self._token = None
-                continue
-            self._outage_over()
-            return result
-
-    def _outage_over(self) -> None:
-        with self._lock:
-            since, self._outage_since = self._outage_since, None
-        if since is not None and self._on_outage is not None:
-            endpoint = self.config.endpoints[self._preferred]
-            self._on_outage("end", f"etcd reachable again at {endpoint} after {self._clock() - since:.1f} s")
-
-    def _authenticate(self) -> None:
-        body = {"name": self.config.username, "password": self.config.password}
-        try:
-            self._token = str(self._attempt("/v3/auth/authenticate", body, None)["token"])
-        except StoreRequestError as e:
-            raise StoreAuthError(
-                f"etcd at {self.config.describe()} refused user {self.config.username!r}: {e}; "
-                "check the username and password"
-            ) from None
-
-    def _attempt(self, path: str, body: dict[str, Any], token: str | None) -> dict[str, Any]:
-        """One try on every endpoint, preferred first; raises _Unreachable when none answers."""
-        errors = []
-        payload = json.dumps(body).encode()
-        n = len(self.config.endpoints)
-        start = self._preferred
-        for i in ((start + j) % n for j in range(n)):
-            url = self.config.endpoints[i]
-            try:
-                status, answer = self._post(url, path, payload, token)
-            except ssl.SSLCertVerificationError as e:
-                raise StoreAuthError(
-                    f"TLS verification of etcd at {url} failed: {e.verify_message}; "
-                    "give the CA that signed etcd's certificate as ca_file"
-                ) from None
-            except ssl.SSLError as e:
-                if "CERTIFICATE" in str(e.reason) or "UNKNOWN_CA" in str(e.reason):
-                    raise StoreAuthError(
-                        f"etcd at {url} rejected our TLS client certificate ({e.reason}); give cert_file and "
-                        "key_file signed by a CA that etcd trusts (--trusted-ca-file)"
-                    ) from None
-                errors.append(f"{url}: {type(e).__name__}: {e}")
-                continue
-            except (OSError, http.client.HTTPException) as e:
-                errors.append(f"{url}: {type(e).__name__}: {e}")
-                continue
-            code = answer.get("code") if status != 200 else None
-            if status == 200:
-                self._preferred = i
-                return answer
-            if status in (408, 502, 503, 504) or code in _UNAVAILABLE_CODES:
-                hint = ""
-                if status == 503 and url.startswith("https://"):
-                    hint = " (with --client-cert-auth, etcd's gateway needs a server certificate allowing clientAuth)"
-                errors.append(f"{url}: HTTP {status}: {answer.get('message', answer)}{hint}")
-                continue
-            self._preferred = i
-            self._raise_for(url, path, status, answer, token)
-        raise _Unreachable("; ".join(errors))
-
-    def _raise_for(self, url: str, path: str, status: int, answer: dict[str, Any], token: str | None) -> None:
-        message = str(answer.get("message") or answer.get("error") or answer)
-        code = answer.get("code")
-        if code == _UNAUTHENTICATED and token is not None:
-            raise _TokenRejected()
-        if code == _UNAUTHENTICATED or "user name is empty" in message:
-            raise StoreAuthError(f"etcd at {url} requires authentication ({message}); give a username and password")
-        if code == _PERMISSION_DENIED:
-            raise StoreAuthError(
-                f"etcd at {url} denied {path} to user {self.config.username!r} ({message}); grant the user a role"
-                " with read-write access to the run's keys"
-            )
-        raise StoreRequestError(f"etcd at {url} rejected {path} (HTTP {status}): {message}", code)
-
-    def _post(self, url: str, path: str, payload: bytes, token: str | None) -> tuple[int, dict[str, Any]]:
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port
-        conn: http.client.HTTPConnection
-        if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(host, port, timeout=self.config.timeout_s, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=self.config.timeout_s)
-        headers = {"Content-Type": "application/json", "Connection": "close"}
-        if token is not None:
-            headers["Authorization"] = token
-        try:
-            conn.request("POST", path, body=payload, headers=headers)
-            response = conn.getresponse()
-            raw = response.read()
-            status = response.status
-        finally:
-            conn.close()
-        try:
-            # a streaming call (lease keepalive) answers one JSON object per line: we sent one request
-            answer = json.loads(raw.split(b"\n", 1)[0]) if raw.strip() else {}
-        except ValueError:
-            answer = {"message": raw[:200].decode(errors="replace")}
-        if not isinstance(answer, dict):
-            answer = {"message": str(answer)[:200]}
-        return status, answer
-
-    def close(self) -> None:
-        """Nothing to release (connections are per request); present for symmetry with other clients."""
