@@ -1,7 +1,9 @@
-"""The restart policy and first-failure attribution, with made-up failures and times."""
+"""The restart policy and first-failure attribution, with made-up failures and times; the global budget with
+two real agents on a real etcd."""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -15,6 +17,8 @@ from resilient.agent.policy import (
     decide_restart,
     first_failure,
 )
+from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.store import EtcdControlStore
 from resilient.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, StorageError
 from resilient.exitcodes import (
     EXIT_CONFIG,
@@ -26,6 +30,8 @@ from resilient.exitcodes import (
     describe_exit,
     exit_code_for,
 )
+
+from .agent_helpers import events, start_agent
 
 CRASH = Failure(kind="exit", time=10.0, rank=1, node="n1", exit_code=1, section="step", step=47)
 
@@ -94,14 +100,47 @@ def test_do_not_restart_exit_codes_stop_even_with_budget_left() -> None:
     )
 
 
-def test_budget_exhausted_is_global() -> None:
+def test_budget_is_global_across_two_agents_on_a_real_etcd(tmp_path, etcd_server, etcd_run_id) -> None:
+    """Both nodes fail in every generation: each generation costs one restart, and both stop alike."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "exit", "rank": None, "step": 2, "attempt": None, "section": "step", "exit_code": 3}]}))
+    run_dir = tmp_path / "run"
+    agents = {node: start_agent(
+        run_dir, "--nnodes", "2", "--nproc-per-node", "1", "--store", etcd_server.url, "--run-id", etcd_run_id,
+        "--node-id", node, "--local-addr", "127.0.0.1", "--rdzv-last-call", "1", "--stop-grace", "3",
+        "--max-restarts", "2", "--crash-loop-restarts", "10", "--fault-plan", str(plan),
+        script_args=("--steps", "20", "--trace", str(tmp_path / "trace")), log=tmp_path / f"{node}.log")
+        for node in ("n0", "n1")}
+    try:
+        codes = {node: agent.wait(timeout=300) for node, agent in agents.items()}
+    finally:
+        for agent in agents.values():
+            agent.kill()
+    logs = {node: (tmp_path / f"{node}.log").read_text()[-2000:] for node in agents}
+    assert codes == {"n0": EXIT_STOPPED, "n1": EXIT_STOPPED}, (codes, logs)
+    finished = {e["node"]: e for e in events(run_dir, "agent_finished")}
+    assert {n: e["verdict"] for n, e in finished.items()} == {"n0": "budget_exhausted", "n1": "budget_exhausted"}
+    assert {e["restarts_used"] for e in finished.values()} == {2}
+    assert all("2 of max_restarts=2 used by the whole launch" in e["reason"] for e in finished.values())
+    # Two failed generations were restarted, each counted once though both nodes failed in it.
+    store = EtcdControlStore.for_run(EtcdClient(EtcdConfig.from_url(etcd_server.url)), etcd_run_id)
+    [launch] = {e["launch_id"] for e in events(run_dir, "launch_joined")}
+    records = store.get_prefix(f"launch/{launch}/restarts/")
+    assert len(records) == 2, [r.key for r in records]
+    failed = {e["generation"] for e in events(run_dir, "worker_failed")}
+    assert {json.loads(r.value)["body"]["generation"] for r in records} == set(sorted(failed)[:2])
+    assert len(failed) == 3 and {e["node"] for e in events(run_dir, "worker_failed")} == {"n0", "n1"}
+
+
+def test_the_policy_names_the_budget_scope() -> None:
     history = History(restarts_used=3, restarts_since_progress=0, newest_committed_step=120)
-    d = decide_restart(CRASH, history, RestartConfig(max_restarts=3), now=1.0)
+    d = decide_restart(CRASH, history, RestartConfig(max_restarts=3, budget_scope="run"), now=1.0)
     assert (d.action, d.verdict) == (Action.STOP, "budget_exhausted")
     assert "3 of max_restarts=3 used by the whole run" in d.reason
     assert "newest committed checkpoint: step 120" in d.reason
     zero = decide_restart(CRASH, History(), RestartConfig(max_restarts=0), now=1.0)
-    assert zero.verdict == "budget_exhausted"
+    assert zero.verdict == "budget_exhausted" and "used by the whole launch" in zero.reason
 
 
 def test_crash_loop_before_first_commit_stops_with_verdict() -> None:
@@ -158,6 +197,7 @@ def test_progress_resets_crash_loop_and_backoff() -> None:
         ({"backoff_factor": 0.5}, "backoff_factor=0.5"),
         ({"backoff_initial_s": 10.0, "backoff_max_s": 5.0}, "backoff_max_s=5.0 must be finite and >= "),
         ({"crash_loop_restarts": 0}, "crash_loop_restarts=0"),
+        ({"budget_scope": "job"}, "budget_scope=.job. must be .launch. or .run."),
     ],
 )
 def test_invalid_restart_config(kwargs: dict[str, float], message: str) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..coord.launch import check_launch_id
 from ..errors import ConfigError
 from ..watchdog.sections import SectionTimeouts
 from .health import HealthConfig
@@ -28,6 +29,10 @@ class AgentConfig:
     """This node's unique name within the run."""
     run_dir: Path
     """Where events, logs, incidents and status go."""
+    launch_id: str | None = None
+    """This submission's launch id; None agrees on one through the store (see resilient.coord.launch)."""
+    token_file: Path | None = None
+    """The run token to use instead of <run_dir>/token (every node of a run needs the same token)."""
     nproc_per_node: int = 1
     """Worker processes on this node."""
     min_nodes: int = 1
@@ -88,6 +93,11 @@ class AgentConfig:
             raise ConfigError(f"node id {self.node_id!r} must be 1-63 letters, digits, '.', '_' or '-'")
         if not _NODE_ID.match(self.run_id):
             raise ConfigError(f"run id {self.run_id!r} must be 1-63 letters, digits, '.', '_' or '-'")
+        if self.launch_id is not None:
+            check_launch_id(self.launch_id)
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ConfigError(f"token file {self.token_file} does not exist: copy <run_dir>/token from the node "
+                              "that started the run")
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if not 1 <= self.min_nodes <= self.max_nodes:

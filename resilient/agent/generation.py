@@ -14,9 +14,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..fsutil import write_json_atomic
 from ..watchdog.attribution import Suspect, attribute_hang
@@ -29,7 +30,13 @@ from .policy import Failure, first_failure
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
-    from .supervisor import Agent
+    from ..coord.store import ControlStore
+    from .accounting import NodeAccounting
+    from .config import AgentConfig
+    from .rundir import RunDir
+    from .shared import SharedFacts
+    from .status import StatusPublisher
+    from .tracker import RankTracker
 
 STACK_SIGNAL = signal.SIGUSR2
 STOP_SIGNAL = signal.SIGUSR1
@@ -50,41 +57,66 @@ class Outcome:
     """Agent clock of the failing rank's last sign of progress (its last heartbeat)."""
 
 
+@dataclass(frozen=True)
+class GenerationContext:
+    """The pieces of the agent a generation uses, and nothing else."""
+
+    config: AgentConfig
+    run_dir: RunDir
+    launch_id: str
+    clock: Callable[[], float]
+    echo_to: IO[str]
+    tracker: RankTracker
+    accounting: NodeAccounting
+    status: StatusPublisher
+    shared: SharedFacts
+    """The launch's verdict, stop and stop request in the store."""
+    emit: Callable[..., None]
+    waiting: Callable[[], int]
+    """Nodes waiting to join the run (reads the store: called from PeerWatch's thread only)."""
+    stop_requested: Callable[[], str | None]
+    """Why this agent was asked to stop gracefully (SIGTERM, the control socket), or None."""
+    interrupted: Callable[[], bool]
+    """SIGINT: stop now, without a checkpoint."""
+
+
 class PeerWatch:
     """Polls the shared store once a second on its own thread; the watch loop reads the results."""
 
-    def __init__(self, agent: Agent, interval_s: float = 1.0) -> None:
-        self._agent = agent
+    def __init__(self, ctx: GenerationContext, interval_s: float = 1.0) -> None:
+        self._ctx = ctx
         self._interval = interval_s
         self.verdict: dict[str, Any] | None = None
         self.stop: dict[str, Any] | None = None
+        self.stop_request: dict[str, Any] | None = None
         self.waiting = 0
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="peer-watch", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        agent = self._agent
-        multi = agent.config.max_nodes > 1
+        ctx = self._ctx
+        multi = ctx.config.max_nodes > 1
         while not self._done.wait(self._interval):
             try:
-                self.verdict = agent.shared_verdict()
-                found = agent.control.get("stop")
-                self.stop = json.loads(found.value) if found is not None else None
-                if multi and agent.rendezvous is not None:
-                    self.waiting = agent.rendezvous.num_nodes_waiting()
+                self.verdict = ctx.shared.verdict()
+                self.stop = ctx.shared.stop()
+                self.stop_request = ctx.shared.stop_request()
+                if multi:
+                    self.waiting = ctx.waiting()
             except Exception as e:  # an outage must not end a healthy generation
-                agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+                ctx.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
         self._done.set()
         self._thread.join(timeout=30)
 
 
-def worker_specs(agent: Agent, a: Assignment, attempt: int, gdir: Path) -> list[WorkerSpec]:
+def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
+                 gdir: Path) -> list[WorkerSpec]:
     from .supervisor import heartbeat_socket
 
-    c = agent.config
+    c = config
     world = a.num_nodes * c.nproc_per_node
     base = dict(c.worker_env)
     if c.nproc_per_node > 1:
@@ -100,9 +132,10 @@ def worker_specs(agent: Agent, a: Assignment, attempt: int, gdir: Path) -> list[
             "ROLE_NAME": "default", "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port),
             "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(c.restart.max_restarts),
             "TORCHELASTIC_RUN_ID": c.run_id,
-            "RESILIENT_RUN_ID": c.run_id, "RESILIENT_RUN_DIR": str(c.run_dir), "RESILIENT_NODE_ID": c.node_id,
+            "RESILIENT_RUN_ID": c.run_id, "RESILIENT_LAUNCH_ID": launch_id, "RESILIENT_RUN_DIR": str(c.run_dir),
+            "RESILIENT_NODE_ID": c.node_id,
             "RESILIENT_GENERATION": str(a.generation), "RESILIENT_ATTEMPT": str(attempt),
-            "RESILIENT_AGENT_SOCKET": heartbeat_socket(agent.run_dir, local),
+            "RESILIENT_AGENT_SOCKET": heartbeat_socket(run_dir, local),
             "RESILIENT_STACK_FILE": str(gdir / f"rank{rank}.stacks.txt"),
             "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
             "RESILIENT_ERROR_FILE": str(gdir / f"rank{rank}.error.json"),
@@ -116,107 +149,107 @@ def worker_specs(agent: Agent, a: Assignment, attempt: int, gdir: Path) -> list[
     return specs
 
 
-def run_generation(agent: Agent, a: Assignment, attempt: int) -> Outcome:
-    gdir = agent.run_dir.generation_dir(a.generation)
+def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, restart: bool) -> Outcome:
+    """Start this node's workers of generation ``a`` and watch them to the end; ``restart``: after a failure."""
+    gdir = ctx.run_dir.generation_dir(a.generation)
     gdir.mkdir(parents=True, exist_ok=True)
-    group = WorkerGroup(worker_specs(agent, a, attempt, gdir), agent.clock, agent.echo_to)
+    group = WorkerGroup(worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir), ctx.clock, ctx.echo_to)
     pids = {rank: w.pid for rank, w in group.workers.items()}
-    agent.tracker.start_generation(pids, agent.clock())
-    agent.accounting.generation_started(a.generation, a.num_nodes * agent.config.nproc_per_node,
-                                        agent.config.max_nodes * agent.config.nproc_per_node,
-                                        restart=agent.last_outcome in ("failed", "membership"), lead_rank=min(pids))
-    agent.status.attach(group, a)
-    agent.emit("workers_started", generation=a.generation, attempt=attempt, pids=pids)
-    peers = PeerWatch(agent)
+    ctx.tracker.start_generation(pids, ctx.clock())
+    ctx.accounting.generation_started(a.generation, a.num_nodes * ctx.config.nproc_per_node,
+                                      ctx.config.max_nodes * ctx.config.nproc_per_node,
+                                      restart=restart, lead_rank=min(pids))
+    ctx.status.attach(group, a)
+    ctx.emit("workers_started", generation=a.generation, attempt=attempt, pids=pids)
+    peers = PeerWatch(ctx)
     try:
-        return _watch(agent, group, a, gdir, peers)
+        return _watch(ctx, group, a, gdir, peers)
     finally:
         peers.close()
-        group.stop(agent.config.stop_grace_s)
-        agent.status.detach()
+        group.stop(ctx.config.stop_grace_s)
+        ctx.status.detach()
 
 
-def _watch(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch) -> Outcome:
-    c = agent.config
+def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch) -> Outcome:
+    c = ctx.config
     stop_deadline: float | None = None
     stop_at: int | None = None
-    next_health = agent.clock() + c.health_interval_s
+    next_health = ctx.clock() + c.health_interval_s
     while True:
-        now = agent.clock()
+        now = ctx.clock()
         failed = [e for e in group.exits() if e.returncode != 0]
         if failed and stop_deadline is None:
-            return _failure(agent, group, a, gdir, now)
+            return _failure(ctx, group, a, gdir, now)
         if group.all_exited():
             if stop_deadline is not None:
                 note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
                 return Outcome("preempted", f"workers stopped at step {stop_at} after committing a checkpoint{note}")
             return Outcome("succeeded", "all workers exited 0")
-        if agent.interrupted:
+        if ctx.interrupted():
             return Outcome("interrupted", "SIGINT: workers stopped without a checkpoint")
         if peers.verdict is not None:
             return Outcome("verdict", f"node {peers.verdict.get('node')} stopped the run: {peers.verdict.get('reason')}")
-        if stop_deadline is None and (agent.stop_requested or peers.stop):
-            stop_at = _request_stop(agent, group, gdir, peers.stop)
+        if stop_deadline is None and (ctx.stop_requested() or peers.stop or peers.stop_request):
+            stop_at = _request_stop(ctx, group, gdir, peers.stop, peers.stop_request)
             stop_deadline = now + c.preempt_grace_s
         if stop_deadline is not None:
             if now > stop_deadline:
                 return Outcome("preempted", f"workers did not stop within {c.preempt_grace_s:.0f} s; killed")
         else:
             # A rank that already exited (0: failures were handled above) cannot hang.
-            views = {r: v for r, v in agent.tracker.views().items() if group.workers[r].exit is None}
-            hang = decide_hang(views, agent.tracker.stats, c.sections, now)
+            views = {r: v for r, v in ctx.tracker.views().items() if group.workers[r].exit is None}
+            hang = decide_hang(views, ctx.tracker.stats, c.sections, now)
             if hang is not None:
-                return _hang(agent, group, a, gdir, hang, now)
+                return _hang(ctx, group, a, gdir, hang, now)
             if peers.waiting > 0:
                 return Outcome("membership", f"{peers.waiting} node(s) waiting to join the run")
         if now >= next_health:
             next_health = now + c.health_interval_s
             health = assess(probe(list(c.health_paths)), c.health)
             if not health.healthy:
-                agent.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
+                ctx.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
                 return Outcome("unhealthy", health.reason)
         time.sleep(c.monitor_interval_s)
 
 
-def _request_stop(agent: Agent, group: WorkerGroup, gdir: Path, shared: dict[str, Any] | None) -> int:
+def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared: dict[str, Any] | None,
+                  request: dict[str, Any] | None) -> int:
     """Ask every worker to commit at a step that no rank has reached yet, then exit."""
     if shared is not None:
         stop_at, reason = int(shared["stop_at_step"]), str(shared.get("reason", "stop requested by a peer"))
     else:
-        views = agent.tracker.views()
-        furthest = max([v.step for v in views.values()] + [agent.tracker.max_step])
-        stop_at, reason = furthest + agent.config.preempt_margin_steps, agent.stop_requested or "stop requested"
-        request = json.dumps({"stop_at_step": stop_at, "reason": reason, "node": agent.config.node_id})
+        views = ctx.tracker.views()
+        furthest = max([v.step for v in views.values()] + [ctx.tracker.max_step])
+        asked = ctx.stop_requested() or (request and str(request.get("reason", ""))) or "stop requested"
+        stop_at, reason = furthest + ctx.config.preempt_margin_steps, asked
         try:
-            created, entry = agent.control.put_if_absent("stop", request.encode())
-            if not created:  # another node asked first: use its step
-                stop_at = int(json.loads(entry.value)["stop_at_step"])
+            stop_at = ctx.shared.propose_stop(stop_at, reason)  # another node's earlier step wins
         except Exception as e:  # without the store, this node still stops its own workers cleanly
-            agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+            ctx.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
     write_json_atomic(gdir / "control.json", {"stop_at_step": stop_at, "reason": reason})
     for w in group.running():
         try:
             os.kill(w.pid, STOP_SIGNAL)
         except ProcessLookupError:
             pass
-    agent.emit("stop_requested", stop_at_step=stop_at, reason=reason, grace_s=agent.config.preempt_grace_s)
+    ctx.emit("stop_requested", stop_at_step=stop_at, reason=reason, grace_s=ctx.config.preempt_grace_s)
     return stop_at
 
 
-def _failure(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, now: float) -> Outcome:
-    ranks = agent.tracker.ranks()
-    stop_started = agent.clock()
-    group.stop(agent.config.stop_grace_s)
-    failures = [_as_failure(agent, e, ranks, caused_by_agent=e.at >= stop_started)
+def _failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, now: float) -> Outcome:
+    ranks = ctx.tracker.ranks()
+    stop_started = ctx.clock()
+    group.stop(ctx.config.stop_grace_s)
+    failures = [_as_failure(ctx, e, ranks, caused_by_agent=e.at >= stop_started)
                 for e in group.exits() if e.returncode != 0]
     first = first_failure(failures)
     assert first.rank is not None
     info = ranks.get(first.rank)
     error = read_error_file(gdir / f"rank{first.rank}.error.json")
     returncode = first.exit_code if first.exit_code is not None else -(first.signal or 0)
-    summary = describe_failure(first.kind, first.rank, agent.config.node_id, returncode, first.section, first.step)
+    summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step)
     incident = Incident(
-        id=f"g{a.generation:04d}-{agent.config.node_id}", node=agent.config.node_id, generation=a.generation,
+        id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind=first.kind, rank=first.rank, pid=info.pid if info else None, section=first.section, step=first.step,
         summary=summary, exit_code=first.exit_code, signal=first.signal, error=error,
         other_failures=tuple(describe_failure(f.kind, f.rank, f.node or "?", f.exit_code if f.exit_code is not None
@@ -224,24 +257,24 @@ def _failure(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, now: f
                                               "stopped by the agent" if f.caused_by_agent else "")
                              for f in failures if f is not first),
     )
-    agent.emit("worker_failed", generation=a.generation, rank=first.rank, summary=summary)
+    ctx.emit("worker_failed", generation=a.generation, rank=first.rank, summary=summary)
     last_progress = info.last_seen if info is not None else first.time
     return Outcome("failed", summary, first, incident, detected_at=first.time, last_progress_at=last_progress)
 
 
-def _as_failure(agent: Agent, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool) -> Failure:
+def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool) -> Failure:
     info = ranks.get(e.rank)
     return Failure(
-        kind="signal" if e.signal else "exit", rank=e.rank, node=agent.config.node_id,
+        kind="signal" if e.signal else "exit", rank=e.rank, node=ctx.config.node_id,
         exit_code=None if e.signal else e.returncode, signal=e.signal,
         section=info.section if info else None, step=info.step if info else None, time=e.at,
         caused_by_agent=caused_by_agent,
     )
 
 
-def _hang(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
-    ranks = agent.tracker.ranks()
-    agent.emit("hang_detected", generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
+def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
+    ranks = ctx.tracker.ranks()
+    ctx.emit("hang_detected", generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
                timeout_s=hang.timeout_s, source=hang.source, overrun_s=hang.overrun_s, reason=hang.reason)
     py_spy = find_py_spy()
     # The rank the policy flagged first (its stacks matter most), then its peers.
@@ -258,14 +291,14 @@ def _hang(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any
     info = ranks.get(rank)
     section = info.section if info else hang.section
     step = info.step if info else hang.step
-    group.stop(agent.config.stop_grace_s)
-    summary = describe_failure("hang", rank, agent.config.node_id, None, section, step,
+    group.stop(ctx.config.stop_grace_s)
+    summary = describe_failure("hang", rank, ctx.config.node_id, None, section, step,
                                f"no progress for {hang.overrun_s + hang.timeout_s:.1f} s "
                                f"(timeout {hang.timeout_s:.1f} s, {hang.source})")
-    failure = Failure(kind="hang", rank=rank, node=agent.config.node_id, exit_code=None, signal=None,
+    failure = Failure(kind="hang", rank=rank, node=ctx.config.node_id, exit_code=None, signal=None,
                       section=section, step=step, time=now, caused_by_agent=False)
     incident = Incident(
-        id=f"g{a.generation:04d}-{agent.config.node_id}", node=agent.config.node_id, generation=a.generation,
+        id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind="hang", rank=rank, pid=info.pid if info else None, section=section, step=step, summary=summary,
         hang={"timeout_s": hang.timeout_s, "source": hang.source, "overrun_s": hang.overrun_s,
               "policy_reason": hang.reason, "attribution": culprit.reason if culprit else "only rank overrunning",
@@ -276,12 +309,13 @@ def _hang(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any
     return Outcome("failed", summary, failure, incident, detected_at=now, last_progress_at=last_progress)
 
 
-def record_incident(agent: Agent, incident: Incident) -> None:
-    path = write_incident(agent.run_dir.incidents, incident)
-    agent.emit("incident", path=str(path), **incident.event_fields())
+def record_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Callable[..., None]) -> None:
+    """Write the incident file, its event, and its run-wide copy in the store (incidents outlive launches)."""
+    path = write_incident(run_dir.incidents, incident)
+    emit("incident", path=str(path), **incident.event_fields())
     try:  # readable with `resilient status --store` from any machine
         record = {**incident.event_fields(), "node": incident.node, "wall_time": incident.wall_time}
-        agent.control.put(f"incidents/{incident.id}", json.dumps(record).encode())
+        store.put(f"incidents/{incident.id}", json.dumps(record).encode())
     except Exception as e:
-        agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+        emit("store_unreachable", error=f"{type(e).__name__}: {e}")
     print(f"resilient: incident {incident.id}: {incident.summary}", file=sys.stderr, flush=True)

@@ -2,7 +2,7 @@
 
 Pure functions of (failure, history, config, now); the supervisor gathers the
 inputs (the restart count lives in the store, so the budget is global, not
-per agent) and carries out the decision.  Checks, in order:
+per agent, and covers one launch or, if asked, the whole run) and carries out the decision.  Checks, in order:
 
 1. exit-code contract: a rank that exited with a code in
    :data:`~resilient.exitcodes.NO_RESTART_CODES` said restarting cannot help;
@@ -37,7 +37,9 @@ class RestartConfig:
     """How many times, and how fast, a failed group is restarted."""
 
     max_restarts: int = 3
-    """Restarts allowed for the whole run (counted across all nodes in the store); 0 never restarts."""
+    """Restarts allowed, all nodes together (counted in the store); 0 never restarts."""
+    budget_scope: Literal["launch", "run"] = "launch"
+    """What ``max_restarts`` covers: each launch (a resubmission starts afresh) or the run across launches."""
     backoff_initial_s: float = 0.0
     """Delay before the first restart after progress; 0 restarts immediately."""
     backoff_factor: float = 2.0
@@ -59,6 +61,8 @@ class RestartConfig:
                 f"RestartConfig.backoff_max_s={self.backoff_max_s} must be finite and >= "
                 f"backoff_initial_s={self.backoff_initial_s}"
             )
+        if self.budget_scope not in ("launch", "run"):
+            raise ConfigError(f"RestartConfig.budget_scope={self.budget_scope!r} must be 'launch' or 'run'")
         if self.crash_loop_restarts < 1:
             raise ConfigError(f"RestartConfig.crash_loop_restarts={self.crash_loop_restarts} must be >= 1")
 
@@ -124,7 +128,7 @@ class History:
     """What the policy needs to know about earlier restarts of this run."""
 
     restarts_used: int = 0
-    """Restarts of the whole run so far (from the store: global, not per agent)."""
+    """Restarts so far within the budget's scope (from the store: global, not per agent)."""
     restarts_since_progress: int = 0
     """Restarts since the newest committed checkpoint last advanced."""
     newest_committed_step: int | None = None
@@ -212,7 +216,7 @@ def decide_restart(failure: Failure, history: History, cfg: RestartConfig, now: 
         return stop(
             "budget_exhausted",
             f"restart budget exhausted: {history.restarts_used} of max_restarts={cfg.max_restarts} used by the "
-            f"whole run. Last failure: {what}. Raise --max-restarts or fix the cause; {_resume_point(history)}",
+            f"whole {cfg.budget_scope}. Last failure: {what}. Raise --max-restarts or fix the cause; {_resume_point(history)}",
         )
     delay = backoff_s(history, cfg)
     when = "now" if delay == 0 else f"in {delay:.1f} s"

@@ -7,8 +7,10 @@ Both flavours go through torch elastic's ``DynamicRendezvousHandler``:
 * etcd (many machines): our etcd v3 ``RendezvousBackend`` and store, so
   that no node hosts the state the others depend on.
 
-After each round the node with rank 0 takes the next generation number from
-the control store and publishes it, with a fresh ``MASTER_ADDR:MASTER_PORT``
+Each launch of a run has its own rendezvous (see
+:mod:`resilient.coord.launch`); the generation counter is the run's.  After
+each round the node with rank 0 takes the next generation number from the
+control store and publishes it, with a fresh ``MASTER_ADDR:MASTER_PORT``
 for the workers, in the round's own key space.  Workers of a new generation
 therefore never meet keys or a store left over from the previous one (the
 stale-address failure seen with a store shared across restarts).
@@ -137,8 +139,8 @@ def embedded_rendezvous(run_id: str, control: ControlStore, timeouts: Rendezvous
 
 
 def etcd_rendezvous(etcd: Any, run_id: str, control: ControlStore, min_nodes: int, max_nodes: int,
-                    timeouts: RendezvousTimeouts, local_addr: str) -> Rendezvous:
-    """Many machines: torch's dynamic rendezvous over our etcd v3 backend."""
+                    timeouts: RendezvousTimeouts, local_addr: str, launch_id: str) -> Rendezvous:
+    """Many machines: torch's dynamic rendezvous over our etcd v3 backend, in launch ``launch_id``'s key space."""
     from ..coord.rendezvous import create_etcd_rendezvous_handler
 
     _no_shared_worker_store()
@@ -146,5 +148,6 @@ def etcd_rendezvous(etcd: Any, run_id: str, control: ControlStore, min_nodes: in
         etcd, run_id, min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr,
         join_timeout_s=timeouts.join_s, last_call_s=timeouts.last_call_s, close_s=timeouts.close_s,
         keep_alive_interval_s=timeouts.keep_alive_s, keep_alive_max_attempt=timeouts.keep_alive_attempts,
+        launch_id=launch_id,
     )
     return Rendezvous(handler, control, local_addr)

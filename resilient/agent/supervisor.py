@@ -7,7 +7,10 @@ Composed, not inherited: the decisions come from pure policies
 :class:`~resilient.agent.launcher.WorkerGroup`, membership from
 :class:`~resilient.agent.rendezvous.Rendezvous`, and shared facts (the
 restart budget, the verdict, a stop request) from the control store, so
-that every node of a run counts and decides the same way.
+that every node of a run counts and decides the same way.  Those facts
+belong to this submission's launch (:mod:`resilient.coord.launch`) and carry
+the run token's proof (:mod:`resilient.coord.proof`); the generation counter
+and incidents belong to the run.
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..coord.launch import begin_launch
+from ..coord.proof import SignedStore
+from ..coord.store import ControlStoreError
 from ..events import EventLog
-from ..exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
+from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
 from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .config import AgentConfig
 from .control import ControlServer
-from .generation import Outcome
+from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .policy import Action, History, decide_restart
 from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
-from .rundir import RunDir
+from .rundir import RunDir, read_token
+from .shared import SharedFacts
 from .status import StatusPublisher
 from .tracker import RankTracker
 
@@ -58,10 +65,14 @@ class Agent:
         self.clock = clock
         self.echo_to = echo_to if echo_to is not None else sys.stdout
         self.run_dir = RunDir(config.run_dir, config.node_id)
-        self.token = self.run_dir.create()
+        created = self.run_dir.create()
+        self.token = read_token(config.token_file) if config.token_file is not None else created
         self.events = EventLog(self.run_dir.events)
         self.tracker = RankTracker()
         self.control = self._control_store()
+        self.signed = SignedStore(self.control, self.token, on_rejected=self._on_rejected_write)
+        self.shared: SharedFacts | None = None
+        """This launch's shared facts; set once the agent has joined a launch."""
         self._restarts_used_cached = 0
         self._peak_flops: float | None = None
         self.stop_requested: str | None = None
@@ -146,6 +157,10 @@ class Agent:
         self.emit("metrics_listening", port=self.metrics.port, url=self.metrics.url)
         print(f"resilient: metrics for node {c.node_id} at {self.metrics.url}", file=sys.stderr, flush=True)
 
+    def _on_rejected_write(self, key: str, problem: str) -> None:
+        self.emit("store_write_rejected", key=key, problem=problem,
+                  hint="only holders of the run token may change the run; this entry is ignored")
+
     def _on_stop_request(self, reason: str) -> None:
         self.emit("stop_request_received", reason=reason)
         self.stop_requested = reason
@@ -154,8 +169,36 @@ class Agent:
         c = self.config
         if c.store_url is None:
             return embedded_rendezvous(c.run_id, self.control, c.rendezvous, c.local_addr)
+        assert self.shared is not None, "join a launch before its rendezvous"
         return etcd_rendezvous(self._etcd_config, c.run_id, self.control, c.min_nodes, c.max_nodes, c.rendezvous,
-                               c.local_addr)
+                               c.local_addr, self.shared.launch_id)
+
+    def _join_launch(self) -> str | None:
+        """Check the token against the run's and agree on the launch; returns a problem, or None."""
+        c = self.config
+        problem = self.signed.check_fingerprint()
+        if problem is not None:
+            token_file = c.token_file or self.run_dir.token_file
+            return (f"{problem}: {token_file} does not match the token the run's first agent published. Copy "
+                    "<run_dir>/token from that node to every node (or pass --token-file FILE with it); if no "
+                    f"agent of run {c.run_id} holds that token any more, delete key "
+                    f"/resilient/{c.run_id}/token_fingerprint")
+        decision = begin_launch(self.signed, c.launch_id)
+        self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope)
+        self.emit("launch_joined", launch_id=decision.launch_id, action=decision.action, reason=decision.reason)
+        return None
+
+    def generation_context(self) -> GenerationContext:
+        """The pieces of this agent a generation works with."""
+        assert self.shared is not None
+        rendezvous = self.rendezvous
+        return GenerationContext(
+            config=self.config, run_dir=self.run_dir, launch_id=self.shared.launch_id, clock=self.clock,
+            echo_to=self.echo_to, tracker=self.tracker, accounting=self.accounting, status=self.status,
+            shared=self.shared, emit=self.emit,
+            waiting=(lambda: rendezvous.num_nodes_waiting()) if rendezvous is not None else (lambda: 0),
+            stop_requested=lambda: self.stop_requested, interrupted=lambda: self.interrupted,
+        )
 
     # ------------------------------------------------------------ the loop
     def run(self) -> AgentResult:
@@ -173,6 +216,10 @@ class Agent:
                                 self._on_stop_request)
         generation = 0
         try:
+            problem = self._join_launch()
+            if problem is not None:
+                self.emit("token_mismatch", reason=problem)
+                return self._finish(EXIT_CONFIG, "token_mismatch", problem, generation)
             self.rendezvous = self._make_rendezvous()
             while True:
                 verdict = self.shared_verdict()
@@ -197,7 +244,8 @@ class Agent:
                 generation = assignment.generation
                 self.emit("rendezvous_joined", generation=generation, node_rank=assignment.node_rank,
                           num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
-                outcome = gen_mod.run_generation(self, assignment, self.restarts_used())
+                outcome = gen_mod.run_generation(self.generation_context(), assignment, self.restarts_used(),
+                                                 restart=self.last_outcome in ("failed", "membership"))
                 result = self._after(outcome, generation)
                 if result is not None:
                     return result
@@ -236,7 +284,7 @@ class Agent:
         history = self._history(exclude_generation=generation)
         decision = decide_restart(outcome.failure, history, self.config.restart, self.clock())
         incident = outcome.incident.with_decision(decision)
-        gen_mod.record_incident(self, incident)
+        gen_mod.record_incident(incident, self.run_dir, self.control, self.emit)
         self.accounting.failure(outcome.detected_at, outcome.last_progress_at, incident.id, incident.kind)
         if decision.action is Action.STOP:
             code = outcome.failure.exit_code if decision.verdict == "do_not_restart" and outcome.failure.exit_code \
@@ -253,36 +301,21 @@ class Agent:
 
     # ------------------------------------------------ shared facts (store)
     def restarts_used(self) -> int:
-        self._restarts_used_cached = len(self.control.get_prefix("restarts/"))
+        if self.shared is not None:
+            self._restarts_used_cached = self.shared.restarts_used()
         return self._restarts_used_cached
 
     def _history(self, exclude_generation: int | None = None) -> History:
-        """The global restart history: every node reads the same records.
-
-        The record of ``exclude_generation`` (a peer may already have counted
-        the failure being decided) is left out, so every node decides alike.
-        """
-        import json
-
-        records = [json.loads(e.value) for e in self.control.get_prefix("restarts/")]
-        records = [r for r in records if r.get("generation") != exclude_generation]
-        committed = self.tracker.committed_step
-        since = sum(1 for r in records if r.get("committed_step") == committed)
-        return History(restarts_used=len(records), restarts_since_progress=since, newest_committed_step=committed)
+        assert self.shared is not None
+        return self.shared.history(self.tracker.committed_step, exclude_generation)
 
     def _count_restart(self, generation: int, reason: str) -> None:
-        import json
-
-        record = {"generation": generation, "node": self.config.node_id, "reason": reason,
-                  "committed_step": self.tracker.committed_step}
-        # One record per failed generation, whichever node writes it first: the budget is global.
-        self.control.put_if_absent(f"restarts/{generation:08d}", json.dumps(record).encode())
+        assert self.shared is not None
+        self.shared.count_restart(generation, reason, self.tracker.committed_step)
 
     def _publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
-        import json
-
-        record = {"verdict": verdict, "reason": reason, "exit_code": exit_code, "node": self.config.node_id}
-        self.control.put_if_absent("verdict", json.dumps(record).encode())
+        assert self.shared is not None
+        self.shared.publish_verdict(verdict, reason, exit_code)
         if self.rendezvous is not None:
             try:
                 self.rendezvous.close()
@@ -290,12 +323,15 @@ class Agent:
                 self.emit("rendezvous_close_failed", error=f"{type(e).__name__}: {e}")
 
     def shared_verdict(self) -> dict[str, Any] | None:
-        import json
-
-        found = self.control.get("verdict")
-        return json.loads(found.value) if found is not None else None
+        return self.shared.verdict() if self.shared is not None else None
 
     def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
+        if verdict in ("succeeded", "preempted") and self.shared is not None:
+            # The run as a whole ended (every node ends alike): the next submission starts a new launch.
+            try:
+                self.shared.end(f"{verdict} (node {self.config.node_id})")
+            except ControlStoreError as e:
+                self.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
         result = AgentResult(code, verdict, reason, generation, self.restarts_used())
         self.status.phase = f"finished: {verdict}"
         self.emit("agent_finished", exit_code=code, verdict=verdict, reason=reason, generation=generation,

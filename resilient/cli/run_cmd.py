@@ -4,7 +4,11 @@ Flags that torchrun has keep its names (``--nnodes``, ``--nproc-per-node``,
 ``--max-restarts``, ``--rdzv-id``, ``--rdzv-endpoint``, ``--local-addr``,
 ``--monitor-interval``); the rest are ours.  Environment variables read
 here: ``RESILIENT_ETCD_PASSWORD`` (so a password need not be on the
-command line).
+command line), and under Slurm ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT``,
+which name the launch (``slurm-<job>-<restart count>``) unless
+``--launch-id`` does: every node of a job gets the same id and a requeue a
+new one, even when the previous submission was killed without ending its
+launch.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from ..errors import ConfigError
 PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
 
 
+def launch_id_from(explicit: str | None, environ: dict[str, str]) -> str | None:
+    """The launch id: ``--launch-id``, else one derived from Slurm's job id and requeue count, else None."""
+    if explicit:
+        return explicit
+    job = environ.get("SLURM_JOB_ID")
+    if job:
+        return f"slurm-{job}-{environ.get('SLURM_RESTART_COUNT') or 0}"
+    return None
+
+
 def add_parser(commands: Any) -> None:
     p = commands.add_parser(
         "run", help="run a training script under the node agent (a drop-in for torchrun)",
@@ -32,10 +46,18 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
                    help="worker processes on this node (default 1)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
-                   help="restarts allowed for the whole run, all nodes together (default 3)")
+                   help="restarts allowed per launch (see --restart-budget-scope), all nodes together (default 3)")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID",
                    help="name shared by every node (default: run-<date>-<time> on one node; required with --store)")
     p.add_argument("--node-id", metavar="ID", help="this node's unique name (default: the host name)")
+    p.add_argument("--launch-id", metavar="ID",
+                   help="this submission's launch id, the same on every node (default: under Slurm "
+                   "slurm-<job>-<restart count>, else agreed through the store: a resubmission after the run "
+                   "was preempted, succeeded or got a verdict starts a new launch, other agents join it)")
+    p.add_argument("--token-file", type=Path, metavar="FILE",
+                   help="the run token (default <run dir>/token); every node of a run needs the same token")
+    p.add_argument("--restart-budget-scope", choices=["launch", "run"], default="launch",
+                   help="--max-restarts counts per launch (default) or for the run across resubmissions")
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="events, logs and incidents (default: runs/<run id>)")
     p.add_argument("--store", metavar="URL", help="etcd://HOST:PORT[,HOST:PORT] or etcds:// (TLS); omit on one machine")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
@@ -166,12 +188,13 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     if args.min_free_memory_gb is not None:
         health["min_free_memory_bytes"] = int(args.min_free_memory_gb * 2**30)
     return AgentConfig(
-        entrypoint=entry, run_id=run_id, node_id=node_id,
+        entrypoint=entry, run_id=run_id, node_id=node_id, launch_id=launch_id_from(args.launch_id, environ),
+        token_file=args.token_file.absolute() if args.token_file else None,
         run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
         nproc_per_node=args.nproc_per_node, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
         etcd_options=etcd if store else {}, local_addr=local_addr,
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
-                              backoff_initial_s=args.restart_backoff),
+                              backoff_initial_s=args.restart_backoff, budget_scope=args.restart_budget_scope),
         sections=SectionTimeouts(**sections), health=HealthConfig(**health), health_paths=tuple(args.health_path),
         rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,

@@ -3,6 +3,7 @@
 Shows the run's nodes, their ranks and the section each is in, the
 generation, restarts used, the newest committed checkpoint and its age, the
 verdict if the run stopped, and recent incidents with their first failure.
+From the store, restarts and the verdict are those of the current launch.
 Reads a run directory (``--run-dir``) or the shared store (``--store URL
 --run-id ID``); it never changes the run.
 """
@@ -49,16 +50,33 @@ def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
 
 def collect_from_store(url: str, run_id: str) -> dict[str, Any]:
     from ..coord.etcd import EtcdClient, EtcdConfig
+    from ..coord.launch import LAUNCH_KEY, launch_prefix
     from ..coord.store import EtcdControlStore
 
     store = EtcdControlStore(EtcdClient(EtcdConfig.from_url(url, outage_tolerance_s=5.0)), f"/resilient/{run_id}/")
     nodes = [json.loads(e.value) for e in sorted(store.get_prefix("status/"), key=lambda e: e.key)]
-    verdict = store.get("verdict")
     incidents = [json.loads(e.value) for e in sorted(store.get_prefix("incidents/"), key=lambda e: e.key)]
+    # Verdict and restarts belong to the current launch (incidents to the run).  Status needs no token, so
+    # it shows signed entries without checking their proofs; the agents themselves ignore forged ones.
+    launch = _signed_body(store.get(LAUNCH_KEY))
+    verdict = restarts = None
+    if launch is not None:
+        verdict = _signed_body(store.get(launch_prefix(launch["id"]) + "verdict"))
+        restarts = len(store.get_prefix(launch_prefix(launch["id"]) + "restarts/"))
     return {
-        "source": f"{url} run {run_id}", "nodes": nodes, "restarts_used": len(store.get_prefix("restarts/")),
-        "verdicts": [json.loads(verdict.value)] if verdict is not None else [], "incidents": incidents,
+        "source": f"{url} run {run_id}", "nodes": nodes, "restarts_used": restarts or 0, "launch": launch,
+        "verdicts": [verdict] if verdict is not None else [], "incidents": incidents,
     }
+
+
+def _signed_body(entry: Any) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    try:
+        body = json.loads(entry.value).get("body")
+    except (ValueError, AttributeError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:
@@ -95,6 +113,9 @@ def newest_checkpoint(location: str | None) -> dict[str, Any] | None:
 def render(status: dict[str, Any], max_incidents: int) -> str:
     now = time.time()
     out = [f"run status from {status['source']}"]
+    launch = status.get("launch")
+    if launch:
+        out.append(f"launch {launch.get('id')}: {launch.get('state')} ({launch.get('reason')})")
     nodes = status["nodes"]
     if not nodes:
         out.append("no node has published status yet")

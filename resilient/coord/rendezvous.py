@@ -144,12 +144,17 @@ def create_etcd_rendezvous_handler(
     store_timeout_s: float = 300.0,
     on_outage: OutageCallback | None = None,
     client: EtcdClient | None = None,
+    launch_id: str | None = None,
 ) -> DynamicRendezvousHandler:
     """A torch ``DynamicRendezvousHandler`` whose state and c10d store live in etcd.
 
-    The backend keeps its state under ``/resilient/rdzv/<run_id>``; the
-    store given to the handler (used to publish the master address) under
-    ``/resilient/<run_id>/c10d/``.  ``client`` defaults to a new
+    With ``launch_id`` the rendezvous belongs to that launch of the run: its
+    state is ``/resilient/<run_id>/launch/<launch_id>/rdzv`` and the store
+    given to the handler (used to publish the master address) is under
+    ``/resilient/<run_id>/launch/<launch_id>/c10d/``, so a rendezvous closed
+    when one launch ended cannot refuse the next.  Without it (a rendezvous
+    outside a run's launches) the state is ``/resilient/rdzv/<run_id>`` and
+    the store ``/resilient/<run_id>/c10d/``.  ``client`` defaults to a new
     :class:`EtcdClient` over ``etcd_config`` reporting outages to ``on_outage``.
     """
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
@@ -163,15 +168,20 @@ def create_etcd_rendezvous_handler(
         raise ConfigError(f"nodes {min_nodes}:{max_nodes} are invalid: need 1 <= min_nodes <= max_nodes")
     if client is None:
         client = EtcdClient(etcd_config, on_outage=on_outage)
-    backend = make_etcd_rendezvous_backend(client, run_id)
-    store = make_etcd_c10d_store(client, run_prefix(run_id) + "c10d/", timedelta(seconds=store_timeout_s))
+    if launch_id is None:
+        backend = make_etcd_rendezvous_backend(client, run_id)
+        space, torch_run_id = run_prefix(run_id), run_id
+    else:
+        space, torch_run_id = f"{run_prefix(run_id)}launch/{launch_id}/", f"{run_id}.{launch_id}"
+        backend = make_etcd_rendezvous_backend(client, "rdzv", key_prefix=space)
+    store = make_etcd_c10d_store(client, space + "c10d/", timedelta(seconds=store_timeout_s))
     timeout = RendezvousTimeout(
         join=timedelta(seconds=join_timeout_s),
         last_call=timedelta(seconds=last_call_s),
         close=timedelta(seconds=close_s),
     )
     return DynamicRendezvousHandler.from_backend(
-        run_id,
+        torch_run_id,
         store,
         backend,
         min_nodes,

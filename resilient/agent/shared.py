@@ -1,0 +1,95 @@
+"""The facts every node of a launch must agree on, read and written through the control store.
+
+Each key here changes the run, so each carries a token proof
+(:class:`~resilient.coord.proof.SignedStore`) and lives under the launch
+(``launch/<id>/``, see :mod:`resilient.coord.launch`):
+
+* ``verdict``: why the launch stopped, published once by the node that decided;
+* ``stop``: the step at which every worker commits and exits (graceful stop);
+* ``stop_request``: ``resilient stop --store`` asking the agents for a graceful stop;
+* ``restarts/<generation>``: one record per failed generation, whichever node
+  writes it first, so the restart budget is global.
+
+With ``budget_scope="run"`` the restart records of earlier launches count
+too; the crash-loop count is always this launch's (a resubmission is a new
+attempt at the cause, and a crash loop is about the current one).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from ..coord.launch import end_launch, launch_prefix
+from ..coord.proof import SignedStore
+from .policy import History
+
+BudgetScope = Literal["launch", "run"]
+
+
+class SharedFacts:
+    """One launch's shared facts, as this node reads and writes them."""
+
+    def __init__(self, signed: SignedStore, launch_id: str, node_id: str, budget_scope: BudgetScope = "launch") -> None:
+        self.signed = signed
+        self.launch_id = launch_id
+        self.prefix = launch_prefix(launch_id)
+        self._node = node_id
+        self._scope = budget_scope
+
+    def verdict(self) -> dict[str, Any] | None:
+        """The launch's verdict (verified), or ``None``."""
+        return self.signed.get(self.prefix + "verdict")
+
+    def publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
+        """Publish a stop verdict (a peer's earlier one stays) and mark the launch ended."""
+        record = {"verdict": verdict, "reason": reason, "exit_code": exit_code, "node": self._node}
+        self.signed.put_if_absent(self.prefix + "verdict", record)
+        self.end(f"verdict {verdict}")
+
+    def stop(self) -> dict[str, Any] | None:
+        """The agreed graceful stop ``{stop_at_step, reason, node}``, or ``None``."""
+        return self.signed.get(self.prefix + "stop")
+
+    def propose_stop(self, stop_at_step: int, reason: str) -> int:
+        """Propose a stop step; returns the agreed one (a peer's earlier proposal wins)."""
+        record = {"stop_at_step": stop_at_step, "reason": reason, "node": self._node}
+        _, agreed = self.signed.put_if_absent(self.prefix + "stop", record)
+        return int(agreed["stop_at_step"])
+
+    def stop_request(self) -> dict[str, Any] | None:
+        """A request from ``resilient stop --store`` (verified), or ``None``."""
+        return self.signed.get(self.prefix + "stop_request")
+
+    def end(self, reason: str) -> None:
+        """Mark the launch ended, so that the next submission of the run id starts a new one."""
+        end_launch(self.signed, self.launch_id, reason)
+
+    # -- the restart budget ---------------------------------------------------
+    def _records(self, scope: BudgetScope) -> list[dict[str, Any]]:
+        if scope == "launch":
+            return list(self.signed.get_prefix(self.prefix + "restarts/").values())
+        return list(self.signed.get_prefix("launch/", only=lambda key: "/restarts/" in key).values())
+
+    def restarts_used(self) -> int:
+        """Restarts counted against the budget (this launch's, or the run's with ``budget_scope="run"``)."""
+        return len(self._records(self._scope))
+
+    def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:
+        """The global restart history: every node reads the same records.
+
+        The record of ``exclude_generation`` (a peer may already have counted
+        the failure being decided) is left out, so every node decides alike.
+        """
+        def keep(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [r for r in records if r.get("generation") != exclude_generation]
+
+        used = keep(self._records(self._scope))
+        here = used if self._scope == "launch" else keep(self._records("launch"))
+        since = sum(1 for r in here if r.get("committed_step") == committed_step)
+        return History(restarts_used=len(used), restarts_since_progress=since, newest_committed_step=committed_step)
+
+    def count_restart(self, generation: int, reason: str, committed_step: int | None) -> None:
+        """Record one restart for ``generation``, once for all nodes (the first writer wins)."""
+        record = {"generation": generation, "node": self._node, "reason": reason, "committed_step": committed_step,
+                  "launch": self.launch_id}
+        self.signed.put_if_absent(f"{self.prefix}restarts/{generation:08d}", record)

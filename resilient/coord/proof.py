@@ -1,0 +1,156 @@
+"""Token proofs on the store keys that change a run: who may stop it, end it, or spend its restarts.
+
+A control store is shared infrastructure: anyone who can write etcd can
+write ``/resilient/<run>/...``.  Writes that change a run (a stop request, a
+verdict, a restart record, the launch record) therefore carry a proof,
+``HMAC-SHA256(run token, key NUL canonical JSON of the value)``, and readers
+ignore entries whose proof is missing or wrong.  Binding the key means a
+proof cannot be replayed under another key (another launch's verdict, say).
+
+The token is the run's secret (``<run_dir>/token``); every agent of a run
+must hold the same one.  :func:`token_fingerprint` (an HMAC of a fixed label,
+which reveals nothing about the token) is published once per run, so an
+agent started with a different token finds out at start, not by having its
+writes ignored.
+
+:class:`SignedStore` wraps a :class:`ControlStore` with these rules; it
+reports each rejected entry once through ``on_rejected``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .store import ControlStore, Entry
+
+FINGERPRINT_KEY = "token_fingerprint"
+_FINGERPRINT_LABEL = b"resilient run token fingerprint v1"
+
+RejectCallback = Callable[[str, str], None]
+"""Called with (key, problem) once per rejected entry revision."""
+
+
+def _mac(token: str, key: str, body: str) -> str:
+    return hmac.new(token.encode(), key.encode() + b"\0" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def _canonical(value: dict[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def sign(token: str, key: str, value: dict[str, Any]) -> bytes:
+    """The stored form of ``value`` under ``key``: ``{"body": value, "proof": hmac}`` as JSON."""
+    return json.dumps({"body": value, "proof": _mac(token, key, _canonical(value))}).encode()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A stored entry after its proof was checked: ``value`` when valid, else ``problem`` says why not."""
+
+    value: dict[str, Any] | None
+    problem: str | None
+
+
+def verify(token: str, key: str, raw: bytes) -> Checked:
+    """Check the proof of ``raw`` as stored under ``key``."""
+    try:
+        wrapper = json.loads(raw)
+    except (UnicodeDecodeError, ValueError):
+        return Checked(None, "not JSON")
+    if not isinstance(wrapper, dict) or not isinstance(wrapper.get("body"), dict):
+        return Checked(None, "no signed body (written without the run token?)")
+    proof = wrapper.get("proof")
+    if not isinstance(proof, str):
+        return Checked(None, "no proof (written without the run token)")
+    if not hmac.compare_digest(proof, _mac(token, key, _canonical(wrapper["body"]))):
+        return Checked(None, "wrong proof (written with another token, or altered)")
+    return Checked(wrapper["body"], None)
+
+
+def token_fingerprint(token: str) -> str:
+    """An HMAC of a fixed label: equal for equal tokens, and says nothing about the token."""
+    return hmac.new(token.encode(), _FINGERPRINT_LABEL, hashlib.sha256).hexdigest()
+
+
+class SignedStore:
+    """The proof-carrying view of a :class:`ControlStore` (keys as in the store); thread-safe."""
+
+    def __init__(self, store: ControlStore, token: str, on_rejected: RejectCallback | None = None) -> None:
+        self.store = store
+        self._token = token
+        self._on_rejected = on_rejected
+        self._reported: set[tuple[str, int]] = set()
+        self._lock = threading.Lock()
+
+    def _check(self, entry: Entry) -> dict[str, Any] | None:
+        checked = verify(self._token, entry.key, entry.value)
+        if checked.problem is not None:
+            with self._lock:
+                first = (entry.key, entry.mod_revision) not in self._reported
+                self._reported.add((entry.key, entry.mod_revision))
+            if first and self._on_rejected is not None:
+                self._on_rejected(entry.key, checked.problem)
+        return checked.value
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The verified value under ``key``; ``None`` when absent or its proof fails (reported)."""
+        found = self.store.get(key)
+        return None if found is None else self._check(found)
+
+    def get_entry(self, key: str) -> tuple[Entry | None, dict[str, Any] | None]:
+        """The raw entry (for its revision) and its verified value (``None`` if absent or rejected)."""
+        found = self.store.get(key)
+        return found, (None if found is None else self._check(found))
+
+    def get_prefix(self, prefix: str, only: Callable[[str], bool] | None = None) -> dict[str, dict[str, Any]]:
+        """Verified values of the keys under ``prefix`` (those ``only`` accepts); rejected ones are reported."""
+        found = {}
+        for entry in self.store.get_prefix(prefix):
+            if only is not None and not only(entry.key):
+                continue
+            value = self._check(entry)
+            if value is not None:
+                found[entry.key] = value
+        return found
+
+    def put_if_absent(self, key: str, value: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+        """Create ``key`` unless a verified value is there: ``(True, value)`` or ``(False, the existing value)``.
+
+        An entry without a valid proof does not count as present: it is replaced,
+        so a forged key cannot block the real one.
+        """
+        signed = sign(self._token, key, value)
+        while True:
+            created, entry = self.store.put_if_absent(key, signed)
+            if created:
+                return True, value
+            existing = self._check(entry)
+            if existing is not None:
+                return False, existing
+            swapped, _ = self.store.compare_and_swap(key, entry.mod_revision, signed)
+            if swapped:
+                return True, value
+
+    def compare_and_swap(self, key: str, expected_mod_revision: int, value: dict[str, Any]) -> tuple[bool, Entry | None]:
+        """Write a signed ``value`` if ``key`` is still at ``expected_mod_revision`` (0: absent)."""
+        return self.store.compare_and_swap(key, expected_mod_revision, sign(self._token, key, value))
+
+    def check_fingerprint(self, *, publish: bool = True) -> str | None:
+        """Compare this token's fingerprint with the run's (publishing it first if none): ``None`` or the problem."""
+        mine = token_fingerprint(self._token)
+        if publish:
+            _, entry = self.store.put_if_absent(FINGERPRINT_KEY, mine.encode())
+        else:
+            found = self.store.get(FINGERPRINT_KEY)
+            if found is None:
+                return "the run has published no token fingerprint (no agent of it started)"
+            entry = found
+        if entry.value.decode(errors="replace") == mine:
+            return None
+        return "another agent of this run uses a different run token"

@@ -1,0 +1,97 @@
+"""Resubmitting a run under its own run id (as a Slurm requeue or a Kubernetes restart does), with real etcd.
+
+Each launch of a run id gets its own launch: stop requests, verdicts, restart
+records and the rendezvous of the first launch must not end the second, and
+the second continues from the newest commit, bitwise equal to a run that
+never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED
+
+from .agent_helpers import events, explain, node_status, run_agent, start_agent, wait_for
+from .helpers import assert_same_run, read_trace
+
+STEPS = 24
+NODE = "n0"
+
+
+def _flags(url: str, run_id: str, *extra: str) -> tuple[str, ...]:
+    return ("--nnodes", "1", "--nproc-per-node", "2", "--store", url, "--run-id", run_id, "--node-id", NODE,
+            "--local-addr", "127.0.0.1", "--rdzv-last-call", "0.5", *extra)
+
+
+def _worker(tmp_path: Path, *extra: str) -> tuple[str, ...]:
+    return ("--steps", str(STEPS), "--every", "5", "--keep", "3", "--dir", str(tmp_path / "ckpt"),
+            "--trace", str(tmp_path / "trace"), *extra)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same training under the embedded store, with no fault."""
+    d = tmp_path_factory.mktemp("reference")
+    proc = run_agent(d / "run", "--nproc-per-node", "2", "--node-id", NODE, script_args=_worker(d))
+    assert proc.returncode == 0, explain(proc)
+    return read_trace(d / "trace", 0), read_trace(d / "trace", 1)
+
+
+def test_a_preempted_run_resubmitted_with_the_same_command_resumes_and_matches(tmp_path, reference,
+                                                                               etcd_server, etcd_run_id):
+    run_dir = tmp_path / "run"
+    flags = _flags(etcd_server.url, etcd_run_id)
+    agent = start_agent(run_dir, *flags, script_args=_worker(tmp_path, "--step-sleep", "0.1"),
+                        log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 6 for r in s["ranks"].values()),
+                 timeout=120, what="the workers to pass step 6")
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(timeout=90)
+    finally:
+        agent.kill()
+    assert code == EXIT_PREEMPTED_AGENT, (tmp_path / "first.log").read_text()[-3000:]
+    [request] = events(run_dir, "stop_requested")
+    stop_at = request["stop_at_step"]
+
+    # The identical command again: a new launch, the run continues from the committed stop step.
+    proc = run_agent(run_dir, *flags, script_args=_worker(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    launches = [e["launch_id"] for e in events(run_dir, "launch_joined")]
+    assert len(launches) == 2 and launches[0] != launches[1], launches
+    generations = [e["generation"] for e in events(run_dir, "rendezvous_joined")]
+    assert generations == sorted(set(generations)), "generation numbers never repeat across launches"
+    for rank, ref in enumerate(reference):
+        got = read_trace(tmp_path / "trace", rank)
+        assert [s["restored_from"] for s in got.starts] == [None, f"step_{stop_at:010d}"]
+        assert_same_run(ref, got)
+
+
+def test_a_run_stopped_by_a_crash_loop_resumes_once_the_cause_is_fixed(tmp_path, reference, etcd_server,
+                                                                      etcd_run_id):
+    run_dir = tmp_path / "run"
+    # Every attempt dies at step 12, after the commit of step 10: no new commit, so a crash loop.
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "exit", "rank": 1, "step": 12, "attempt": None, "section": "step", "exit_code": 3}]}))
+    flags = _flags(etcd_server.url, etcd_run_id, "--crash-loop-restarts", "1")
+    first = run_agent(run_dir, *flags, "--fault-plan", str(plan), script_args=_worker(tmp_path))
+    assert first.returncode == EXIT_STOPPED, explain(first)
+    assert "crash_loop" in first.stderr, explain(first)
+
+    # The cause is fixed (no fault plan); the same run id continues from the newest commit.
+    second = run_agent(run_dir, *flags, script_args=_worker(tmp_path))
+    assert second.returncode == 0, explain(second)
+    assert "restarts used 0/3" in second.stderr, "restart records of the earlier launch do not count"
+    for rank, ref in enumerate(reference):
+        got = read_trace(tmp_path / "trace", rank)
+        # One start per generation, all but the first from the newest commit (crashes came after step 10).
+        restored = [s["restored_from"] for s in got.starts]
+        assert len(restored) == len(events(run_dir, "workers_started")) >= 3, restored
+        assert restored[0] is None and set(restored[1:]) == {"step_0000000010"}, restored
+        assert_same_run(ref, got)
