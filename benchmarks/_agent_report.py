@@ -257,6 +257,7 @@ def render_markdown(res: dict[str, Any]) -> str:
          "others were editing, was not used).  " if env.get("code_rev") else
          f"Code measured: the working tree at `{env['git_head']}`{dirty}.  "),
         f"Load average (1/5/15 min): {la[0]} at start, {la[1]} at end; total run {env.get('total_s', 0):.0f} s.  ",
+        (f"Commit `{env['commit']}`; produced by `{env['invocation']}`.  " if env.get("invocation") else ""),
         (f"Workload (`benchmarks/_agent_worker.py`, the same for every launcher): 2 ranks, gloo DDP on CPU, "
          f"{cfg['steps']} steps of an MLP 64-256-64 padded to {cfg['step_ms']:.0f} ms (measured median step before "
          f"the fault: {steps}), `resilient.Run` with a checkpoint every {cfg['every']} steps and an `ElasticLoader`. "

@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
@@ -397,6 +398,9 @@ def environment(rev: str | None) -> dict[str, Any]:
         "py_spy": _cmd(py_spy, "--version") if py_spy else None,
         "code": str(CODE), "code_rev": rev,
         "git_head": _cmd("git", "log", "-1", "--format=%h %cs %s", rev or "HEAD"),
+        "commit": rev or _cmd("git", "rev-parse", "HEAD"),
+        # the exact command that produced this result file, to rerun it as it was
+        "invocation": shlex.join([PY, *sys.argv]),
         # with a revision the measured code is its exported snapshot, whatever the working tree holds
         "git_dirty_resilient": rev is None and bool(_cmd("git", "status", "--porcelain", "--", "resilient")),
         "loadavg_start": list(os.getloadavg()),

@@ -1,4 +1,5 @@
-"""Several agents on one machine meeting through a real etcd: losing a node, and an etcd outage."""
+"""Several agents on one machine meeting through a real etcd: losing a node (and its node_lost incident),
+and an etcd outage."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .agent_helpers import events, node_status, start_agent, wait_for
+from .agent_helpers import events, incidents, node_status, start_agent, wait_for
 from .helpers import read_trace
 
 
@@ -82,6 +83,12 @@ def test_losing_one_of_three_nodes_continues_on_two_from_the_newest_checkpoint(t
     last = max(e["generation"] for e in joined)
     assert {e["num_nodes"] for e in joined if e["generation"] == last} == {2}
     assert {e["node"] for e in joined if e["generation"] == last} == set(survivors)
+
+    # The survivors saw the victim's presence lease expire and said so.
+    lost = [i for i in incidents(run_dir) if i["kind"] == "node_lost"]
+    assert lost and {i["node"] for i in lost} == {victim}, incidents(run_dir)
+    assert all(f"node {victim} was lost" in i["summary"] for i in lost)
+    assert {e["node"] for e in events(run_dir, "node_lost")} <= set(survivors)
 
     trace = read_trace(tmp_path / "trace", 0)
     resumed = [s for s in trace.starts if s["world_size"] == 2]

@@ -72,6 +72,8 @@ class Agent:
         self.control = self._control_store()
         self.signed = SignedStore(self.control, self.token, on_rejected=self._on_rejected_write)
         self.shared: SharedFacts | None = None
+        self._presence: Any = None
+        self._generation = 0
         """This launch's shared facts; set once the agent has joined a launch."""
         self._restarts_used_cached = 0
         self._peak_flops: float | None = None
@@ -106,6 +108,7 @@ class Agent:
         etcd = EtcdConfig.from_url(self.config.store_url, **self.config.etcd_options)  # type: ignore[arg-type]
         self._etcd_config = etcd
         client = EtcdClient(etcd, on_outage=lambda event, detail: self.emit(f"store_outage_{event}", detail=detail))
+        self._etcd_client = client
         return EtcdControlStore(client, f"/resilient/{self.config.run_id}/")
 
     def install_signal_handlers(self) -> None:
@@ -186,7 +189,26 @@ class Agent:
         decision = begin_launch(self.signed, c.launch_id)
         self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope)
         self.emit("launch_joined", launch_id=decision.launch_id, action=decision.action, reason=decision.reason)
+        if c.store_url is not None:
+            from ..coord.presence import Presence
+
+            self._presence = Presence(
+                self._etcd_client, f"/resilient/{c.run_id}/{self.shared.prefix}nodes/", c.node_id, self._node_lost,
+                lambda error: self.emit("store_unreachable", error=error))
+            self._presence.start()
         return None
+
+    def _node_lost(self, node: str) -> None:
+        """A peer's presence lease expired: record a node_lost incident (once per node and generation)."""
+        from .incidents import Incident
+
+        generation = self._generation
+        summary = (f"node {node} was lost: its agent's presence lease in the store expired "
+                   f"(seen by node {self.config.node_id} in generation {generation})")
+        incident = Incident(id=f"g{generation:04d}-{node}-lost", node=node, generation=generation, kind="node_lost",
+                            rank=None, pid=None, section=None, step=None, summary=summary)
+        self.emit("node_lost", lost_node=node, generation=generation)
+        gen_mod.record_incident(incident, self.run_dir, self.control, self.emit)
 
     def generation_context(self) -> GenerationContext:
         """The pieces of this agent a generation works with."""
@@ -241,7 +263,7 @@ class Agent:
                         return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
                     self.emit("rendezvous_failed", error=f"{type(e).__name__}: {e}")
                     return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)
-                generation = assignment.generation
+                generation = self._generation = assignment.generation
                 self.emit("rendezvous_joined", generation=generation, node_rank=assignment.node_rank,
                           num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
                 outcome = gen_mod.run_generation(self.generation_context(), assignment, self.restarts_used(),
@@ -260,6 +282,8 @@ class Agent:
                 receiver.close()
             if self.rendezvous is not None:
                 self.rendezvous.shutdown()
+            if self._presence is not None:
+                self._presence.leave()
 
     def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
         """Turn a generation's outcome into the next move; None means: next round."""
