@@ -80,12 +80,13 @@ def test_a_run_stopped_by_a_crash_loop_resumes_once_the_cause_is_fixed(tmp_path,
     plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
         {"kind": "exit", "rank": 1, "step": 12, "attempt": None, "section": "step", "exit_code": 3}]}))
     flags = _flags(etcd_server.url, etcd_run_id, "--crash-loop-restarts", "1")
-    first = run_agent(run_dir, *flags, "--fault-plan", str(plan), script_args=_worker(tmp_path))
+    worker = _worker(tmp_path, "--sync")  # synchronous saves: step 10 is committed before step 12 begins
+    first = run_agent(run_dir, *flags, "--fault-plan", str(plan), script_args=worker)
     assert first.returncode == EXIT_STOPPED, explain(first)
     assert "crash_loop" in first.stderr, explain(first)
 
     # The cause is fixed (no fault plan); the same run id continues from the newest commit.
-    second = run_agent(run_dir, *flags, script_args=_worker(tmp_path))
+    second = run_agent(run_dir, *flags, script_args=worker)
     assert second.returncode == 0, explain(second)
     assert "restarts used 0/3" in second.stderr, "restart records of the earlier launch do not count"
     for rank, ref in enumerate(reference):
@@ -95,3 +96,25 @@ def test_a_run_stopped_by_a_crash_loop_resumes_once_the_cause_is_fixed(tmp_path,
         assert len(restored) == len(events(run_dir, "workers_started")) >= 3, restored
         assert restored[0] is None and set(restored[1:]) == {"step_0000000010"}, restored
         assert_same_run(ref, got)
+
+
+def test_a_launch_left_without_an_end_mark_is_replaced_when_its_rendezvous_is_closed(tmp_path, etcd_server,
+                                                                                    etcd_run_id):
+    """SIGINT ends an agent without marking its launch ended; its rendezvous is closed all the same."""
+    run_dir = tmp_path / "run"
+    flags = _flags(etcd_server.url, etcd_run_id)
+    agent = start_agent(run_dir, *flags, script_args=_worker(tmp_path, "--step-sleep", "0.1"),
+                        log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 2 for r in s["ranks"].values()),
+                 timeout=120, what="the workers to pass step 2")
+        agent.send_signal(signal.SIGINT)
+        code = agent.wait(timeout=90)
+    finally:
+        agent.kill()
+    assert code == 130, (tmp_path / "first.log").read_text()[-3000:]
+    proc = run_agent(run_dir, *flags, script_args=_worker(tmp_path))
+    assert proc.returncode == 0, explain(proc)
+    joined = [(e["launch_id"], e["action"]) for e in events(run_dir, "launch_joined")]
+    assert [a for _, a in joined] == ["create", "join", "replace"], joined
+    assert joined[0][0] == joined[1][0] != joined[2][0]

@@ -73,6 +73,7 @@ class Agent:
         self.signed = SignedStore(self.control, self.token, on_rejected=self._on_rejected_write)
         self.shared: SharedFacts | None = None
         self._presence: Any = None
+        self._launch_retried = False
         self._generation = 0
         """This launch's shared facts; set once the agent has joined a launch."""
         self._restarts_used_cached = 0
@@ -198,6 +199,25 @@ class Agent:
             self._presence.start()
         return None
 
+    def _stale_launch(self, generation: int) -> bool:
+        """The joined launch's rendezvous was closed before this agent ran anything in it: the launch is over.
+
+        A submission that ended without marking its launch (SIGINT, a node that stepped out) leaves a
+        closed rendezvous behind; the next submission then ends that launch and starts a new one, once.
+        """
+        if generation != 0 or self._launch_retried or self.config.launch_id is not None or self.shared is None:
+            return False
+        self._launch_retried = True
+        self.shared.end("its rendezvous was closed")
+        if self.rendezvous is not None:
+            self.rendezvous.shutdown()
+        if self._presence is not None:
+            self._presence.leave()
+        if self._join_launch() is not None:
+            return False
+        self.rendezvous = self._make_rendezvous()
+        return True
+
     def _node_lost(self, node: str) -> None:
         """A peer's presence lease expired: record a node_lost incident (once per node and generation)."""
         from .incidents import Incident
@@ -261,6 +281,8 @@ class Agent:
                     verdict = self.shared_verdict()
                     if verdict is not None:
                         return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                    if type(e).__name__ == "RendezvousClosedError" and self._stale_launch(generation):
+                        continue
                     self.emit("rendezvous_failed", error=f"{type(e).__name__}: {e}")
                     return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)
                 generation = self._generation = assignment.generation
