@@ -46,8 +46,10 @@ def reference(tmp_path_factory):
 def test_crashed_rank_restarts_from_newest_checkpoint_and_matches_reference(tmp_path, reference):
     plan = write_plan(tmp_path / "plan.json", {"kind": "kill", "rank": 1, "step": 13, "attempt": 0, "section": "step"})
     run_dir = tmp_path / "run"
+    # Synchronous saves: step_10 is committed before step 10 runs, so the restore point does not depend on
+    # how fast a background save finishes on a loaded machine before the kill at step 13.
     proc = run_agent(run_dir, "--nproc-per-node", "2", "--node-id", NODE, "--fault-plan", str(plan),
-                     script_args=worker_args(tmp_path / "trace", tmp_path / "ckpt"))
+                     script_args=worker_args(tmp_path / "trace", tmp_path / "ckpt", "--sync"))
     assert proc.returncode == 0, explain(proc)
 
     [incident] = incidents(run_dir)
