@@ -10,11 +10,13 @@ import gc
 import math
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,7 +112,9 @@ def environment(directory: str) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "git_commit": _cmd("git", "-C", root, "rev-parse", "HEAD"),
         "git_head": _cmd("git", "-C", root, "log", "-1", "--format=%h %ad %s", "--date=short"),
+        "command": shlex.join([sys.executable, *sys.argv]),
         "git_dirty_resilient": _cmd("git", "-C", root, "status", "--porcelain", "resilient").splitlines(),
         "loadavg_start": list(os.getloadavg()),
     }
@@ -152,12 +156,16 @@ def touch_state(model: nn.Module, opt: torch.optim.Optimizer) -> None:
                 t.mul_(1.0)
 
 
-def ours_save(run: Run, step: int) -> dict[str, float]:
-    """Stall = Run._save(wait=False) return time; then wait for the durable commit."""
-    run.step = step
+def ours_save(run: Run, loop: Iterator[int]) -> dict[str, float]:
+    """Stall = how long the step loop waits at a due boundary (``next(loop)``); then wait for the durable commit.
+
+    ``loop`` is ``run.steps(...)`` of a Run that saves every step, already
+    started: resuming it completes an update and snapshots the next save.
+    """
     t0 = pc()
-    run._save(wait=False)
+    next(loop)
     stall = pc() - t0
+    assert run.checkpoints is not None
     res = run.checkpoints.wait()
     if res is None or not res.ok:
         raise RuntimeError(f"our save failed: {res}")

@@ -42,10 +42,15 @@ def saves(res: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimize
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     dist.init_process_group("gloo", store=dist.FileStore(f"{root}/pg_store", 1), rank=0, world_size=1)
-    run = Run(model=model, optimizer=opt, checkpoint=CheckpointConfig(dir=f"{root}/ours", every_steps=None, keep=2))
+    # Saves go through the public step loop: a Run that checkpoints every update, whose loop we resume
+    # without training (the state is touched instead), so each resume is one due save at a boundary.
+    config = CheckpointConfig(dir=f"{root}/ours", every_steps=1, keep=2, save_on_finish=False)
+    run = Run(model=model, optimizer=opt, checkpoint=config)
+    loop = run.steps(1 << 62)
+    next(loop)  # step 0: nothing to save yet
     cp.settle()
     cp.touch_state(model, opt)
-    first = cp.ours_save(run, step := 1)  # allocates and faults in the reusable host buffer
+    first = cp.ours_save(run, loop)  # the first save: the host buffer is allocated and faulted (Run.prepare)
     cp.log(f"ours first save: stall {first['stall_s']:.3f}s, write {first['write_gbps']:.2f} GB/s")
     nbytes = int(first["bytes"])
     raw = memoryview(os.urandom(nbytes))  # the raw reference writes the same number of (random) bytes
@@ -62,7 +67,7 @@ def saves(res: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimize
                 cp.touch_state(model, opt)
             path = f"{root}/{kind}_{r}"
             if kind == "ours":
-                s = cp.ours_save(run, step := step + 1)  # retention deletes the old one after the commit
+                s = cp.ours_save(run, loop)  # retention deletes the old one after the commit
             elif kind == "torch_save_fsync":
                 s = cp.torch_save_fsync(model, opt, path)
             elif kind.startswith("dcp"):
@@ -93,10 +98,10 @@ def saves(res: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimize
         stalls = []
         for _ in range(2):
             cp.touch_state(model, opt)
-            run.step = step = step + 1
             t0 = cp.pc()
-            run._save(wait=False)
+            next(loop)
             stalls.append(cp.pc() - t0)
+        assert run.checkpoints is not None
         if (w := run.checkpoints.wait()) is None or not w.ok:
             raise RuntimeError(f"our save failed: {w}")
         b2b.append({"first_stall_s": stalls[0], "second_stall_s": stalls[1]})
@@ -108,6 +113,7 @@ def saves(res: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimize
 
 def restores(res: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer, run: Run, repeats: int) -> None:
     """(c) restore, warm and cold, then restore + first optimizer step (warm)."""
+    assert run.checkpoints is not None and run.checkpoints.last_committed is not None
     ref, cfg, tfile = cp.fingerprint(model, opt), run.checkpoints.config, res["torch_file"]
     ckpt_dir = os.path.join(cfg.dir, run.checkpoints.last_committed.name)
     ours_files = sorted((e.path for e in os.scandir(ckpt_dir)), key=os.path.getsize, reverse=True)

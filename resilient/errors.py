@@ -49,3 +49,16 @@ class StorageError(CheckpointError):
 
 class SerializationError(CheckpointError, TypeError):
     """Training state holds an object that cannot be saved without pickle."""
+
+
+class FencedError(ResilientError):
+    """A newer generation of the same launch holds the checkpoint fence: this process is stale.
+
+    Raised at start, when claiming the fence; a save that finds the fence
+    moved is refused with an event instead (it never raises into training).
+    """
+
+    def __init__(self, message: str, *, holder_launch: str | None = None, holder_generation: int | None = None) -> None:
+        self.holder_launch = holder_launch
+        self.holder_generation = holder_generation
+        super().__init__(message)

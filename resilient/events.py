@@ -23,6 +23,7 @@ _WARNING_KINDS = frozenset(
         "checkpoint_quarantined",
         "checkpoint_fallback",
         "checkpoint_conflict",
+        "checkpoint_fenced",
     }
 )
 

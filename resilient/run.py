@@ -28,7 +28,9 @@ import torch
 from . import __version__
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
-from .checkpoint.manager import RANK, REPLICATED, CheckpointManager, Restored, SaveResult
+from .checkpoint.fence import Fence
+from .checkpoint.manager import CheckpointManager, SaveResult
+from .checkpoint.restore import RANK, REPLICATED, Restored
 from .data.loader import ElasticLoader
 from .errors import ConfigError
 from .events import EventLog
@@ -130,7 +132,9 @@ class Run:
         if checkpoint is not None:
             with self.section("restore"):
                 coordinator = Coordinator.from_environment(checkpoint.timeout_s)
-                self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events)
+                # The agent's generation and launch fence this job's writes (none without an agent).
+                fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
+                self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events, fence=fence)
                 restored = self.checkpoints.restore()
                 if restored is not None:
                     self._apply(restored)

@@ -5,6 +5,14 @@ every 5 steps, keep 1).  A new process must restore the newest checkpoint
 that was committed before the kill (step 5 if the kill came before the
 commit point, step 10 after it), finish the run bitwise equal to the
 uninterrupted reference, and leave no staging leftovers behind.
+
+There is no case for "renamed, parent directory not yet fsynced": SIGKILL
+ends the process, not the kernel, and the page cache keeps the rename, so
+such a test passes with or without the fsync and proves nothing.  Only a
+power cut (or a filesystem that drops unsynced metadata, e.g. a VM snapshot
+of the disk) can observe that fsync.  In its place, ``after_commit`` kills
+the process once the publish returned, before its outcome reached anyone
+and before retention: the checkpoint must count as committed.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ POINTS = [
     ("write", "step_0000000005"),  # while writing a shard
     ("before_manifest", "step_0000000005"),  # all shards written, no manifest yet
     ("before_rename", "step_0000000005"),  # manifest written in staging, not published
-    ("after_rename", "step_0000000010"),  # published, parent directory not yet fsynced
+    ("after_commit", "step_0000000010"),  # published; outcome not yet shared, retention not run
     ("retention", "step_0000000010"),  # deleting the previous checkpoint
 ]
 

@@ -12,7 +12,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from resilient.checkpoint import s3
+from resilient.checkpoint import s3, s3_client
 from resilient.checkpoint.digest import digest_bytes
 from resilient.checkpoint.manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
 from resilient.checkpoint.s3 import S3Storage
@@ -211,8 +211,8 @@ def test_quarantine_moves_checkpoint(s3_url: tuple[str, str], monkeypatch: pytes
     kept, _ = commit(store, 11)
     big = os.urandom(12 * MiB + 1)
     store.write_file(kept, "extra.bin", [memoryview(big)], CHUNK)
-    monkeypatch.setattr(s3, "COPY_LIMIT", 1 * MiB)  # exercise the part-by-part copy too
-    monkeypatch.setattr(s3, "COPY_PART_BYTES", 5 * MiB)
+    monkeypatch.setattr(s3_client, "COPY_LIMIT", 1 * MiB)  # exercise the part-by-part copy too
+    monkeypatch.setattr(s3_client, "COPY_PART_BYTES", 5 * MiB)
     where = store.quarantine(checkpoint_name(11), "digest mismatch")
     entry = where.rstrip("/").rsplit("/", 1)[1]
     assert where == f"s3://{bucket_of(s3_url)}/ckpts/.quarantine/{entry}/"
@@ -243,7 +243,7 @@ def test_quarantine_moves_checkpoint(s3_url: tuple[str, str], monkeypatch: pytes
 
 
 def test_delete(s3_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(s3, "LIST_PAGE", 2)  # paginate every listing
+    monkeypatch.setattr(s3_client, "LIST_PAGE", 2)  # paginate every listing
     store = store_for(s3_url)
     for step in (1, 2, 3, 4, 5):
         commit(store, step)

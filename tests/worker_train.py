@@ -7,7 +7,10 @@ one JSON line per step (sample ids, learning rate, exact loss) and a final
 line with digests of parameters, optimizer state and RNG streams.
 
 ``--fault POINT --fault-step S`` SIGKILLs the process at POINT during the
-save at step S (first attempt only: a marker file records that it fired).
+save at step S (first attempt only: a marker file records that it fired);
+``--fault-signal STOP`` SIGSTOPs it there instead, and it carries on from
+that point once continued (SIGCONT).  ``--events PATH`` writes the Run's
+events as JSON lines.
 """
 
 from __future__ import annotations
@@ -77,31 +80,42 @@ FAULT_POINTS = {
     "snapshot": (lambda: ckpt_manager, "take_snapshots", lambda *a: True),  # during the host copy
     # the second piece: the first one of a shard already reached the file
     "write": (lambda: ckpt_storage.os, "write", lambda *a: next(_write_calls) == 2),
-    "before_manifest": (lambda: ckpt_storage.LocalStorage, "commit", lambda *a: True),
+    "before_manifest": (lambda: ckpt_storage.LocalStorage, "commit", lambda *a, **k: True),
     "before_rename": (lambda: ckpt_storage.os, "rename", lambda src, dst: ".staging" in str(src)),
-    # fsync of the checkpoint root, right after the rename (staging dirs are named step_*)
-    "after_rename": (
-        lambda: ckpt_storage, "_fsync_dir",
-        lambda path: os.path.basename(path) != ".staging" and not os.path.basename(path).startswith("step_"),
-    ),
+    # the commit returned (published and durable), its outcome not yet shared nor retention run
+    "after_commit": (lambda: ckpt_storage.LocalStorage, "commit", lambda *a, **k: True),
+    "before_delete": (lambda: ckpt_storage.LocalStorage, "delete", lambda *a, **k: True),  # retention decided
     "retention": (lambda: ckpt_storage.shutil, "rmtree", lambda path, *a, **k: ".trash" in str(path)),
     "s3_upload": (_s3, "write_file", lambda self, staging, relpath, *a: relpath.startswith("rank")),
-    "s3_before_manifest": (_s3, "commit", lambda *a: True),
+    "s3_before_manifest": (_s3, "commit", lambda *a, **k: True),
 }
 
 
-def arm_fault(point: str, marker: str) -> None:
-    """Install a one-shot SIGKILL at ``point`` of the commit path."""
+AFTER_CALL = {"after_commit"}  # points that fire once the call returned
+
+
+def arm_fault(point: str, marker: str, signum: int = signal.SIGKILL) -> None:
+    """Install a one-shot ``signum`` (SIGKILL or SIGSTOP) at ``point`` of the commit path."""
     if point not in FAULT_POINTS:
         raise SystemExit(f"unknown fault point {point}")
     owner_of, attr, fires = FAULT_POINTS[point]
     owner = owner_of()
     real = getattr(owner, attr)
+    armed = [True]
+
+    def fire():
+        armed[0] = False
+        open(marker, "w").close()
+        os.kill(os.getpid(), signum)
 
     def wrapper(*args, **kwargs):
-        if fires(*args, **kwargs):
-            open(marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if not (armed[0] and fires(*args, **kwargs)):
+            return real(*args, **kwargs)
+        if point in AFTER_CALL:
+            result = real(*args, **kwargs)
+            fire()
+            return result
+        fire()
         return real(*args, **kwargs)
 
     setattr(owner, attr, wrapper)
@@ -118,6 +132,8 @@ def main() -> int:
     p.add_argument("--fault", default=None)
     p.add_argument("--fault-step", type=int, default=None)
     p.add_argument("--fault-rank", type=int, default=None, help="only this rank faults (default: all)")
+    p.add_argument("--fault-signal", choices=["KILL", "STOP"], default="KILL")
+    p.add_argument("--events", default=None, help="write the Run's events here (JSON lines)")
     p.add_argument("--sync", action="store_true", help="synchronous saves")
     p.add_argument("--elastic", action="store_true", help="allow resuming on a different number of ranks")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (slower runs)")
@@ -146,7 +162,9 @@ def main() -> int:
             dir=args.dir, every_steps=args.every, keep=args.keep, endpoint_url=args.endpoint_url,
             async_save=not args.sync, timeout_s=60, elastic=args.elastic,
         )
-    run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt)
+    events = resilient.EventLog(f"{args.events}.rank{rank}" if args.events else None)
+    run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
+                        events=events)
 
     marker = f"{args.trace}.fault-fired"
     trace = open(f"{args.trace}.rank{rank}", "a")
@@ -156,7 +174,7 @@ def main() -> int:
         faulty = args.fault and args.fault_rank in (None, rank)
         if faulty and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
             run.checkpoints.wait()  # the fault is for the next save, not one still in flight
-            arm_fault(args.fault, marker)
+            arm_fault(args.fault, marker, getattr(signal, f"SIG{args.fault_signal}"))
         x, y = next(run.data)
         noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
         loss = torch.nn.functional.mse_loss(model(x), y) + noise

@@ -13,7 +13,8 @@ from .._lazy import lazy_getattr
 _EXPORTS = {
     "CheckpointConfig": "resilient.checkpoint.config",
     "CheckpointManager": "resilient.checkpoint.manager",
-    "Restored": "resilient.checkpoint.manager",
+    "Fence": "resilient.checkpoint.fence",
+    "Restored": "resilient.checkpoint.restore",
     "SaveResult": "resilient.checkpoint.manager",
     "Manifest": "resilient.checkpoint.manifest",
     "parse_manifest": "resilient.checkpoint.manifest",
@@ -25,6 +26,7 @@ _EXPORTS = {
 __all__ = [
     "CheckpointConfig",
     "CheckpointManager",
+    "Fence",
     "LocalStorage",
     "Manifest",
     "Restored",
@@ -36,8 +38,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .config import CheckpointConfig
-    from .manager import CheckpointManager, Restored, SaveResult
+    from .fence import Fence
+    from .manager import CheckpointManager, SaveResult
     from .manifest import Manifest, parse_manifest
+    from .restore import Restored
     from .storage import LocalStorage, Storage, open_storage
 
 

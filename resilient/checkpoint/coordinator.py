@@ -4,14 +4,37 @@ Checkpoint commits run on a background thread while the training loop runs
 its own collectives, so they use a separate gloo process group: calls on one
 group stay in the same order on every rank, whatever the other group does.
 Payloads are bytes carried in uint8 tensors (never pickled objects).
+
+Work that only rank 0 does (listing, reading a manifest, claiming the
+fence) goes through :meth:`Coordinator.on_root`: its outcome, a result *or*
+an error, is broadcast, so a failure on rank 0 becomes the same error on
+every rank at once instead of a peer waiting in a collective until the
+group times out.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from .. import errors
+
+_OK, _FAILED = b"\x00", b"\x01"
+_REBUILT: dict[str, type[errors.ResilientError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.StorageError,
+        errors.CheckpointMismatchError,
+        errors.NoValidCheckpointError,
+        errors.CommitConflictError,
+        errors.ConfigError,
+        errors.CheckpointError,
+    )
+}
 
 
 class Coordinator:
@@ -69,6 +92,26 @@ class Coordinator:
         dist.broadcast(buf, src=self._global_root(), group=self._group)
         return _to_bytes(buf)
 
+    def on_root(self, work: Callable[[], bytes]) -> bytes:
+        """Run ``work`` on rank 0 and return its bytes on every rank.
+
+        If ``work`` raises (anything), every rank raises the same error
+        (:func:`rebuild_error`): same type for resilient's own errors, a
+        :class:`~resilient.errors.CheckpointError` naming the original type otherwise.
+        """
+        payload = None
+        failure: BaseException | None = None
+        if self.is_root:
+            try:
+                payload = _OK + work()
+            except Exception as e:  # noqa: BLE001  whatever it is, the peers must hear of it
+                failure = e
+                payload = _FAILED + describe_error(e)
+        got = self.broadcast(payload)
+        if got[:1] == _FAILED:
+            raise rebuild_error(got[1:]) from failure
+        return got[1:]
+
     def all_ok(self, ok: bool) -> bool:
         """True when ``ok`` holds on every rank."""
         if self.world_size == 1:
@@ -90,3 +133,24 @@ def _to_bytes(t: torch.Tensor) -> bytes:
     if out:
         torch.frombuffer(out, dtype=torch.uint8).copy_(t)
     return bytes(out)
+
+
+def describe_error(e: BaseException) -> bytes:
+    """An error as JSON bytes that :func:`rebuild_error` turns back into the same error."""
+    body: dict[str, Any] = {"type": type(e).__name__, "message": str(e)}
+    if isinstance(e, errors.FencedError):
+        body |= {"holder_launch": e.holder_launch, "holder_generation": e.holder_generation}
+    return json.dumps(body).encode()
+
+
+def rebuild_error(raw: bytes) -> errors.ResilientError:
+    body = json.loads(raw)
+    kind, message = body["type"], body["message"]
+    if kind == "FencedError":
+        return errors.FencedError(
+            message, holder_launch=body.get("holder_launch"), holder_generation=body.get("holder_generation")
+        )
+    cls = _REBUILT.get(kind)
+    if cls is not None:
+        return cls(message)
+    return errors.CheckpointError(f"rank 0 failed with {kind}: {message}")

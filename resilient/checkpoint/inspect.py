@@ -4,29 +4,28 @@ These are the library half of ``resilient checkpoint ...``: they return
 frozen dataclasses and never print.  Corruption is a *finding* reported in
 the result (a bad manifest, a missing or altered file), never an exception;
 :class:`StorageError` propagates, because an unreadable store says nothing
-about whether the checkpoint is good.  Verification applies the same checks
-as a restore (:mod:`resilient.checkpoint.manager`): manifest schema and
-paths, then each file's size, digest and decodability.
+about whether the checkpoint is good.  Verification reads every file
+through the same function as a restore (:func:`resilient.checkpoint.verify.check_file`):
+manifest schema and paths, then each file's size, digest and decodability.
+
+Listing reads manifests only and does not import torch (``resilient
+checkpoint ls`` stays fast); verifying and inspecting decode, and import
+:mod:`resilient.checkpoint.verify` (and with it torch) when called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest, step_of
 from .retention import decide_retention
-from .shard import decode
 from .storage import Storage
-from .tree import unflatten
 
-# What a damaged shard can make the decoder raise.  decode/unflatten report
-# inconsistencies as ValueError; absurdly nested JSON can exhaust recursion.
-_DECODE_ERRORS = (ValueError, RecursionError)
+if TYPE_CHECKING:
+    from .verify import FileCheck
 
 
 @dataclass(frozen=True)
@@ -42,23 +41,6 @@ class CheckpointInfo:
     parent: str | None
     manifest_ok: bool
     problem: str | None
-
-
-@dataclass(frozen=True)
-class FileCheck:
-    """Verification of one file; ``None`` in a check means it could not be made."""
-
-    path: str
-    rank: int | None
-    size_expected: int
-    size_actual: int | None
-    digest_ok: bool | None
-    decode_ok: bool | None
-    problem: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None
 
 
 @dataclass(frozen=True)
@@ -172,32 +154,11 @@ def verify_checkpoint(storage: Storage, name: str) -> VerifyReport:
         return VerifyReport(name=name, ok=False, files=(), problem=f"{MANIFEST_FILE}: {e.problem}")
     except CheckpointMismatchError as e:
         return VerifyReport(name=name, ok=False, files=(), problem=f"{MANIFEST_FILE}: {e}")
-    checks = []
-    for entry in manifest.files:
-        try:
-            buf, digest = storage.read_file(name, entry.path, manifest.chunk_bytes)
-        except FileNotFoundError:
-            checks.append(FileCheck(entry.path, entry.rank, entry.size, None, None, None, "file is missing"))
-            continue
-        problems = []
-        if len(buf) != entry.size:
-            problems.append(f"size is {len(buf)} bytes, manifest says {entry.size} (truncated or overwritten)")
-        digest_ok = digest == entry.digest
-        if not digest_ok:
-            problems.append(
-                f"digest mismatch (content changed after commit): {digest[:16]}... != {entry.digest[:16]}..."
-            )
-        # Decode even after a digest mismatch: whether the damage is in the
-        # header (undecodable) or only in tensor bytes tells the user more.
-        decode_ok = True
-        try:
-            skeleton, tensors = decode(buf)
-            unflatten(skeleton, tensors)
-        except _DECODE_ERRORS as e:
-            decode_ok = False
-            problems.append(f"undecodable content ({e})")
-        problem = "; ".join(problems) or None
-        checks.append(FileCheck(entry.path, entry.rank, entry.size, len(buf), digest_ok, decode_ok, problem))
+    from .verify import check_file
+
+    # Decode even after a digest mismatch: whether the damage is in the
+    # header (undecodable) or only in tensor bytes tells the user more.
+    checks = [check_file(storage, manifest, entry, decode_unverified=True).check for entry in manifest.files]
     bad = [f"{c.path}: {c.problem}" for c in checks if c.problem]
     return VerifyReport(name=name, ok=not bad, files=tuple(checks), problem="; ".join(bad) or None)
 
@@ -214,61 +175,34 @@ def inspect_checkpoint(storage: Storage, name: str) -> CheckpointDetail:
 
 
 def _summarise(storage: Storage, manifest: Manifest, entry: FileEntry) -> FileSummary:
-    try:
-        buf, digest = storage.read_file(manifest.name, entry.path, manifest.chunk_bytes)
-    except FileNotFoundError:
-        return FileSummary(entry.path, entry.rank, entry.size, None, None, None, (), problem="file is missing")
-    digest_ok = digest == entry.digest and len(buf) == entry.size
-    try:
-        skeleton, tensors = decode(buf)
-        tree = unflatten(skeleton, tensors)
-    except _DECODE_ERRORS as e:
-        return FileSummary(
-            entry.path, entry.rank, len(buf), digest_ok, None, None, (), problem=f"undecodable content ({e})"
-        )
+    from .verify import check_file, plain, tensor_totals
+
+    checked = check_file(storage, manifest, entry, decode_unverified=True)
+    check, tree = checked.check, checked.tree
+    size = check.size_actual if check.size_actual is not None else entry.size
+    if not check.decode_ok:
+        return FileSummary(entry.path, entry.rank, size, check.digest_ok, None, None, (), problem=check.problem)
     keys: tuple[str, ...] = ()
     sections: dict[str, tuple[int, int]] = {}
     counters = data = None
     if isinstance(tree, dict):
         keys = tuple(str(k) for k in tree)
-        sections = {str(k): _tensor_totals(v) for k, v in tree.items()}
-        counters = _plain(tree["counters"]) if isinstance(tree.get("counters"), dict) else None
-        data = _plain(tree["data"]) if isinstance(tree.get("data"), dict) else None
+        sections = {str(k): tensor_totals(v) for k, v in tree.items()}
+        counters = plain(tree["counters"]) if isinstance(tree.get("counters"), dict) else None
+        data = plain(tree["data"]) if isinstance(tree.get("data"), dict) else None
     return FileSummary(
         path=entry.path,
         rank=entry.rank,
-        size=len(buf),
-        digest_ok=digest_ok,
-        n_tensors=len(tensors),
-        tensor_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        size=size,
+        digest_ok=check.digest_ok and check.size_actual == entry.size,
+        n_tensors=len(checked.tensors),
+        tensor_bytes=sum(t.numel() * t.element_size() for t in checked.tensors),
         keys=keys,
         sections=sections,
         counters=counters,
         data=data,
-        problem=None if digest_ok else "digest or size does not match the manifest",
+        problem=check.problem,
     )
-
-
-def _tensor_totals(node: Any) -> tuple[int, int]:
-    if isinstance(node, torch.Tensor):
-        return 1, node.numel() * node.element_size()
-    children = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
-    count = size = 0
-    for child in children:
-        c, s = _tensor_totals(child)
-        count, size = count + c, size + s
-    return count, size
-
-
-def _plain(node: Any) -> Any:
-    """A JSON-able copy of a small tree; tensors become short descriptions."""
-    if isinstance(node, torch.Tensor):
-        return node.item() if node.numel() == 1 else f"tensor{tuple(node.shape)} {node.dtype}"
-    if isinstance(node, dict):
-        return {str(k): _plain(v) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-        return [_plain(v) for v in node]
-    return node
 
 
 def collect(

@@ -8,10 +8,12 @@ manifest and commits it only if every rank succeeded, tells every rank the
 outcome, and applies retention.  A failed save is an event, never a crash,
 and never moves "latest".
 
-Restoring: newest committed checkpoint first; every rank verifies the files
-it needs (size and digest) before decoding them; ranks agree on the outcome.
-A checkpoint that fails verification on any rank is quarantined and the
-previous one tried; an I/O error stops the restore without quarantining.
+Fencing: at start rank 0 claims the location's fence with this job's
+launch and generation (:mod:`.fence`); a stale process is refused there, and
+a commit, retention delete or garbage collection of a process whose fence
+has moved since is refused with a ``checkpoint_fenced`` event.
+
+Restoring lives in :mod:`.restore`; this class only holds its outcome.
 """
 
 from __future__ import annotations
@@ -24,26 +26,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import (
-    CheckpointCorruptError,
-    CheckpointMismatchError,
-    CommitConflictError,
-    NoValidCheckpointError,
-    ResilientError,
-    StorageError,
-)
+from ..errors import CommitConflictError, FencedError, ResilientError
 from ..events import EventLog
 from .config import CheckpointConfig
 from .coordinator import Coordinator
+from .fence import Fence
 from .manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
+from .restore import RANK, REPLICATED, Restored, restore_newest
 from .retention import decide_retention
-from .shard import decode
 from .snapshot import HostBuffer, Snapshot, snapshot_bytes, take_snapshots
 from .storage import Storage, open_storage
-from .tree import unflatten
 
-REPLICATED = "replicated"
-RANK = "rank"
+__all__ = ["RANK", "REPLICATED", "CheckpointManager", "Restored", "SaveResult", "file_name"]
+FENCED = "checkpoint_fenced"
 
 
 def file_name(key: str, rank: int) -> str:
@@ -63,13 +58,6 @@ class SaveResult:
     """Time the training loop waited (previous save + snapshot)."""
     write_s: float
     """Background time from snapshot to commit outcome."""
-
-
-@dataclass(frozen=True)
-class Restored:
-    manifest: Manifest
-    replicated: Any
-    rank_state: Any
 
 
 @dataclass
@@ -92,33 +80,45 @@ class CheckpointManager:
         coordinator: Coordinator,
         events: EventLog,
         storage: Storage | None = None,
+        fence: Fence | None = None,
     ) -> None:
+        """``fence``: this job's launch and generation (default: no agent, generation 0)."""
         self.config = config
         self.coord = coordinator
         self.events = events
         self.storage = storage if storage is not None else open_storage(config.dir, endpoint_url=config.endpoint_url)
+        self.fence = fence if fence is not None else Fence()
         self.last_committed: Manifest | None = None
         self.results: deque[SaveResult] = deque(maxlen=64)
         """Outcomes of the most recent saves, oldest first."""
         self._buffer = HostBuffer()
         self._inflight: _Job | None = None
         self._thread: threading.Thread | None = None
-        # Rank 0 checks the store and sweeps leftovers of crashed saves, then
-        # tells everybody the save token (or the error, so all ranks raise).
-        hello = None
-        if coordinator.is_root:
-            hello = {"token": uuid.uuid4().hex[:12], "error": None}
-            try:
-                self.storage.check_writable()
-                removed = self.storage.collect_garbage(keep_token=hello["token"])
-                if removed:
-                    self.events.emit("checkpoint_garbage_collected", removed=removed)
-            except StorageError as e:
-                hello["error"] = str(e)
-        agreed = json.loads(self.coord.broadcast(json.dumps(hello).encode() if hello else None))
-        if agreed["error"]:
-            raise StorageError(agreed["error"])
-        self.token: str = agreed["token"]
+        # Rank 0 checks the store, claims the fence and then sweeps leftovers
+        # of crashed (or stale) saves; every rank gets the save token, or the
+        # same error (a refused claim is a FencedError everywhere).
+        self.token: str = self.coord.on_root(self._start).decode()
+
+    def _start(self) -> bytes:
+        token = uuid.uuid4().hex[:12]
+        self.storage.check_writable()
+        previous = self.storage.claim_fence(self.fence)
+        if previous != self.fence:
+            self.events.emit("checkpoint_fence_claimed", location=self.storage.url, generation=self.fence.generation,
+                             launch=self.fence.launch, previous=previous.to_json() if previous else None)
+        try:
+            removed = self.storage.collect_garbage(keep_token=token, fence=self.fence)
+        except FencedError as e:  # claimed a moment ago and already taken: we are stale
+            self._fenced("gc", e, name=None, step=None)
+            raise
+        if removed:
+            self.events.emit("checkpoint_garbage_collected", removed=removed)
+        return token.encode()
+
+    def _fenced(self, action: str, e: FencedError, *, name: str | None, step: int | None) -> None:
+        holder = {"launch": e.holder_launch, "generation": e.holder_generation}
+        self.events.emit(FENCED, action=action, name=name, step=step, generation=self.fence.generation,
+                         launch=self.fence.launch, holder=holder, error=str(e))
 
     # ------------------------------------------------------------------ save
     def save(
@@ -216,6 +216,9 @@ class CheckpointManager:
             )
             if self.coord.is_root:
                 self._apply_retention(name)
+        elif outcome.get("fenced"):
+            self.events.emit(FENCED, action="commit", name=name, step=job.step, generation=self.fence.generation,
+                             launch=self.fence.launch, holder=outcome.get("holder"), error=result.error)
         else:
             kind = "checkpoint_conflict" if outcome.get("conflict") else "checkpoint_failed"
             self.events.emit(kind, name=name, step=job.step, error=result.error)
@@ -245,7 +248,10 @@ class CheckpointManager:
         reports = self.coord.gather(report)
         outcome: dict[str, Any] | None = None
         if reports is not None:
-            outcome = self._decide_commit(job, name, staging, [json.loads(r) for r in reports])
+            try:
+                outcome = self._decide_commit(job, name, staging, [json.loads(r) for r in reports])
+            except Exception as e:  # noqa: BLE001  the peers wait for an outcome: give them one
+                outcome = {"ok": False, "error": f"commit of {name} failed on rank 0: {type(e).__name__}: {e}"}
         return json.loads(self.coord.broadcast(json.dumps(outcome).encode() if outcome is not None else None))
 
     def _decide_commit(self, job: _Job, name: str, staging: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -266,10 +272,16 @@ class CheckpointManager:
             chunk_bytes=self.config.chunk_bytes,
             fingerprint=job.fingerprint,
             counters=counters,
+            generation=self.fence.generation,
+            launch=self.fence.launch,
         )
         raw = manifest.to_bytes()
         try:
-            self.storage.commit(staging, raw)
+            self.storage.commit(staging, raw, fence=self.fence)
+        except FencedError as e:
+            self.storage.abort(staging)
+            holder = {"launch": e.holder_launch, "generation": e.holder_generation}
+            return {"ok": False, "fenced": True, "holder": holder, "error": str(e)}
         except CommitConflictError as e:
             self.storage.abort(staging)
             return {"ok": False, "conflict": True, "error": str(e)}
@@ -286,116 +298,29 @@ class CheckpointManager:
                 permanent_every=self.config.permanent_every,
                 newest_verified=newest,
             )
-            for victim in decision.delete:
-                self.storage.delete(victim)
-            if decision.delete:
-                self.events.emit("checkpoint_retention", deleted=list(decision.delete), reason=decision.reason)
+            deleted = []
+            try:
+                for victim in decision.delete:
+                    self.storage.delete(victim, fence=self.fence)
+                    deleted.append(victim)
+            finally:
+                if deleted:
+                    self.events.emit("checkpoint_retention", deleted=deleted, reason=decision.reason)
+        except FencedError as e:
+            self._fenced("retention", e, name=newest, step=None)
         except (ResilientError, OSError) as e:
             self.events.emit("checkpoint_retention_failed", error=str(e))
 
     # --------------------------------------------------------------- restore
     def restore(self) -> Restored | None:
-        """Load the newest committed checkpoint that verifies on every rank.
+        """Load the newest committed checkpoint that verifies on every rank (see :mod:`.restore`).
 
         Returns None when nothing was ever committed.  Raises
         :class:`NoValidCheckpointError` when checkpoints exist but none
-        verifies, :class:`StorageError` when the store cannot be read.
+        verifies, :class:`StorageError` when the store cannot be read; the
+        same error on every rank.
         """
-        listing = json.dumps(self.storage.list_committed()).encode() if self.coord.is_root else None
-        names = json.loads(self.coord.broadcast(listing))
-        problems: list[str] = []
-        for name in reversed(names):
-            raw = self._root_read_manifest(name)
-            try:
-                manifest = parse_manifest(raw, name) if raw else None
-                if manifest is None:
-                    raise CheckpointCorruptError(name, "manifest.json", "manifest is missing")
-            except CheckpointCorruptError as e:
-                self._quarantine(name, f"{e.file}: {e.problem}")
-                problems.append(str(e))
-                continue
-            if manifest.world_size != self.coord.world_size and self.config.elastic:
-                self.events.emit("checkpoint_resharded", name=name, saved_world_size=manifest.world_size,
-                                 world_size=self.coord.world_size, rank_state_from=self.coord.rank % manifest.world_size)
-            elif manifest.world_size != self.coord.world_size:
-                raise CheckpointMismatchError(
-                    f"checkpoint {name} in {self.storage.url} was written by {manifest.world_size} ranks but this "
-                    f"job has {self.coord.world_size}; restart with {manifest.world_size} ranks, or point "
-                    "CheckpointConfig.dir at a fresh location to start a new run (or set CheckpointConfig(elastic=True) "
-                    "to continue on a different number of ranks)"
-                )
-            status, detail, restored = self._load_local(manifest)
-            statuses = self.coord.gather(json.dumps([status, detail]).encode())
-            verdict = None
-            if statuses is not None:
-                parsed = [json.loads(s) for s in statuses]
-                bad = [d for s, d in parsed if s == "error"] or [d for s, d in parsed if s == "corrupt"]
-                kind = "error" if any(s == "error" for s, _ in parsed) else ("corrupt" if bad else "ok")
-                verdict = json.dumps([kind, "; ".join(bad)]).encode()
-            kind, why = json.loads(self.coord.broadcast(verdict))
-            if kind == "ok":
-                assert restored is not None
-                self.last_committed = manifest
-                if problems:
-                    self.events.emit("checkpoint_fallback", restored=name, skipped=problems)
-                self.events.emit("checkpoint_restored", name=name, step=manifest.step, location=self.storage.url)
-                return restored
-            if kind == "error":
-                raise StorageError(f"cannot read checkpoint {name} from {self.storage.url}: {why}")
-            self._quarantine(name, why)
-            problems.append(f"{name}: {why}")
-        if names:
-            raise NoValidCheckpointError(
-                f"none of the {len(names)} committed checkpoints in {self.storage.url} passed verification "
-                f"({'; '.join(problems)}); they were quarantined. Refusing to start from scratch silently: "
-                "inspect them with `resilient checkpoint ls`, or point CheckpointConfig.dir at a fresh location "
-                "to start a new run."
-            )
-        return None
-
-    def _root_read_manifest(self, name: str) -> bytes:
-        payload = None
-        if self.coord.is_root:
-            payload = self.storage.read_manifest(name)
-        return self.coord.broadcast(payload)
-
-    def _load_local(self, manifest: Manifest) -> tuple[str, str, Restored | None]:
-        """Read and verify this rank's files: ("ok"|"corrupt"|"error", detail, restored)."""
-        try:
-            trees = {}
-            # Elastic restore: rank r takes the per-rank state of rank r mod the saved world size.
-            source_rank = self.coord.rank % manifest.world_size
-            for key, entry in ((REPLICATED, manifest.file_for(None)), (RANK, manifest.file_for(source_rank))):
-                trees[key] = self._read_verified(manifest, entry)
-            return "ok", "", Restored(manifest, trees[REPLICATED], trees[RANK])
-        except CheckpointCorruptError as e:
-            return "corrupt", f"{e.file}: {e.problem}", None
-        except StorageError as e:
-            return "error", str(e), None
-
-    def _read_verified(self, manifest: Manifest, entry: FileEntry) -> Any:
-        def corrupt(problem: str) -> CheckpointCorruptError:
-            return CheckpointCorruptError(manifest.name, entry.path, problem)
-
-        try:
-            buf, digest = self.storage.read_file(manifest.name, entry.path, manifest.chunk_bytes)
-        except FileNotFoundError:
-            raise corrupt("file is missing") from None
-        if len(buf) != entry.size:
-            raise corrupt(f"size is {len(buf)} bytes, manifest says {entry.size} (truncated or overwritten)")
-        if digest != entry.digest:
-            raise corrupt(f"digest mismatch (content changed after commit): {digest[:16]}... != {entry.digest[:16]}...")
-        try:
-            skeleton, tensors = decode(buf)
-            return unflatten(skeleton, tensors)
-        except ValueError as e:
-            raise corrupt(f"undecodable content ({e})") from None
-
-    def _quarantine(self, name: str, reason: str) -> None:
-        if not self.coord.is_root:
-            return
-        try:
-            where = self.storage.quarantine(name, reason)
-            self.events.emit("checkpoint_quarantined", name=name, reason=reason, moved_to=where)
-        except (ResilientError, OSError) as e:
-            self.events.emit("checkpoint_quarantine_failed", name=name, reason=reason, error=str(e))
+        restored = restore_newest(self.storage, self.coord, self.events, elastic=self.config.elastic)
+        if restored is not None:
+            self.last_committed = restored.manifest
+        return restored

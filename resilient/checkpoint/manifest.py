@@ -2,8 +2,10 @@
 
 A checkpoint exists only once its manifest is committed.  The manifest lists
 every file with its size and digest, the step and world size it was taken
-at, its parent, and fingerprints of the model, the user's config and the
-code.  :func:`parse_manifest` trusts nothing: schema, names, paths, sizes
+at, its parent, fingerprints of the model, the user's config and the
+code, and the generation and launch of the job that wrote it (schema 2;
+schema-1 manifests, written before fencing, read as generation 0 of no
+launch).  :func:`parse_manifest` trusts nothing: schema, names, paths, sizes
 and digests are all checked before anything is read.
 """
 
@@ -18,7 +20,10 @@ from typing import Any, TypeGuard
 from ..errors import CheckpointCorruptError, CheckpointMismatchError
 from .digest import ALGORITHM
 
-SCHEMA = "resilient.checkpoint/1"
+SCHEMA = "resilient.checkpoint/2"
+SCHEMA_V1 = "resilient.checkpoint/1"
+"""Manifests without ``generation``/``launch``; still read."""
+_NEWER = re.compile(r"resilient\.checkpoint/([3-9]|[1-9]\d+)")
 MANIFEST_FILE = "manifest.json"
 _NAME = re.compile(r"^step_(\d{10})$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -63,6 +68,10 @@ class Manifest:
     chunk_bytes: int
     fingerprint: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
+    generation: int = 0
+    """Generation of the job that wrote it (0: no agent, or a schema-1 manifest)."""
+    launch: str | None = None
+    """Launch id of the job that wrote it (None: no agent, or a schema-1 manifest)."""
     schema: str = SCHEMA
     digest_algorithm: str = ALGORITHM
 
@@ -79,6 +88,8 @@ class Manifest:
     def to_bytes(self) -> bytes:
         body = asdict(self)
         body["files"] = [asdict(f) for f in self.files]
+        if self.schema == SCHEMA_V1:  # re-encoding an old manifest must give its original bytes
+            del body["generation"], body["launch"]
         body["manifest_digest"] = _content_digest(body)
         return _canonical(body)
 
@@ -106,8 +117,8 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
     if not isinstance(body, dict):
         raise bad("not a JSON object")
     schema = body.get("schema")
-    if schema != SCHEMA:
-        if isinstance(schema, str) and re.fullmatch(r"resilient\.checkpoint/([2-9]|[1-9]\d+)", schema):
+    if schema not in (SCHEMA, SCHEMA_V1):
+        if isinstance(schema, str) and _NEWER.fullmatch(schema):
             raise CheckpointMismatchError(
                 f"checkpoint {name} uses schema {schema!r} but this build of resilient reads {SCHEMA!r}: "
                 "upgrade resilient to restore it (the checkpoint is left as it is)"
@@ -160,6 +171,14 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
     fingerprint, counters = body.get("fingerprint", {}), body.get("counters", {})
     if not isinstance(fingerprint, dict) or not isinstance(counters, dict):
         raise bad("fingerprint/counters must be objects")
+    generation: Any = 0
+    launch: Any = None
+    if schema == SCHEMA:
+        generation, launch = body.get("generation"), body.get("launch")
+        if not _is_int(generation) or generation < 0:
+            raise bad(f"generation {generation!r} is not a non-negative integer")
+        if launch is not None and not isinstance(launch, str):
+            raise bad(f"launch {launch!r} is not a string or null")
     return Manifest(
         name=name,
         step=step,
@@ -170,6 +189,9 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
         chunk_bytes=chunk,
         fingerprint=fingerprint,
         counters=counters,
+        generation=generation,
+        launch=launch,
+        schema=schema,
     )
 
 

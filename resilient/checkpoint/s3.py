@@ -5,6 +5,7 @@ Layout (``PREFIX`` may be empty)::
     PREFIX/step_0000000100/manifest.json         commit point of the checkpoint
     PREFIX/step_0000000100/TOKEN/rank_00000.bin  data written by the save attempt TOKEN
     PREFIX/.quarantine/step_0000000150.TS.PID/   copy of a checkpoint that failed verification
+    PREFIX/fence.json                            who may write here (see :mod:`.fence`)
 
 S3 has no rename, so a checkpoint is committed by a conditional PUT of its
 manifest (``If-None-Match: *``) once every data object is uploaded: exactly
@@ -14,6 +15,15 @@ the same step never overwrite each other; whatever a crashed attempt left
 behind is found by :meth:`S3Storage.collect_garbage`.  Deleting and
 quarantining remove the manifest before anything else, so a checkpoint
 leaves the committed set in one step.
+
+S3 has no lock either, so the fence check around a commit is read, PUT,
+read again: a commit whose fence moved before the PUT publishes nothing; one
+whose fence moved between the first read and the re-read deletes the
+manifest it just put (and says so).  What remains is a window, from that
+PUT to that delete, in which a reader can list the stale checkpoint, and a
+stale writer that dies inside it leaves its manifest behind.  Deletes and
+garbage collection read the fence before touching anything, so a claim that
+lands during one of them is noticed only by the next.
 
 boto3 is imported only when an S3 location is opened; every boto3/botocore
 failure surfaces as :class:`StorageError` naming the object and a fix.
@@ -27,34 +37,25 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Any
 
-from ..errors import CommitConflictError, StorageError
+from ..errors import CommitConflictError, FencedError, StorageError
 from .digest import ChunkedHasher, hash_pool
+from .fence import Fence, decide_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
-from .s3_support import ViewsReader, group_views, import_boto, parse_url
+from .s3_client import ABSENT, CONFLICT, S3Bucket
+from .s3_support import ViewsReader, group_views
 from .storage import Staging, Storage, pieces
 
 MULTIPART_THRESHOLD = 16 << 20  # larger objects go up as parallel multipart parts
 PART_BYTES = 8 << 20  # smallest part we build; S3's minimum is 5 MiB (except the last)
 MAX_PARTS = 10_000  # S3's limit per upload
 RANGE_BYTES = 32 << 20  # reads above 2x this use parallel ranged GETs
-COPY_LIMIT = 5 << 30  # copy_object's limit; larger objects are copied part by part
-COPY_PART_BYTES = 512 << 20
 WORKERS = 4
-LIST_PAGE = 1000
-READ_ATTEMPTS = 3  # a body that breaks mid-stream is fetched again (the SDK retries only the request)
 QUARANTINE_DIR = ".quarantine"
 QUARANTINE_FILE = "QUARANTINE.json"
-_ABSENT = ("NoSuchKey", "404", "NotFound")
-_CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
-_AUTH = ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
-
-
-def _code(e: Any) -> str:
-    return str(e.response.get("Error", {}).get("Code", "?"))
+FENCE_OBJECT = "fence.json"
 
 
 def _referenced_tokens(raw: bytes) -> set[str] | None:
@@ -65,143 +66,12 @@ def _referenced_tokens(raw: bytes) -> set[str] | None:
         return None
 
 
-class S3Storage(Storage):
+class S3Storage(S3Bucket, Storage):
     """Checkpoints in an S3 (or S3-compatible) bucket; see the module docstring for the layout."""
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        endpoint_url: str | None = None,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 120.0,
-        max_attempts: int = 5,
-    ) -> None:
-        self.bucket, self.prefix = parse_url(url)
-        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
-        self._root = f"{self.prefix}/" if self.prefix else ""
-        boto3, Config = import_boto()
-        config = Config(
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retries={"max_attempts": max_attempts, "mode": "standard"},
-            max_pool_connections=16,
-            # Our own chunked SHA-256 is verified on every restore; the SDK's newer
-            # default CRC headers are rejected by several S3-compatible stores.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            # Custom endpoints (MinIO, Ceph, moto) rarely serve virtual-host buckets.
-            s3={"addressing_style": "path"} if endpoint_url else None,
-        )
-        try:
-            session = boto3.session.Session()
-            self._client = session.client(
-                "s3", region_name=session.region_name or "us-east-1", endpoint_url=endpoint_url, config=config
-            )
-        except Exception as e:  # bad endpoint URL, broken AWS config file, ...
-            raise StorageError(
-                f"cannot set up an S3 client for {self.url}: {e} (check endpoint_url and the AWS config)"
-            ) from e
-
-    # ------------------------------------------------------------ plumbing
-    def _key(self, name: str, path: str = "") -> str:
-        return f"{self._root}{name}/{path}" if path else f"{self._root}{name}"
-
-    def _where(self, key: str | None) -> str:
-        return f"s3://{self.bucket}/{key}" if key is not None else f"s3://{self.bucket}"
-
-    def _error(self, action: str, key: str | None, e: Exception) -> StorageError:
-        import botocore.exceptions as bx
-
-        where = self._where(key)
-        if isinstance(e, bx.ClientError):
-            code, message = _code(e), e.response.get("Error", {}).get("Message", e)
-            if code == "NoSuchBucket":
-                why = f"bucket {self.bucket} does not exist; create it or fix CheckpointConfig.dir"
-            elif code in _AUTH:
-                why = (
-                    f"access denied ({code}); check the AWS credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, "
-                    f"instance role) and that they may read, write and list bucket {self.bucket}"
-                )
-            else:
-                why = f"S3 error {code}: {message}; check the bucket, prefix and permissions"
-        elif isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
-            why = f"{e}; set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or run with an instance role"
-        elif isinstance(e, (bx.ConnectionError, bx.HTTPClientError)):
-            why = (
-                f"cannot reach S3 at {self._client.meta.endpoint_url} ({e}); check CheckpointConfig.endpoint_url, "
-                "the network and proxy settings"
-            )
-        else:
-            why = f"{type(e).__name__}: {e}"
-        return StorageError(f"S3 {action} of {where} failed: {why}")
-
-    def _call(self, op: str, key: str | None = None, *, absent: tuple[str, ...] = (), **kwargs: Any) -> Any:
-        """One S3 request; None if it fails with a code in ``absent``, StorageError on any other failure."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        try:
-            return getattr(self._client, op)(Bucket=self.bucket, **kwargs)
-        except ClientError as e:
-            if _code(e) in absent:
-                return None
-            raise self._error(op, key, e) from e
-        except BotoCoreError as e:
-            raise self._error(op, key, e) from e
-
-    def _pages(self, op: str, prefix: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        pages = self._client.get_paginator(op).paginate(
-            Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": LIST_PAGE}, **kwargs
-        )
-        try:
-            yield from pages
-        except (BotoCoreError, ClientError) as e:
-            raise self._error("list", prefix, e) from e
-
-    def _objects(self, prefix: str) -> list[tuple[str, int]]:
-        """(key, size) of every object under ``prefix``."""
-        return [(o["Key"], o["Size"]) for p in self._pages("list_objects_v2", prefix) for o in p.get("Contents", [])]
-
-    def _ls(self, prefix: str) -> tuple[list[str], list[str]]:
-        """Keys directly under ``prefix`` and names of its "subdirectories"."""
-        keys, dirs = [], []
-        for page in self._pages("list_objects_v2", prefix, Delimiter="/"):
-            keys += [o["Key"] for o in page.get("Contents", [])]
-            dirs += [p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
-        return keys, dirs
-
-    def _delete_keys(self, keys: Sequence[str]) -> None:
-        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = keys[start : start + 1000]
-            resp = self._call(
-                "delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
-            )
-            if resp.get("Errors"):
-                err = resp["Errors"][0]
-                raise StorageError(
-                    f"could not delete {len(resp['Errors'])} objects, e.g. {self._where(err.get('Key'))}: "
-                    f"{err.get('Code')} {err.get('Message')}; check that the credentials allow s3:DeleteObject"
-                )
-
-    def _abort_uploads(self, prefix: str, keep_token: str | None = None) -> list[str]:
-        removed = []
-        for page in self._pages("list_multipart_uploads", prefix):
-            for up in page.get("Uploads", []):
-                rel = up["Key"][len(self._root) :]
-                if keep_token is not None and rel.split("/")[1:2] == [keep_token]:
-                    continue
-                self._abort_upload(up["Key"], up["UploadId"])
-                removed.append(f"{rel} (incomplete multipart upload)")
-        return removed
-
-    def _abort_upload(self, key: str, upload_id: str) -> None:
-        self._call("abort_multipart_upload", key, absent=("NoSuchUpload",), Key=key, UploadId=upload_id)
 
     def _has_manifest(self, name: str) -> bool:
         key = self._key(name, MANIFEST_FILE)
-        return self._call("head_object", key, absent=_ABSENT, Key=key) is not None
+        return self._call("head_object", key, absent=ABSENT, Key=key) is not None
 
     # --------------------------------------------------------------- write
     def check_writable(self) -> None:
@@ -210,6 +80,38 @@ class S3Storage(Storage):
         key = f"{self._root}.probe-{uuid.uuid4().hex[:12]}"
         self._call("put_object", key, Key=key, Body=b"ok")
         self._call("delete_object", key, Key=key)
+
+    def _fence_key(self) -> str:
+        return f"{self._root}{FENCE_OBJECT}"
+
+    def read_fence(self) -> Fence | None:
+        key = self._fence_key()
+        resp = self._call("get_object", key, absent=ABSENT, Key=key)
+        if resp is None:
+            return None
+        return parse_fence(resp["Body"].read(), self._where(key))
+
+    def claim_fence(self, claimant: Fence) -> Fence | None:
+        holder = self.read_fence()
+        decision = decide_claim(holder, claimant)
+        if not decision.ok:
+            raise FencedError(
+                f"cannot claim checkpoints in {self.url}: {decision.reason}",
+                holder_launch=holder.launch if holder else None,
+                holder_generation=holder.generation if holder else None,
+            )
+        if holder != claimant:
+            key = self._fence_key()
+            body = json.dumps(claimant.to_json()).encode()
+            self._call("put_object", key, Key=key, Body=body, ContentType="application/json")
+        return holder
+
+    def _check_fence(self, fence: Fence | None, action: str) -> None:
+        if fence is None:
+            return
+        holder = self.read_fence()
+        if fence_moved(holder, fence):
+            raise refused(action, holder, fence, self.url)
 
     def list_committed(self) -> list[str]:
         names = [n for n in self._ls(self._root)[1] if step_of(n) is not None]
@@ -277,15 +179,25 @@ class S3Storage(Storage):
                     f"refusing to commit {staging.name}: {self._where(key)} is {have}, manifest says {size} bytes"
                 )
 
-    def commit(self, staging: Staging, manifest: bytes) -> None:
+    def commit(self, staging: Staging, manifest: bytes, fence: Fence | None = None) -> None:
         key = self._key(staging.name, MANIFEST_FILE)
+        self._check_fence(fence, f"commit of {staging.name}")
         self._check_staged(staging, manifest)
         done = self._call(
-            "put_object", key, absent=_CONFLICT, Key=key, Body=manifest, IfNoneMatch="*", ContentType="application/json"
+            "put_object", key, absent=CONFLICT, Key=key, Body=manifest, IfNoneMatch="*", ContentType="application/json"
         )
         if done is None and self.read_manifest(staging.name) != manifest:
             # An identical manifest means our own first attempt landed and the SDK retried it.
             raise CommitConflictError(f"checkpoint {staging.name} is already committed at {self._where(key)}")
+        if fence is None:
+            return
+        holder = self.read_fence()
+        if fence_moved(holder, fence):
+            # A newer generation claimed the location while we published: take it back.
+            self._call("delete_object", key, Key=key)
+            raise refused(
+                f"commit of {staging.name} (its manifest was published, then deleted again)", holder, fence, self.url
+            )
 
     def abort(self, staging: Staging) -> None:
         with contextlib.suppress(Exception):  # best effort by contract; collect_garbage finishes the job
@@ -299,7 +211,7 @@ class S3Storage(Storage):
     # ---------------------------------------------------------------- read
     def read_manifest(self, name: str) -> bytes:
         key = self._key(name, MANIFEST_FILE)
-        resp = self._call("get_object", key, absent=_ABSENT, Key=key)
+        resp = self._call("get_object", key, absent=ABSENT, Key=key)
         if resp is None:
             return b""
         buf = bytearray(resp["ContentLength"])
@@ -308,7 +220,7 @@ class S3Storage(Storage):
 
     def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
         key = self._key(name, path)
-        resp = self._call("get_object", key, absent=_ABSENT, Key=key)
+        resp = self._call("get_object", key, absent=ABSENT, Key=key)
         if resp is None:
             raise FileNotFoundError(errno.ENOENT, f"no such object {self._where(key)}")
         size, etag = int(resp["ContentLength"]), str(resp["ETag"])
@@ -335,32 +247,6 @@ class S3Storage(Storage):
                 raise
         return buf, hasher.hexdigest()
 
-    def _fetch(self, key: str, etag: str, dest: memoryview, start: int, body: Any = None) -> None:
-        """Fill ``dest`` with the object's bytes from ``start``, from ``body`` or a ranged GET."""
-        from botocore.exceptions import BotoCoreError
-
-        for attempt in range(READ_ATTEMPTS):
-            if body is None:
-                rng = f"bytes={start}-{start + len(dest) - 1}"
-                body = self._call("get_object", key, Key=key, Range=rng, IfMatch=etag)["Body"]
-            pos = 0
-            try:
-                while pos < len(dest):
-                    chunk = body.read(min(1 << 20, len(dest) - pos))
-                    if not chunk:
-                        raise StorageError(
-                            f"{self._where(key)} ended after {start + pos} bytes; it changed while being read, retry"
-                        )
-                    dest[pos : pos + len(chunk)] = chunk
-                    pos += len(chunk)
-                return
-            except BotoCoreError as e:
-                if attempt + 1 == READ_ATTEMPTS:
-                    raise self._error("read", key, e) from e
-            finally:
-                body.close()
-                body = None
-
     # ----------------------------------------------------- remove and move
     def quarantine(self, name: str, reason: str) -> str:
         if not self._has_manifest(name):
@@ -380,26 +266,8 @@ class S3Storage(Storage):
         self._delete_keys([k for k, _ in objects if k != manifest])
         return self._where(dst)
 
-    def _copy(self, src: str, dst: str, size: int) -> None:
-        source = {"Bucket": self.bucket, "Key": src}
-        if size <= COPY_LIMIT:
-            self._call("copy_object", dst, Key=dst, CopySource=source)
-            return
-        upload_id = self._call("create_multipart_upload", dst, Key=dst)["UploadId"]
-        try:
-            parts = []
-            for number, s in enumerate(range(0, size, COPY_PART_BYTES), start=1):
-                rng = f"bytes={s}-{min(size, s + COPY_PART_BYTES) - 1}"
-                part = {"UploadId": upload_id, "PartNumber": number, "CopySource": source, "CopySourceRange": rng}
-                resp = self._call("upload_part_copy", dst, Key=dst, **part)
-                parts.append({"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]})
-            self._call("complete_multipart_upload", dst, Key=dst, UploadId=upload_id, MultipartUpload={"Parts": parts})
-        except BaseException:
-            with contextlib.suppress(StorageError):
-                self._abort_upload(dst, upload_id)
-            raise
-
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, fence: Fence | None = None) -> None:
+        self._check_fence(fence, f"deletion of {name}")
         manifest = self._key(name, MANIFEST_FILE)
         committed = self._has_manifest(name)
         if committed:
@@ -409,7 +277,8 @@ class S3Storage(Storage):
             raise StorageError(f"cannot delete {name}: there is no such checkpoint in {self.url}")
         self._delete_keys(rest)
 
-    def collect_garbage(self, keep_token: str | None = None) -> list[str]:
+    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None) -> list[str]:
+        self._check_fence(fence, "garbage collection")
         removed = []
         for name in (n for n in self._ls(self._root)[1] if step_of(n) is not None):
             raw = self.read_manifest(name)

@@ -10,23 +10,37 @@ Layout::
 
 The skeleton comes from :mod:`resilient.checkpoint.tree`; each tensor entry
 gives dtype, shape, offset and byte count within the data section.  Reading
-checks every entry against the file before touching the bytes, so a damaged
-header is reported, never trusted.
+checks the header's byte size and nesting depth before parsing it, then its
+tensor count and every entry against the file before touching the bytes,
+so a damaged or hostile header is reported (``ValueError``), never trusted
+and never a crash.
 """
 
 from __future__ import annotations
 
 import json
 import mmap
+import re
 import struct
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
 
+from .tree import MAX_DEPTH
+
 MAGIC = b"RSLSHRD1"
 ALIGN = 64
 FORMAT_VERSION = 1
+MAX_HEADER_BYTES = 1 << 30
+"""Largest header read: far above any real one (about 100 bytes per tensor plus the skeleton)."""
+MAX_HEADER_DEPTH = MAX_DEPTH + 4  # the skeleton sits inside {"skeleton": ...}; shapes are [..] in {..} in [..]
+MAX_TENSORS = 1 << 24
+MAX_DIMS = 64
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\x02\x02")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[{]}")
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -100,9 +114,15 @@ def decode(buf: bytearray | memoryview | mmap.mmap) -> tuple[Any, list[torch.Ten
     (hlen,) = struct.unpack("<Q", view[8:16])
     if 16 + hlen > len(view):
         raise ValueError(f"header length {hlen} runs past the end of the file")
+    if hlen > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {hlen} bytes is larger than the {MAX_HEADER_BYTES} a shard may have")
+    raw = bytes(view[16 : 16 + hlen])
+    depth = nesting_depth(raw)
+    if depth > MAX_HEADER_DEPTH:
+        raise ValueError(f"header nests {depth} levels deep, more than the {MAX_HEADER_DEPTH} a shard may have")
     try:
-        header = json.loads(bytes(view[16 : 16 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"header is not valid JSON ({e})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_VERSION:
         raise ValueError(f"unsupported shard format {header.get('format') if isinstance(header, dict) else header!r}")
@@ -113,7 +133,9 @@ def decode(buf: bytearray | memoryview | mmap.mmap) -> tuple[Any, list[torch.Ten
     tensors = []
     table = header.get("tensors")
     if not isinstance(table, list):
-        raise ValueError("tensor table missing")
+        raise ValueError("tensor table missing")  # noqa: TRY004  a content problem, reported as ValueError like all
+    if len(table) > MAX_TENSORS:
+        raise ValueError(f"tensor table lists {len(table)} tensors, more than the {MAX_TENSORS} a shard may have")
     for i, entry in enumerate(table):
         tensors.append(_tensor_from(buf, data_start, data_bytes, i, entry))
     return header.get("skeleton"), tensors
@@ -124,7 +146,7 @@ def _tensor_from(buf: Any, data_start: int, data_bytes: int, i: int, e: Any) -> 
         raise ValueError(f"tensor {i}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
     dtype = DTYPES[e["dtype"]]
     shape, offset, nbytes = e.get("shape"), e.get("offset"), e.get("nbytes")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise ValueError(f"tensor {i}: bad shape {shape!r}")
     if not isinstance(offset, int) or not isinstance(nbytes, int) or offset < 0 or offset % ALIGN:
         raise ValueError(f"tensor {i}: bad offset {offset!r}")
@@ -138,3 +160,14 @@ def _tensor_from(buf: Any, data_start: int, data_bytes: int, i: int, e: Any) -> 
         return torch.empty(shape, dtype=dtype)
     flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
     return flat.view(dtype).view(shape)
+
+
+def nesting_depth(raw: bytes) -> int:
+    """Deepest bracket nesting of JSON text, counted without parsing it (strings skipped).
+
+    Unbalanced text may count wrong; it then fails to parse anyway.
+    """
+    brackets = _STRINGS.sub(b"", raw).translate(_BRACKETS, _NOT_BRACKETS)
+    if not brackets:
+        return 0
+    return max(accumulate(1 if b == 1 else -1 for b in brackets))

@@ -8,10 +8,13 @@ see only committed checkpoints.  Layout of the local backend::
     ROOT/.staging/step_0000000200.TOKEN/  a save in progress
     ROOT/.quarantine/step_0000000150.TS/  failed verification, with QUARANTINE.json
     ROOT/.trash/...                       being deleted by retention
+    ROOT/.fence.json, ROOT/.fence.lock    who may write here (see :mod:`.fence`)
 
 The commit renames the fully written and fsynced staging directory to its
 final name and fsyncs ROOT, so a crash leaves either the old state or the
-new checkpoint, never a torn one.
+new checkpoint, never a torn one.  The rename, retention deletes and
+garbage collection run under the fence lock, after checking that the fence
+still holds the writer's claim.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from ..errors import CommitConflictError, StorageError
 from ..fsutil import fsync_dir
 from .digest import ChunkedHasher, hash_pool
+from .fence import Fence, LocalFence
 from .manifest import MANIFEST_FILE, step_of
 
 WRITE_PIECE = 16 << 20
@@ -55,6 +59,17 @@ class Storage(ABC):
         """Raise :class:`StorageError` now if saves cannot succeed (called once at start)."""
 
     @abstractmethod
+    def claim_fence(self, claimant: Fence) -> Fence | None:
+        """Take the location's fence for ``claimant``; return the previous holder.
+
+        Raises :class:`FencedError` when a newer generation of the same launch holds it.
+        """
+
+    @abstractmethod
+    def read_fence(self) -> Fence | None:
+        """The current fence holder; None when the location was never claimed."""
+
+    @abstractmethod
     def list_committed(self) -> list[str]:
         """Names of committed checkpoints, oldest step first."""
 
@@ -69,10 +84,12 @@ class Storage(ABC):
         """Durably write the concatenated ``segments``; return (size, digest)."""
 
     @abstractmethod
-    def commit(self, staging: Staging, manifest: bytes) -> None:
+    def commit(self, staging: Staging, manifest: bytes, fence: Fence | None = None) -> None:
         """Publish the staged checkpoint atomically with ``manifest``.
 
-        Raises :class:`CommitConflictError` if ``staging.name`` is already committed.
+        Raises :class:`CommitConflictError` if ``staging.name`` is already
+        committed, :class:`FencedError` (publishing nothing) if ``fence`` is
+        given and the location's fence no longer holds it.
         """
 
     @abstractmethod
@@ -92,12 +109,18 @@ class Storage(ABC):
         """Move a committed checkpoint out of the committed set; return where it went."""
 
     @abstractmethod
-    def delete(self, name: str) -> None:
-        """Remove a committed checkpoint; it leaves the committed set first."""
+    def delete(self, name: str, fence: Fence | None = None) -> None:
+        """Remove a committed checkpoint; it leaves the committed set first.
+
+        Raises :class:`FencedError` (deleting nothing) if ``fence`` is given and no longer held.
+        """
 
     @abstractmethod
-    def collect_garbage(self, keep_token: str | None = None) -> list[str]:
-        """Remove leftovers of crashed saves and deletions (except ``keep_token``'s)."""
+    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None) -> list[str]:
+        """Remove leftovers of crashed saves and deletions (except ``keep_token``'s).
+
+        Raises :class:`FencedError` (removing nothing) if ``fence`` is given and no longer held.
+        """
 
     @abstractmethod
     def list_quarantined(self) -> list[str]:
@@ -134,6 +157,7 @@ class LocalStorage(Storage):
         self._staging_root = os.path.join(self.root, ".staging")
         self._quarantine_root = os.path.join(self.root, ".quarantine")
         self._trash_root = os.path.join(self.root, ".trash")
+        self._fence = LocalFence(self.root)
 
     def _mkdirs(self, path: str) -> None:
         try:
@@ -150,6 +174,13 @@ class LocalStorage(Storage):
             os.remove(probe)
         except OSError as e:
             raise _storage_error("write to", self.root, e) from e
+
+    def claim_fence(self, claimant: Fence) -> Fence | None:
+        self._mkdirs(self.root)
+        return self._fence.claim(claimant)
+
+    def read_fence(self) -> Fence | None:
+        return self._fence.read()
 
     def list_committed(self) -> list[str]:
         try:
@@ -189,29 +220,33 @@ class LocalStorage(Storage):
             raise _storage_error("write", path, e) from e
         return hasher.size, hasher.hexdigest()
 
-    def commit(self, staging: Staging, manifest: bytes) -> None:
+    def commit(self, staging: Staging, manifest: bytes, fence: Fence | None = None) -> None:
         src = self._staging_dir(staging)
         dst = os.path.join(self.root, staging.name)
         mpath = os.path.join(src, MANIFEST_FILE)
-        try:
-            fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        # The fence is checked first and held until the rename is durable: a
+        # newer generation cannot claim in between, and a stale writer whose
+        # staging area was already collected is told why, not "file not found".
+        with self._fence.held(fence, f"commit of {staging.name}"):
             try:
-                os.write(fd, manifest)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(src)
-        except OSError as e:
-            raise _storage_error("write manifest", mpath, e) from e
-        if os.path.exists(dst):
-            raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}")
-        try:
-            os.rename(src, dst)  # the commit point
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}") from e
-            raise _storage_error("publish", dst, e) from e
-        fsync_dir(self.root)
+                fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                try:
+                    os.write(fd, manifest)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                fsync_dir(src)
+            except OSError as e:
+                raise _storage_error("write manifest", mpath, e) from e
+            if os.path.exists(dst):
+                raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}")
+            try:
+                os.rename(src, dst)  # the commit point
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}") from e
+                raise _storage_error("publish", dst, e) from e
+            fsync_dir(self.root)
 
     def abort(self, staging: Staging) -> None:
         shutil.rmtree(self._staging_dir(staging), ignore_errors=True)
@@ -265,17 +300,22 @@ class LocalStorage(Storage):
             raise _storage_error("quarantine", name, e) from e
         return dst
 
-    def delete(self, name: str) -> None:
+    def delete(self, name: str, fence: Fence | None = None) -> None:
         self._mkdirs(self._trash_root)
         trash = os.path.join(self._trash_root, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
-        try:
-            os.rename(os.path.join(self.root, name), trash)  # leaves the committed set atomically
-            fsync_dir(self.root)
-        except OSError as e:
-            raise _storage_error("delete", name, e) from e
+        with self._fence.held(fence, f"deletion of {name}"):
+            try:
+                os.rename(os.path.join(self.root, name), trash)  # leaves the committed set atomically
+                fsync_dir(self.root)
+            except OSError as e:
+                raise _storage_error("delete", name, e) from e
         shutil.rmtree(trash, ignore_errors=True)
 
-    def collect_garbage(self, keep_token: str | None = None) -> list[str]:
+    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None) -> list[str]:
+        with self._fence.held(fence, "garbage collection"):
+            return self._collect(keep_token)
+
+    def _collect(self, keep_token: str | None) -> list[str]:
         removed = []
         for parent in (self._staging_root, self._trash_root):
             try:

@@ -17,6 +17,11 @@ import torch
 
 from ..errors import SerializationError
 
+MAX_DEPTH = 240
+"""Deepest JSON nesting a skeleton may have.  Saving refuses deeper state and
+loading rejects a deeper header before parsing it, so a hostile file cannot
+exhaust the recursion limit (a dict level costs 3, a tuple 2, a list 1)."""
+
 _TENSOR = "__tensor__"
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
@@ -29,30 +34,35 @@ def flatten(obj: Any, path: str = "state") -> tuple[Any, list[torch.Tensor]]:
     is not a tensor, ``None``, bool, int, float or str.
     """
     tensors: list[torch.Tensor] = []
-    skeleton = _flatten(obj, path, tensors)
+    skeleton = _flatten(obj, path, tensors, 0)
     return skeleton, tensors
 
 
-def _flatten(obj: Any, path: str, tensors: list[torch.Tensor]) -> Any:
+def _flatten(obj: Any, path: str, tensors: list[torch.Tensor], depth: int) -> Any:
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    if depth + 3 > MAX_DEPTH:
+        raise SerializationError(
+            f"cannot save {path}: the state nests deeper than a checkpoint allows ({MAX_DEPTH} JSON levels, "
+            "about 80 nested dicts); flatten it in your state_dict()"
+        )
     if isinstance(obj, torch.Tensor):
         tensors.append(obj)
         return {_TENSOR: len(tensors) - 1}
     if isinstance(obj, dict):
         items = []
         for key, value in obj.items():
-            items.append([_flatten_key(key, path), _flatten(value, f"{path}.{key}", tensors)])
+            items.append([_flatten_key(key, path), _flatten(value, f"{path}.{key}", tensors, depth + 3)])
         return {_DICT: items}
     if isinstance(obj, tuple):
-        return {_TUPLE: [_flatten(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]}
+        return {_TUPLE: [_flatten(v, f"{path}[{i}]", tensors, depth + 2) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_flatten(v, f"{path}[{i}]", tensors) for i, v in enumerate(obj)]
+        return [_flatten(v, f"{path}[{i}]", tensors, depth + 1) for i, v in enumerate(obj)]
     item = getattr(obj, "item", None)
     if callable(item) and type(obj).__module__ == "numpy" and getattr(obj, "shape", None) == ():
-        return _flatten(item(), path, tensors)
+        return _flatten(item(), path, tensors, depth)
     if type(obj).__module__ == "numpy" and hasattr(obj, "dtype"):
-        return _flatten(torch.from_numpy(obj.copy()), path, tensors)
+        return _flatten(torch.from_numpy(obj.copy()), path, tensors, depth)
     raise SerializationError(
         f"cannot save {path}: objects of type {type(obj).__qualname__} are not supported "
         "(checkpoints hold only tensors, numbers, strings, None, lists, tuples and dicts, "

@@ -1,0 +1,142 @@
+"""Verified restore across all ranks: newest good checkpoint first, one verdict for all.
+
+Rank 0 lists the committed checkpoints and reads each manifest; both go out
+through :meth:`Coordinator.on_root`, so a failure there is the same error on
+every rank.  Every rank judges the same manifest bytes, reads the files it
+needs through the one verified read (:func:`.verify.read_verified`), and
+reports ``ok``, ``corrupt`` or ``error`` whatever went wrong (nothing a
+damaged or hostile file does escapes as an exception on one rank only).
+Rank 0 combines the reports into one verdict for all: any ``error`` stops
+the restore without quarantining (a flaky store must not eat checkpoints),
+any ``corrupt`` quarantines the checkpoint and tries the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointMismatchError,
+    NoValidCheckpointError,
+    StorageError,
+)
+from ..events import EventLog
+from .coordinator import Coordinator
+from .manifest import MANIFEST_FILE, Manifest, parse_manifest
+from .storage import Storage
+from .verify import read_verified
+
+REPLICATED = "replicated"
+RANK = "rank"
+
+
+@dataclass(frozen=True)
+class Restored:
+    manifest: Manifest
+    replicated: Any
+    rank_state: Any
+
+
+def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, elastic: bool) -> Restored | None:
+    """Load the newest committed checkpoint that verifies on every rank (see the module docstring).
+
+    Returns None when nothing was ever committed.  Raises
+    :class:`NoValidCheckpointError` when checkpoints exist but none
+    verifies, :class:`StorageError` when the store cannot be read, the same
+    on every rank.
+    """
+    names = json.loads(coord.on_root(lambda: json.dumps(storage.list_committed()).encode()))
+    problems: list[str] = []
+    for name in reversed(names):
+        raw = coord.on_root(partial(storage.read_manifest, name))
+        try:
+            if not raw:
+                raise CheckpointCorruptError(name, MANIFEST_FILE, "manifest is missing")
+            manifest = parse_manifest(raw, name)
+        except CheckpointCorruptError as e:
+            _quarantine(storage, coord, events, name, f"{e.file}: {e.problem}")
+            problems.append(str(e))
+            continue
+        _check_world(storage, coord, events, manifest, elastic)
+        status, detail, restored = _load_local(storage, coord.rank, manifest)
+        kind, why = _agree(coord, status, detail)
+        if kind == "ok":
+            assert restored is not None
+            if problems:
+                events.emit("checkpoint_fallback", restored=name, skipped=problems)
+            events.emit("checkpoint_restored", name=name, step=manifest.step, location=storage.url)
+            return restored
+        if kind == "error":
+            raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
+        _quarantine(storage, coord, events, name, why)
+        problems.append(f"{name}: {why}")
+    if names:
+        raise NoValidCheckpointError(
+            f"none of the {len(names)} committed checkpoints in {storage.url} passed verification "
+            f"({'; '.join(problems)}); they were quarantined. Refusing to start from scratch silently: "
+            "inspect them with `resilient checkpoint ls`, or point CheckpointConfig.dir at a fresh location "
+            "to start a new run."
+        )
+    return None
+
+
+def _check_world(storage: Storage, coord: Coordinator, events: EventLog, manifest: Manifest, elastic: bool) -> None:
+    if manifest.world_size == coord.world_size:
+        return
+    if elastic:
+        events.emit("checkpoint_resharded", name=manifest.name, saved_world_size=manifest.world_size,
+                    world_size=coord.world_size, rank_state_from=coord.rank % manifest.world_size)
+        return
+    raise CheckpointMismatchError(
+        f"checkpoint {manifest.name} in {storage.url} was written by {manifest.world_size} ranks but this "
+        f"job has {coord.world_size}; restart with {manifest.world_size} ranks, or point "
+        "CheckpointConfig.dir at a fresh location to start a new run (or set CheckpointConfig(elastic=True) "
+        "to continue on a different number of ranks)"
+    )
+
+
+def _agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
+    """Every rank's ("ok"|"corrupt"|"error", detail) -> one verdict, the same on every rank."""
+    statuses = coord.gather(json.dumps([status, detail]).encode())
+    verdict = None
+    if statuses is not None:
+        parsed = [json.loads(s) for s in statuses]
+        errors = [f"rank {r}: {d}" for r, (s, d) in enumerate(parsed) if s == "error"]
+        corrupt = [d for s, d in parsed if s == "corrupt"]
+        kind = "error" if errors else "corrupt" if corrupt else "ok"
+        verdict = json.dumps([kind, "; ".join(errors or corrupt)]).encode()
+    kind, why = json.loads(coord.broadcast(verdict))
+    return str(kind), str(why)
+
+
+def _load_local(storage: Storage, rank: int, manifest: Manifest) -> tuple[str, str, Restored | None]:
+    """Read and verify this rank's files: ("ok"|"corrupt"|"error", detail, restored).
+
+    Never raises: a rank that raised here would leave its peers waiting in
+    the next collective until the group's timeout.
+    """
+    try:
+        # Elastic restore: rank r takes the per-rank state of rank r mod the saved world size.
+        replicated = read_verified(storage, manifest, manifest.file_for(None))
+        mine = read_verified(storage, manifest, manifest.file_for(rank % manifest.world_size))
+        return "ok", "", Restored(manifest, replicated, mine)
+    except CheckpointCorruptError as e:
+        return "corrupt", f"{e.file}: {e.problem}", None
+    except StorageError as e:
+        return "error", str(e), None
+    except Exception as e:  # noqa: BLE001  a bug or an exhausted resource: say so on every rank
+        return "error", f"{type(e).__name__}: {e}", None
+
+
+def _quarantine(storage: Storage, coord: Coordinator, events: EventLog, name: str, reason: str) -> None:
+    if not coord.is_root:
+        return
+    try:
+        where = storage.quarantine(name, reason)
+        events.emit("checkpoint_quarantined", name=name, reason=reason, moved_to=where)
+    except Exception as e:  # noqa: BLE001  the next checkpoint is tried either way; the event says why not moved
+        events.emit("checkpoint_quarantine_failed", name=name, reason=reason, error=str(e))

@@ -1,0 +1,207 @@
+"""S3 plumbing under the checkpoint backend: the client, errors that name a fix, listing, copying.
+
+:class:`S3Bucket` knows objects and keys, not checkpoints; the storage
+protocol on top of it is :class:`resilient.checkpoint.s3.S3Storage`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import StorageError
+from .s3_support import import_boto, parse_url
+
+COPY_LIMIT = 5 << 30  # copy_object's limit; larger objects are copied part by part
+COPY_PART_BYTES = 512 << 20
+LIST_PAGE = 1000
+READ_ATTEMPTS = 3  # a body that breaks mid-stream is fetched again (the SDK retries only the request)
+ABSENT = ("NoSuchKey", "404", "NotFound")
+CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+_AUTH = ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
+
+
+def _code(e: Any) -> str:
+    return str(e.response.get("Error", {}).get("Code", "?"))
+
+
+
+class S3Bucket:
+    """A bucket and prefix with one configured client; every failure is a :class:`StorageError`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 120.0,
+        max_attempts: int = 5,
+    ) -> None:
+        self.bucket, self.prefix = parse_url(url)
+        self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self._root = f"{self.prefix}/" if self.prefix else ""
+        boto3, Config = import_boto()
+        config = Config(
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            retries={"max_attempts": max_attempts, "mode": "standard"},
+            max_pool_connections=16,
+            # Our own chunked SHA-256 is verified on every restore; the SDK's newer
+            # default CRC headers are rejected by several S3-compatible stores.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            # Custom endpoints (MinIO, Ceph, moto) rarely serve virtual-host buckets.
+            s3={"addressing_style": "path"} if endpoint_url else None,
+        )
+        try:
+            session = boto3.session.Session()
+            self._client = session.client(
+                "s3", region_name=session.region_name or "us-east-1", endpoint_url=endpoint_url, config=config
+            )
+        except Exception as e:  # bad endpoint URL, broken AWS config file, ...
+            raise StorageError(
+                f"cannot set up an S3 client for {self.url}: {e} (check endpoint_url and the AWS config)"
+            ) from e
+
+    # ------------------------------------------------------------ plumbing
+    def _key(self, name: str, path: str = "") -> str:
+        return f"{self._root}{name}/{path}" if path else f"{self._root}{name}"
+
+    def _where(self, key: str | None) -> str:
+        return f"s3://{self.bucket}/{key}" if key is not None else f"s3://{self.bucket}"
+
+    def _error(self, action: str, key: str | None, e: Exception) -> StorageError:
+        import botocore.exceptions as bx
+
+        where = self._where(key)
+        if isinstance(e, bx.ClientError):
+            code, message = _code(e), e.response.get("Error", {}).get("Message", e)
+            if code == "NoSuchBucket":
+                why = f"bucket {self.bucket} does not exist; create it or fix CheckpointConfig.dir"
+            elif code in _AUTH:
+                why = (
+                    f"access denied ({code}); check the AWS credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, "
+                    f"instance role) and that they may read, write and list bucket {self.bucket}"
+                )
+            else:
+                why = f"S3 error {code}: {message}; check the bucket, prefix and permissions"
+        elif isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+            why = f"{e}; set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or run with an instance role"
+        elif isinstance(e, (bx.ConnectionError, bx.HTTPClientError)):
+            why = (
+                f"cannot reach S3 at {self._client.meta.endpoint_url} ({e}); check CheckpointConfig.endpoint_url, "
+                "the network and proxy settings"
+            )
+        else:
+            why = f"{type(e).__name__}: {e}"
+        return StorageError(f"S3 {action} of {where} failed: {why}")
+
+    def _call(self, op: str, key: str | None = None, *, absent: tuple[str, ...] = (), **kwargs: Any) -> Any:
+        """One S3 request; None if it fails with a code in ``absent``, StorageError on any other failure."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return getattr(self._client, op)(Bucket=self.bucket, **kwargs)
+        except ClientError as e:
+            if _code(e) in absent:
+                return None
+            raise self._error(op, key, e) from e
+        except BotoCoreError as e:
+            raise self._error(op, key, e) from e
+
+    def _pages(self, op: str, prefix: str, **kwargs: Any) -> Iterator[dict[str, Any]]:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        pages = self._client.get_paginator(op).paginate(
+            Bucket=self.bucket, Prefix=prefix, PaginationConfig={"PageSize": LIST_PAGE}, **kwargs
+        )
+        try:
+            yield from pages
+        except (BotoCoreError, ClientError) as e:
+            raise self._error("list", prefix, e) from e
+
+    def _objects(self, prefix: str) -> list[tuple[str, int]]:
+        """(key, size) of every object under ``prefix``."""
+        return [(o["Key"], o["Size"]) for p in self._pages("list_objects_v2", prefix) for o in p.get("Contents", [])]
+
+    def _ls(self, prefix: str) -> tuple[list[str], list[str]]:
+        """Keys directly under ``prefix`` and names of its "subdirectories"."""
+        keys, dirs = [], []
+        for page in self._pages("list_objects_v2", prefix, Delimiter="/"):
+            keys += [o["Key"] for o in page.get("Contents", [])]
+            dirs += [p["Prefix"][len(prefix) :].rstrip("/") for p in page.get("CommonPrefixes", [])]
+        return keys, dirs
+
+    def _delete_keys(self, keys: Sequence[str]) -> None:
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = keys[start : start + 1000]
+            resp = self._call(
+                "delete_objects", batch[0], Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            )
+            if resp.get("Errors"):
+                err = resp["Errors"][0]
+                raise StorageError(
+                    f"could not delete {len(resp['Errors'])} objects, e.g. {self._where(err.get('Key'))}: "
+                    f"{err.get('Code')} {err.get('Message')}; check that the credentials allow s3:DeleteObject"
+                )
+
+    def _abort_uploads(self, prefix: str, keep_token: str | None = None) -> list[str]:
+        removed = []
+        for page in self._pages("list_multipart_uploads", prefix):
+            for up in page.get("Uploads", []):
+                rel = up["Key"][len(self._root) :]
+                if keep_token is not None and rel.split("/")[1:2] == [keep_token]:
+                    continue
+                self._abort_upload(up["Key"], up["UploadId"])
+                removed.append(f"{rel} (incomplete multipart upload)")
+        return removed
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        self._call("abort_multipart_upload", key, absent=("NoSuchUpload",), Key=key, UploadId=upload_id)
+
+    def _copy(self, src: str, dst: str, size: int) -> None:
+        source = {"Bucket": self.bucket, "Key": src}
+        if size <= COPY_LIMIT:
+            self._call("copy_object", dst, Key=dst, CopySource=source)
+            return
+        upload_id = self._call("create_multipart_upload", dst, Key=dst)["UploadId"]
+        try:
+            parts = []
+            for number, s in enumerate(range(0, size, COPY_PART_BYTES), start=1):
+                rng = f"bytes={s}-{min(size, s + COPY_PART_BYTES) - 1}"
+                part = {"UploadId": upload_id, "PartNumber": number, "CopySource": source, "CopySourceRange": rng}
+                resp = self._call("upload_part_copy", dst, Key=dst, **part)
+                parts.append({"PartNumber": number, "ETag": resp["CopyPartResult"]["ETag"]})
+            self._call("complete_multipart_upload", dst, Key=dst, UploadId=upload_id, MultipartUpload={"Parts": parts})
+        except BaseException:
+            with contextlib.suppress(StorageError):
+                self._abort_upload(dst, upload_id)
+            raise
+
+    def _fetch(self, key: str, etag: str, dest: memoryview, start: int, body: Any = None) -> None:
+        """Fill ``dest`` with the object's bytes from ``start``, from ``body`` or a ranged GET."""
+        from botocore.exceptions import BotoCoreError
+
+        for attempt in range(READ_ATTEMPTS):
+            if body is None:
+                rng = f"bytes={start}-{start + len(dest) - 1}"
+                body = self._call("get_object", key, Key=key, Range=rng, IfMatch=etag)["Body"]
+            pos = 0
+            try:
+                while pos < len(dest):
+                    chunk = body.read(min(1 << 20, len(dest) - pos))
+                    if not chunk:
+                        raise StorageError(
+                            f"{self._where(key)} ended after {start + pos} bytes; it changed while being read, retry"
+                        )
+                    dest[pos : pos + len(chunk)] = chunk
+                    pos += len(chunk)
+                return
+            except BotoCoreError as e:
+                if attempt + 1 == READ_ATTEMPTS:
+                    raise self._error("read", key, e) from e
+            finally:
+                body.close()
+                body = None
