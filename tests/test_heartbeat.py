@@ -58,7 +58,14 @@ def sock_path(tmp_path_factory):
 
 def test_encode_decode_round_trip():
     hb = Heartbeat(rank=3, local_rank=1, pid=42, section="data", step=7, seq=9, kind="hello",
-                   checkpoint="s3://b/p", committed_step=5)
+                   checkpoint="s3://b/p", committed_step=5, generation=4)
+    assert b'"g":4' in encode(hb) and decode(encode(hb)) == hb
+
+
+def test_version_1_without_a_generation_still_decodes():
+    old = b'{"v":1,"rank":0,"local_rank":0,"pid":7,"section":"step","step":3,"seq":1,"kind":"section"}'
+    hb = decode(old)
+    assert (hb.v, hb.generation, hb.step) == (1, None, 3)
     assert decode(encode(hb)) == hb
 
 
@@ -66,7 +73,7 @@ def test_sender_fast_path_writes_what_decode_reads(sock_path):
     inbox = Inbox()
     receiver = HeartbeatReceiver(sock_path, inbox)
     try:
-        sender = HeartbeatSender(sock_path, rank=2, local_rank=0, pid=77)
+        sender = HeartbeatSender(sock_path, rank=2, local_rank=0, generation=3, pid=77)
         assert sender.send("hello", 'we"ird \\ nämé', 0, checkpoint='/ck "x"')
         assert sender.send("section", "step", 12, committed_step=10)
         wait_for(lambda: len(inbox.messages()) == 2, what="two heartbeats")
@@ -74,9 +81,9 @@ def test_sender_fast_path_writes_what_decode_reads(sock_path):
         receiver.close()
     first, second = inbox.messages()
     assert first == Heartbeat(rank=2, local_rank=0, pid=77, section='we"ird \\ nämé', step=0, seq=1, kind="hello",
-                              checkpoint='/ck "x"', committed_step=None)
+                              checkpoint='/ck "x"', committed_step=None, generation=3)
     assert second == Heartbeat(rank=2, local_rank=0, pid=77, section="step", step=12, seq=2, kind="section",
-                               checkpoint=None, committed_step=10)
+                               checkpoint=None, committed_step=10, generation=3)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +91,8 @@ def test_sender_fast_path_writes_what_decode_reads(sock_path):
     [
         (b"\xff\xfe", "not UTF-8 JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (b'{"v": 2}', "protocol version"),
+        (b'{"v": 3}', "protocol version"),
+        (b'{"v": 2, "rank": 0}', r"'g' \(generation\) must be an integer"),
         (b'{"v": 1, "rank": "0"}', "'rank' must be an integer"),
         (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":true,"seq":1}', "'step' must be an integer"),
         (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":1,"seq":1,"kind":"ping","section":"s"}', "'kind'"),

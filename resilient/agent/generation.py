@@ -23,7 +23,7 @@ from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
 from .health import assess, probe
-from .incidents import Incident, describe_failure, read_error_file, stacks_record, write_incident
+from .incidents import Incident, describe_failure, read_error_file, stacks_record, unhealthy_incident, write_incident
 from .launcher import Exit, WorkerGroup, WorkerSpec
 from .policy import Failure, first_failure
 from .rendezvous import Assignment
@@ -121,7 +121,8 @@ def run_generation(agent: Agent, a: Assignment, attempt: int) -> Outcome:
     gdir.mkdir(parents=True, exist_ok=True)
     group = WorkerGroup(worker_specs(agent, a, attempt, gdir), agent.clock, agent.echo_to)
     pids = {rank: w.pid for rank, w in group.workers.items()}
-    agent.tracker.start_generation(pids, agent.clock())
+    agent.workers_started(a.generation, pids)
+    agent.tracker.start_generation(pids, agent.clock(), a.generation)
     agent.accounting.generation_started(a.generation, a.num_nodes * agent.config.nproc_per_node,
                                         agent.config.max_nodes * agent.config.nproc_per_node,
                                         restart=agent.last_outcome in ("failed", "membership"), lead_rank=min(pids))
@@ -134,6 +135,7 @@ def run_generation(agent: Agent, a: Assignment, attempt: int) -> Outcome:
         peers.close()
         group.stop(agent.config.stop_grace_s)
         agent.status.detach()
+        agent.workers_stopped(a.generation, group.stuck)
 
 
 def _watch(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch) -> Outcome:
@@ -174,7 +176,8 @@ def _watch(agent: Agent, group: WorkerGroup, a: Assignment, gdir: Path, peers: P
             health = assess(probe(list(c.health_paths)), c.health)
             if not health.healthy:
                 agent.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
-                return Outcome("unhealthy", health.reason)
+                return Outcome("unhealthy", health.reason, incident=unhealthy_incident(
+                    c.node_id, a.generation, health.problems, when="while running"))
         time.sleep(c.monitor_interval_s)
 
 

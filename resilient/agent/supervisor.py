@@ -23,6 +23,7 @@ from typing import IO, Any
 from ..events import EventLog
 from ..exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
+from ..worker.protocol import Heartbeat
 from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .config import AgentConfig
@@ -30,11 +31,13 @@ from .control import ControlServer
 from .generation import Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
+from .incidents import stuck_incident, unhealthy_incident
 from .policy import Action, History, decide_restart
 from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
 from .rundir import RunDir
 from .status import StatusPublisher
-from .tracker import RankTracker
+from .sweep import GIVE_UP_AFTER_S, NodeProcesses, Stuck
+from .tracker import HeartbeatIntake, RankTracker
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,15 @@ class Agent:
         self.run_dir = RunDir(config.run_dir, config.node_id)
         self.token = self.run_dir.create()
         self.events = EventLog(self.run_dir.events)
-        self.tracker = RankTracker()
+        # Before anything else touches the node directory: refuse if an earlier agent still runs there,
+        # and kill what an earlier (SIGKILLed) agent left behind.
+        self.processes = NodeProcesses(self.run_dir.node_dir)
+        swept = self.processes.claim()
+        if swept.killed:
+            self.emit("leftovers_swept", previous_agent=swept.previous_agent, pids=list(swept.killed),
+                      stuck=[s.describe() for s in swept.stuck])
+        self._stuck: tuple[Stuck, ...] = swept.stuck
+        self.tracker = RankTracker(on_stale=self._on_stale_heartbeat)
         self.control = self._control_store()
         self._restarts_used_cached = 0
         self._peak_flops: float | None = None
@@ -78,7 +89,11 @@ class Agent:
         self.metrics: Any = None
         self.last_outcome: str | None = None
         """How the previous generation ended ("failed", "membership", ...); None before the first."""
-        self.status = StatusPublisher(self)
+        self.status = StatusPublisher(
+            config, status_file=self.run_dir.status_file, control_socket=self.run_dir.socket_path("control.sock"),
+            tracker=self.tracker, accounting=self.accounting, restarts_used=lambda: self._restarts_used_cached,
+            refresh_restarts=self.restarts_used, store_put=self.control.put if config.store_url is not None else None,
+            emit=self.emit, clock=clock)
 
     # ------------------------------------------------------------ plumbing
     def emit(self, kind: str, **fields: Any) -> None:
@@ -109,10 +124,36 @@ class Agent:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_int)
 
-    def _on_heartbeat(self, hb: Any, received_at: float) -> None:
-        if self.tracker.on_heartbeat(hb, received_at):
-            self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
-                                      hb.committed_step, hb.save)
+    def _on_stale_heartbeat(self, hb: Heartbeat, current: int | None) -> None:
+        self.emit("stale_heartbeat", pid=hb.pid, rank=hb.rank, generation=hb.generation, current_generation=current,
+                  reason="not from this generation's worker: ignored by hang detection and the ledger")
+
+    def workers_started(self, generation: int, pids: dict[int, int]) -> None:
+        """Record the new workers for a later agent's sweep."""
+        self.processes.record_workers(generation, pids)
+
+    def workers_stopped(self, generation: int, stuck: tuple[Stuck, ...]) -> None:
+        """After a generation's workers were stopped: report any that SIGKILL did not end."""
+        self.processes.workers_stopped(generation, stuck)
+        if stuck:
+            self._stuck = stuck
+            gen_mod.record_incident(self, stuck_incident(self.config.node_id, generation, stuck,
+                                                         after="after stopping the workers", wait_s=GIVE_UP_AFTER_S))
+
+    def _await_stuck(self, generation: int) -> AgentResult | None:
+        """No new workers beside ones SIGKILL did not end: wait for them, or stop with ``unhealthy``."""
+        stuck, self._stuck = self._stuck, ()
+        if not stuck:
+            return None
+        self.status.phase = "waiting for stuck workers to end"
+        left = self.processes.wait_stuck(stuck, GIVE_UP_AFTER_S)
+        if not left:
+            self.emit("stuck_workers_gone", pids=[s.pid for s in stuck])
+            return None
+        reason = (f"{'; '.join(s.describe() for s in left)} after waiting {GIVE_UP_AFTER_S:.0f} s: the node needs "
+                  "attention (a hung filesystem or driver); no new workers start beside it")
+        self.emit("node_unhealthy", reason=reason, problems=[s.describe() for s in left])
+        return self._finish(EXIT_UNHEALTHY, "unhealthy", reason, generation)
 
     def node_view(self) -> Any:
         """What a metrics scrape reports, computed now from the ledger and the agent's counters."""
@@ -164,11 +205,18 @@ class Agent:
                   store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
         # One socket per local rank: a unix datagram queue holds only a few messages
         # (net.unix.max_dgram_qlen, 10 here), so ranks sharing one would lose heartbeats.
-        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), self._on_heartbeat,
-                                             clock=self.clock) for local in range(c.nproc_per_node)]
+        intake = HeartbeatIntake(self.tracker, self.accounting)
+        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), intake, clock=self.clock)
+                           for local in range(c.nproc_per_node)]
         self.accounting.apply("agent_started")
         self._start_metrics()
+        if self.metrics is not None:
+            self.status.metrics_url = self.metrics.url
         self.status.start()
+        if self._stuck:  # found by the sweep at start
+            gen_mod.record_incident(self, stuck_incident(c.node_id, self.accounting.ledger.generation or 0,
+                                                         self._stuck, after="after sweeping an earlier agent's "
+                                                         "workers", wait_s=GIVE_UP_AFTER_S))
         control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.status.snapshot,
                                 self._on_stop_request)
         generation = 0
@@ -178,9 +226,14 @@ class Agent:
                 verdict = self.shared_verdict()
                 if verdict is not None:
                     return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                gave_up = self._await_stuck(generation)
+                if gave_up is not None:
+                    return gave_up
                 health = assess(probe(list(c.health_paths)), c.health)
                 if not health.healthy:
                     self.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
+                    gen_mod.record_incident(self, unhealthy_incident(c.node_id, generation, health.problems,
+                                                                     when="before starting workers"))
                     return self._finish(EXIT_UNHEALTHY, "unhealthy", health.reason, generation)
                 if self.stop_requested or self.interrupted:
                     return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped before workers started",
@@ -212,6 +265,7 @@ class Agent:
                 receiver.close()
             if self.rendezvous is not None:
                 self.rendezvous.shutdown()
+            self.processes.release()
 
     def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
         """Turn a generation's outcome into the next move; None means: next round."""
@@ -227,6 +281,8 @@ class Agent:
             v = self.shared_verdict() or {"exit_code": EXIT_STOPPED, "verdict": "stopped", "reason": outcome.reason}
             return self._finish(v["exit_code"], v["verdict"], v["reason"], generation)
         if outcome.kind == "unhealthy":
+            if outcome.incident is not None:
+                gen_mod.record_incident(self, outcome.incident)
             return self._finish(EXIT_UNHEALTHY, "unhealthy", outcome.reason, generation)
         if outcome.kind == "membership":
             self.emit("membership_changed", generation=generation, reason=outcome.reason)
