@@ -287,3 +287,42 @@ def test_a_malformed_batch_is_counted_once(sock_path):
     finally:
         receiver.close()
     assert "batch row" in (receiver.last_error or "") and inbox.messages() == []
+
+
+def test_a_heartbeat_of_another_generation_moves_neither_the_tracker_nor_the_ledger(sock_path, tmp_path):
+    """Through the real socket and the agent's own intake: only the current generation's worker counts."""
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.tracker import HeartbeatIntake, RankTracker
+    from resilient.metrics.ledger import LedgerConfig
+
+    stale: list[tuple[int, int | None, int | None]] = []
+    tracker = RankTracker(on_stale=lambda hb, current: stale.append((hb.pid, hb.generation, current)))
+    accounting = NodeAccounting(tmp_path / "ledger.json", LedgerConfig())
+    accounting.apply("agent_started")
+    accounting.generation_started(2, 1, 1, restart=True, lead_rank=0)
+    tracker.start_generation({0: 4242}, time.monotonic(), generation=2)
+    ledger_before = accounting.ledger.to_dict()
+    receiver = HeartbeatReceiver(sock_path, HeartbeatIntake(tracker, accounting))
+    try:
+        old = HeartbeatSender(sock_path, rank=0, local_rank=0, generation=1, pid=4242)  # same pid, older generation
+        for step in (5, 6, 7):
+            assert old.send("section", "step", step, committed_step=5, tokens=100 * step, samples=step)
+        v1 = HeartbeatSender(sock_path, rank=0, local_rank=0, pid=4242)
+        v1.send_raw('{"v":1,"rank":0,"local_rank":0,"pid":4242,"section":"step","step":8,"seq":1,"kind":"section"}', 1)
+        wait_for(lambda: receiver.received == 4, what="four stale heartbeats")
+        assert tracker.stale_heartbeats == 4 and receiver.callback_errors == 0
+        [rank0] = tracker.ranks().values()
+        assert (rank0.section, rank0.step, rank0.heartbeats) == ("init", 0, 0)
+        assert tracker.committed_step is None and tracker.max_step == 0
+        assert accounting.ledger.to_dict() == ledger_before, "a stale heartbeat changed the ledger"
+        assert stale == [(4242, 1, 2), (4242, None, 2)], "one report per stale (pid, generation)"
+
+        current = HeartbeatSender(sock_path, rank=0, local_rank=0, generation=2, pid=4242)
+        assert current.send("section", "step", 5, committed_step=5, tokens=500, samples=5)
+        wait_for(lambda: receiver.received == 5, what="the current generation's heartbeat")
+    finally:
+        receiver.close()
+    [rank0] = tracker.ranks().values()
+    assert (rank0.section, rank0.step, rank0.heartbeats) == ("step", 5, 1)
+    assert tracker.committed_step == 5 and tracker.stale_heartbeats == 4
+    assert accounting.ledger.to_dict() != ledger_before
