@@ -262,3 +262,54 @@ def test_a_worker_spawned_with_the_parent_death_signal_dies_when_its_parent_is_k
         parent.kill()
         parent.wait()
     wait_for(lambda: gone(child), timeout=1, what="the worker to die with its parent", interval=0.01)
+
+
+def test_a_store_that_hangs_delays_only_the_store_copy_of_the_status(tmp_path):
+    """The local files keep their cadence while every store call blocks; the last count read is shown."""
+    import json
+    import threading
+
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.config import AgentConfig
+    from resilient.agent.status import StatusPublisher
+    from resilient.agent.tracker import RankTracker
+    from resilient.metrics.ledger import LedgerConfig
+
+    store_up = threading.Event()
+    restarts = {"read": 0}
+    stored: list[dict] = []
+
+    def refresh() -> None:
+        store_up.wait()  # an etcd outage: the call hangs until the store is back
+        restarts["read"] = 2
+
+    def put(key: str, value: bytes) -> None:
+        store_up.wait()
+        stored.append(json.loads(value))
+
+    config = AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n", run_dir=tmp_path)
+    accounting = NodeAccounting(tmp_path / "ledger.json", LedgerConfig())
+    status_file = tmp_path / "status.json"
+    publisher = StatusPublisher(config, status_file=status_file, control_socket=tmp_path / "control.sock",
+                                tracker=RankTracker(), accounting=accounting,
+                                restarts_used=lambda: restarts["read"], refresh_restarts=refresh, store_put=put,
+                                emit=lambda *a, **k: None, interval_s=0.05)
+    publisher.start()
+    try:
+        seen = set()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            snap = json.loads(status_file.read_text()) if status_file.exists() else None
+            if snap is not None:
+                seen.add(snap["updated_at"])
+                assert snap["restarts_used"] == 0 and snap["store_published_at"] is None
+            time.sleep(0.01)
+        assert len(seen) >= 5, "status.json stopped while the store hung"
+        assert (tmp_path / "ledger.json").exists() and stored == []
+    finally:
+        store_up.set()
+        publisher.phase = "finished: succeeded"
+        publisher.stop()
+    final = json.loads(status_file.read_text())
+    assert final["phase"] == "finished: succeeded"
+    assert stored and stored[-1]["phase"] == "finished: succeeded", "the final status reaches the store"
