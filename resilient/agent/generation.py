@@ -121,8 +121,8 @@ def run_generation(agent: Agent, a: Assignment, attempt: int) -> Outcome:
     gdir.mkdir(parents=True, exist_ok=True)
     group = WorkerGroup(worker_specs(agent, a, attempt, gdir), agent.clock, agent.echo_to)
     pids = {rank: w.pid for rank, w in group.workers.items()}
-    agent.workers_started(a.generation, pids)
     agent.tracker.start_generation(pids, agent.clock(), a.generation)
+    agent.workers_started(a.generation, pids)
     agent.accounting.generation_started(a.generation, a.num_nodes * agent.config.nproc_per_node,
                                         agent.config.max_nodes * agent.config.nproc_per_node,
                                         restart=agent.last_outcome in ("failed", "membership"), lead_rank=min(pids))
