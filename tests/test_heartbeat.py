@@ -58,7 +58,14 @@ def sock_path(tmp_path_factory):
 
 def test_encode_decode_round_trip():
     hb = Heartbeat(rank=3, local_rank=1, pid=42, section="data", step=7, seq=9, kind="hello",
-                   checkpoint="s3://b/p", committed_step=5)
+                   checkpoint="s3://b/p", committed_step=5, generation=4)
+    assert b'"g":4' in encode(hb) and decode(encode(hb)) == hb
+
+
+def test_version_1_without_a_generation_still_decodes():
+    old = b'{"v":1,"rank":0,"local_rank":0,"pid":7,"section":"step","step":3,"seq":1,"kind":"section"}'
+    hb = decode(old)
+    assert (hb.v, hb.generation, hb.step) == (1, None, 3)
     assert decode(encode(hb)) == hb
 
 
@@ -66,7 +73,7 @@ def test_sender_fast_path_writes_what_decode_reads(sock_path):
     inbox = Inbox()
     receiver = HeartbeatReceiver(sock_path, inbox)
     try:
-        sender = HeartbeatSender(sock_path, rank=2, local_rank=0, pid=77)
+        sender = HeartbeatSender(sock_path, rank=2, local_rank=0, generation=3, pid=77)
         assert sender.send("hello", 'we"ird \\ nämé', 0, checkpoint='/ck "x"')
         assert sender.send("section", "step", 12, committed_step=10)
         wait_for(lambda: len(inbox.messages()) == 2, what="two heartbeats")
@@ -74,9 +81,9 @@ def test_sender_fast_path_writes_what_decode_reads(sock_path):
         receiver.close()
     first, second = inbox.messages()
     assert first == Heartbeat(rank=2, local_rank=0, pid=77, section='we"ird \\ nämé', step=0, seq=1, kind="hello",
-                              checkpoint='/ck "x"', committed_step=None)
+                              checkpoint='/ck "x"', committed_step=None, generation=3)
     assert second == Heartbeat(rank=2, local_rank=0, pid=77, section="step", step=12, seq=2, kind="section",
-                               checkpoint=None, committed_step=10)
+                               checkpoint=None, committed_step=10, generation=3)
 
 
 @pytest.mark.parametrize(
@@ -84,7 +91,8 @@ def test_sender_fast_path_writes_what_decode_reads(sock_path):
     [
         (b"\xff\xfe", "not UTF-8 JSON"),
         (b"[1, 2]", "not a JSON object"),
-        (b'{"v": 2}', "protocol version"),
+        (b'{"v": 3}', "protocol version"),
+        (b'{"v": 2, "rank": 0}', r"'g' \(generation\) must be an integer"),
         (b'{"v": 1, "rank": "0"}', "'rank' must be an integer"),
         (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":true,"seq":1}', "'step' must be an integer"),
         (b'{"v":1,"rank":0,"local_rank":0,"pid":1,"step":1,"seq":1,"kind":"ping","section":"s"}', "'kind'"),
@@ -279,3 +287,42 @@ def test_a_malformed_batch_is_counted_once(sock_path):
     finally:
         receiver.close()
     assert "batch row" in (receiver.last_error or "") and inbox.messages() == []
+
+
+def test_a_heartbeat_of_another_generation_moves_neither_the_tracker_nor_the_ledger(sock_path, tmp_path):
+    """Through the real socket and the agent's own intake: only the current generation's worker counts."""
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.tracker import HeartbeatIntake, RankTracker
+    from resilient.metrics.ledger import LedgerConfig
+
+    stale: list[tuple[int, int | None, int | None]] = []
+    tracker = RankTracker(on_stale=lambda hb, current: stale.append((hb.pid, hb.generation, current)))
+    accounting = NodeAccounting(tmp_path / "ledger.json", LedgerConfig())
+    accounting.apply("agent_started")
+    accounting.generation_started(2, 1, 1, restart=True, lead_rank=0)
+    tracker.start_generation({0: 4242}, time.monotonic(), generation=2)
+    ledger_before = accounting.ledger.to_dict()
+    receiver = HeartbeatReceiver(sock_path, HeartbeatIntake(tracker, accounting))
+    try:
+        old = HeartbeatSender(sock_path, rank=0, local_rank=0, generation=1, pid=4242)  # same pid, older generation
+        for step in (5, 6, 7):
+            assert old.send("section", "step", step, committed_step=5, tokens=100 * step, samples=step)
+        v1 = HeartbeatSender(sock_path, rank=0, local_rank=0, pid=4242)
+        v1.send_raw('{"v":1,"rank":0,"local_rank":0,"pid":4242,"section":"step","step":8,"seq":1,"kind":"section"}', 1)
+        wait_for(lambda: receiver.received == 4, what="four stale heartbeats")
+        assert tracker.stale_heartbeats == 4 and receiver.callback_errors == 0
+        [rank0] = tracker.ranks().values()
+        assert (rank0.section, rank0.step, rank0.heartbeats) == ("init", 0, 0)
+        assert tracker.committed_step is None and tracker.max_step == 0
+        assert accounting.ledger.to_dict() == ledger_before, "a stale heartbeat changed the ledger"
+        assert stale == [(4242, 1, 2), (4242, None, 2)], "one report per stale (pid, generation)"
+
+        current = HeartbeatSender(sock_path, rank=0, local_rank=0, generation=2, pid=4242)
+        assert current.send("section", "step", 5, committed_step=5, tokens=500, samples=5)
+        wait_for(lambda: receiver.received == 5, what="the current generation's heartbeat")
+    finally:
+        receiver.close()
+    [rank0] = tracker.ranks().values()
+    assert (rank0.section, rank0.step, rank0.heartbeats) == ("step", 5, 1)
+    assert tracker.committed_step == 5 and tracker.stale_heartbeats == 4
+    assert accounting.ledger.to_dict() != ledger_before

@@ -24,10 +24,11 @@ from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
 from .health import assess, probe
-from .incidents import Incident, describe_failure, read_error_file, stacks_record, write_incident
+from .incidents import Incident, describe_failure, read_error_file, stacks_record, unhealthy_incident, write_incident
 from .launcher import Exit, WorkerGroup, WorkerSpec
 from .policy import Failure, first_failure
 from .rendezvous import Assignment
+from .sweep import Stuck
 
 if TYPE_CHECKING:
     from ..coord.store import ControlStore
@@ -78,6 +79,10 @@ class GenerationContext:
     """Why this agent was asked to stop gracefully (SIGTERM, the control socket), or None."""
     interrupted: Callable[[], bool]
     """SIGINT: stop now, without a checkpoint."""
+    workers_started: Callable[[int, dict[int, int]], None]
+    """Record a generation's worker pids (for a later agent's sweep)."""
+    workers_stopped: Callable[[int, tuple[Stuck, ...]], None]
+    """Report workers of a generation that SIGKILL did not end."""
 
 
 class PeerWatch:
@@ -155,7 +160,8 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     gdir.mkdir(parents=True, exist_ok=True)
     group = WorkerGroup(worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir), ctx.clock, ctx.echo_to)
     pids = {rank: w.pid for rank, w in group.workers.items()}
-    ctx.tracker.start_generation(pids, ctx.clock())
+    ctx.tracker.start_generation(pids, ctx.clock(), a.generation)
+    ctx.workers_started(a.generation, pids)
     ctx.accounting.generation_started(a.generation, a.num_nodes * ctx.config.nproc_per_node,
                                       ctx.config.max_nodes * ctx.config.nproc_per_node,
                                       restart=restart, lead_rank=min(pids))
@@ -168,6 +174,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
         peers.close()
         group.stop(ctx.config.stop_grace_s)
         ctx.status.detach()
+        ctx.workers_stopped(a.generation, group.stuck)
 
 
 def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch) -> Outcome:
@@ -208,7 +215,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
             health = assess(probe(list(c.health_paths)), c.health)
             if not health.healthy:
                 ctx.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
-                return Outcome("unhealthy", health.reason)
+                return Outcome("unhealthy", health.reason, incident=unhealthy_incident(
+                    c.node_id, a.generation, health.problems, when="while running"))
         time.sleep(c.monitor_interval_s)
 
 

@@ -5,13 +5,17 @@ announced as an ``incident`` event whose fields summarise it.  It names
 the first failure (rank, node, exit code or signal, the section and step it
 was in), carries the worker's traceback from its error file and, for a
 hang, every captured stack, and records what the agent decided.
+
+A node that fails its health check, or keeps a worker that SIGKILL cannot
+end, is an incident of kind ``unhealthy`` whose ``problems`` list each
+failed check (or each stuck pid with its process state).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,8 @@ class Incident:
     """Captured stacks by rank: state, method, text, note."""
     other_failures: tuple[str, ...] = ()
     """Failures that followed the first one (usually its casualties)."""
+    problems: tuple[str, ...] = ()
+    """For ``unhealthy``: each failed health check, or each worker that SIGKILL did not end, with its state."""
     decision: Mapping[str, Any] | None = None
     """The restart decision: action, reason, verdict, delay."""
     wall_time: float = field(default_factory=time.time)
@@ -64,6 +70,7 @@ class Incident:
             "exit_code": self.exit_code, "signal": self.signal,
             "error": f"{error.get('exc_type')}: {error.get('message')}" if error else None,
             "decision": dict(self.decision) if self.decision else None,
+            **({"problems": list(self.problems)} if self.problems else {}),
         }
 
 
@@ -75,6 +82,27 @@ def describe_failure(kind: str, rank: int | None, node: str, returncode: int | N
     at = f" at step {step}" if step is not None else ""
     who = f"rank {rank}" if rank is not None else "node"
     return f"{who} on {node}: {what}{where}{at}{(': ' + extra) if extra else ''}"
+
+
+def unhealthy_incident(node: str, generation: int, problems: Sequence[str], *, when: str) -> Incident:
+    """The incident for a failed health check (``when``: "before starting workers", "while running")."""
+    return Incident(id=f"g{generation:04d}-{node}-unhealthy", node=node, generation=generation, kind="unhealthy",
+                    rank=None, pid=None, section=None, step=None,
+                    summary=f"node {node} failed its health check {when}: {'; '.join(problems)}",
+                    problems=tuple(problems),
+                    decision={"action": "stop", "verdict": "unhealthy", "delay_s": 0.0,
+                              "reason": "the node steps out of the run (exit 81): schedule the job elsewhere"})
+
+
+def stuck_incident(node: str, generation: int, stuck: Sequence[Any], *, after: str, wait_s: float) -> Incident:
+    """The incident for workers that SIGKILL did not end (``stuck``: :class:`~resilient.agent.sweep.Stuck`)."""
+    first = stuck[0]
+    problems = tuple(s.describe() for s in stuck)
+    return Incident(id=f"g{generation:04d}-{node}-unreaped-{int(time.time())}", node=node, generation=generation,
+                    kind="unhealthy", rank=first.rank, pid=first.pid, section=None, step=None,
+                    summary=(f"on {node} {after}: {'; '.join(problems)}; no new workers start until "
+                             f"{'it is' if len(stuck) == 1 else 'they are'} gone (waiting up to {wait_s:.0f} s)"),
+                    problems=problems)
 
 
 def read_error_file(path: Path) -> dict[str, Any] | None:

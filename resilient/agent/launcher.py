@@ -6,10 +6,17 @@ it spawned), with stdout and stderr copied line by line to a per-rank log
 file and, prefixed with the rank, to the agent's own stdout.  A waiter
 thread per worker stamps the moment it exited, so that the first failure
 can be told from the casualties that followed it.
+
+Workers die with their agent: on Linux each one asks the kernel for SIGKILL
+when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a SIGKILLed agent
+leaves no worker training on alone.  What a worker started itself, and a
+worker SIGKILL cannot end, are the next agent's sweep
+(:mod:`resilient.agent.sweep`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -20,6 +27,43 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+from .sweep import KILL_WAIT_S, Stuck, stuck_state
+
+PR_SET_PDEATHSIG = 1
+"""From <linux/prctl.h>."""
+
+
+def parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent dies; None off Linux.
+
+    The parent-death signal fires when the *thread* that forked the child
+    exits, not the process: workers are spawned by the thread that runs
+    ``Agent.run`` (the main thread under ``resilient run``), which lives as
+    long as the agent; never spawn them from a short-lived helper thread.
+
+    ``preexec_fn`` runs between fork and exec in a copy of a process that
+    has other threads, where taking any lock (the dynamic loader's, the
+    allocator's, the import lock) can deadlock: so ``prctl`` is resolved
+    here, before the fork, and the child does nothing but call it and then
+    check its parent, which catches a parent that died before the prctl.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+    getppid, getpid, kill = os.getppid, os.getpid, os.kill
+
+    def set_parent_death_signal() -> None:
+        # Cannot fail for a valid signal number; its result is not checked so the child stays minimal.
+        prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if getppid() != parent:  # the agent died between fork and prctl: the signal will never come
+            kill(getpid(), sigkill)
+
+    return set_parent_death_signal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +99,8 @@ class Exit:
 class Worker:
     """One running worker process."""
 
-    def __init__(self, spec: WorkerSpec, clock: Callable[[], float], echo_to: IO[str]) -> None:
+    def __init__(self, spec: WorkerSpec, clock: Callable[[], float], echo_to: IO[str],
+                 preexec: Callable[[], None] | None = None) -> None:
         self.spec = spec
         self._clock = clock
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -67,6 +112,7 @@ class Worker:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=preexec,  # noqa: PLW1509  the minimal, lock-free one of parent_death_signal()
         )
         self.pid = self.proc.pid
         self.exit: Exit | None = None
@@ -110,16 +156,24 @@ class Worker:
 
 
 class WorkerGroup:
-    """The workers of one generation on this node."""
+    """The workers of one generation on this node.
+
+    Create it on the thread that supervises the workers for their whole
+    life (see :func:`parent_death_signal`).
+    """
 
     def __init__(self, specs: Sequence[WorkerSpec], clock: Callable[[], float] = time.monotonic,
-                 echo_to: IO[str] | None = None) -> None:
+                 echo_to: IO[str] | None = None, *, kill_wait_s: float = KILL_WAIT_S) -> None:
         self._clock = clock
+        self._kill_wait_s = kill_wait_s
         self.workers: dict[int, Worker] = {}
+        self.stuck: tuple[Stuck, ...] = ()
+        """Workers that SIGKILL did not end within ``kill_wait_s`` (set by :meth:`stop`)."""
         out = echo_to if echo_to is not None else sys.stdout
+        preexec = parent_death_signal()
         try:
             for spec in specs:
-                self.workers[spec.rank] = Worker(spec, clock, out)
+                self.workers[spec.rank] = Worker(spec, clock, out, preexec)
         except BaseException:
             self.stop(grace_s=0)
             raise
@@ -139,10 +193,14 @@ class WorkerGroup:
         for w in self.workers.values():
             w.signal(signum)
 
-    def stop(self, grace_s: float) -> None:
+    def stop(self, grace_s: float) -> tuple[Stuck, ...]:
         """SIGTERM every worker still running, SIGKILL after ``grace_s``, then reap them all.
 
         A stopped (SIGSTOPped) worker is continued first so that SIGTERM can act.
+        Returns (and keeps in :attr:`stuck`) the workers that SIGKILL did not
+        end within ``kill_wait_s``, e.g. a process in uninterruptible sleep
+        (``D``) on a dead filesystem or driver, with their state from /proc:
+        the caller must not start new workers beside them.
         """
         self.signal(signal.SIGTERM)
         self.signal(signal.SIGCONT)
@@ -151,9 +209,16 @@ class WorkerGroup:
             time.sleep(0.02)
         if self.running():
             self.signal(signal.SIGKILL)
+        kill_deadline = time.monotonic() + self._kill_wait_s
+        stuck = []
         for w in self.workers.values():
             try:
-                w.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL does not fail like this
-                pass
+                w.proc.wait(timeout=max(0.0, kill_deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                found = stuck_state(w.pid, w.spec.rank)
+                if found is not None:
+                    stuck.append(found)
+                    continue  # its waiter thread reaps it if it ever ends; the log stays open until then
             w.finish()
+        self.stuck = tuple(stuck)
+        return self.stuck

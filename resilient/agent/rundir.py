@@ -7,6 +7,9 @@ share a filesystem)::
     <run_dir>/events.jsonl               agents' events, one JSON object a line
     <run_dir>/incidents/<id>.json        one file per incident, with evidence
     <run_dir>/nodes/<node>/status.json   the node's live status, rewritten each second
+    <run_dir>/nodes/<node>/ledger.json   the node's goodput ledger, saved each second
+    <run_dir>/nodes/<node>/agent.lock    held (flock) by the node's running agent
+    <run_dir>/nodes/<node>/pids.json     the agent's and its workers' pids, for the next agent's sweep
     <run_dir>/nodes/<node>/g<G>/rank<R>.log         worker stdout and stderr
     <run_dir>/nodes/<node>/g<G>/rank<R>.error.json  worker's uncaught exception
     <run_dir>/nodes/<node>/g<G>/rank<R>.stacks.txt  faulthandler dumps

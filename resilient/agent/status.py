@@ -4,6 +4,15 @@ Written to ``<run_dir>/nodes/<node>/status.json`` (atomically) and, when
 the run uses etcd, under ``status/<node>`` in the store, so that the
 on-call engineer can read it from any machine.  Times in it are wall-clock
 seconds for humans; the agent never compares them across hosts.
+
+Local first, network second: one thread saves ``ledger.json`` and writes
+``status.json`` every second and touches nothing but local files and
+memory; a second thread reads the restart count from the store (the
+count shown is the last one read) and copies the newest snapshot to the
+store.  A store outage (the etcd client retries for up to its outage
+tolerance, 60 s by default) then only makes the store copy stale, which
+``store_published_at`` in the local file shows; the files on-call reads
+during the outage stay current.
 """
 
 from __future__ import annotations
@@ -12,28 +21,56 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..fsutil import write_json_atomic
 from ..watchdog.sections import calibration_summary
 
 if TYPE_CHECKING:
+    from .accounting import NodeAccounting
+    from .config import AgentConfig
     from .launcher import WorkerGroup
     from .rendezvous import Assignment
-    from .supervisor import Agent
+    from .tracker import RankTracker
 
 
 class StatusPublisher:
-    """Snapshot the agent's state every ``interval_s`` seconds on a daemon thread."""
+    """Snapshot the node's state every ``interval_s`` seconds: local files on one thread, the store on another.
 
-    def __init__(self, agent: Agent, interval_s: float = 1.0) -> None:
-        self._agent = agent
+    It reads only what it is given: the config values, the tracker, the
+    ledger (``accounting``), ``restarts_used`` (a cached count, no I/O) and
+    ``refresh_restarts`` (reads the store; called on the store thread only),
+    ``store_put`` (None: no store copy) and ``emit`` for events.
+    """
+
+    def __init__(self, config: AgentConfig, *, status_file: Path, control_socket: Path, tracker: RankTracker,
+                 accounting: NodeAccounting, restarts_used: Callable[[], int | None],
+                 refresh_restarts: Callable[[], object] | None, store_put: Callable[[str, bytes], None] | None,
+                 emit: Callable[..., object], clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = 1.0, final_store_timeout_s: float = 10.0) -> None:
+        self._config = config
+        self._status_file = status_file
+        self._control_socket = control_socket
+        self._tracker = tracker
+        self._accounting = accounting
+        self._restarts_used = restarts_used
+        self._refresh_restarts = refresh_restarts
+        self._store_put = store_put
+        self._emit = emit
+        self._clock = clock
         self._interval = interval_s
+        self._final_store_timeout = final_store_timeout_s
         self._group: WorkerGroup | None = None
         self._assignment: Assignment | None = None
         self.phase = "starting"
+        self.metrics_url: str | None = None
+        self._latest: dict[str, Any] | None = None
+        self._store_published_at: float | None = None
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._store_done = threading.Event()
+        self._threads: list[threading.Thread] = []
 
     def attach(self, group: WorkerGroup, assignment: Assignment) -> None:
         self._group, self._assignment = group, assignment
@@ -44,25 +81,32 @@ class StatusPublisher:
         self.phase = "between generations"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="status", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._local_loop, name="status", daemon=True),
+                         threading.Thread(target=self._store_loop, name="status-store", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def stop(self) -> None:
+        """Write the final status locally now; give the store copy up to ``final_store_timeout_s``."""
         self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        self.publish()  # the final phase
+        if self._threads:
+            self._threads[0].join(timeout=10)
+        self.publish_local()  # the final phase
+        self._store_done.set()  # the store thread publishes that final snapshot, then ends
+        if len(self._threads) > 1:
+            self._threads[1].join(timeout=self._final_store_timeout)
 
-    def _loop(self) -> None:
+    # ------------------------------------------------------------ local
+    def _local_loop(self) -> None:
         while not self._done.wait(self._interval):
-            self.publish()
+            self.publish_local()
 
     def snapshot(self) -> dict[str, Any]:
-        agent = self._agent
-        now_mono, now_wall = agent.clock(), time.time()
+        c, tracker = self._config, self._tracker
+        now_mono, now_wall = self._clock(), time.time()
         group, a = self._group, self._assignment
         ranks = {}
-        for rank, info in agent.tracker.ranks().items():
+        for rank, info in tracker.ranks().items():
             alive = group is not None and rank in group.workers and group.workers[rank].exit is None
             ranks[str(rank)] = {
                 "pid": info.pid, "section": info.section, "step": info.step,
@@ -71,39 +115,50 @@ class StatusPublisher:
                 "alive": alive,
             }
         return {
-            "run_id": agent.config.run_id, "node": agent.config.node_id, "agent_pid": os.getpid(),
+            "run_id": c.run_id, "node": c.node_id, "agent_pid": os.getpid(),
             "phase": self.phase, "updated_at": now_wall,
-            "control_socket": str(agent.run_dir.socket_path("control.sock")),
-            "metrics_url": agent.metrics.url if agent.metrics is not None else None,
+            "control_socket": str(self._control_socket), "metrics_url": self.metrics_url,
             "generation": a.generation if a else None, "node_rank": a.node_rank if a else None,
-            "num_nodes": a.num_nodes if a else None, "nproc_per_node": agent.config.nproc_per_node,
+            "num_nodes": a.num_nodes if a else None, "nproc_per_node": c.nproc_per_node,
             "ranks": ranks if group is not None else {},
-            "max_restarts": agent.config.restart.max_restarts, "restarts_used": self.restarts_used(),
-            "committed_step": agent.tracker.committed_step,
-            "timeouts": [{"section": c.section, "timeout_s": round(c.timeout_s, 3), "source": c.source,
-                          "observations": c.count, "max_seen_s": round(c.max_s, 3)}
-                         for c in calibration_summary(agent.tracker.stats, agent.config.sections)],
-            "checkpoint": agent.tracker.checkpoint_location,
+            "max_restarts": c.restart.max_restarts, "restarts_used": self._restarts_used(),
+            "committed_step": tracker.committed_step, "stale_heartbeats": tracker.stale_heartbeats,
+            "timeouts": [{"section": s.section, "timeout_s": round(s.timeout_s, 3), "source": s.source,
+                          "observations": s.count, "max_seen_s": round(s.max_s, 3)}
+                         for s in calibration_summary(tracker.stats, c.sections)],
+            "checkpoint": tracker.checkpoint_location,
+            "store_published_at": self._store_published_at,
         }
 
-    def restarts_used(self) -> int | None:
+    def publish_local(self) -> dict[str, Any]:
+        """Save the ledger and write status.json (local files only); return the snapshot."""
         try:
-            return self._agent.restarts_used()
-        except Exception:  # store unreachable: status still shows the rest
-            return None
-
-    def publish(self) -> None:
-        try:
-            self._agent.accounting.save()
+            self._accounting.save()
         except OSError as e:
-            self._agent.emit("ledger_write_failed", error=str(e))
+            self._emit("ledger_write_failed", error=str(e))
         snap = self.snapshot()
         try:
-            write_json_atomic(self._agent.run_dir.status_file, snap)
+            write_json_atomic(self._status_file, snap)
         except OSError as e:
-            self._agent.emit("status_write_failed", error=str(e))
-        if self._agent.config.store_url is not None:
-            try:
-                self._agent.control.put(f"status/{self._agent.config.node_id}", json.dumps(snap).encode())
-            except Exception as e:  # reported, never fatal: status is for humans
-                self._agent.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+            self._emit("status_write_failed", error=str(e))
+        self._latest = snap
+        return snap
+
+    # ------------------------------------------------------------ store
+    def _store_loop(self) -> None:
+        while True:
+            self._publish_store()
+            if self._store_done.wait(self._interval):
+                self._publish_store()
+                return
+
+    def _publish_store(self) -> None:
+        try:
+            if self._refresh_restarts is not None:
+                self._refresh_restarts()
+            snap = self._latest
+            if self._store_put is not None and snap is not None:
+                self._store_put(f"status/{self._config.node_id}", json.dumps(snap).encode())
+                self._store_published_at = time.time()
+        except Exception as e:  # reported, never fatal: status is for humans
+            self._emit("store_unreachable", error=f"{type(e).__name__}: {e}")

@@ -29,6 +29,7 @@ from ..coord.store import ControlStoreError
 from ..events import EventLog
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
+from ..worker.protocol import Heartbeat
 from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .config import AgentConfig
@@ -36,12 +37,14 @@ from .control import ControlServer
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
+from .incidents import Incident, stuck_incident, unhealthy_incident
 from .policy import Action, History, decide_restart
 from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
 from .rundir import RunDir, read_token
 from .shared import SharedFacts
 from .status import StatusPublisher
-from .tracker import RankTracker
+from .sweep import GIVE_UP_AFTER_S, NodeProcesses, Stuck
+from .tracker import HeartbeatIntake, RankTracker
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,15 @@ class Agent:
         created = self.run_dir.create()
         self.token = read_token(config.token_file) if config.token_file is not None else created
         self.events = EventLog(self.run_dir.events)
-        self.tracker = RankTracker()
+        # Before anything else touches the node directory: refuse if an earlier agent still runs there,
+        # and kill what an earlier (SIGKILLed) agent left behind.
+        self.processes = NodeProcesses(self.run_dir.node_dir)
+        swept = self.processes.claim()
+        if swept.killed:
+            self.emit("leftovers_swept", previous_agent=swept.previous_agent, pids=list(swept.killed),
+                      stuck=[s.describe() for s in swept.stuck])
+        self._stuck: tuple[Stuck, ...] = swept.stuck
+        self.tracker = RankTracker(on_stale=self._on_stale_heartbeat)
         self.control = self._control_store()
         self.signed = SignedStore(self.control, self.token, on_rejected=self._on_rejected_write)
         self.shared: SharedFacts | None = None
@@ -92,7 +103,11 @@ class Agent:
         self.metrics: Any = None
         self.last_outcome: str | None = None
         """How the previous generation ended ("failed", "membership", ...); None before the first."""
-        self.status = StatusPublisher(self)
+        self.status = StatusPublisher(
+            config, status_file=self.run_dir.status_file, control_socket=self.run_dir.socket_path("control.sock"),
+            tracker=self.tracker, accounting=self.accounting, restarts_used=lambda: self._restarts_used_cached,
+            refresh_restarts=self.restarts_used, store_put=self.control.put if config.store_url is not None else None,
+            emit=self.emit, clock=clock)
 
     # ------------------------------------------------------------ plumbing
     def emit(self, kind: str, **fields: Any) -> None:
@@ -124,10 +139,36 @@ class Agent:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_int)
 
-    def _on_heartbeat(self, hb: Any, received_at: float) -> None:
-        if self.tracker.on_heartbeat(hb, received_at):
-            self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
-                                      hb.committed_step, hb.save)
+    def _on_stale_heartbeat(self, hb: Heartbeat, current: int | None) -> None:
+        self.emit("stale_heartbeat", pid=hb.pid, rank=hb.rank, generation=hb.generation, current_generation=current,
+                  reason="not from this generation's worker: ignored by hang detection and the ledger")
+
+    def workers_started(self, generation: int, pids: dict[int, int]) -> None:
+        """Record the new workers for a later agent's sweep."""
+        self.processes.record_workers(generation, pids)
+
+    def workers_stopped(self, generation: int, stuck: tuple[Stuck, ...]) -> None:
+        """After a generation's workers were stopped: report any that SIGKILL did not end."""
+        self.processes.workers_stopped(generation, stuck)
+        if stuck:
+            self._stuck = stuck
+            self.record_incident(stuck_incident(self.config.node_id, generation, stuck,
+                                                         after="after stopping the workers", wait_s=GIVE_UP_AFTER_S))
+
+    def _await_stuck(self, generation: int) -> AgentResult | None:
+        """No new workers beside ones SIGKILL did not end: wait for them, or stop with ``unhealthy``."""
+        stuck, self._stuck = self._stuck, ()
+        if not stuck:
+            return None
+        self.status.phase = "waiting for stuck workers to end"
+        left = self.processes.wait_stuck(stuck, GIVE_UP_AFTER_S)
+        if not left:
+            self.emit("stuck_workers_gone", pids=[s.pid for s in stuck])
+            return None
+        reason = (f"{'; '.join(s.describe() for s in left)} after waiting {GIVE_UP_AFTER_S:.0f} s: the node needs "
+                  "attention (a hung filesystem or driver); no new workers start beside it")
+        self.emit("node_unhealthy", reason=reason, problems=[s.describe() for s in left])
+        return self._finish(EXIT_UNHEALTHY, "unhealthy", reason, generation)
 
     def node_view(self) -> Any:
         """What a metrics scrape reports, computed now from the ledger and the agent's counters."""
@@ -220,7 +261,6 @@ class Agent:
 
     def _node_lost(self, node: str) -> None:
         """A peer's presence lease expired: record a node_lost incident (once per node and generation)."""
-        from .incidents import Incident
 
         generation = self._generation
         summary = (f"node {node} was lost: its agent's presence lease in the store expired "
@@ -228,7 +268,7 @@ class Agent:
         incident = Incident(id=f"g{generation:04d}-{node}-lost", node=node, generation=generation, kind="node_lost",
                             rank=None, pid=None, section=None, step=None, summary=summary)
         self.emit("node_lost", lost_node=node, generation=generation)
-        gen_mod.record_incident(incident, self.run_dir, self.control, self.emit)
+        self.record_incident(incident)
 
     def generation_context(self) -> GenerationContext:
         """The pieces of this agent a generation works with."""
@@ -240,7 +280,11 @@ class Agent:
             shared=self.shared, emit=self.emit,
             waiting=(lambda: rendezvous.num_nodes_waiting()) if rendezvous is not None else (lambda: 0),
             stop_requested=lambda: self.stop_requested, interrupted=lambda: self.interrupted,
+            workers_started=self.workers_started, workers_stopped=self.workers_stopped,
         )
+
+    def record_incident(self, incident: Incident) -> None:
+        gen_mod.record_incident(incident, self.run_dir, self.control, self.emit)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> AgentResult:
@@ -249,11 +293,18 @@ class Agent:
                   store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
         # One socket per local rank: a unix datagram queue holds only a few messages
         # (net.unix.max_dgram_qlen, 10 here), so ranks sharing one would lose heartbeats.
-        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), self._on_heartbeat,
-                                             clock=self.clock) for local in range(c.nproc_per_node)]
+        intake = HeartbeatIntake(self.tracker, self.accounting)
+        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), intake, clock=self.clock)
+                           for local in range(c.nproc_per_node)]
         self.accounting.apply("agent_started")
         self._start_metrics()
+        if self.metrics is not None:
+            self.status.metrics_url = self.metrics.url
         self.status.start()
+        if self._stuck:  # found by the sweep at start
+            self.record_incident(stuck_incident(c.node_id, self.accounting.ledger.generation or 0,
+                                                         self._stuck, after="after sweeping an earlier agent's "
+                                                         "workers", wait_s=GIVE_UP_AFTER_S))
         control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.status.snapshot,
                                 self._on_stop_request)
         generation = 0
@@ -267,9 +318,14 @@ class Agent:
                 verdict = self.shared_verdict()
                 if verdict is not None:
                     return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                gave_up = self._await_stuck(generation)
+                if gave_up is not None:
+                    return gave_up
                 health = assess(probe(list(c.health_paths)), c.health)
                 if not health.healthy:
                     self.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
+                    self.record_incident(unhealthy_incident(c.node_id, generation, health.problems,
+                                                                     when="before starting workers"))
                     return self._finish(EXIT_UNHEALTHY, "unhealthy", health.reason, generation)
                 if self.stop_requested or self.interrupted:
                     return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped before workers started",
@@ -306,6 +362,7 @@ class Agent:
                 self.rendezvous.shutdown()
             if self._presence is not None:
                 self._presence.leave()
+            self.processes.release()
 
     def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
         """Turn a generation's outcome into the next move; None means: next round."""
@@ -321,6 +378,8 @@ class Agent:
             v = self.shared_verdict() or {"exit_code": EXIT_STOPPED, "verdict": "stopped", "reason": outcome.reason}
             return self._finish(v["exit_code"], v["verdict"], v["reason"], generation)
         if outcome.kind == "unhealthy":
+            if outcome.incident is not None:
+                self.record_incident(outcome.incident)
             return self._finish(EXIT_UNHEALTHY, "unhealthy", outcome.reason, generation)
         if outcome.kind == "membership":
             self.emit("membership_changed", generation=generation, reason=outcome.reason)
@@ -330,7 +389,7 @@ class Agent:
         history = self._history(exclude_generation=generation)
         decision = decide_restart(outcome.failure, history, self.config.restart, self.clock())
         incident = outcome.incident.with_decision(decision)
-        gen_mod.record_incident(incident, self.run_dir, self.control, self.emit)
+        self.record_incident(incident)
         self.accounting.failure(outcome.detected_at, outcome.last_progress_at, incident.id, incident.kind)
         if decision.action is Action.STOP:
             code = outcome.failure.exit_code if decision.verdict == "do_not_restart" and outcome.failure.exit_code \

@@ -5,16 +5,27 @@ The tracker keeps, per rank of the current generation, the section it is in
 and since when (the agent's clock, at receipt), feeds finished section
 durations into the calibration statistics, and remembers the newest
 committed checkpoint step any worker has reported.
+
+Only heartbeats of the current generation count: one that carries another
+generation (or none), or comes from a pid that is not this generation's
+worker of that rank, is stale.  Stale heartbeats are counted, reported once
+per (pid, generation) through ``on_stale``, and change nothing: neither the
+hang timers, nor the calibration, nor (through :class:`HeartbeatIntake`)
+the goodput ledger.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ..watchdog.sections import RankView, SectionStats, observe
 from .heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from .accounting import NodeAccounting
 
 
 @dataclass(frozen=True)
@@ -30,49 +41,73 @@ class RankInfo:
     heartbeats: int = 0
 
 
+StaleCallback = Callable[[Heartbeat, "int | None"], None]
+"""``on_stale(heartbeat, current_generation)``: called once per stale (pid, generation)."""
+
+
 class RankTracker:
     """Thread-safe table of ranks for the running generation plus calibration statistics."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_stale: StaleCallback | None = None) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[int, RankInfo] = {}
         self._pids: dict[int, int] = {}
+        self._generation: int | None = None
+        self._on_stale = on_stale
+        self._stale_seen: set[tuple[int, int | None]] = set()
+        self.stale_heartbeats = 0
+        """Heartbeats ignored because they were not from the current generation's workers."""
         self.stats = SectionStats()
         self.committed_step: int | None = None
         self.checkpoint_location: str | None = None
         self.max_step = 0
 
-    def start_generation(self, pids: Mapping[int, int], now: float) -> None:
-        """Forget the old ranks; the new ones are in "init" since ``now``."""
+    @property
+    def generation(self) -> int | None:
+        return self._generation
+
+    def start_generation(self, pids: Mapping[int, int], now: float, generation: int) -> None:
+        """Forget the old ranks; the new ones (rank -> pid of ``generation``) are in "init" since ``now``."""
         with self._lock:
+            self._generation = generation
             self._pids = dict(pids)
             self._ranks = {r: RankInfo(r, pid, "init", 0, now, now) for r, pid in pids.items()}
 
     def on_heartbeat(self, hb: Heartbeat, received_at: float) -> bool:
-        """Take one heartbeat; False when it comes from a worker of an earlier generation."""
+        """Take one heartbeat; False (and nothing changes) when it is stale (see the module docstring)."""
         with self._lock:
-            if self._pids.get(hb.rank) != hb.pid:
-                return False  # a worker of an earlier generation, still shutting down
-            if hb.checkpoint:
-                self.checkpoint_location = hb.checkpoint
-            if hb.committed_step is not None and (self.committed_step is None
-                                                  or hb.committed_step > self.committed_step):
-                self.committed_step = hb.committed_step
-            self.max_step = max(self.max_step, hb.step)
-            old = self._ranks.get(hb.rank)
-            if old is None:
-                return False
-            if hb.kind == "bye":
-                self._ranks[hb.rank] = replace(old, section="exiting", last_seen=received_at,
-                                               entered_at=received_at, heartbeats=old.heartbeats + 1)
-                return True
-            if hb.section != old.section or hb.step != old.step:
-                self.stats = observe(self.stats, old.section, max(0.0, received_at - old.entered_at))
-                self._ranks[hb.rank] = RankInfo(hb.rank, hb.pid, hb.section, hb.step, received_at, received_at,
-                                                old.heartbeats + 1)
+            if hb.generation is None or hb.generation != self._generation or self._pids.get(hb.rank) != hb.pid:
+                self.stale_heartbeats += 1
+                first = (hb.pid, hb.generation) not in self._stale_seen
+                self._stale_seen.add((hb.pid, hb.generation))
+                current = self._generation
             else:
-                self._ranks[hb.rank] = replace(old, last_seen=received_at, heartbeats=old.heartbeats + 1)
+                return self._take(hb, received_at)
+        if first and self._on_stale is not None:
+            self._on_stale(hb, current)  # outside the lock: it may log and write events
+        return False
+
+    def _take(self, hb: Heartbeat, received_at: float) -> bool:
+        """Apply a heartbeat of the current generation (the lock is held)."""
+        if hb.checkpoint:
+            self.checkpoint_location = hb.checkpoint
+        if hb.committed_step is not None and (self.committed_step is None or hb.committed_step > self.committed_step):
+            self.committed_step = hb.committed_step
+        self.max_step = max(self.max_step, hb.step)
+        old = self._ranks.get(hb.rank)
+        if old is None:
+            return False
+        if hb.kind == "bye":
+            self._ranks[hb.rank] = replace(old, section="exiting", last_seen=received_at,
+                                           entered_at=received_at, heartbeats=old.heartbeats + 1)
             return True
+        if hb.section != old.section or hb.step != old.step:
+            self.stats = observe(self.stats, old.section, max(0.0, received_at - old.entered_at))
+            self._ranks[hb.rank] = RankInfo(hb.rank, hb.pid, hb.section, hb.step, received_at, received_at,
+                                            old.heartbeats + 1)
+        else:
+            self._ranks[hb.rank] = replace(old, last_seen=received_at, heartbeats=old.heartbeats + 1)
+        return True
 
     def ranks(self) -> dict[int, RankInfo]:
         with self._lock:
@@ -83,3 +118,16 @@ class RankTracker:
         with self._lock:
             return {r: RankView(section=i.section, step=i.step, entered_at=i.entered_at, pid=i.pid)
                     for r, i in self._ranks.items() if i.section != "exiting"}
+
+
+class HeartbeatIntake:
+    """The receivers' callback: the tracker decides whether a heartbeat counts, the ledger gets only those."""
+
+    def __init__(self, tracker: RankTracker, accounting: NodeAccounting) -> None:
+        self.tracker = tracker
+        self.accounting = accounting
+
+    def __call__(self, hb: Heartbeat, received_at: float) -> None:
+        if self.tracker.on_heartbeat(hb, received_at):
+            self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
+                                      hb.committed_step, hb.save)

@@ -38,12 +38,14 @@ class HeartbeatSender:
         *,
         rank: int,
         local_rank: int,
+        generation: int = 0,
         pid: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = os.fspath(path)
         self.rank = rank
         self.local_rank = local_rank
+        self.generation = generation
         self.pid = os.getpid() if pid is None else pid
         self.sent = 0
         self.dropped = 0
@@ -55,7 +57,8 @@ class HeartbeatSender:
         self._connected = False
         self._retry_at = 0.0
         # Everything but section, step, seq and committed step is fixed: format it once.
-        self._head = f'{{"v":{PROTOCOL_VERSION},"rank":{int(rank)},"local_rank":{int(local_rank)},"pid":{self.pid},'
+        self._head = (f'{{"v":{PROTOCOL_VERSION},"g":{int(generation)},"rank":{int(rank)},'
+                      f'"local_rank":{int(local_rank)},"pid":{self.pid},')
 
         self._sections: dict[str, str] = {}
 
@@ -137,8 +140,8 @@ class BatchingSender:
         self._thread: threading.Thread | None = None
         self._last_flush = float("-inf")
         s = sender
-        self._head = (f'{{"v":{PROTOCOL_VERSION},"rank":{int(s.rank)},"local_rank":{int(s.local_rank)},'
-                      f'"pid":{s.pid},"rows":')
+        self._head = (f'{{"v":{PROTOCOL_VERSION},"g":{int(s.generation)},"rank":{int(s.rank)},'
+                      f'"local_rank":{int(s.local_rank)},"pid":{s.pid},"rows":')
 
     @property
     def sent(self) -> int:

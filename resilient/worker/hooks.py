@@ -77,7 +77,8 @@ class WorkerHooks:
     def __init__(self, env: WorkerEnv, *, events: EventLog | None = None) -> None:
         self.env = env
         self.events = events
-        self.sender = BatchingSender(HeartbeatSender(env.agent_socket, rank=env.rank, local_rank=env.local_rank))
+        self.sender = BatchingSender(HeartbeatSender(env.agent_socket, rank=env.rank, local_rank=env.local_rank,
+                                                     generation=env.generation))
         self.section = "init"
         self.step = 0
         self.committed_step: int | None = None

@@ -4,8 +4,15 @@ A worker reports each section it enters (``init``, ``restore``, ``data``,
 ``step``, ``checkpoint`` or a user's name) to its node agent as one UTF-8
 JSON object in one unix ``SOCK_DGRAM`` datagram::
 
-    {"v": 1, "rank": 0, "local_rank": 0, "pid": 123, "section": "step", "step": 41,
+    {"v": 2, "g": 3, "rank": 0, "local_rank": 0, "pid": 123, "section": "step", "step": 41,
      "seq": 97, "kind": "section", "checkpoint": null, "committed_step": 40}
+
+``g`` is the worker's generation (``RESILIENT_GENERATION``): the agent
+counts a heartbeat only when it comes from the generation it is running,
+so a worker of an earlier one (a datagram still queued from before a
+restart, a worker an earlier agent left) can neither look alive nor report
+progress.  Version 1 had no ``g``; it still decodes (``generation`` None),
+and the agent's tracker treats it like any other generation's.
 
 ``kind`` is ``hello`` (first message of a process; only it carries
 ``checkpoint``, the checkpoint location), ``section`` (entered a section)
@@ -26,7 +33,7 @@ A worker under the agent sends through :class:`~resilient.worker.heartbeat.Batch
 heartbeat carries the monotonic time of its event; it is sent at once when
 the previous datagram left 20 ms ago or more, else queued, and a thread
 sends what is queued every 20 ms as one batch datagram
-(``{"v", "rank", "local_rank", "pid", "rows": [[kind, section, step, seq,
+(``{"v", "g", "rank", "local_rank", "pid", "rows": [[kind, section, step, seq,
 t, committed_step, tokens, samples, save, checkpoint], ...]}``), so a step
 pays about a microsecond per section instead of a system call and a
 wake-up of the agent in fast loops, while slower steps report each section
@@ -46,7 +53,9 @@ from typing import Any
 
 from ..errors import ResilientError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""
+VERSIONS = (1, 2)
 KINDS = ("hello", "section", "bye")
 MAX_DATAGRAM = 65536
 ROWS_PER_DATAGRAM = 150
@@ -80,6 +89,8 @@ class Heartbeat:
     """A save that finished since the last heartbeat: step, duration_s, bytes, ok."""
     t: float | None = None
     """When the worker entered the section, on its ``time.monotonic`` clock (set by batched senders)."""
+    generation: int | None = None
+    """The worker's generation (``g`` on the wire); None from a version 1 sender."""
     v: int = PROTOCOL_VERSION
 
 
@@ -88,14 +99,18 @@ _COUNTERS = ("tokens", "samples")  # optional: absent means 0
 
 
 def encode(hb: Heartbeat) -> bytes:
-    return json.dumps(asdict(hb), separators=(",", ":")).encode()
+    obj = asdict(hb)
+    generation = obj.pop("generation")
+    if hb.v >= 2:
+        obj["g"] = generation
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 ROW_FIELDS = ("kind", "section", "step", "seq", "t", "committed_step", "tokens", "samples", "save", "checkpoint")
 
 
 def decode_datagram(data: bytes) -> list[Heartbeat]:
-    """One datagram: a single heartbeat, or a batch ``{"v", "rank", "local_rank", "pid", "rows": [[...], ...]}``
+    """One datagram: a single heartbeat, or a batch ``{"v", "g", "rank", "local_rank", "pid", "rows": [[...], ...]}``
     whose rows list :data:`ROW_FIELDS` in order.  Raises :class:`HeartbeatError` for anything malformed."""
     obj = _loads(data)
     rows = obj.get("rows")
@@ -103,7 +118,7 @@ def decode_datagram(data: bytes) -> list[Heartbeat]:
         return [_validate(obj)]
     if not isinstance(rows, list):
         raise HeartbeatError(f"field 'rows' must be a list, got {type(rows).__name__}")
-    head = {k: obj.get(k) for k in ("v", "rank", "local_rank", "pid")}
+    head = {k: obj.get(k) for k in ("v", "g", "rank", "local_rank", "pid") if k in obj}
     found = []
     for row in rows:
         if not isinstance(row, list) or len(row) != len(ROW_FIELDS):
@@ -130,8 +145,12 @@ def decode(data: bytes) -> Heartbeat:
 def _validate(obj: Any) -> Heartbeat:
     if not isinstance(obj, dict):
         raise HeartbeatError(f"not a JSON object but {type(obj).__name__}")
-    if obj.get("v") != PROTOCOL_VERSION:
-        raise HeartbeatError(f"protocol version {obj.get('v')!r}, this agent speaks {PROTOCOL_VERSION}")
+    if not _is_int(obj.get("v")) or obj["v"] not in VERSIONS:
+        raise HeartbeatError(f"protocol version {obj.get('v')!r}, this agent speaks {' and '.join(map(str, VERSIONS))}")
+    version: int = obj["v"]
+    generation: Any = obj.get("g")
+    if version >= 2 and not (_is_int(generation) and generation >= 0):
+        raise HeartbeatError(f"field 'g' (generation) must be an integer >= 0 in version {version}, got {generation!r}")
     for key in _INT_FIELDS:
         if not _is_int(obj.get(key)):
             raise HeartbeatError(f"field {key!r} must be an integer, got {obj.get(key)!r}")
@@ -159,7 +178,7 @@ def _validate(obj: Any) -> Heartbeat:
         rank=obj["rank"], local_rank=obj["local_rank"], pid=obj["pid"], section=section, step=obj["step"],
         seq=obj["seq"], kind=obj["kind"], checkpoint=checkpoint, committed_step=committed,
         tokens=obj.get("tokens", 0), samples=obj.get("samples", 0), save=save,
-        t=float(t) if t is not None else None,
+        t=float(t) if t is not None else None, generation=generation if version >= 2 else None, v=version,
     )
 
 

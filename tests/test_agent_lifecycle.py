@@ -1,0 +1,315 @@
+"""What an agent leaves when it dies, what the next one sweeps, and status that never waits on the network.
+
+Real agents (``resilient run``) and real workers; the etcd outage uses a
+real etcd that the test stops and starts.  The sweep's waiting and its
+stuck-process verdict are also tested against a made-up ``/proc``, since a
+process that SIGKILL cannot end (``D`` state) cannot be made on demand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.agent.sweep import AgentAlreadyRunningError, NodeProcesses, Stuck, read_stat
+from resilient.exitcodes import EXIT_UNHEALTHY
+
+from .agent_helpers import agent_env, events, explain, incidents, node_status, run_agent, start_agent, wait_for
+from .helpers import read_trace
+
+NODE = "n0"
+
+
+def gone(pid: int) -> bool:
+    """No such process any more (a zombie is dead: only its exit status waits for its parent)."""
+    st = read_stat(pid)
+    return st is None or st.state in ("Z", "X")
+
+
+def train_args(tmp_path: Path, steps: int) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--every", "5", "--keep", "3", "--dir", str(tmp_path / "ckpt"),
+            "--trace", str(tmp_path / "trace"), "--step-sleep", "0.1")
+
+
+def test_a_sigkilled_agent_takes_its_workers_and_the_next_agent_completes_the_run(tmp_path):
+    run_dir, steps = tmp_path / "run", 40
+    flags = ("--nproc-per-node", "2", "--node-id", NODE)
+    agent = start_agent(run_dir, *flags, script_args=train_args(tmp_path, steps), log=tmp_path / "first.log")
+    try:
+        status = wait_for(lambda: (s := node_status(run_dir, NODE)) and len(s["ranks"]) == 2
+                          and all(r["step"] >= 8 for r in s["ranks"].values()) and s, timeout=180,
+                          what="both ranks past step 8 (a checkpoint committed)")
+    finally:
+        agent.kill()
+        agent.wait()
+    pids = [r["pid"] for r in status["ranks"].values()]
+    [started] = events(run_dir, "workers_started")
+    assert sorted(started["pids"].values()) == sorted(pids)
+    deadline = time.monotonic() + 1.0
+    while not all(gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(gone(p) for p in pids), [read_stat(p) for p in pids]
+
+    proc = run_agent(run_dir, *flags, script_args=train_args(tmp_path, steps), timeout=240)
+    assert proc.returncode == 0, explain(proc)
+    assert not events(run_dir, "leftovers_swept"), "the parent-death signal left nothing to sweep"
+    for rank in (0, 1):
+        trace = read_trace(tmp_path / "trace", rank)
+        assert len(trace.starts) == 2 and trace.starts[1]["restored_from"] is not None
+        assert trace.end is not None and trace.end["step"] == steps
+
+
+# A worker that starts a helper in its own process group (as a data-prep tool or a shell pipeline
+# would): the parent-death signal reaches the worker, not the helper, which init adopts.
+LEAVES_A_HELPER = """
+import os, pathlib, subprocess, sys, time
+out = pathlib.Path(sys.argv[1])
+if (out / "launched").exists():
+    sys.exit(0)  # the second agent's worker: the run is done
+(out / "launched").write_text("")
+helper = subprocess.Popen(["sleep", "600"])
+(out / "helper.tmp").write_text(f"{helper.pid} {os.getpid()}")
+os.replace(out / "helper.tmp", out / "helper")
+time.sleep(600)
+"""
+
+
+def test_a_second_agent_refuses_a_live_one_and_the_next_sweeps_what_a_dead_one_left(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "leaves_a_helper.py"
+    script.write_text(LEAVES_A_HELPER)
+    flags = ("--node-id", NODE)
+    agent = start_agent(run_dir, *flags, script=script, script_args=(str(tmp_path),), log=tmp_path / "first.log")
+    helper = worker = None
+    try:
+        wait_for(lambda: (tmp_path / "helper").exists(), timeout=60, what="the worker to start its helper")
+        helper, worker = map(int, (tmp_path / "helper").read_text().split())
+        assert read_stat(helper).pgid == worker
+
+        refused = run_agent(run_dir, *flags, script=script, script_args=(str(tmp_path),), timeout=60)
+        assert refused.returncode == 2, explain(refused)
+        assert f"agent pid {agent.pid} is still running" in refused.stderr and "--node-id" in refused.stderr
+        assert not gone(worker) and not gone(helper), "a refused agent must not touch the live agent's workers"
+    finally:
+        agent.kill()
+        agent.wait()
+    try:
+        wait_for(lambda: gone(worker), timeout=1, what="the worker to die with its agent", interval=0.01)
+        assert not gone(helper), "the helper is outside the parent-death signal's reach: the sweep's case"
+
+        proc = run_agent(run_dir, *flags, script=script, script_args=(str(tmp_path),), timeout=120)
+        assert proc.returncode == 0, explain(proc)
+        [swept] = events(run_dir, "leftovers_swept")
+        assert swept["pids"] == [helper] and swept["previous_agent"] == agent.pid and swept["stuck"] == []
+        assert gone(helper)
+    finally:
+        if helper is not None and not gone(helper):
+            os.kill(helper, signal.SIGKILL)
+
+
+def test_unhealthy_node_writes_an_incident_with_the_failed_checks(tmp_path):
+    run_dir = tmp_path / "run"
+    script = tmp_path / "never.py"
+    script.write_text("raise SystemExit('must not start')\n")
+    proc = run_agent(run_dir, "--node-id", NODE, "--health-path", str(tmp_path), "--min-free-disk-gb", "1000000",
+                     script=script, timeout=120)
+    assert proc.returncode == EXIT_UNHEALTHY, explain(proc)
+    [incident] = incidents(run_dir)
+    assert incident["kind"] == "unhealthy" and incident["node"] == NODE
+    [problem] = incident["problems"]
+    assert "free disk" in problem and str(tmp_path) in problem
+    assert incident["decision"]["verdict"] == "unhealthy"
+    [announced] = events(run_dir, "incident")
+    assert announced["failure"] == "unhealthy" and announced["problems"] == [problem]
+
+
+def test_status_and_ledger_keep_updating_while_etcd_is_down(tmp_path, etcd_outage_server):
+    run_dir, steps = tmp_path / "run", 250
+    flags = ("--nnodes", "1", "--store", etcd_outage_server.url, "--run-id", "outage-status", "--node-id", NODE,
+             "--local-addr", "127.0.0.1")
+    agent = start_agent(run_dir, *flags, script_args=train_args(tmp_path, steps), log=tmp_path / "agent.log")
+    ledger = run_dir / "nodes" / NODE / "ledger.json"
+    try:
+        wait_for(lambda: (s := node_status(run_dir, NODE)) and s["ranks"] and s["ranks"]["0"]["step"] >= 3,
+                 timeout=180, what="the worker past step 3")
+        etcd_outage_server.stop()
+        down_at = time.monotonic()
+        samples: list[tuple[float, float, int]] = []  # (when, status updated_at, ledger mtime)
+        while time.monotonic() - down_at < 10:
+            s = node_status(run_dir, NODE)
+            samples.append((time.monotonic(), s["updated_at"] if s else 0.0, ledger.stat().st_mtime_ns))
+            time.sleep(0.1)
+        etcd_outage_server.start()
+        code = agent.wait(timeout=240)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert code == 0, (tmp_path / "agent.log").read_text()[-3000:]
+    assert events(run_dir, "store_outage_start"), "the agent never noticed the outage"
+    for column, what in ((1, "status.json updated_at"), (2, "ledger.json")):
+        changes = [cur[0] for prev, cur in itertools.pairwise(samples) if cur[column] != prev[column]]
+        edges = [down_at, *changes, samples[-1][0]]
+        gaps = [b - a for a, b in itertools.pairwise(edges)]
+        assert len(changes) >= 4 and max(gaps) < 2.5, (what, [round(g, 2) for g in gaps])
+
+
+# ------------------------------------------------------------ a made-up /proc
+class FakeProc:
+    """A /proc directory with ``stat`` files we write, and a killpg that takes processes away."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.killed: list[tuple[int, int]] = []
+        self.unkillable: set[int] = set()
+        root.mkdir()
+
+    def add(self, pid: int, *, pgid: int, state: str = "S", start: int = 1000) -> None:
+        fields = [state, "1", str(pgid), str(pgid)] + ["0"] * 15 + [str(start)] + ["0"] * 10
+        (self.root / str(pid)).mkdir(exist_ok=True)
+        (self.root / str(pid) / "stat").write_text(f"{pid} (py thon) {' '.join(fields)}\n")
+
+    def killpg(self, pgid: int, signum: int) -> None:
+        self.killed.append((pgid, signum))
+        for entry in list(self.root.iterdir()):
+            st = read_stat(int(entry.name), self.root)
+            if st is not None and st.pgid == pgid and st.pid not in self.unkillable:
+                (entry / "stat").unlink()
+                entry.rmdir()
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+def _processes(tmp_path: Path, proc: FakeProc, clock: FakeTime) -> NodeProcesses:
+    node_dir = tmp_path / "node"
+    node_dir.mkdir(exist_ok=True)
+    return NodeProcesses(node_dir, proc_root=proc.root, killpg=proc.killpg, clock=lambda: clock.now,
+                         sleep=clock.sleep)
+
+
+def test_sweep_kills_recorded_groups_skips_reused_pids_and_names_a_stuck_process(tmp_path):
+    proc, clock = FakeProc(tmp_path / "proc"), FakeTime()
+    proc.add(100, pgid=100, state="D", start=555)  # rank 0, stuck in uninterruptible sleep
+    proc.add(101, pgid=100, start=560)  # a helper rank 0 started
+    proc.add(200, pgid=200, start=999)  # rank 1's pid, reused by an unrelated process
+    proc.add(301, pgid=300, start=800)  # rank 2 is gone, its helper is not
+    proc.unkillable.add(100)
+    first = _processes(tmp_path, proc, clock)
+    first.claim()
+    (tmp_path / "node" / "pids.json").write_text(
+        '{"agent": {"pid": 7, "start_ticks": 1}, "generation": 4, "workers": ['
+        '{"rank": 0, "pid": 100, "start_ticks": 555}, {"rank": 1, "pid": 200, "start_ticks": 600},'
+        '{"rank": 2, "pid": 300, "start_ticks": 790}]}')
+    first.release()
+
+    result = _processes(tmp_path, proc, clock).claim()
+    assert sorted(proc.killed) == [(100, signal.SIGKILL), (300, signal.SIGKILL)], "pid 200 was reused: spared"
+    assert sorted(result.killed) == [100, 101, 301] and result.previous_agent == 7
+    assert result.stuck == (Stuck(100, 0, "D (disk sleep)", 555),)
+    assert "worker pid 100 (rank 0) still exists after SIGKILL, in state D (disk sleep)" in result.stuck[0].describe()
+    assert 10.0 <= clock.now < 10.1, "it waited the kill bound, and no longer"
+
+
+def test_a_stuck_process_that_ends_is_waited_for_and_one_that_stays_is_reported(tmp_path):
+    proc, clock = FakeProc(tmp_path / "proc"), FakeTime()
+    proc.add(100, pgid=100, state="D", start=555)
+    processes = _processes(tmp_path, proc, clock)
+    stuck = (Stuck(100, 0, "D (disk sleep)", 555),)
+    assert processes.wait_stuck(stuck, timeout_s=5.0) == stuck and clock.now >= 5.0
+    proc.add(100, pgid=100, state="Z", start=555)  # it died; only its parent has yet to reap it
+    assert processes.wait_stuck(stuck, timeout_s=5.0) == ()
+
+
+def test_only_one_agent_holds_a_node_directory(tmp_path):
+    proc, clock = FakeProc(tmp_path / "proc"), FakeTime()
+    first = _processes(tmp_path, proc, clock)
+    first.claim()
+    with pytest.raises(AgentAlreadyRunningError, match=rf"agent pid {os.getpid()} is still running"):
+        _processes(tmp_path, proc, clock).claim()
+    first.release()
+    _processes(tmp_path, proc, clock).claim()  # free again once released (or once its holder died)
+
+
+def test_a_worker_spawned_with_the_parent_death_signal_dies_when_its_parent_is_killed(tmp_path):
+    """The mechanism alone: a parent that spawns through WorkerGroup, SIGKILLed."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from resilient.agent.launcher import WorkerGroup, WorkerSpec\n"
+        f"log = Path({str(tmp_path)!r}) / 'w.log'\n"
+        "g = WorkerGroup([WorkerSpec(local_rank=0, rank=0, argv=('sleep', '600'), env={}, log_file=log, echo=False)])\n"
+        "print(g.workers[0].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=agent_env())
+    try:
+        child = int(parent.stdout.readline())
+        assert not gone(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    wait_for(lambda: gone(child), timeout=1, what="the worker to die with its parent", interval=0.01)
+
+
+def test_a_store_that_hangs_delays_only_the_store_copy_of_the_status(tmp_path):
+    """The local files keep their cadence while every store call blocks; the last count read is shown."""
+    import json
+    import threading
+
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.config import AgentConfig
+    from resilient.agent.status import StatusPublisher
+    from resilient.agent.tracker import RankTracker
+    from resilient.metrics.ledger import LedgerConfig
+
+    store_up = threading.Event()
+    restarts = {"read": 0}
+    stored: list[dict] = []
+
+    def refresh() -> None:
+        store_up.wait()  # an etcd outage: the call hangs until the store is back
+        restarts["read"] = 2
+
+    def put(key: str, value: bytes) -> None:
+        store_up.wait()
+        stored.append(json.loads(value))
+
+    config = AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n", run_dir=tmp_path)
+    accounting = NodeAccounting(tmp_path / "ledger.json", LedgerConfig())
+    status_file = tmp_path / "status.json"
+    publisher = StatusPublisher(config, status_file=status_file, control_socket=tmp_path / "control.sock",
+                                tracker=RankTracker(), accounting=accounting,
+                                restarts_used=lambda: restarts["read"], refresh_restarts=refresh, store_put=put,
+                                emit=lambda *a, **k: None, interval_s=0.05)
+    publisher.start()
+    try:
+        seen = set()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            snap = json.loads(status_file.read_text()) if status_file.exists() else None
+            if snap is not None:
+                seen.add(snap["updated_at"])
+                assert snap["restarts_used"] == 0 and snap["store_published_at"] is None
+            time.sleep(0.01)
+        assert len(seen) >= 5, "status.json stopped while the store hung"
+        assert (tmp_path / "ledger.json").exists() and stored == []
+    finally:
+        store_up.set()
+        publisher.phase = "finished: succeeded"
+        publisher.stop()
+    final = json.loads(status_file.read_text())
+    assert final["phase"] == "finished: succeeded"
+    assert stored and stored[-1]["phase"] == "finished: succeeded", "the final status reaches the store"
