@@ -93,8 +93,6 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_world_size", "gauge", "Ranks in the current generation", _NODE),
     Metric("resilient_full_world_size", "gauge", "Ranks the run has with every node present", _NODE),
     Metric("resilient_generation", "gauge", "Current generation (rendezvous round) number", _NODE),
-    Metric("resilient_spares_available", "gauge", "Hot spare nodes ready to be promoted", _NODE),
-    Metric("resilient_quarantined_nodes", "gauge", "Nodes quarantined and kept out of the run", _NODE),
 )
 
 BY_NAME = {m.name: m for m in METRICS}
