@@ -52,8 +52,9 @@ def test_metrics_during_a_run_with_a_crash_and_the_goodput_report(tmp_path):
                         "--peak-tflops", "0.001",
                         script_args=_worker(tmp_path, 40, "--step-sleep", "0.05"), log=tmp_path / "agent.log")
     try:
-        [listening] = wait_for(lambda: events(run_dir, "metrics_listening") if run_dir.exists() else None,
-                               timeout=60, what="the metrics server")
+        # The run directory exists before the first event is written: wait for the file, not the directory.
+        [listening] = wait_for(lambda: events(run_dir, "metrics_listening") if (run_dir / "events.jsonl").exists()
+                               else None, timeout=60, what="the metrics server")
         assert listening["url"].startswith("http://127.0.0.1:")
         wait_for(lambda: (s := node_status(run_dir, NODE)) and s["generation"] == 2
                  and any(r["step"] >= 20 for r in s["ranks"].values()), timeout=120, what="the restarted run")
