@@ -76,6 +76,9 @@ def test_metrics_during_a_run_with_a_crash_and_the_goodput_report(tmp_path):
     assert _value(samples, "resilient_peak_flops", **labels) == 2e9
     assert math.isclose(_value(samples, "resilient_mfu_ratio", scope="run", **labels),
                         2e6 * new_steps / (busy * 2e9), rel_tol=1e-9)
+    # The run is shorter than the rolling hour: the window holds all of it, so its MFU is the run's.
+    assert math.isclose(_value(samples, "resilient_mfu_ratio", scope="window", **labels),
+                        _value(samples, "resilient_mfu_ratio", scope="run", **labels), rel_tol=1e-9)
     wall = _value(samples, "resilient_wall_seconds_total", **labels)
     parts = _value(samples, "resilient_goodput_seconds_total", **labels) + sum(
         _value(samples, "resilient_badput_seconds_total", category=c, **labels) for c in BADPUT_CATEGORIES)
