@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -162,14 +163,45 @@ def bench_ingest_and_scrape(tmp: Path, ranks: int, steps: int) -> dict:
     }
 
 
+def _git(*args: str) -> str:
+    """Output of a git command in the repository (empty when git or the repository is missing)."""
+    try:
+        out = subprocess.run(["git", "-C", str(HERE.parent), *args], capture_output=True, text=True, timeout=30,
+                             check=False)
+    except OSError:
+        return ""
+    return out.stdout.rstrip("\n") if out.returncode == 0 else ""
+
+
+def provenance() -> dict:
+    """What was measured and how: the commit, uncommitted changes to the code, the exact command, the load.
+
+    The load average is read before and after (``os.getloadavg()``): other
+    work on the machine inflates the per-step numbers, and this says how much
+    there was.
+    """
+    return {
+        "commit": _git("rev-parse", "HEAD") or "unknown (not a git checkout)",
+        "uncommitted_changes": _git("status", "--porcelain", "--", "resilient", "benchmarks").splitlines(),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "cwd": os.getcwd(),
+        "loadavg_before": list(os.getloadavg()),
+    }
+
+
 def render(results: dict) -> str:
-    loop, sc = results["step_loop"], results["scrape"]
+    loop, sc, prov = results["step_loop"], results["scrape"], results["provenance"]
+    dirty = " with uncommitted changes to " + ", ".join(sorted({line[3:] for line in prov["uncommitted_changes"]})) \
+        if prov["uncommitted_changes"] else ""
     ok_loop = loop["overhead_us"] < 20
     ok_scrape = sc["scrape_ms_median"] < 10
     lines = [
         "# Ledger and exporter cost",
         "",
-        f"Machine: {results['machine']}. One run of `python benchmarks/metrics_bench.py`.",
+        f"Machine: {results['machine']}. Commit `{prov['commit']}`{dirty}.",
+        (f"Command: `{prov['command']}`. Load average (1, 5, 15 min) before "
+         f"{', '.join(f'{x:.2f}' for x in prov['loadavg_before'])}, after "
+         f"{', '.join(f'{x:.2f}' for x in prov['loadavg_after'])}."),
         "",
         "| measure | ours | peer | overhead / ratio | target |",
         "|---|---|---|---|---|",
@@ -209,14 +241,17 @@ def main() -> int:
     args = p.parse_args()
     WORK = args.work
     torch.set_num_threads(1)
+    prov = provenance()
     with tempfile.TemporaryDirectory(prefix="rmb") as d:
         tmp = Path(d)
         results = {
+            "provenance": prov,
             "machine": f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}",
             "work": WORK,
             "step_loop": bench_step_loop(args.steps, tmp),
             "scrape": bench_ingest_and_scrape(tmp, 8, args.history),
         }
+    prov["loadavg_after"] = list(os.getloadavg())
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "metrics_bench.json").write_text(json.dumps(results, indent=1))
     text = render(results)

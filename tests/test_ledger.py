@@ -299,3 +299,37 @@ def test_metrics_package_imports_stay_light():
             "heavy = [n for n in ('torch', 'prometheus_client', 'matplotlib') if n in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_metrics_package_imports_no_higher_layer():
+    """resilient.metrics sits below the agent, the CLI and the worker: it imports only itself and the basics.
+
+    Read from the source (function-level imports included), not from
+    sys.modules, so a lazy import on a rarely used path is caught too.
+    """
+    import ast
+    from pathlib import Path
+
+    import resilient.metrics
+
+    allowed = {"resilient", "resilient.errors", "resilient.fsutil", "resilient._lazy"}
+    package = Path(resilient.metrics.__file__).parent
+    found = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 0:
+                    targets = [node.module or ""]
+                else:  # relative to resilient.metrics (level 1) or resilient (level 2)
+                    base = ["resilient", "metrics"][: 3 - node.level]
+                    targets = [".".join([*base, node.module] if node.module else base)]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                inside = target == "resilient" or target.startswith("resilient.")
+                if inside and not target.startswith("resilient.metrics") and target not in allowed:
+                    found.append(f"{path.name}:{node.lineno} imports {target}")
+    assert not found, found
+    assert len(list(package.glob("*.py"))) >= 10

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from resilient.metrics.ledger import Ledger, LedgerConfig
+from resilient.metrics.ledger_account import totals
 
 TOK, SMP = 100, 8
 CONFIGS = (
@@ -169,14 +170,32 @@ def feed(ledger: Ledger, events: list[Event]) -> None:
         getattr(ledger, e.name)(*e.args)
 
 
-def check_sums(acct: Any) -> None:
-    total = math.fsum(acct.seconds.values())
-    assert abs(total - acct.wall_s) <= 1e-9 * max(acct.wall_s, 1.0), (total, acct.wall_s)
-    assert all(v >= 0 for v in acct.seconds.values())
-    for r in (acct.goodput_ratio, acct.ettr, acct.window.goodput_ratio, acct.window.ettr):
-        assert 0.0 <= r <= 1.0
-    wtotal = math.fsum(acct.window.seconds.values())
-    assert abs(wtotal - acct.window.wall_s) <= 1e-9 * max(acct.wall_s, 1.0), (wtotal, acct.window.wall_s)
+def check_sums(ledger: Ledger, now: float) -> None:
+    """The invariants, on the raw sums (nothing clamped) and on the account built from them.
+
+    Float rounding is allowed to the same relative 1e-9 of wall time as the
+    sum; a real accounting error (time counted twice, re-labelled from the
+    wrong category, a window reading outside the run) is seconds, not ulps.
+    """
+    raw = totals(ledger, now)
+    tol = 1e-9 * max(raw.wall_s, 1.0)
+    assert abs(math.fsum(raw.seconds) - raw.wall_s) <= tol, (raw.seconds, raw.wall_s)
+    assert min(raw.seconds) >= -tol, raw.seconds
+    assert abs(math.fsum(raw.window_seconds) - raw.window_wall_s) <= tol, (raw.window_seconds, raw.window_wall_s)
+    assert abs(raw.window_wall_s - min(raw.wall_s, ledger.config.window_s)) <= tol, raw
+    for run_s, window_s in zip(raw.seconds, raw.window_seconds):
+        assert -tol <= window_s <= run_s + tol, (raw.seconds, raw.window_seconds)  # the window is part of the run
+    new_steps = ledger.attempted_steps - ledger.replayed_steps
+    assert -1e-9 <= raw.window_new_steps <= new_steps + 1e-9, (raw.window_new_steps, new_steps)
+    eps = 1e-9
+    for window in (False, True):
+        assert -eps <= raw.goodput(window) <= 1.0 + eps, raw
+        assert -eps <= raw.ettr(window) <= 1.0 + eps, raw
+        assert raw.goodput(window) <= raw.ettr(window) + eps, raw  # productive time is never lost time
+    acct = ledger.account(now)
+    assert acct.wall_s == raw.wall_s and acct.window.wall_s == raw.window_wall_s
+    assert list(acct.seconds.values()) == [max(0.0, x) for x in raw.seconds]
+    assert (acct.goodput_ratio, acct.ettr) == (min(1.0, max(0.0, raw.goodput())), min(1.0, max(0.0, raw.ettr())))
 
 
 @SETTINGS
@@ -186,9 +205,9 @@ def test_categories_sum_to_wall_time_at_every_prefix(run, config, later):
     ledger = Ledger(config)
     for e in events:
         getattr(ledger, e.name)(*e.args)
-        check_sums(ledger.account(ledger.last_t))
-    check_sums(ledger.account(now))
-    check_sums(ledger.account(now + later))
+        check_sums(ledger, ledger.last_t)
+    check_sums(ledger, now)
+    check_sums(ledger, now + later)
     assert ledger.account(now).wall_s == now - events[0].args[0]
 
 
@@ -252,7 +271,8 @@ def test_window_ratios_cover_only_the_last_window(run, config, skip):
     acct = ledger.account(idle_end)
     if idle_end - t >= config.window_s + _width(acct):
         event("idle window checked")
-        assert acct.window.goodput_ratio == 0.0 and acct.window.ettr == 0.0
+        raw = totals(ledger, idle_end)
+        assert raw.goodput(window=True) == 0.0 and abs(raw.ettr(window=True)) <= 1e-9
         assert abs(acct.window.seconds["idle"] - config.window_s) <= 1e-9 * idle_end
     # Then a window and more of new 1 s steps against a 1 s ideal: the window is all productive.
     good = Ledger.from_dict(ledger.to_dict(), config=LedgerConfig(ideal_step_s=1.0, window_s=config.window_s,
@@ -265,5 +285,8 @@ def test_window_ratios_cover_only_the_last_window(run, config, skip):
     acct = good.account(idle_end + n - 1)
     if n - 1 >= config.window_s + _width(acct):
         event("productive window checked")
-        assert abs(acct.window.goodput_ratio - 1.0) <= 1e-9
+        raw = totals(good, idle_end + n - 1)
+        assert abs(raw.goodput(window=True) - 1.0) <= 1e-9
+        # One new step a second: the window holds window_s of them (its edges within a bucket and a step).
+        assert abs(raw.window_new_steps - config.window_s) <= 1.0 + _width(acct), raw.window_new_steps
         assert acct.window.seconds["idle"] == 0.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import urllib.request
 
 from resilient.exitcodes import EXIT_PREEMPTED_AGENT
 from resilient.metrics.catalogue import BADPUT_CATEGORIES, METRICS
+from resilient.watchdog.stacks import process_state
 
 from .agent_helpers import events, explain, node_status, run_agent, start_agent, wait_for
 
@@ -50,10 +52,9 @@ def test_metrics_during_a_run_with_a_crash_and_the_goodput_report(tmp_path):
                         "--peak-tflops", "0.001",
                         script_args=_worker(tmp_path, 40, "--step-sleep", "0.05"), log=tmp_path / "agent.log")
     try:
-        # The run directory exists before its first event is written: wait for the events file itself.
+        # The run directory exists before the first event is written: wait for the file, not the directory.
         [listening] = wait_for(lambda: events(run_dir, "metrics_listening") if (run_dir / "events.jsonl").exists()
-                               else None,
-                               timeout=60, what="the metrics server")
+                               else None, timeout=60, what="the metrics server")
         assert listening["url"].startswith("http://127.0.0.1:")
         wait_for(lambda: (s := node_status(run_dir, NODE)) and s["generation"] == 2
                  and any(r["step"] >= 20 for r in s["ranks"].values()), timeout=120, what="the restarted run")
@@ -75,6 +76,9 @@ def test_metrics_during_a_run_with_a_crash_and_the_goodput_report(tmp_path):
     assert _value(samples, "resilient_peak_flops", **labels) == 2e9
     assert math.isclose(_value(samples, "resilient_mfu_ratio", scope="run", **labels),
                         2e6 * new_steps / (busy * 2e9), rel_tol=1e-9)
+    # The run is shorter than the rolling hour: the window holds all of it, so its MFU is the run's.
+    assert math.isclose(_value(samples, "resilient_mfu_ratio", scope="window", **labels),
+                        _value(samples, "resilient_mfu_ratio", scope="run", **labels), rel_tol=1e-9)
     wall = _value(samples, "resilient_wall_seconds_total", **labels)
     parts = _value(samples, "resilient_goodput_seconds_total", **labels) + sum(
         _value(samples, "resilient_badput_seconds_total", category=c, **labels) for c in BADPUT_CATEGORIES)
@@ -104,20 +108,38 @@ def test_metrics_during_a_run_with_a_crash_and_the_goodput_report(tmp_path):
 
 
 def test_the_account_continues_across_agent_restarts(tmp_path):
-    """Preempt the agent, start it again on the same run directory: one continuous account."""
+    """Preempt the agent mid-run, start it again on the same run directory: one continuous account.
+
+    The preemption must land before the run's last step, or the second agent
+    has nothing left to train.  Waiting for a step in status.json and then
+    sending SIGTERM raced with the run (status is published every second and
+    the whole run takes about two): the stop step (furthest step seen + 2)
+    sometimes was the last one.  So the worker stops itself (SIGSTOP) at step
+    10, the agent is preempted while it cannot move on, and the worker is
+    resumed only once the agent has chosen the stop step.
+    """
     run_dir = tmp_path / "run"
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "sigstop", "rank": 0, "step": 10, "attempt": 0, "section": "step"}]}))
     args = _worker(tmp_path, 30, "--step-sleep", "0.05")
-    agent = start_agent(run_dir, "--nproc-per-node", "1", "--node-id", NODE, "--run-id", "again",
-                        script_args=args, log=tmp_path / "first.log")
+    flags = ("--nproc-per-node", "1", "--node-id", NODE, "--run-id", "again", "--fault-plan", str(plan),
+             "--section-timeout", "step=100000")  # the stopped worker is not a hang to recover from
+    agent = start_agent(run_dir, *flags, script_args=args, log=tmp_path / "first.log")
     try:
-        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 8 for r in s["ranks"].values()),
-                 timeout=120, what="step 8")
+        [started] = wait_for(lambda: events(run_dir, "workers_started") if (run_dir / "events.jsonl").exists()
+                             else None, timeout=120, what="the workers")
+        pid = started["pids"]["0"]
+        wait_for(lambda: process_state(pid) == "stopped", timeout=120, what="the worker stopping itself at step 10")
         agent.send_signal(signal.SIGTERM)
-        assert agent.wait(timeout=90) == EXIT_PREEMPTED_AGENT
+        [request] = wait_for(lambda: events(run_dir, "stop_requested"), timeout=60, what="the stop request")
+        assert request["stop_at_step"] < 30, request
+        os.kill(pid, signal.SIGCONT)
+        assert agent.wait(timeout=90) == EXIT_PREEMPTED_AGENT, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         agent.kill()
     first = json.loads((run_dir / "nodes" / NODE / "ledger.json").read_text())
-    proc = run_agent(run_dir, "--nproc-per-node", "1", "--node-id", NODE, "--run-id", "again", script_args=args)
+    proc = run_agent(run_dir, *flags, script_args=args)
     assert proc.returncode == 0, explain(proc)
 
     from resilient.metrics.ledger import Ledger

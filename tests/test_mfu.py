@@ -1,11 +1,12 @@
-"""MFU: FLOPs per step (formula and FlopCounterMode), the peak table, and the ratio."""
+"""MFU: FLOPs per step (formula and FlopCounterMode), the peak table, and the ratio by scope."""
 
 from __future__ import annotations
 
 import pytest
 
 from resilient.errors import ConfigError
-from resilient.metrics.mfu import lookup_device, mfu, normalise_dtype, resolve_peak, transformer_flops
+from resilient.metrics.ledger import Ledger, LedgerConfig
+from resilient.metrics.mfu import account_mfu, lookup_device, mfu, normalise_dtype, resolve_peak, transformer_flops
 
 
 def test_six_n_t_with_and_without_the_attention_term():
@@ -88,3 +89,31 @@ def test_cpu_has_no_peak_unless_configured():
 def test_mfu_needs_time():
     assert mfu(1e12, 10, 0.0, 1e12) is None
     assert mfu(None, 10, 1.0, 1e12) is None
+
+
+def test_mfu_of_an_account_by_scope_counts_new_steps_over_their_time():
+    """Run and window MFU from one ledger account: replayed steps and their seconds never count."""
+    flops, peak = 1e9, 1e9  # per step (whole job), per device; two devices
+    ledger = Ledger(LedgerConfig(ideal_step_s=1.0, window_s=20.0))
+    ledger.agent_started(0.0)
+    ledger.generation_started(0.0, 1, 2, 2, restart=False)
+    ledger.section(0.0, 0, "init", 0)
+    for s in range(30):  # 10 s of init, then one step a second; step s completes at 11 + s
+        ledger.section(10.0 + s, 0, "step", s)
+    a = ledger.account(40.0)
+    assert a.window.new_steps == 20.0 and a.window.seconds["productive"] == 20.0  # steps 9..28, in [20, 40]
+    assert account_mfu(a, flops, peak) == {"run": 29 * flops / (30.0 * 2 * peak), "window": 0.5}
+
+    ledger.failure(40.0, 39.5, "i1", "exit")
+    ledger.generation_ended(41.0, "failed")
+    ledger.generation_started(45.0, 2, 2, 2, restart=True)
+    for i, s in enumerate(range(20, 35)):  # steps 20..28 again (replays), then new steps 29..33 complete
+        ledger.section(46.0 + i, 0, "step", s)
+    a = ledger.account(60.0)
+    assert (a.attempted_steps, a.replayed_steps) == (43, 9)
+    assert a.window.new_steps == 5.0
+    assert {k: v for k, v in a.window.seconds.items() if v} == {"productive": 5.0, "recovery": 6.0, "replay": 9.0}
+    # Run: 34 new steps over 29.5 + 5 productive seconds (the last 0.5 s before the failure became detection).
+    assert account_mfu(a, flops, peak) == {"run": 34 * flops / (34.5 * 2 * peak), "window": 0.5}
+    assert account_mfu(a, None, peak) == {"run": None, "window": None}
+    assert account_mfu(a, flops, None) == {"run": None, "window": None}

@@ -123,16 +123,7 @@ def device_peak_flops(configured: float | None) -> float | None:
 
 
 def job_mfu(account: Any, flops_per_step: float | None, device_peak: float | None) -> dict[str, float | None]:
-    """MFU of the job over the time spent computing new steps: new steps x FLOPs / (that time x job peak).
+    """MFU of the job by scope ("run", "window"); see :func:`resilient.metrics.mfu.account_mfu`."""
+    from ..metrics.mfu import account_mfu
 
-    Replayed steps are not counted (their FLOPs bought no progress), and
-    the time is productive + slowdown excess + degraded: the seconds the
-    new steps took.
-    """
-    from ..metrics.mfu import mfu
-
-    world = account.world_size or 0
-    new_steps = account.attempted_steps - account.replayed_steps
-    busy = sum(account.seconds[c] for c in ("productive", "slowdown_excess", "degraded"))
-    peak = device_peak * world if device_peak is not None and world else None
-    return {"run": mfu(flops_per_step, new_steps, busy, peak)}
+    return account_mfu(account, flops_per_step, device_peak)

@@ -9,6 +9,10 @@ built-ins.  ``push`` uploads the dashboards through ``grafana-client``
 (``pip install grafana-client``, or the ``resilient-train[grafana]`` extra),
 imported only when pushing.
 
+Both find the assets wherever they run from: :func:`assets_dir` is the
+repository's ``dashboards/`` in a source checkout and the copy the wheel
+installs as ``resilient/_dashboards`` otherwise (see setup.py).
+
 The PromQL helpers here are deliberately small: they strip strings, label
 matchers, ranges and label lists, and take the remaining identifiers that
 are not functions or keywords as metric names.  The tests also run every
@@ -28,8 +32,6 @@ from typing import Any
 
 from ..errors import ConfigError
 
-DEFAULT_DIR = Path("dashboards/grafana")
-DEFAULT_RULES = Path("dashboards/prometheus/alerts.yml")
 TOKEN_ENV = "GRAFANA_TOKEN"
 
 GRAFANA_BUILTINS = frozenset({
@@ -47,6 +49,35 @@ _LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\
 _IDENT = re.compile(r"(?<![\w:$.])([A-Za-z_:][\w:]*)(\s*\()?")
 _VARIABLE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)(?::[^\]]*)?\]\]|\$(\w+)")
 _LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*(\w+)\s*\)\s*$", re.DOTALL)
+
+
+def assets_dir(package_dir: Path | None = None) -> Path:
+    """The operator assets folder (``grafana/``, ``prometheus/``, ``runbooks/``, ...), from any directory.
+
+    ``package_dir`` is the ``resilient`` package folder (default: this
+    installation's).  An installed wheel has the assets at
+    ``resilient/_dashboards``; a source checkout (also an editable install)
+    at ``dashboards/`` next to the package.  The path is derived from the
+    package's own location, never from the current directory or an import
+    of the assets, so it is always the copy that belongs to this code.
+    """
+    package = package_dir if package_dir is not None else Path(__file__).resolve().parent.parent
+    candidates = (package / "_dashboards", package.parent / "dashboards")
+    for candidate in candidates:
+        if (candidate / "grafana").is_dir() and (candidate / "prometheus").is_dir():
+            return candidate
+    raise ConfigError(f"the dashboards and alert rules are not installed (looked in {candidates[0]} and "
+                      f"{candidates[1]}); reinstall resilient-train, or pass --dir DIR (and --rules FILE)")
+
+
+def default_dir() -> Path:
+    """The shipped Grafana dashboards."""
+    return assets_dir() / "grafana"
+
+
+def default_rules() -> Path:
+    """The shipped Prometheus alert rules."""
+    return assets_dir() / "prometheus" / "alerts.yml"
 
 
 def metric_names(expr: str) -> set[str]:
@@ -205,28 +236,34 @@ def add_parser(commands: Any) -> None:
     p = commands.add_parser("dashboards", help="check or upload the Grafana dashboards in dashboards/")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     c = actions.add_parser("check", help="validate dashboards and alert rules offline (metrics, variables)")
-    c.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"dashboard JSON directory (default {DEFAULT_DIR})")
-    c.add_argument("--rules", type=Path, default=DEFAULT_RULES,
-                   help=f"Prometheus rule file to check too (default {DEFAULT_RULES}; '' to skip)")
+    c.add_argument("--dir", type=Path, help="dashboard JSON directory (default: the dashboards shipped with "
+                   "resilient, dashboards/grafana in the repository)")
+    c.add_argument("--rules", type=Path, help="Prometheus rule file to check too (default: the shipped "
+                   "dashboards/prometheus/alerts.yml; '' to skip)")
     c.set_defaults(handler=cmd_check)
     u = actions.add_parser("push", help="upload the dashboards to Grafana through grafana-client")
     u.add_argument("--url", required=True, help="Grafana base URL, e.g. https://grafana.example.com")
     u.add_argument("--token", help=f"Grafana service account token (default: ${TOKEN_ENV})")
     u.add_argument("--folder", default="resilient", help="Grafana folder to put them in (default resilient)")
-    u.add_argument("--dir", type=Path, default=DEFAULT_DIR, help=f"dashboard JSON directory (default {DEFAULT_DIR})")
+    u.add_argument("--dir", type=Path, help="dashboard JSON directory (default: the dashboards shipped with "
+                   "resilient)")
     u.set_defaults(handler=cmd_push)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    rules = args.rules if args.rules and str(args.rules) not in ("", ".") else None
+    directory = args.dir if args.dir is not None else default_dir()
+    if args.rules is None:
+        rules: Path | None = default_rules()
+    else:  # '' (parsed as Path('.')) skips the rules
+        rules = args.rules if str(args.rules) not in ("", ".") else None
     if rules is not None and not rules.is_file():
         raise ConfigError(f"no rule file at {rules}: pass --rules FILE, or --rules '' to check dashboards only")
-    problems = check(args.dir, rules)
+    problems = check(directory, rules)
     for problem in problems:
         print(problem)
     if problems:
         return 1
-    print(f"ok: {len(load_dashboards(args.dir))} dashboards" + (f" and {rules}" if rules else ""))
+    print(f"ok: {len(load_dashboards(directory))} dashboards in {directory}" + (f" and {rules}" if rules else ""))
     return 0
 
 
@@ -234,6 +271,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         raise ConfigError(f"no Grafana token: pass --token TOKEN or set ${TOKEN_ENV}")
-    for url in push(args.dir, url=args.url, token=token, folder=args.folder):
+    directory = args.dir if args.dir is not None else default_dir()
+    for url in push(directory, url=args.url, token=token, folder=args.folder):
         print(url)
     return 0

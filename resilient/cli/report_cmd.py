@@ -23,9 +23,11 @@ def add_parser(commands: Any) -> None:
 
 
 def cmd_goodput(args: argparse.Namespace) -> int:
+    from ..agent.incidents import load_incidents
     from ..metrics.report import write_report
 
-    text, json_path, png_path = write_report(args.run_dir, args.out, png=not args.no_png)
+    incidents = load_incidents(args.run_dir / "incidents")
+    text, json_path, png_path = write_report(args.run_dir, incidents, args.out, png=not args.no_png)
     print(text)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     return 0

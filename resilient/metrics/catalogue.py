@@ -74,7 +74,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_committed_tokens_total", "counter", "Tokens of committed progress", _NODE),
     Metric("resilient_attempted_tokens_total", "counter", "Tokens computed, including replays", _NODE),
     Metric("resilient_replayed_tokens_total", "counter", "Tokens computed again after a rollback", _NODE),
-    Metric("resilient_mfu_ratio", "gauge", "Model FLOPs utilisation over productive time (needs a known peak)",
+    Metric("resilient_mfu_ratio", "gauge",
+           "Model FLOPs utilisation of new steps over the time they took, run or rolling window (needs a known peak)",
            (*_NODE, "scope")),
     Metric("resilient_model_flops_per_step", "gauge", "Model FLOPs of one optimizer step, whole job", _NODE),
     Metric("resilient_peak_flops", "gauge", "Peak FLOP/s of this node's devices, as configured or looked up", _NODE),
@@ -93,8 +94,6 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_world_size", "gauge", "Ranks in the current generation", _NODE),
     Metric("resilient_full_world_size", "gauge", "Ranks the run has with every node present", _NODE),
     Metric("resilient_generation", "gauge", "Current generation (rendezvous round) number", _NODE),
-    Metric("resilient_spares_available", "gauge", "Hot spare nodes ready to be promoted", _NODE),
-    Metric("resilient_quarantined_nodes", "gauge", "Nodes quarantined and kept out of the run", _NODE),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

@@ -129,8 +129,6 @@ def families(view: NodeView) -> Iterator[Any]:
     yield one("resilient_world_size", view.world_size)
     yield one("resilient_full_world_size", view.full_world_size)
     yield one("resilient_generation", view.generation)
-    yield one("resilient_spares_available", 0)  # hot spares are not built yet
-    yield one("resilient_quarantined_nodes", 0)  # quarantine is not built yet
 
 
 class _Collector:

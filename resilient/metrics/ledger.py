@@ -362,7 +362,7 @@ class Ledger:
         """The lead rank completed step ``lead_step``."""
         step, work = self.lead_step, self.lead_work
         self.attempted_steps += 1
-        self.timeline.add_step(t, work)
+        self.timeline.add_step(t, work, new=step > self.replay_mark)
         if step <= self.replay_mark:
             self.replayed_steps += 1
             return

@@ -4,38 +4,68 @@ The open interval since the last event is attributed as the ledger would
 attribute it (:meth:`Ledger.pieces`) on copies: the totals, the tail of the
 timeline and the open incident.  Closed timeline buckets are reused from
 the timeline's cache, so an account costs little more than the window sum.
+:func:`totals` is the raw arithmetic (sums and the window, nothing
+clamped); :func:`build_account` turns it into the frozen ``Account``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .catalogue import CATEGORIES
 from .ledger_codec import LOST_TO_ETTR, PRODUCTIVE, REPLAY
 from .ledger_state import Account, IncidentCost, WindowAccount
+from .timeline import Timeline
 
 if TYPE_CHECKING:
     from .ledger import Ledger
 
 
-def _ratios(seconds: list[float], wall: float) -> tuple[float, float]:
-    """(goodput, ettr) in [0, 1]; both 0 before any time has passed."""
-    if wall <= 0:
-        return 0.0, 0.0
-    goodput = seconds[PRODUCTIVE] / wall
-    ettr = (wall - sum(seconds[c] for c in LOST_TO_ETTR)) / wall
-    return min(1.0, max(0.0, goodput)), min(1.0, max(0.0, ettr))
+@dataclass(frozen=True)
+class Totals:
+    """The account's raw sums as of ``now``, before the ratios are formed and anything is clamped.
+
+    :class:`~resilient.metrics.ledger_state.Account` shows these with each
+    second count floored at 0 and each ratio clamped to [0, 1] (float
+    rounding in re-labelled intervals can leave a category an ulp below 0);
+    the property tests check the invariants here, where nothing hides them.
+    """
+
+    now: float
+    wall_s: float
+    seconds: tuple[float, ...]
+    """By category index (catalogue.CATEGORIES); they sum to ``wall_s``."""
+    window_wall_s: float
+    window_seconds: tuple[float, ...]
+    window_new_steps: float
+    pending_replay_s: float
+    """Replay seconds of the open interval since the last event (not yet in the ledger's incident)."""
+
+    def goodput(self, window: bool = False) -> float:
+        """Productive over wall seconds (0 before any time has passed); not clamped."""
+        seconds, wall = (self.window_seconds, self.window_wall_s) if window else (self.seconds, self.wall_s)
+        return seconds[PRODUCTIVE] / wall if wall > 0 else 0.0
+
+    def ettr(self, window: bool = False) -> float:
+        """Wall seconds not lost to init, detection, recovery, replay or idling, over wall seconds; not clamped."""
+        seconds, wall = (self.window_seconds, self.window_wall_s) if window else (self.seconds, self.wall_s)
+        return (wall - sum(seconds[c] for c in LOST_TO_ETTR)) / wall if wall > 0 else 0.0
 
 
-def build_account(ledger: Ledger, now: float) -> Account:
-    config = ledger.config
+def totals(ledger: Ledger, now: float, timeline: Timeline | None = None) -> Totals:
+    """The raw sums as of ``now`` (>= the last event; earlier is read as the last event). Pure.
+
+    ``timeline``: a :meth:`Timeline.clone_tail` of the ledger's timeline to
+    add the open interval to (the caller keeps it); by default a private one.
+    """
     start = ledger.start_t
     now = float(max(now, ledger.last_t))
     if start is None:
         start = now  # nothing happened yet
     pieces = ledger.pieces(ledger.last_t, now)[0] if now > ledger.last_t and ledger.start_t is not None else []
     seconds = list(ledger.seconds)
-    timeline = ledger.timeline.clone_tail()
+    timeline = timeline if timeline is not None else ledger.timeline.clone_tail()
     pending_replay = 0.0
     for t0, t1, cat in pieces:
         if t1 > t0:
@@ -44,12 +74,23 @@ def build_account(ledger: Ledger, now: float) -> Account:
             if cat == REPLAY:
                 pending_replay += t1 - t0
     wall = now - start
-    goodput, ettr = _ratios(seconds, wall)
+    window_start = max(start, now - ledger.config.window_s)
+    window_seconds, window_new_steps = timeline.window(window_start, now) if wall > 0 else (
+        [0.0] * len(CATEGORIES), 0.0)
+    return Totals(now=now, wall_s=wall, seconds=tuple(seconds), window_wall_s=now - window_start,
+                  window_seconds=tuple(window_seconds), window_new_steps=window_new_steps,
+                  pending_replay_s=pending_replay)
 
-    window_start = max(start, now - config.window_s)
-    window_seconds = timeline.window(window_start, now) if wall > 0 else [0.0] * len(CATEGORIES)
-    window_wall = now - window_start
-    w_goodput, w_ettr = _ratios(window_seconds, window_wall)
+
+def _unit(x: float) -> float:
+    return min(1.0, max(0.0, x))
+
+
+def build_account(ledger: Ledger, now: float) -> Account:
+    config = ledger.config
+    timeline = ledger.timeline.clone_tail()
+    raw = totals(ledger, now, timeline)
+    now, pending_replay = raw.now, raw.pending_replay_s
 
     incidents = []
     for i, inc in enumerate(ledger.incidents):
@@ -66,13 +107,14 @@ def build_account(ledger: Ledger, now: float) -> Account:
     ideal, source = ledger.ideal()
     return Account(
         now=now,
-        wall_s=wall,
-        seconds={c: max(0.0, s) for c, s in zip(CATEGORIES, seconds)},
-        goodput_ratio=goodput,
-        ettr=ettr,
-        window=WindowAccount(window_s=config.window_s, wall_s=window_wall,
-                             seconds={c: max(0.0, s) for c, s in zip(CATEGORIES, window_seconds)},
-                             goodput_ratio=w_goodput, ettr=w_ettr),
+        wall_s=raw.wall_s,
+        seconds={c: max(0.0, s) for c, s in zip(CATEGORIES, raw.seconds)},
+        goodput_ratio=_unit(raw.goodput()),
+        ettr=_unit(raw.ettr()),
+        window=WindowAccount(window_s=config.window_s, wall_s=raw.window_wall_s,
+                             seconds={c: max(0.0, s) for c, s in zip(CATEGORIES, raw.window_seconds)},
+                             goodput_ratio=_unit(raw.goodput(window=True)), ettr=_unit(raw.ettr(window=True)),
+                             new_steps=raw.window_new_steps),
         ideal_step_s=ideal,
         ideal_source=source,
         committed_step=ledger.committed_step,

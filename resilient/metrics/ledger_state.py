@@ -84,6 +84,8 @@ class WindowAccount:
     seconds: dict[str, float]
     goodput_ratio: float
     ettr: float
+    new_steps: float
+    """New (not replayed) steps completed in the window; those of the bucket straddling its start pro rata."""
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ backward under ``torch.utils.flop_counter.FlopCounterMode``), or from
 :func:`transformer_flops` (``6 * N * T``, plus ``12 * L * S * D * T`` for
 attention when the shape is known).  The peak comes from ``peak_tflops=``
 (labelled "configured peak") or from :data:`PEAKS`, keyed on the NVML device
-name.  MFU is ``flops_per_step * steps / (productive_s * peak)``: committed
-work at ideal speed over what the devices could have done in that time.
-On a CPU, or a device the table does not know, there is no peak unless one
+name.  MFU is ``flops_per_step * steps / (seconds * peak)``: the work done
+over what the devices could have done in that time.  :func:`account_mfu`
+applies it to a ledger account, for the run and for the rolling window:
+new (not replayed) steps over the seconds those steps took.  On a CPU, or a device the table does not know, there is no peak unless one
 is configured, and MFU is None with the reason.
 
 Importing this module imports neither torch nor pynvml.
@@ -196,7 +197,7 @@ def count_flops(model: Any, example_inputs: Any, loss_fn: Callable[[Any], Any] |
     return int(counter.get_total_flops())
 
 
-def mfu(flops_per_step: float | None, steps: int, productive_s: float, peak_flops: float | None) -> float | None:
+def mfu(flops_per_step: float | None, steps: float, productive_s: float, peak_flops: float | None) -> float | None:
     """``flops_per_step * steps / (productive_s * peak_flops)``; None when a term is unknown or zero time.
 
     ``flops_per_step`` and ``peak_flops`` must cover the same devices (the
@@ -206,3 +207,27 @@ def mfu(flops_per_step: float | None, steps: int, productive_s: float, peak_flop
     if flops_per_step is None or peak_flops is None or productive_s <= 0 or peak_flops <= 0:
         return None
     return flops_per_step * steps / (productive_s * peak_flops)
+
+
+BUSY_CATEGORIES = ("productive", "slowdown_excess", "degraded")
+"""The categories of the seconds that new steps took (replay, waits and recovery are not)."""
+
+
+def account_mfu(account: Any, flops_per_step: float | None, device_peak: float | None) -> dict[str, float | None]:
+    """MFU of the job by scope ("run", "window") from one ledger :class:`~resilient.metrics.ledger_state.Account`.
+
+    New steps x FLOPs per step over (the seconds those steps took x the
+    per-device peak x the world size).  Replayed steps are not counted
+    (their FLOPs bought no progress); the seconds are productive +
+    slowdown excess + degraded.  ``window`` uses the rolling window's new
+    steps and seconds.  Both use the current world size for the peak, so a
+    scope that spans a change of world size is approximate.
+    """
+    world = account.world_size or 0
+    peak = device_peak * world if device_peak is not None and world else None
+    run_steps = account.attempted_steps - account.replayed_steps
+    run_busy = sum(account.seconds[c] for c in BUSY_CATEGORIES)
+    w = account.window
+    window_busy = sum(w.seconds[c] for c in BUSY_CATEGORIES)
+    return {"run": mfu(flops_per_step, run_steps, run_busy, peak),
+            "window": mfu(flops_per_step, w.new_steps, window_busy, peak)}

@@ -1,8 +1,10 @@
 """The goodput report of a run: a terminal table, a JSON file and a PNG for a lead's slides.
 
-Reads each node's persisted ledger (``<run_dir>/nodes/<node>/ledger.json``)
-and the run's incidents; nothing is recomputed from logs, so the report
-says exactly what ``/metrics`` said.  matplotlib is imported only to draw.
+Reads each node's persisted ledger (``<run_dir>/nodes/<node>/ledger.json``);
+the run's incidents are passed in by the caller (the CLI reads them with the
+agent's reader: nothing in ``resilient.metrics`` imports the agent).  Nothing
+is recomputed from logs, so the report says exactly what ``/metrics`` said.
+matplotlib is imported only to draw.
 """
 
 from __future__ import annotations
@@ -151,12 +153,14 @@ def plot(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]], pat
     plt.close(fig)
 
 
-def write_report(run_dir: Path, out_dir: Path | None = None, png: bool = True) -> tuple[str, Path, Path | None]:
-    """Build the report; return (table text, JSON path, PNG path or None)."""
-    from ..agent.incidents import load_incidents
+def write_report(run_dir: Path, incidents: Sequence[dict[str, Any]], out_dir: Path | None = None,
+                 png: bool = True) -> tuple[str, Path, Path | None]:
+    """Build the report; return (table text, JSON path, PNG path or None).
 
+    ``incidents`` are the run's incident records, oldest first; the caller
+    reads them (the agent owns their format, and metrics sits below the agent).
+    """
     reports = load(run_dir)
-    incidents = load_incidents(run_dir / "incidents")
     out = out_dir or run_dir
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "goodput.json"

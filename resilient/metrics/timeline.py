@@ -23,9 +23,12 @@ from typing import Any
 from .catalogue import CATEGORIES
 
 N_CATEGORIES = len(CATEGORIES)
-_STEPS = N_CATEGORIES  # row layout: seconds by category, then steps completed, then their summed duration
+# Row layout: seconds by category, then steps completed, their summed duration, and how many of them were
+# new (not replayed).  Saved rows are sparse by index, so a row saved before a column existed reads as 0.
+_STEPS = N_CATEGORIES
 _STEP_SUM = N_CATEGORIES + 1
-_ROW = N_CATEGORIES + 2
+_NEW_STEPS = N_CATEGORIES + 2
+_ROW = N_CATEGORIES + 3
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class Bucket:
     """Seconds in each category within ``[t0, t1)``."""
     steps: int
     """Steps the lead rank completed in the bucket (new and replayed)."""
+    new_steps: int
+    """Of those, the new ones (not replayed): the progress the bucket made."""
     mean_step_s: float | None
     """Their mean duration; None when no step completed."""
 
@@ -64,11 +69,13 @@ class Timeline:
         self._spread(t0, t1, src, -1.0)
         self._spread(t0, t1, dst, 1.0)
 
-    def add_step(self, t: float, duration: float) -> None:
-        """Count one completed step of ``duration`` seconds, ending at ``t``."""
+    def add_step(self, t: float, duration: float, new: bool) -> None:
+        """Count one completed step of ``duration`` seconds, ending at ``t`` (``new``: not a replay)."""
         row = self._row(self._index(t))
         row[_STEPS] += 1.0
         row[_STEP_SUM] += duration
+        if new:
+            row[_NEW_STEPS] += 1.0
 
     def _index(self, t: float) -> int:
         i = max(0, math.floor((t - self.origin) / self.width))
@@ -140,15 +147,17 @@ class Timeline:
         t0 = self.origin + i * self.width
         return Bucket(t0=t0, t1=self.origin + (i + 1) * self.width,
                       seconds=dict(zip(CATEGORIES, row[:N_CATEGORIES])), steps=steps,
-                      mean_step_s=row[_STEP_SUM] / steps if steps else None)
+                      new_steps=int(row[_NEW_STEPS]), mean_step_s=row[_STEP_SUM] / steps if steps else None)
 
-    def window(self, start: float, now: float) -> list[float]:
-        """Seconds by category within ``[start, now]`` (the bucket straddling ``start`` pro rata).
+    def window(self, start: float, now: float) -> tuple[list[float], float]:
+        """Seconds by category within ``[start, now]``, and the new steps completed in it.
 
+        The bucket straddling ``start`` counts pro rata, its steps as well as
+        its seconds (a step is counted in the bucket where it completed).
         Every second from the origin to ``now`` must have been added.
         """
         full: list[list[float]] = []
-        partial = [0.0] * N_CATEGORIES
+        partial = [0.0] * (N_CATEGORIES + 1)  # seconds by category, then new steps
         for i in range(len(self.rows) - 1, -1, -1):
             t0 = self.origin + i * self.width
             end = min(self.origin + (i + 1) * self.width, now)
@@ -161,9 +170,10 @@ class Timeline:
             covered = end - t0
             if covered > 0:
                 share = (end - start) / covered
-                partial = [p + share * x for p, x in zip(partial, row[:N_CATEGORIES])]
+                partial = [p + share * x for p, x in zip(partial, [*row[:N_CATEGORIES], row[_NEW_STEPS]])]
         sums = [math.fsum(col) for col in zip(*full)] if full else [0.0] * _ROW
-        return [s + p for s, p in zip(sums[:N_CATEGORIES], partial)]
+        seconds = [s + p for s, p in zip(sums[:N_CATEGORIES], partial)]
+        return seconds, sums[_NEW_STEPS] + partial[N_CATEGORIES]
 
     # ------------------------------------------------------------ state
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,10 +50,20 @@ def process_state(pid: int, proc_root: str = "/proc") -> str:
 
 
 def find_py_spy() -> str | None:
-    """py-spy next to this interpreter (a virtualenv) or on PATH."""
-    beside = Path(sys.executable).with_name("py-spy")
-    if beside.exists():
-        return str(beside)
+    """py-spy installed for this interpreter (next to it, its scripts directory, the user's) or on PATH.
+
+    The interpreter's own copy comes first: ``resilient-train[hang]`` picks
+    the py-spy release that can read this Python version, and another one
+    found earlier on PATH may not.
+    """
+    places = [Path(sys.executable).with_name("py-spy"), Path(sysconfig.get_path("scripts")) / "py-spy"]
+    try:  # pip install --user puts scripts here, which is often not on PATH
+        places.append(Path(sysconfig.get_path("scripts", sysconfig.get_preferred_scheme("user"))) / "py-spy")
+    except (KeyError, ValueError):
+        pass
+    for place in places:
+        if place.is_file() and os.access(place, os.X_OK):
+            return str(place)
     return shutil.which("py-spy")
 
 
@@ -111,7 +122,7 @@ def capture(pid: int, stack_file: Path, signum: int, py_spy: str | None) -> Stac
             if text:
                 return StackCapture(pid, state, "py-spy", text)
         else:
-            note = "py-spy is not installed (pip install py-spy)"
+            note = "py-spy is not installed (pip install 'resilient-train[hang]')"
         # Last resort: let it run for the moment it takes to dump, then stop it again.
         os.kill(pid, signal.SIGCONT)
         text = dump_with_signal(pid, stack_file, signum)
