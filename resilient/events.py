@@ -3,6 +3,10 @@
 An :class:`EventLog` keeps events in memory, mirrors them to the ``logging``
 module and, when given a path, appends them as JSON lines so that an
 operator (and later the agent and the goodput ledger) can read them back.
+
+Every kind of event the code emits is a member of :class:`EventKind`, here
+and nowhere else: ``events.jsonl`` is read by people, tests and tools, so a
+kind's string is part of the interface and changes only on purpose.
 """
 
 from __future__ import annotations
@@ -13,17 +17,84 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum, unique
+from typing import Any, Protocol
 
 logger = logging.getLogger("resilient")
 
+
+@unique
+class EventKind(str, Enum):
+    """The kind of an event; its value is the ``kind`` string written to ``events.jsonl``."""
+
+    # -- worker side: the training script's Run
+    RUN_STARTED = "run_started"  # a Run restored (or started fresh) and is about to train
+    RUN_CLOSED = "run_closed"  # Run.close(): the script finished with the run
+    AGENT_HOOK_MISSING = "agent_hook_missing"  # under an agent, but a worker hook could not be installed
+    CONFIG_CHANGED = "config_changed"  # the restored checkpoint was written under another config
+    STOP_REQUESTED = "stop_requested"  # a graceful stop was asked for, at a step (agent: asked; worker: received)
+    GRACEFUL_STOP = "graceful_stop"  # the worker reached the stop step, committed and stops
+    FAULT_INJECTED = "fault_injected"  # a planned chaos fault fires in this worker
+
+    # -- checkpoints
+    CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint
+    CHECKPOINT_FAILED = "checkpoint_failed"  # a save did not commit (a rank's write or the commit failed)
+    CHECKPOINT_CONFLICT = "checkpoint_conflict"  # a checkpoint of that name already exists; never overwritten
+    CHECKPOINT_FENCED = "checkpoint_fenced"  # a commit, retention or gc refused: another process holds the fence
+    CHECKPOINT_FENCE_CLAIMED = "checkpoint_fence_claimed"  # this process took the location's fence at start
+    CHECKPOINT_GARBAGE_COLLECTED = "checkpoint_garbage_collected"  # staging/trash left by dead writers removed
+    CHECKPOINT_RETENTION = "checkpoint_retention"  # old checkpoints deleted by the retention policy
+    CHECKPOINT_RETENTION_FAILED = "checkpoint_retention_failed"  # retention could not delete; kept for next time
+    CHECKPOINT_RESTORED = "checkpoint_restored"  # training state was loaded from a verified checkpoint
+    CHECKPOINT_RESHARDED = "checkpoint_resharded"  # the restored checkpoint was saved on another world size
+    CHECKPOINT_FALLBACK = "checkpoint_fallback"  # newer checkpoints failed verification; an older one was used
+    CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # a corrupt checkpoint was moved out of the committed set
+    CHECKPOINT_QUARANTINE_FAILED = "checkpoint_quarantine_failed"  # a corrupt checkpoint could not be moved
+
+    # -- the node agent: its life and its launch
+    AGENT_STARTED = "agent_started"  # the agent starts supervising this node
+    AGENT_FINISHED = "agent_finished"  # the agent ends, with its verdict and exit code
+    LEFTOVERS_SWEPT = "leftovers_swept"  # an earlier agent's workers were killed at start
+    LAUNCH_JOINED = "launch_joined"  # the agent created, joined or replaced the run's launch record
+    TOKEN_MISMATCH = "token_mismatch"  # this agent's token is not the run's: it stops
+    METRICS_LISTENING = "metrics_listening"  # the /metrics endpoint is up
+    STOP_REQUEST_RECEIVED = "stop_request_received"  # the control socket asked for a graceful stop
+
+    # -- generations
+    RENDEZVOUS_JOINED = "rendezvous_joined"  # a rendezvous round completed: this node's generation and rank
+    RENDEZVOUS_FAILED = "rendezvous_failed"  # the rendezvous could not complete: the agent stops
+    RENDEZVOUS_CLOSE_FAILED = "rendezvous_close_failed"  # closing it after a verdict failed (the verdict key stands)
+    WORKERS_STARTED = "workers_started"  # this node's workers of a generation are running
+    WORKER_FAILED = "worker_failed"  # a worker exited non-zero or by a signal
+    HANG_DETECTED = "hang_detected"  # a rank overran its section timeout
+    STALE_HEARTBEAT = "stale_heartbeat"  # a heartbeat from an earlier generation's process, ignored
+    MEMBERSHIP_CHANGED = "membership_changed"  # nodes wait to join: a new round, not counted as a failure
+    RESTART = "restart"  # the policy restarts the group after a failure (counted against the budget)
+    INCIDENT = "incident"  # an incident file was written (failure, hang, lost node, unhealthy node)
+    NODE_LOST = "node_lost"  # a peer's presence lease expired while it was running
+    NODE_UNHEALTHY = "node_unhealthy"  # a health check failed, or workers SIGKILL did not end
+    STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last
+
+    # -- the agent's own I/O
+    STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on
+    STORE_OUTAGE_START = "store_outage_start"  # the etcd client started retrying an unreachable cluster
+    STORE_OUTAGE_END = "store_outage_end"  # etcd answered again after an outage
+    STORE_WRITE_REJECTED = "store_write_rejected"  # a store entry without a valid token proof was ignored
+    STATUS_WRITE_FAILED = "status_write_failed"  # status.json could not be written
+    LEDGER_WRITE_FAILED = "ledger_write_failed"  # ledger.json could not be saved
+
+    def __str__(self) -> str:
+        # The plain string everywhere text is made (logs, f-strings), on every Python version.
+        return self.value
+
+
 _WARNING_KINDS = frozenset(
     {
-        "checkpoint_failed",
-        "checkpoint_quarantined",
-        "checkpoint_fallback",
-        "checkpoint_conflict",
-        "checkpoint_fenced",
+        EventKind.CHECKPOINT_FAILED,
+        EventKind.CHECKPOINT_QUARANTINED,
+        EventKind.CHECKPOINT_FALLBACK,
+        EventKind.CHECKPOINT_CONFLICT,
+        EventKind.CHECKPOINT_FENCED,
     }
 )
 
@@ -33,11 +104,18 @@ class Event:
     """One thing that happened to the run."""
 
     kind: str
+    """The kind's string (an :class:`EventKind` value), as written to ``events.jsonl``."""
     wall_time: float
     fields: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps({"kind": self.kind, "time": self.wall_time, **self.fields}, default=str)
+
+
+class Emit(Protocol):
+    """What components that report events are given: ``emit(kind, **fields)``."""
+
+    def __call__(self, kind: EventKind, **fields: Any) -> object: ...
 
 
 class EventLog:
@@ -48,8 +126,8 @@ class EventLog:
         self._events: list[Event] = []
         self._lock = threading.Lock()
 
-    def emit(self, kind: str, **fields: Any) -> Event:
-        event = Event(kind=kind, wall_time=time.time(), fields=fields)
+    def emit(self, kind: EventKind, **fields: Any) -> Event:
+        event = Event(kind=str(kind), wall_time=time.time(), fields=fields)
         with self._lock:
             self._events.append(event)
             if self._path is not None:
@@ -57,7 +135,7 @@ class EventLog:
                 with open(self._path, "a", encoding="utf-8") as f:
                     f.write(event.to_json() + "\n")
         level = logging.WARNING if kind in _WARNING_KINDS else logging.INFO
-        logger.log(level, "%s %s", kind, fields)
+        logger.log(level, "%s %s", event.kind, fields)
         return event
 
     def of_kind(self, kind: str) -> list[Event]:

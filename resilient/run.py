@@ -33,7 +33,7 @@ from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import RANK, REPLICATED, Restored
 from .data.loader import ElasticLoader
 from .errors import ConfigError
-from .events import EventLog
+from .events import EventKind, EventLog
 from .state import (
     Stateful,
     capture_rng,
@@ -86,7 +86,7 @@ class Run:
             self._hooks.install()  # first, so that even the checks below end in an error file
             self._hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
             for note in self._hooks.notes:
-                self.events.emit("agent_hook_missing", note=note)
+                self.events.emit(EventKind.AGENT_HOOK_MISSING, note=note)
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"Run(model=...) needs a torch.nn.Module, got {type(model).__qualname__}")
         for name, obj in (state or {}).items():
@@ -138,7 +138,7 @@ class Run:
                 restored = self.checkpoints.restore()
                 if restored is not None:
                     self._apply(restored)
-        self.events.emit("run_started", rank=self.rank, world_size=self.world_size, step=self.step,
+        self.events.emit(EventKind.RUN_STARTED, rank=self.rank, world_size=self.world_size, step=self.step,
                          restored_from=self.restored_from)
 
     # ------------------------------------------------------------- the loop
@@ -206,7 +206,7 @@ class Run:
         if self.checkpoints is not None:
             with self.section("checkpoint"):
                 result = self.checkpoints.wait()
-        self.events.emit("run_closed", step=self.step)
+        self.events.emit(EventKind.RUN_CLOSED, step=self.step)
         if self._hooks is not None:
             self._hooks.bye(self.step, self._committed_step())
         return result
@@ -262,8 +262,8 @@ class Run:
             return
         result = self.save() if self.checkpoints is not None else None
         committed = result.name if result is not None and result.ok else None
-        self.events.emit("graceful_stop", step=self.step, stop_at_step=request.stop_at_step, reason=request.reason,
-                         committed=committed, error=result.error if result is not None else None)
+        self.events.emit(EventKind.GRACEFUL_STOP, step=self.step, stop_at_step=request.stop_at_step,
+                         reason=request.reason, committed=committed, error=result.error if result is not None else None)
         hooks.bye(self.step, self._committed_step())
         raise SystemExit(0)
 
@@ -345,7 +345,8 @@ class Run:
         restore_rng(mine["rng"])  # last: loading above must not consume random numbers after it
         saved_config = restored.manifest.fingerprint.get("config")
         if saved_config != self._fingerprint["config"]:
-            self.events.emit("config_changed", checkpoint=name, saved=saved_config, now=self._fingerprint["config"])
+            self.events.emit(EventKind.CONFIG_CHANGED, checkpoint=name, saved=saved_config,
+                             now=self._fingerprint["config"])
         self.restored_from = name
         self._last_saved_step = self.step
 

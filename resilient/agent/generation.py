@@ -16,9 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ..events import Emit, EventKind
 from ..fsutil import write_json_atomic
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
@@ -28,13 +30,13 @@ from .incidents import Incident, describe_failure, read_error_file, stacks_recor
 from .launcher import Exit, WorkerGroup, WorkerSpec
 from .policy import Failure, first_failure
 from .rendezvous import Assignment
+from .rundir import RunDir, heartbeat_socket
 from .sweep import Stuck
 
 if TYPE_CHECKING:
     from ..coord.store import ControlStore
     from .accounting import NodeAccounting
     from .config import AgentConfig
-    from .rundir import RunDir
     from .shared import SharedFacts
     from .status import StatusPublisher
     from .tracker import RankTracker
@@ -43,12 +45,28 @@ STACK_SIGNAL = signal.SIGUSR2
 STOP_SIGNAL = signal.SIGUSR1
 
 
+class OutcomeKind(Enum):
+    """How a generation ended on this node; the value is the name the ledger and logs use."""
+
+    SUCCEEDED = "succeeded"  # every worker exited 0: the run is done
+    FAILED = "failed"  # a worker failed or hung: the restart policy decides
+    MEMBERSHIP = "membership"  # nodes wait to join: a new round, not a failure
+    PREEMPTED = "preempted"  # a graceful stop (SIGTERM, `resilient stop`): workers committed and exited
+    INTERRUPTED = "interrupted"  # SIGINT: workers stopped without a checkpoint
+    VERDICT = "verdict"  # another node published a verdict that stops the launch
+    UNHEALTHY = "unhealthy"  # this node failed a health check while running
+
+    @property
+    def restarts_workers(self) -> bool:
+        """Whether the next generation after this outcome is a restart (recovery, in the ledger's terms)."""
+        return self in (OutcomeKind.FAILED, OutcomeKind.MEMBERSHIP)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a generation ended on this node."""
 
-    kind: str
-    """"succeeded", "failed", "membership", "preempted", "interrupted", "verdict" or "unhealthy"."""
+    kind: OutcomeKind
     reason: str
     failure: Failure | None = None
     incident: Incident | None = None
@@ -72,7 +90,7 @@ class GenerationContext:
     status: StatusPublisher
     shared: SharedFacts
     """The launch's verdict, stop and stop request in the store."""
-    emit: Callable[..., None]
+    emit: Emit
     waiting: Callable[[], int]
     """Nodes waiting to join the run (reads the store: called from PeerWatch's thread only)."""
     stop_requested: Callable[[], str | None]
@@ -110,7 +128,7 @@ class PeerWatch:
                 if multi:
                     self.waiting = ctx.waiting()
             except Exception as e:  # an outage must not end a healthy generation
-                ctx.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+                ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
 
     def close(self) -> None:
         self._done.set()
@@ -119,8 +137,6 @@ class PeerWatch:
 
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
                  gdir: Path) -> list[WorkerSpec]:
-    from .supervisor import heartbeat_socket
-
     c = config
     world = a.num_nodes * c.nproc_per_node
     base = dict(c.worker_env)
@@ -166,7 +182,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
                                       ctx.config.max_nodes * ctx.config.nproc_per_node,
                                       restart=restart, lead_rank=min(pids))
     ctx.status.attach(group, a)
-    ctx.emit("workers_started", generation=a.generation, attempt=attempt, pids=pids)
+    ctx.emit(EventKind.WORKERS_STARTED, generation=a.generation, attempt=attempt, pids=pids)
     peers = PeerWatch(ctx)
     try:
         return _watch(ctx, group, a, gdir, peers)
@@ -190,18 +206,20 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         if group.all_exited():
             if stop_deadline is not None:
                 note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
-                return Outcome("preempted", f"workers stopped at step {stop_at} after committing a checkpoint{note}")
-            return Outcome("succeeded", "all workers exited 0")
+                return Outcome(OutcomeKind.PREEMPTED,
+                               f"workers stopped at step {stop_at} after committing a checkpoint{note}")
+            return Outcome(OutcomeKind.SUCCEEDED, "all workers exited 0")
         if ctx.interrupted():
-            return Outcome("interrupted", "SIGINT: workers stopped without a checkpoint")
+            return Outcome(OutcomeKind.INTERRUPTED, "SIGINT: workers stopped without a checkpoint")
         if peers.verdict is not None:
-            return Outcome("verdict", f"node {peers.verdict.get('node')} stopped the run: {peers.verdict.get('reason')}")
+            return Outcome(OutcomeKind.VERDICT,
+                           f"node {peers.verdict.get('node')} stopped the run: {peers.verdict.get('reason')}")
         if stop_deadline is None and (ctx.stop_requested() or peers.stop or peers.stop_request):
             stop_at = _request_stop(ctx, group, gdir, peers.stop, peers.stop_request)
             stop_deadline = now + c.preempt_grace_s
         if stop_deadline is not None:
             if now > stop_deadline:
-                return Outcome("preempted", f"workers did not stop within {c.preempt_grace_s:.0f} s; killed")
+                return Outcome(OutcomeKind.PREEMPTED, f"workers did not stop within {c.preempt_grace_s:.0f} s; killed")
         else:
             # A rank that already exited (0: failures were handled above) cannot hang.
             views = {r: v for r, v in ctx.tracker.views().items() if group.workers[r].exit is None}
@@ -209,13 +227,13 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
             if hang is not None:
                 return _hang(ctx, group, a, gdir, hang, now)
             if peers.waiting > 0:
-                return Outcome("membership", f"{peers.waiting} node(s) waiting to join the run")
+                return Outcome(OutcomeKind.MEMBERSHIP, f"{peers.waiting} node(s) waiting to join the run")
         if now >= next_health:
             next_health = now + c.health_interval_s
             health = assess(probe(list(c.health_paths)), c.health)
             if not health.healthy:
-                ctx.emit("node_unhealthy", reason=health.reason, problems=list(health.problems))
-                return Outcome("unhealthy", health.reason, incident=unhealthy_incident(
+                ctx.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
+                return Outcome(OutcomeKind.UNHEALTHY, health.reason, incident=unhealthy_incident(
                     c.node_id, a.generation, health.problems, when="while running"))
         time.sleep(c.monitor_interval_s)
 
@@ -233,14 +251,14 @@ def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared
         try:
             stop_at = ctx.shared.propose_stop(stop_at, reason)  # another node's earlier step wins
         except Exception as e:  # without the store, this node still stops its own workers cleanly
-            ctx.emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+            ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
     write_json_atomic(gdir / "control.json", {"stop_at_step": stop_at, "reason": reason})
     for w in group.running():
         try:
             os.kill(w.pid, STOP_SIGNAL)
         except ProcessLookupError:
             pass
-    ctx.emit("stop_requested", stop_at_step=stop_at, reason=reason, grace_s=ctx.config.preempt_grace_s)
+    ctx.emit(EventKind.STOP_REQUESTED, stop_at_step=stop_at, reason=reason, grace_s=ctx.config.preempt_grace_s)
     return stop_at
 
 
@@ -265,9 +283,9 @@ def _failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
                                               "stopped by the agent" if f.caused_by_agent else "")
                              for f in failures if f is not first),
     )
-    ctx.emit("worker_failed", generation=a.generation, rank=first.rank, summary=summary)
+    ctx.emit(EventKind.WORKER_FAILED, generation=a.generation, rank=first.rank, summary=summary)
     last_progress = info.last_seen if info is not None else first.time
-    return Outcome("failed", summary, first, incident, detected_at=first.time, last_progress_at=last_progress)
+    return Outcome(OutcomeKind.FAILED, summary, first, incident, detected_at=first.time, last_progress_at=last_progress)
 
 
 def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool) -> Failure:
@@ -282,7 +300,7 @@ def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, cause
 
 def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
     ranks = ctx.tracker.ranks()
-    ctx.emit("hang_detected", generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
+    ctx.emit(EventKind.HANG_DETECTED, generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
                timeout_s=hang.timeout_s, source=hang.source, overrun_s=hang.overrun_s, reason=hang.reason)
     py_spy = find_py_spy()
     # The rank the policy flagged first (its stacks matter most), then its peers.
@@ -314,16 +332,16 @@ def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
         stacks=stacks_record(captures),
     )
     last_progress = info.entered_at if info is not None else now
-    return Outcome("failed", summary, failure, incident, detected_at=now, last_progress_at=last_progress)
+    return Outcome(OutcomeKind.FAILED, summary, failure, incident, detected_at=now, last_progress_at=last_progress)
 
 
-def record_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Callable[..., None]) -> None:
+def record_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Emit) -> None:
     """Write the incident file, its event, and its run-wide copy in the store (incidents outlive launches)."""
     path = write_incident(run_dir.incidents, incident)
-    emit("incident", path=str(path), **incident.event_fields())
+    emit(EventKind.INCIDENT, path=str(path), **incident.event_fields())
     try:  # readable with `resilient status --store` from any machine
         record = {**incident.event_fields(), "node": incident.node, "wall_time": incident.wall_time}
         store.put(f"incidents/{incident.id}", json.dumps(record).encode())
     except Exception as e:
-        emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+        emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
     print(f"resilient: incident {incident.id}: {incident.summary}", file=sys.stderr, flush=True)

@@ -105,6 +105,14 @@ def stuck_incident(node: str, generation: int, stuck: Sequence[Any], *, after: s
                     problems=problems)
 
 
+def node_lost_incident(node: str, observer: str, generation: int) -> Incident:
+    """The incident for a peer whose presence lease expired, as node ``observer`` saw it."""
+    summary = (f"node {node} was lost: its agent's presence lease in the store expired "
+               f"(seen by node {observer} in generation {generation})")
+    return Incident(id=f"g{generation:04d}-{node}-lost", node=node, generation=generation, kind="node_lost",
+                    rank=None, pid=None, section=None, step=None, summary=summary)
+
+
 def read_error_file(path: Path) -> dict[str, Any] | None:
     """The worker's error record, or None if it did not write one (e.g. it was killed)."""
     try:

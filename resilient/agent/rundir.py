@@ -80,6 +80,11 @@ class RunDir:
         return ensure_token(self.token_file)
 
 
+def heartbeat_socket(run_dir: RunDir, local_rank: int) -> str:
+    """The heartbeat socket of one local rank (one each: a shared datagram queue overflowed)."""
+    return str(run_dir.socket_path(f"hb{local_rank}.sock"))
+
+
 def ensure_token(path: Path) -> str:
     """Return the run's token, creating it (mode 0600, exclusively) if it does not exist yet."""
     try:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..events import Emit, EventKind
 from ..fsutil import write_json_atomic
 from ..watchdog.sections import calibration_summary
 
@@ -48,7 +49,7 @@ class StatusPublisher:
     def __init__(self, config: AgentConfig, *, status_file: Path, control_socket: Path, tracker: RankTracker,
                  accounting: NodeAccounting, restarts_used: Callable[[], int | None],
                  refresh_restarts: Callable[[], object] | None, store_put: Callable[[str, bytes], None] | None,
-                 emit: Callable[..., object], clock: Callable[[], float] = time.monotonic,
+                 emit: Emit, clock: Callable[[], float] = time.monotonic,
                  interval_s: float = 1.0, final_store_timeout_s: float = 10.0) -> None:
         self._config = config
         self._status_file = status_file
@@ -135,12 +136,12 @@ class StatusPublisher:
         try:
             self._accounting.save()
         except OSError as e:
-            self._emit("ledger_write_failed", error=str(e))
+            self._emit(EventKind.LEDGER_WRITE_FAILED, error=str(e))
         snap = self.snapshot()
         try:
             write_json_atomic(self._status_file, snap)
         except OSError as e:
-            self._emit("status_write_failed", error=str(e))
+            self._emit(EventKind.STATUS_WRITE_FAILED, error=str(e))
         self._latest = snap
         return snap
 
@@ -161,4 +162,4 @@ class StatusPublisher:
                 self._store_put(f"status/{self._config.node_id}", json.dumps(snap).encode())
                 self._store_published_at = time.time()
         except Exception as e:  # reported, never fatal: status is for humans
-            self._emit("store_unreachable", error=f"{type(e).__name__}: {e}")
+            self._emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")

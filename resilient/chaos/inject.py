@@ -21,6 +21,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, TextIO
 
+from ..events import EventKind
 from .plan import Fault, FaultPlan
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ class FaultInjector:
         """Record ``fault``, then carry it out."""
         message = f"resilient.chaos: injecting fault into rank {self.rank} (pid {os.getpid()}): {fault.describe()}"
         if self.events is not None:
-            self.events.emit("fault_injected", fault=fault.to_dict(), step=step, rank=self.rank, node=self.node,
+            self.events.emit(EventKind.FAULT_INJECTED, fault=fault.to_dict(), step=step, rank=self.rank, node=self.node,
                              attempt=self.attempt, seed=self.plan.seed, message=message)
         log = self._log if self._log is not None else sys.stderr
         try:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CommitConflictError, FencedError, ResilientError
-from ..events import EventLog
+from ..events import EventKind, EventLog
 from .config import CheckpointConfig
 from .coordinator import Coordinator
 from .fence import Fence
@@ -38,7 +38,6 @@ from .snapshot import HostBuffer, Snapshot, snapshot_bytes, take_snapshots
 from .storage import Storage, open_storage
 
 __all__ = ["RANK", "REPLICATED", "CheckpointManager", "Restored", "SaveResult", "file_name"]
-FENCED = "checkpoint_fenced"
 
 
 def file_name(key: str, rank: int) -> str:
@@ -104,21 +103,22 @@ class CheckpointManager:
         self.storage.check_writable()
         previous = self.storage.claim_fence(self.fence)
         if previous != self.fence:
-            self.events.emit("checkpoint_fence_claimed", location=self.storage.url, generation=self.fence.generation,
-                             launch=self.fence.launch, previous=previous.to_json() if previous else None)
+            self.events.emit(EventKind.CHECKPOINT_FENCE_CLAIMED, location=self.storage.url,
+                             generation=self.fence.generation, launch=self.fence.launch,
+                             previous=previous.to_json() if previous else None)
         try:
             removed = self.storage.collect_garbage(keep_token=token, fence=self.fence)
         except FencedError as e:  # claimed a moment ago and already taken: we are stale
             self._fenced("gc", e, name=None, step=None)
             raise
         if removed:
-            self.events.emit("checkpoint_garbage_collected", removed=removed)
+            self.events.emit(EventKind.CHECKPOINT_GARBAGE_COLLECTED, removed=removed)
         return token.encode()
 
     def _fenced(self, action: str, e: FencedError, *, name: str | None, step: int | None) -> None:
         holder = {"launch": e.holder_launch, "generation": e.holder_generation}
-        self.events.emit(FENCED, action=action, name=name, step=step, generation=self.fence.generation,
-                         launch=self.fence.launch, holder=holder, error=str(e))
+        self.events.emit(EventKind.CHECKPOINT_FENCED, action=action, name=name, step=step,
+                         generation=self.fence.generation, launch=self.fence.launch, holder=holder, error=str(e))
 
     # ------------------------------------------------------------------ save
     def save(
@@ -206,7 +206,7 @@ class CheckpointManager:
         if manifest is not None:
             self.last_committed = manifest
             self.events.emit(
-                "checkpoint_committed",
+                EventKind.CHECKPOINT_COMMITTED,
                 name=name,
                 step=job.step,
                 bytes=manifest.total_bytes,
@@ -217,10 +217,11 @@ class CheckpointManager:
             if self.coord.is_root:
                 self._apply_retention(name)
         elif outcome.get("fenced"):
-            self.events.emit(FENCED, action="commit", name=name, step=job.step, generation=self.fence.generation,
-                             launch=self.fence.launch, holder=outcome.get("holder"), error=result.error)
+            self.events.emit(EventKind.CHECKPOINT_FENCED, action="commit", name=name, step=job.step,
+                             generation=self.fence.generation, launch=self.fence.launch, holder=outcome.get("holder"),
+                             error=result.error)
         else:
-            kind = "checkpoint_conflict" if outcome.get("conflict") else "checkpoint_failed"
+            kind = EventKind.CHECKPOINT_CONFLICT if outcome.get("conflict") else EventKind.CHECKPOINT_FAILED
             self.events.emit(kind, name=name, step=job.step, error=result.error)
         self.results.append(result)
         job.result = result
@@ -305,11 +306,11 @@ class CheckpointManager:
                     deleted.append(victim)
             finally:
                 if deleted:
-                    self.events.emit("checkpoint_retention", deleted=deleted, reason=decision.reason)
+                    self.events.emit(EventKind.CHECKPOINT_RETENTION, deleted=deleted, reason=decision.reason)
         except FencedError as e:
             self._fenced("retention", e, name=newest, step=None)
         except (ResilientError, OSError) as e:
-            self.events.emit("checkpoint_retention_failed", error=str(e))
+            self.events.emit(EventKind.CHECKPOINT_RETENTION_FAILED, error=str(e))
 
     # --------------------------------------------------------------- restore
     def restore(self) -> Restored | None:

@@ -24,7 +24,7 @@ from ..errors import (
     NoValidCheckpointError,
     StorageError,
 )
-from ..events import EventLog
+from ..events import EventKind, EventLog
 from .coordinator import Coordinator
 from .manifest import MANIFEST_FILE, Manifest, parse_manifest
 from .storage import Storage
@@ -67,8 +67,8 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
         if kind == "ok":
             assert restored is not None
             if problems:
-                events.emit("checkpoint_fallback", restored=name, skipped=problems)
-            events.emit("checkpoint_restored", name=name, step=manifest.step, location=storage.url)
+                events.emit(EventKind.CHECKPOINT_FALLBACK, restored=name, skipped=problems)
+            events.emit(EventKind.CHECKPOINT_RESTORED, name=name, step=manifest.step, location=storage.url)
             return restored
         if kind == "error":
             raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
@@ -88,7 +88,7 @@ def _check_world(storage: Storage, coord: Coordinator, events: EventLog, manifes
     if manifest.world_size == coord.world_size:
         return
     if elastic:
-        events.emit("checkpoint_resharded", name=manifest.name, saved_world_size=manifest.world_size,
+        events.emit(EventKind.CHECKPOINT_RESHARDED, name=manifest.name, saved_world_size=manifest.world_size,
                     world_size=coord.world_size, rank_state_from=coord.rank % manifest.world_size)
         return
     raise CheckpointMismatchError(
@@ -137,6 +137,6 @@ def _quarantine(storage: Storage, coord: Coordinator, events: EventLog, name: st
         return
     try:
         where = storage.quarantine(name, reason)
-        events.emit("checkpoint_quarantined", name=name, reason=reason, moved_to=where)
+        events.emit(EventKind.CHECKPOINT_QUARANTINED, name=name, reason=reason, moved_to=where)
     except Exception as e:  # noqa: BLE001  the next checkpoint is tried either way; the event says why not moved
-        events.emit("checkpoint_quarantine_failed", name=name, reason=reason, error=str(e))
+        events.emit(EventKind.CHECKPOINT_QUARANTINE_FAILED, name=name, reason=reason, error=str(e))

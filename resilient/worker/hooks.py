@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
+from ..events import EventKind
 from ..fsutil import write_json_atomic
 from .env import WorkerEnv
 from .heartbeat import BatchingSender, HeartbeatSender
@@ -172,7 +173,7 @@ class WorkerHooks:
             assert self.env.control_file is not None
             self.stop_request = read_stop_request(self.env.control_file)
             if self.events is not None:
-                self.events.emit("stop_requested", step=self.step, stop_at_step=self.stop_request.stop_at_step,
+                self.events.emit(EventKind.STOP_REQUESTED, step=self.step, stop_at_step=self.stop_request.stop_at_step,
                                  reason=self.stop_request.reason)
         return self.stop_request
 

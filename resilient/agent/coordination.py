@@ -1,0 +1,173 @@
+"""This node's side of the run's control store: the store, the launch it joined, and the launch's rendezvous.
+
+The agent's loop asks; this module talks to the store.  It builds the
+control store (``MemoryControlStore`` inside the agent on one machine, etcd
+under ``/resilient/<run_id>/`` on many), checks this agent's token against
+the run's, agrees on the launch (:mod:`resilient.coord.launch`), keeps this
+node's presence key alive, builds the launch's rendezvous, and reads and
+writes the launch's shared facts (:class:`~resilient.agent.shared.SharedFacts`:
+the restart records, the verdict).  Every write that changes the run goes
+through the token's proof (:mod:`resilient.coord.proof`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..coord.launch import begin_launch
+from ..coord.proof import SignedStore
+from ..coord.store import ControlStoreError
+from ..events import Emit, EventKind
+from .config import AgentConfig
+from .policy import History
+from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
+from .rundir import RunDir
+from .shared import SharedFacts
+
+_OUTAGE_KINDS = {"start": EventKind.STORE_OUTAGE_START, "end": EventKind.STORE_OUTAGE_END}
+"""The etcd client's ``on_outage(event, detail)`` events, as event kinds."""
+
+
+class Coordination:
+    """The control store as this node's agent uses it: launch, presence, rendezvous, restart budget, verdict."""
+
+    def __init__(self, config: AgentConfig, run_dir: RunDir, token: str, *, emit: Emit,
+                 on_node_lost: Callable[[str], None]) -> None:
+        self._config = config
+        self._run_dir = run_dir
+        self._emit = emit
+        self._on_node_lost = on_node_lost
+        self.control = self._control_store()
+        self.signed = SignedStore(self.control, token, on_rejected=self._on_rejected_write)
+        self.shared: SharedFacts | None = None
+        """This launch's shared facts; set once the agent has joined a launch."""
+        self.rendezvous: Rendezvous | None = None
+        self._presence: Any = None
+        self._launch_retried = False
+        self.restarts_used_cached = 0
+        """The restart count last read from the store (for readers that must not do I/O)."""
+
+    def _control_store(self) -> Any:
+        if self._config.store_url is None:
+            from ..coord.store import MemoryControlStore
+
+            return MemoryControlStore()
+        from ..coord.etcd import EtcdClient, EtcdConfig
+        from ..coord.store import EtcdControlStore
+
+        etcd = EtcdConfig.from_url(self._config.store_url, **self._config.etcd_options)  # type: ignore[arg-type]
+        self._etcd_config = etcd
+
+        def on_outage(event: str, detail: str) -> None:
+            self._emit(_OUTAGE_KINDS[event], detail=detail)
+
+        client = EtcdClient(etcd, on_outage=on_outage)
+        self._etcd_client = client
+        return EtcdControlStore(client, f"/resilient/{self._config.run_id}/")
+
+    def _on_rejected_write(self, key: str, problem: str) -> None:
+        self._emit(EventKind.STORE_WRITE_REJECTED, key=key, problem=problem,
+                   hint="only holders of the run token may change the run; this entry is ignored")
+
+    def _store_unreachable(self, error: str) -> None:
+        self._emit(EventKind.STORE_UNREACHABLE, error=error)
+
+    # ------------------------------------------------------------ the launch
+    def join_launch(self) -> str | None:
+        """Check the token against the run's and agree on the launch; returns a problem, or None."""
+        c = self._config
+        problem = self.signed.check_fingerprint()
+        if problem is not None:
+            token_file = c.token_file or self._run_dir.token_file
+            return (f"{problem}: {token_file} does not match the token the run's first agent published. Copy "
+                    "<run_dir>/token from that node to every node (or pass --token-file FILE with it); if no "
+                    f"agent of run {c.run_id} holds that token any more, delete key "
+                    f"/resilient/{c.run_id}/token_fingerprint")
+        decision = begin_launch(self.signed, c.launch_id)
+        self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope)
+        self._emit(EventKind.LAUNCH_JOINED, launch_id=decision.launch_id, action=decision.action,
+                   reason=decision.reason)
+        if c.store_url is not None:
+            from ..coord.presence import Presence
+
+            self._presence = Presence(self._etcd_client, f"/resilient/{c.run_id}/{self.shared.prefix}nodes/",
+                                      c.node_id, self._on_node_lost, self._store_unreachable)
+            self._presence.start()
+        return None
+
+    def make_rendezvous(self) -> Rendezvous:
+        """Build the rendezvous of the joined launch (the embedded one on one machine)."""
+        c = self._config
+        if c.store_url is None:
+            self.rendezvous = embedded_rendezvous(c.run_id, self.control, c.rendezvous, c.local_addr)
+        else:
+            assert self.shared is not None, "join a launch before its rendezvous"
+            self.rendezvous = etcd_rendezvous(self._etcd_config, c.run_id, self.control, c.min_nodes, c.max_nodes,
+                                              c.rendezvous, c.local_addr, self.shared.launch_id)
+        return self.rendezvous
+
+    def stale_launch(self, generation: int) -> bool:
+        """The joined launch's rendezvous was closed before this agent ran anything in it: the launch is over.
+
+        A submission that ended without marking its launch (SIGINT, a node that stepped out) leaves a
+        closed rendezvous behind; the next submission then ends that launch and starts a new one, once.
+        Returns whether a new launch (and its rendezvous) is ready to try.
+        """
+        if generation != 0 or self._launch_retried or self._config.launch_id is not None or self.shared is None:
+            return False
+        self._launch_retried = True
+        self.shared.end("its rendezvous was closed")
+        if self.rendezvous is not None:
+            self.rendezvous.shutdown()
+        if self._presence is not None:
+            self._presence.leave()
+        if self.join_launch() is not None:
+            return False
+        self.make_rendezvous()
+        return True
+
+    def end_launch(self, why: str) -> None:
+        """The run as a whole ended (every node ends alike): the next submission starts a new launch."""
+        if self.shared is None:
+            return
+        try:
+            self.shared.end(why)
+        except ControlStoreError as e:
+            self._emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+
+    def close(self) -> None:
+        """Leave the rendezvous and mark this node as left (not lost)."""
+        if self.rendezvous is not None:
+            self.rendezvous.shutdown()
+        if self._presence is not None:
+            self._presence.leave()
+
+    # ------------------------------------------------------------ shared facts
+    def restarts_used(self) -> int:
+        """Restarts counted against the budget, read from the store (and cached)."""
+        if self.shared is not None:
+            self.restarts_used_cached = self.shared.restarts_used()
+        return self.restarts_used_cached
+
+    def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:
+        assert self.shared is not None
+        return self.shared.history(committed_step, exclude_generation)
+
+    def count_restart(self, generation: int, reason: str, committed_step: int | None) -> None:
+        assert self.shared is not None
+        self.shared.count_restart(generation, reason, committed_step)
+
+    def publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
+        """Tell every node the launch stops, and close the rendezvous so that none waits in it."""
+        assert self.shared is not None
+        self.shared.publish_verdict(verdict, reason, exit_code)
+        if self.rendezvous is not None:
+            try:
+                self.rendezvous.close()
+            except Exception as e:  # the verdict key still tells the other nodes
+                self._emit(EventKind.RENDEZVOUS_CLOSE_FAILED, error=f"{type(e).__name__}: {e}")
+
+    def verdict(self) -> dict[str, Any] | None:
+        """The launch's verdict, if a node published one."""
+        return self.shared.verdict() if self.shared is not None else None
