@@ -73,10 +73,10 @@ def _run(agent_env, steps: int) -> float:
             per_block.append((now - started) / block)
             started = now
     run.close()
-    if run._hooks is not None:
-        SENT["sent"] += run._hooks.sender.sent
-        SENT["dropped"] += run._hooks.sender.dropped
-        run._hooks.uninstall()
+    counts = run.heartbeats
+    assert counts is not None, "the benchmark's Run has an agent"
+    SENT["sent"] += counts.sent
+    SENT["dropped"] += counts.dropped
     return statistics.median(per_block)
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum, unique
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 logger = logging.getLogger("resilient")
 
@@ -86,6 +86,29 @@ class EventKind(str, Enum):
     def __str__(self) -> str:
         # The plain string everywhere text is made (logs, f-strings), on every Python version.
         return self.value
+
+
+@unique
+class OutcomeKind(Enum):
+    """How a generation ended on this node; the value is the name the ledger and logs use."""
+
+    SUCCEEDED = "succeeded"  # every worker exited 0: the run is done
+    FAILED = "failed"  # a worker failed or hung: the restart policy decides
+    MEMBERSHIP = "membership"  # nodes wait to join: a new round, not a failure
+    PREEMPTED = "preempted"  # a graceful stop (SIGTERM, `resilient stop`): workers committed and exited
+    INTERRUPTED = "interrupted"  # SIGINT: workers stopped without a checkpoint
+    VERDICT = "verdict"  # another node published a verdict that stops the launch
+    UNHEALTHY = "unhealthy"  # this node failed a health check while running
+
+    @property
+    def restarts_workers(self) -> bool:
+        """Whether the next generation after this outcome is a restart (recovery, in the ledger's terms)."""
+        return self in (OutcomeKind.FAILED, OutcomeKind.MEMBERSHIP)
+
+
+FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy"]
+"""What an incident was: a non-zero exit, a death by signal, a hang, a lost peer node, an unhealthy node."""
+FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
 
 
 _WARNING_KINDS = frozenset(

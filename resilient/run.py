@@ -34,6 +34,7 @@ from .checkpoint.restore import RANK, REPLICATED, Restored
 from .data.loader import ElasticLoader
 from .errors import ConfigError
 from .events import EventKind, EventLog
+from .worker.heartbeat import HeartbeatCounts
 from .state import (
     Stateful,
     capture_rng,
@@ -210,6 +211,13 @@ class Run:
         if self._hooks is not None:
             self._hooks.bye(self.step, self._committed_step())
         return result
+
+    @property
+    def heartbeats(self) -> HeartbeatCounts | None:
+        """Heartbeats sent to the agent and dropped on the way (full queue, no agent); None without an agent."""
+        if self._hooks is None:
+            return None
+        return HeartbeatCounts(sent=self._hooks.sender.sent, dropped=self._hooks.sender.dropped)
 
     def section(self, name: str) -> _Section:
         """Context manager marking a part of the loop, e.g. ``with run.section("eval"): ...``.

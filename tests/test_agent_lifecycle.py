@@ -9,6 +9,7 @@ process that SIGKILL cannot end (``D`` state) cannot be made on demand.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -128,6 +129,9 @@ def test_unhealthy_node_writes_an_incident_with_the_failed_checks(tmp_path):
     assert incident["decision"]["verdict"] == "unhealthy"
     [announced] = events(run_dir, "incident")
     assert announced["failure"] == "unhealthy" and announced["problems"] == [problem]
+    # ... and it is counted where resilient_incidents_total{kind="unhealthy"} is read from.
+    ledger = json.loads((run_dir / "nodes" / NODE / "ledger.json").read_text())
+    assert ledger["agent"]["incidents_by_kind"] == {"unhealthy": 1}, ledger.get("agent")
 
 
 def test_status_and_ledger_keep_updating_while_etcd_is_down(tmp_path, etcd_outage_server):

@@ -11,7 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from resilient.agent.generation import OutcomeKind
+from resilient.events import OutcomeKind
 from resilient.events import EventKind, EventLog
 
 from .agent_helpers import events, explain, run_agent

@@ -326,3 +326,20 @@ def test_a_heartbeat_of_another_generation_moves_neither_the_tracker_nor_the_led
     assert (rank0.section, rank0.step, rank0.heartbeats) == ("step", 5, 1)
     assert tracker.committed_step == 5 and tracker.stale_heartbeats == 4
     assert accounting.ledger.to_dict() != ledger_before
+
+
+def test_a_closed_batching_sender_counts_what_it_is_still_given_as_dropped(sock_path):
+    from resilient.worker.heartbeat import BatchingSender
+
+    inbox = Inbox()
+    receiver = HeartbeatReceiver(sock_path, inbox)
+    try:
+        sender = BatchingSender(HeartbeatSender(sock_path, rank=0, local_rank=0, pid=7), interval_s=0.05)
+        sender.send("hello", "init", 0)
+        sender.close()
+        assert sender.send("section", "step", 1) is False  # nothing sends any more: lost, and counted
+        assert (sender.sent, sender.dropped) == (1, 1)
+        time.sleep(0.1)
+        assert [m.kind for m in inbox.messages()] == ["hello"]
+    finally:
+        receiver.close()

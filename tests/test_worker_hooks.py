@@ -238,6 +238,13 @@ def test_run_reports_its_sections(tmp_path, agent):
     assert msgs[0].checkpoint == str(tmp_path / "ckpt") and msgs[0].pid == os.getpid()
     assert msgs[-1].committed_step == 3  # save_on_finish committed the final state
     assert [m.seq for m in msgs] == list(range(1, len(msgs) + 1))  # nothing lost
+    assert run.heartbeats is not None and (run.heartbeats.sent, run.heartbeats.dropped) == (len(msgs), 0)
+    # nothing follows the bye: the sending thread is gone, and a section after close() sends nothing
+    assert not any(t.name == "resilient-heartbeat-sender" and t.is_alive() for t in threading.enumerate())
+    with run.section("late"):
+        pass
+    time.sleep(0.1)
+    assert (run.heartbeats.sent, run.heartbeats.dropped) == (len(msgs), 0) and len(agent.seen()) == len(msgs)
 
 
 def test_explicit_no_agent_beats_the_environment(tmp_path, monkeypatch):

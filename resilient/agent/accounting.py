@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..events import OutcomeKind
 from ..fsutil import read_json, write_json_atomic
 from ..metrics.ledger import Ledger, LedgerConfig
 
@@ -79,12 +80,16 @@ class NodeAccounting:
             if kind == "bye" and rank == self._lead_rank:
                 # The lead rank closed its Run: its last step is done, and what follows (interpreter and
                 # process-group teardown) is not training time.
-                self.ledger.generation_ended(t, "succeeded")
+                self.ledger.generation_ended(t, OutcomeKind.SUCCEEDED)
 
-    def failure(self, detected_at: float, last_progress_at: float, incident_id: str, kind: str) -> None:
-        """Record a failure; both times on the monotonic clock."""
+    def incident_recorded(self, kind: str) -> None:
+        """Count an incident of ``kind`` (every incident the agent records, whatever its cause)."""
         with self._lock:
             self.incidents_by_kind[kind] += 1
+
+    def failure(self, detected_at: float, last_progress_at: float, incident_id: str, kind: str) -> None:
+        """Record a failure that costs the run time; both times on the monotonic clock."""
+        with self._lock:
             if kind == "hang":
                 self.hangs += 1
             self.ledger.failure(self.wall_of(detected_at), min(self.wall_of(last_progress_at),

@@ -16,11 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..events import Emit, EventKind
+from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
@@ -43,23 +42,6 @@ if TYPE_CHECKING:
 
 STACK_SIGNAL = signal.SIGUSR2
 STOP_SIGNAL = signal.SIGUSR1
-
-
-class OutcomeKind(Enum):
-    """How a generation ended on this node; the value is the name the ledger and logs use."""
-
-    SUCCEEDED = "succeeded"  # every worker exited 0: the run is done
-    FAILED = "failed"  # a worker failed or hung: the restart policy decides
-    MEMBERSHIP = "membership"  # nodes wait to join: a new round, not a failure
-    PREEMPTED = "preempted"  # a graceful stop (SIGTERM, `resilient stop`): workers committed and exited
-    INTERRUPTED = "interrupted"  # SIGINT: workers stopped without a checkpoint
-    VERDICT = "verdict"  # another node published a verdict that stops the launch
-    UNHEALTHY = "unhealthy"  # this node failed a health check while running
-
-    @property
-    def restarts_workers(self) -> bool:
-        """Whether the next generation after this outcome is a restart (recovery, in the ledger's terms)."""
-        return self in (OutcomeKind.FAILED, OutcomeKind.MEMBERSHIP)
 
 
 @dataclass(frozen=True)

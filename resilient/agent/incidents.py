@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..events import FailureKind
 from ..exitcodes import describe_exit
 from ..fsutil import write_json_atomic
 from ..watchdog.stacks import StackCapture
@@ -32,7 +33,7 @@ class Incident:
     id: str
     node: str
     generation: int
-    kind: str
+    kind: FailureKind
     """"exit", "signal", "hang", "unhealthy" or "node_lost"."""
     rank: int | None
     pid: int | None

@@ -26,9 +26,9 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..errors import ConfigError
+from ..events import FailureKind
 from ..exitcodes import NO_RESTART_CODES, describe_exit, signal_name
 
-FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy"]
 Verdict = Literal["budget_exhausted", "crash_loop", "do_not_restart"]
 
 

@@ -39,7 +39,8 @@ from .bookkeeping import ProcessBookkeeping
 from .config import AgentConfig
 from .control import ControlServer
 from .coordination import Coordination
-from .generation import GenerationContext, Outcome, OutcomeKind
+from ..events import OutcomeKind
+from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .incidents import Incident, node_lost_incident, unhealthy_incident
@@ -131,7 +132,9 @@ class Agent:
         self.record_incident(node_lost_incident(node, self.config.node_id, generation))
 
     def record_incident(self, incident: Incident) -> None:
+        """Every incident goes through here: its file, event and store copy, and its count in the metrics."""
         gen_mod.record_incident(incident, self.run_dir, self.coordination.control, self.emit)
+        self.accounting.incident_recorded(incident.kind)
 
     def generation_context(self) -> GenerationContext:
         """The pieces of this agent a generation works with."""
@@ -230,7 +233,7 @@ class Agent:
         """Turn a generation's outcome into the next move; None means: next round."""
         kind = outcome.kind
         self.last_outcome = kind
-        self.accounting.apply("generation_ended", kind.value)
+        self.accounting.apply("generation_ended", kind)
         if kind is OutcomeKind.SUCCEEDED:
             return self._finish(0, "succeeded", "all workers exited 0", generation)
         if kind is OutcomeKind.PREEMPTED:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..events import FAILURE_KINDS, OutcomeKind
+
 CATEGORIES = (
     "productive",
     "init",
@@ -28,8 +30,8 @@ CATEGORIES = (
 """Where every second of wall time goes; exactly one category at a time, summing to wall time."""
 
 BADPUT_CATEGORIES = CATEGORIES[1:]
-RESTART_REASONS = ("exit", "signal", "hang", "node_lost", "unhealthy", "membership")
-INCIDENT_KINDS = ("exit", "signal", "hang", "node_lost", "unhealthy")
+INCIDENT_KINDS: tuple[str, ...] = FAILURE_KINDS
+RESTART_REASONS: tuple[str, ...] = (*FAILURE_KINDS, OutcomeKind.MEMBERSHIP.value)
 SCOPES = ("run", "window")
 """``run``: since the run started; ``window``: the rolling window (default one hour)."""
 

@@ -59,6 +59,7 @@ import bisect
 from collections import deque
 from typing import Any
 
+from ..events import OutcomeKind
 from .catalogue import STEP_BUCKETS
 from .ideal import measured_ideal
 from .ledger_account import build_account
@@ -218,10 +219,14 @@ class Ledger:
         self.segments.clear()
         self.floor = t
 
-    def generation_ended(self, t: float, outcome: str) -> None:
-        """All workers of the generation stopped (``succeeded``, ``failed``, ``membership``, ...)."""
+    def generation_ended(self, t: float, outcome: OutcomeKind | str) -> None:
+        """All workers of the generation stopped (``succeeded``, ``failed``, ``membership``, ...).
+
+        Raises ValueError for a string that names no :class:`~resilient.events.OutcomeKind`.
+        """
+        kind = OutcomeKind(outcome)
         t = self._begin(t)
-        if self.phase is Phase.RUNNING and outcome == "succeeded":
+        if self.phase is Phase.RUNNING and kind is OutcomeKind.SUCCEEDED:
             for rank, r in self.ranks.items():  # the last step of each rank is complete
                 if r.stepped:
                     if r.section not in SECTION_CATEGORY:
@@ -229,7 +234,7 @@ class Ledger:
                     self._rank_step_done(rank, r, r.tok0)
             if self.lead_stepped:
                 self._step_done(t)
-        failed = self.phase is Phase.RECOVERING or outcome in ("failed", "membership")
+        failed = self.phase is Phase.RECOVERING or kind.restarts_workers
         self.phase, self.hold = Phase.BETWEEN, RECOVERY if failed else IDLE
         self.ranks, self.lead = {}, None
 

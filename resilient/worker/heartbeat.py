@@ -14,12 +14,21 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .protocol import PROTOCOL_VERSION, ROWS_PER_DATAGRAM
 
 RECONNECT_INTERVAL_S = 0.05
 """After a failed connect, drop heartbeats for this long before trying again (a failing connect costs ~20 us)."""
+
+
+@dataclass(frozen=True)
+class HeartbeatCounts:
+    """Heartbeats a worker sent to its agent, and those lost on the way (counted, never raised)."""
+
+    sent: int
+    dropped: int
 
 
 class HeartbeatSender:
@@ -161,6 +170,10 @@ class BatchingSender:
         than the interval every section entry is sent as it happens, and
         only faster loops are batched.
         """
+        if self._closed.is_set():  # after close (a bye): nothing sends any more, so count it as lost now
+            self.sender.dropped += 1
+            self.sender.last_error = "the sender is closed"
+            return False
         now = self._clock()
         self._pending.append((kind, section, step, committed_step, checkpoint, tokens, samples, save, now))
         if kind != "section" or now - self._last_flush >= self.interval_s:

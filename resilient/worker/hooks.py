@@ -156,6 +156,7 @@ class WorkerHooks:
         self._said_bye = True
         self.step, self.committed_step = step, committed_step
         self.sender.send("bye", self.section, step, committed_step=committed_step)
+        self.sender.close()  # nothing follows a bye: stop the sending thread and release the socket
 
     def raised_in(self, exc: BaseException, section: str) -> None:
         """Remember the innermost section an exception left, for the error file."""
