@@ -302,7 +302,8 @@ def test_metrics_package_imports_stay_light():
 
 
 def test_the_metrics_package_imports_no_higher_layer():
-    """resilient.metrics sits below the agent, the CLI and the worker: it imports only itself and the basics.
+    """resilient.metrics sits below the agent, the CLI and the worker: it imports only itself and the basics
+    (errors, events and their kinds, file helpers), which import nothing of the project.
 
     Read from the source (function-level imports included), not from
     sys.modules, so a lazy import on a rarely used path is caught too.
@@ -312,7 +313,7 @@ def test_the_metrics_package_imports_no_higher_layer():
 
     import resilient.metrics
 
-    allowed = {"resilient", "resilient.errors", "resilient.fsutil", "resilient._lazy"}
+    allowed = {"resilient", "resilient.errors", "resilient.events", "resilient.fsutil", "resilient._lazy"}
     package = Path(resilient.metrics.__file__).parent
     found = []
     for path in sorted(package.glob("*.py")):
@@ -333,3 +334,8 @@ def test_the_metrics_package_imports_no_higher_layer():
                     found.append(f"{path.name}:{node.lineno} imports {target}")
     assert not found, found
     assert len(list(package.glob("*.py"))) >= 10
+    for basic in ("errors", "events", "fsutil"):  # the basics stand on nothing of the project
+        tree = ast.parse((package.parent / f"{basic}.py").read_text())
+        inner = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.level or
+                 (n.module or "").startswith("resilient"))]
+        assert not inner, f"{basic}.py imports the project at lines {inner}"
