@@ -33,6 +33,19 @@ def _worker(tmp_path: Path, *extra: str) -> tuple[str, ...]:
             "--trace", str(tmp_path / "trace"), *extra)
 
 
+def _signal_after_step(run_dir: Path, flags: tuple[str, ...], tmp_path: Path, step: int, signum: int) -> int:
+    """Start the first launch, send ``signum`` to its agent once a worker passed ``step``; its exit code."""
+    agent = start_agent(run_dir, *flags, script_args=_worker(tmp_path, "--step-sleep", "0.1"),
+                        log=tmp_path / "first.log")
+    try:
+        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= step for r in s["ranks"].values()),
+                 timeout=120, what=f"the workers to pass step {step}")
+        agent.send_signal(signum)
+        return agent.wait(timeout=90)
+    finally:
+        agent.kill()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same training under the embedded store, with no fault."""
@@ -46,15 +59,7 @@ def test_a_preempted_run_resubmitted_with_the_same_command_resumes_and_matches(t
                                                                                etcd_server, etcd_run_id):
     run_dir = tmp_path / "run"
     flags = _flags(etcd_server.url, etcd_run_id)
-    agent = start_agent(run_dir, *flags, script_args=_worker(tmp_path, "--step-sleep", "0.1"),
-                        log=tmp_path / "first.log")
-    try:
-        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 6 for r in s["ranks"].values()),
-                 timeout=120, what="the workers to pass step 6")
-        agent.send_signal(signal.SIGTERM)
-        code = agent.wait(timeout=90)
-    finally:
-        agent.kill()
+    code = _signal_after_step(run_dir, flags, tmp_path, 6, signal.SIGTERM)
     assert code == EXIT_PREEMPTED_AGENT, (tmp_path / "first.log").read_text()[-3000:]
     [request] = events(run_dir, "stop_requested")
     stop_at = request["stop_at_step"]
@@ -103,15 +108,7 @@ def test_a_launch_left_without_an_end_mark_is_replaced_when_its_rendezvous_is_cl
     """SIGINT ends an agent without marking its launch ended; its rendezvous is closed all the same."""
     run_dir = tmp_path / "run"
     flags = _flags(etcd_server.url, etcd_run_id)
-    agent = start_agent(run_dir, *flags, script_args=_worker(tmp_path, "--step-sleep", "0.1"),
-                        log=tmp_path / "first.log")
-    try:
-        wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 2 for r in s["ranks"].values()),
-                 timeout=120, what="the workers to pass step 2")
-        agent.send_signal(signal.SIGINT)
-        code = agent.wait(timeout=90)
-    finally:
-        agent.kill()
+    code = _signal_after_step(run_dir, flags, tmp_path, 2, signal.SIGINT)
     assert code == 130, (tmp_path / "first.log").read_text()[-3000:]
     proc = run_agent(run_dir, *flags, script_args=_worker(tmp_path))
     assert proc.returncode == 0, explain(proc)

@@ -74,6 +74,17 @@ def decide_claim(holder: Fence | None, claimant: Fence) -> ClaimDecision:
     return ClaimDecision(True, f"{claimant.describe()} takes the fence from {holder.describe()}")
 
 
+def check_claim(holder: Fence | None, claimant: Fence, where: str) -> None:
+    """Raise :class:`FencedError` when ``claimant`` may not take the fence of location ``where``."""
+    decision = decide_claim(holder, claimant)
+    if not decision.ok:
+        raise FencedError(
+            f"cannot claim checkpoints in {where}: {decision.reason}",
+            holder_launch=holder.launch if holder else None,
+            holder_generation=holder.generation if holder else None,
+        )
+
+
 def fence_moved(holder: Fence | None, ours: Fence) -> str | None:
     """Why we may no longer write (the fence holds another claim), or None while it is ours.
 
@@ -152,13 +163,7 @@ class LocalFence:
     def claim(self, claimant: Fence) -> Fence | None:
         """Take the fence for ``claimant``; return the previous holder. FencedError if refused."""
         with self.locked() as holder:
-            decision = decide_claim(holder, claimant)
-            if not decision.ok:
-                raise FencedError(
-                    f"cannot claim checkpoints in {self.root}: {decision.reason}",
-                    holder_launch=holder.launch if holder else None,
-                    holder_generation=holder.generation if holder else None,
-                )
+            check_claim(holder, claimant, self.root)
             if holder != claimant:
                 try:
                     write_json_atomic(self.path, claimant.to_json())

@@ -40,9 +40,9 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-from ..errors import CommitConflictError, FencedError, StorageError
+from ..errors import CommitConflictError, StorageError
 from .digest import ChunkedHasher, hash_pool
-from .fence import Fence, decide_claim, fence_moved, parse_fence, refused
+from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
 from .s3_client import ABSENT, CONFLICT, S3Bucket
 from .s3_support import ViewsReader, group_views
@@ -93,13 +93,7 @@ class S3Storage(S3Bucket, Storage):
 
     def claim_fence(self, claimant: Fence) -> Fence | None:
         holder = self.read_fence()
-        decision = decide_claim(holder, claimant)
-        if not decision.ok:
-            raise FencedError(
-                f"cannot claim checkpoints in {self.url}: {decision.reason}",
-                holder_launch=holder.launch if holder else None,
-                holder_generation=holder.generation if holder else None,
-            )
+        check_claim(holder, claimant, self.url)
         if holder != claimant:
             key = self._fence_key()
             body = json.dumps(claimant.to_json()).encode()
