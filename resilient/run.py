@@ -34,7 +34,6 @@ from .checkpoint.restore import RANK, REPLICATED, Restored
 from .data.loader import ElasticLoader
 from .errors import ConfigError
 from .events import EventKind, EventLog
-from .worker.heartbeat import HeartbeatCounts
 from .state import (
     Stateful,
     capture_rng,
@@ -46,6 +45,7 @@ from .state import (
     unwrap,
 )
 from .worker.env import WorkerEnv
+from .worker.heartbeat import HeartbeatCounts
 
 if TYPE_CHECKING:
     from .worker.hooks import WorkerHooks

@@ -11,8 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from resilient.events import OutcomeKind
-from resilient.events import EventKind, EventLog
+from resilient.events import EventKind, EventLog, OutcomeKind
 
 from .agent_helpers import events, explain, run_agent
 from .helpers import REPO

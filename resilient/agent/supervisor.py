@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
-from ..events import EventKind, EventLog
+from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
 from ..worker.protocol import Heartbeat
@@ -39,7 +39,6 @@ from .bookkeeping import ProcessBookkeeping
 from .config import AgentConfig
 from .control import ControlServer
 from .coordination import Coordination
-from ..events import OutcomeKind
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
