@@ -339,3 +339,9 @@ def test_the_metrics_package_imports_no_higher_layer():
         inner = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.level or
                  (n.module or "").startswith("resilient"))]
         assert not inner, f"{basic}.py imports the project at lines {inner}"
+
+
+def test_an_outcome_outside_the_vocabulary_is_refused_not_counted_as_a_clean_end():
+    ledger = started()
+    with pytest.raises(ValueError, match="'stoped' is not a valid OutcomeKind"):
+        ledger.generation_ended(5.0, "stoped")

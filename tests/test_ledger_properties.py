@@ -18,6 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from resilient.events import FAILURE_KINDS, OutcomeKind
 from resilient.metrics.ledger import Ledger, LedgerConfig
 from resilient.metrics.ledger_account import totals
 
@@ -137,7 +138,7 @@ def runs(draw: st.DrawFn, max_ops: int = 30) -> tuple[list[Event], float, Sim]:
             tick()
             last_progress = sim.t - draw(st.floats(0.0, 20.0))
             sim.emit("failure", sim.t, last_progress, f"inc-{len(sim.events)}", draw(st.sampled_from(
-                ["exit", "signal", "hang", "node_lost", "unhealthy"])))
+                FAILURE_KINDS)))
             tick()
             sim.end("failed")
         elif op == "commit" and sim.running and sim.step > max(sim.committed, 0):
@@ -145,7 +146,8 @@ def runs(draw: st.DrawFn, max_ops: int = 30) -> tuple[list[Event], float, Sim]:
             sim.emit("commit", sim.t, sim.committed)
         elif op == "end" and sim.running:
             tick()
-            sim.end(draw(st.sampled_from(["succeeded", "stopped", "membership"])))
+            # every way a generation ends without a failure report (a failure is the "fail" op above)
+            sim.end(draw(st.sampled_from([k.value for k in OutcomeKind if k is not OutcomeKind.FAILED])))
         elif op == "agent":
             tick(st.floats(0.0, 30.0))
             sim.emit("agent_started", sim.t)
