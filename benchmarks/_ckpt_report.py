@@ -71,7 +71,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         (f"Host: {env['cpus']} CPUs, {env['mem_total_gb']:.1f} GB RAM, kernel {env['kernel']}, torch {env['torch']} "
         f"({env['torch_threads']} threads), python {env['python']}.  "),
         f"Load average (1/5/15 min): {la[0]} at start, {la[1]} at end.  ",
-        f"Code: `{env['git_head']}`{dirty}.  ",
+        f"Code: `{env['git_head']}`{dirty} (commit `{env['git_commit']}`).  ",
+        f"Command: `{env['command']}`.  ",
         (f"Repeats: {res['config']['repeats']} (medians; peers interleaved in rotating order). "
         f"Peak RSS {env['peak_rss_gb']:.2f} GB. Total run {env['total_s']:.0f} s.\n"),
         "## Targets\n",
@@ -95,7 +96,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         row("method", "median", "min", "max", "notes"),
         row(*["---"] * 5),
         row("ours, first save", fmt(s["ours_first"]["stall_s"]), "", "", "allocates + faults the host buffer"),
-        row("ours, steady state (`Run._save(wait=False)`)", *stats(stall["ours"]),
+        row("ours, steady state (the step loop at a due boundary)", *stats(stall["ours"]),
             f"manager's stall_s {mgr}; until durable commit {until['ours']}"),
         row("ours, next save while previous still writing", *stats([x["second_stall_s"] for x in s["back_to_back"]]),
             "= wait for the previous commit + snapshot"),
