@@ -1,29 +1,162 @@
 #!/usr/bin/env bash
-# One-time set-up on a Debian machine: the system packages the tests and the
-# demo use, a virtualenv in .venv, PyTorch (CPU build, installed first so that
-# nothing resolves a multi-GB CUDA build), and this project with its dev extras.
-# Safe to run again: what is already there is kept.
+# Set-up on a Debian machine that touches nothing it need not.
+#
+#   bash scripts/setup.sh --for demo     the main job: a virtualenv in .venv with PyTorch (CPU build, installed
+#                                        first so that nothing resolves a multi-GB CUDA build) and this project
+#                                        with its `report` extra. System-wide: only python3-venv, if Python
+#                                        lacks it.
+#   bash scripts/setup.sh --for tests    the same with the `dev` extras, plus the servers the tests start:
+#                                        etcd and Prometheus (with promtool) unpacked from Debian's packages
+#                                        into .servers/ in this checkout, nothing installed system-wide; and
+#                                        Debian's prometheus-alertmanager (with amtool), installed system-wide
+#                                        because its build reads its templates from /usr/share, with its
+#                                        service neither started nor enabled.
+#   --dry-run                            print the plan and change nothing.
+#
+# System packages (python3-venv; openssl and mount for the tests, when missing) are installed with apt-get as
+# root, or through sudo otherwise; without either it stops and says what to install. Safe to run again: what
+# is already there is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+target=""
+dry_run=0
+while (($#)); do
+    case "$1" in
+        --for) target=${2:-}; shift 2 ;;
+        --for=*) target=${1#--for=}; shift ;;
+        --dry-run) dry_run=1; shift ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        *) echo "setup.sh: unknown argument '$1'; use --for demo|tests [--dry-run]" >&2; exit 2 ;;
+    esac
+done
+case "$target" in
+    demo) extras="report" ;;
+    tests) extras="dev" ;;
+    *) echo "setup.sh: say what to set up: --for demo (the main job) or --for tests (the test suite)" >&2; exit 2 ;;
+esac
+
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+SERVERS_DIR=.servers
+# Debian package -> the binaries the tests run from it.
+declare -A SERVER_BINARIES=(
+    [etcd-server]="etcd"
+    [prometheus]="prometheus promtool"
+)
+SYSTEM_SERVER=prometheus-alertmanager  # reads /usr/share/prometheus/alertmanager/*.tmpl: cannot run unpacked
+
+plan() { echo "setup ($target): $*"; }
 
 apt_packages=()
 "$PY" -c "import venv, ensurepip" 2>/dev/null || apt_packages+=(python3-venv python3-pip)
-command -v mount >/dev/null || apt_packages+=(mount)
-# Real servers the tests start: etcd for multi-node rendezvous, openssl for its TLS test.
-command -v etcd >/dev/null || apt_packages+=(etcd-server)
-command -v openssl >/dev/null || apt_packages+=(openssl)
-# Prometheus (with promtool) and Alertmanager (with amtool) for the metrics, alert and dashboard tests.
-command -v prometheus >/dev/null || apt_packages+=(prometheus)
-command -v prometheus-alertmanager >/dev/null || apt_packages+=(prometheus-alertmanager)
+servers=()
+if [ "$target" = tests ]; then
+    command -v openssl >/dev/null || apt_packages+=(openssl)  # certificates for the etcd TLS test
+    command -v mount >/dev/null || apt_packages+=(mount)      # a tiny tmpfs for the full-disk test
+    system_server=""
+    command -v prometheus-alertmanager >/dev/null && command -v amtool >/dev/null || system_server=$SYSTEM_SERVER
+    for package in "${!SERVER_BINARIES[@]}"; do
+        for bin in ${SERVER_BINARIES[$package]}; do
+            if [ ! -x "$SERVERS_DIR/usr/bin/$bin" ]; then
+                servers+=("$package")
+                break
+            fi
+        done
+    done
+fi
+
+as_root=()
+system_server=${system_server:-}
+if ((${#apt_packages[@]} || ${#servers[@]})) || [ -n "$system_server" ]; then
+    if [ "$(id -u)" != 0 ]; then
+        if command -v sudo >/dev/null; then
+            as_root=(sudo)
+        elif ((${#apt_packages[@]})) || [ -n "$system_server" ]; then
+            echo "setup.sh: need root or sudo to install Debian packages: ${apt_packages[*]} $system_server." >&2
+            echo "  Ask an administrator to run: apt-get install --no-install-recommends" \
+                 "${apt_packages[*]} $system_server; then run this again." >&2
+            exit 1
+        fi
+    fi
+fi
+
 if ((${#apt_packages[@]})); then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_packages[@]}"
+    plan "install Debian packages system-wide: ${apt_packages[*]}"
+else
+    plan "no Debian package to install system-wide"
+fi
+if ((${#servers[@]})); then
+    plan "unpack ${servers[*]} into $SERVERS_DIR/ (apt-get download + dpkg-deb -x): nothing installed" \
+         "system-wide, no service enabled or started; the tests start them on loopback ports"
+elif [ "$target" = tests ]; then
+    plan "servers for the tests already in $SERVERS_DIR/"
+fi
+if [ -n "$system_server" ]; then
+    plan "install Debian $system_server system-wide without recommends; its service is neither started" \
+         "(policy-rc.d) nor enabled (deb-systemd-helper disable, update-rc.d disable)"
+fi
+[ -x .venv/bin/python ] || plan "create the virtualenv .venv (with --system-site-packages, reusing a torch you have)"
+plan "pip install into .venv: $TORCH_SPEC, then this project with extras [$extras]"
+if ((dry_run)); then
+    plan "dry run: nothing changed"
+    exit 0
+fi
+
+if ((${#apt_packages[@]})); then
+    "${as_root[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
+fi
+
+if [ -n "$system_server" ]; then
+    policy_made=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then  # Debian's switch that keeps package scripts from starting services
+        printf '#!/bin/sh\nexit 101\n' | "${as_root[@]}" tee /usr/sbin/policy-rc.d >/dev/null
+        "${as_root[@]}" chmod 0755 /usr/sbin/policy-rc.d
+        policy_made=1
+    fi
+    ((${#apt_packages[@]})) || "${as_root[@]}" apt-get update -qq
+    installed=0
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "$system_server" \
+        && installed=1
+    ((policy_made)) && "${as_root[@]}" rm -f /usr/sbin/policy-rc.d
+    ((installed)) || { echo "setup.sh: could not install $system_server (see above)" >&2; exit 1; }
+    "${as_root[@]}" deb-systemd-helper disable "$system_server.service" >/dev/null 2>&1 || true
+    "${as_root[@]}" update-rc.d "$system_server" disable >/dev/null 2>&1 || true
+    echo "setup ($target): installed $system_server; its service is not enabled and was not started"
+fi
+
+if ((${#servers[@]})); then
+    # apt-get download needs package lists; refresh them only when apt knows none of the packages.
+    if ! apt-cache show "${servers[@]}" >/dev/null 2>&1; then
+        if [ "$(id -u)" != 0 ] && ((${#as_root[@]} == 0)); then
+            echo "setup.sh: apt knows no ${servers[*]} and refreshing its lists needs root or sudo." >&2
+            echo "  Ask an administrator to run: apt-get update; then run this again." >&2
+            exit 1
+        fi
+        "${as_root[@]}" apt-get update -qq
+    fi
+    debs=$(mktemp -d)
+    trap 'rm -rf "$debs"' EXIT
+    chmod 0777 "$debs"  # apt downloads as its own unprivileged user where it can
+    if ! (cd "$debs" && apt-get download -qq "${servers[@]}") >"$debs/download.log" 2>&1; then
+        cat "$debs/download.log" >&2
+        echo "setup.sh: could not download ${servers[*]} from Debian's archive (see above)" >&2
+        exit 1
+    fi
+    mkdir -p "$SERVERS_DIR"
+    for deb in "$debs"/*.deb; do
+        dpkg-deb -x "$deb" "$SERVERS_DIR"
+        echo "setup ($target): unpacked $(dpkg-deb -f "$deb" Package) $(dpkg-deb -f "$deb" Version) into $SERVERS_DIR/"
+    done
+    for package in "${servers[@]}"; do
+        for bin in ${SERVER_BINARIES[$package]}; do
+            [ -x "$SERVERS_DIR/usr/bin/$bin" ] || { echo "setup.sh: $package did not provide usr/bin/$bin" >&2; exit 1; }
+        done
+    done
 fi
 
 # --system-site-packages reuses a torch that the machine already has.
 [ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"

@@ -1,4 +1,4 @@
-"""Pytest fixtures running real etcd servers (Debian's /usr/bin/etcd) on free loopback ports.
+"""Pytest fixtures running real etcd servers (Debian's etcd, see tests/servers.py) on free loopback ports.
 
 * ``etcd_server``: one plain server for the session; ``etcd_run_id`` gives
   each test its own run id (and so its own key prefix);
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import pytest
 
-ETCD_BINARY = "/usr/bin/etcd"
+from .servers import server_binary
+
 STARTUP_TIMEOUT_S = 20.0
 ROOT_PASSWORD = "root-pw"
 
@@ -76,7 +77,7 @@ class EtcdServer:
     def _command(self) -> list[str]:
         peer = f"http://127.0.0.1:{self.peer_port}"
         cmd = [
-            ETCD_BINARY,
+            server_binary("etcd", "etcd-server"),
             "--name=test",
             f"--data-dir={self.data_dir}",
             f"--listen-client-urls={self.endpoint}",
@@ -112,8 +113,7 @@ class EtcdServer:
 
     def start(self) -> None:
         """Start (or restart) etcd and wait until /health answers true."""
-        if not os.path.exists(ETCD_BINARY):
-            pytest.fail(f"{ETCD_BINARY} is missing: install Debian etcd-server (apt-get install etcd-server)")
+        server_binary("etcd", "etcd-server")  # fails the test, naming the fix, when etcd is missing
         assert self._proc is None, "already running"
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT)

@@ -37,26 +37,26 @@ from typing import Any
 import pytest
 import yaml
 
+from .servers import server_binary
+
 REPO = Path(__file__).resolve().parent.parent
 RULES = REPO / "dashboards" / "prometheus" / "alerts.yml"
 AM_EXAMPLE = REPO / "dashboards" / "alertmanager" / "alertmanager.example.yml"
 PROM_EXAMPLE = REPO / "dashboards" / "prometheus" / "prometheus.example.yml"
-BINARIES = {
-    "prometheus": ("/usr/bin/prometheus", "prometheus"),
-    "promtool": ("/usr/bin/promtool", "prometheus"),
-    "alertmanager": ("/usr/bin/prometheus-alertmanager", "prometheus-alertmanager"),
-    "amtool": ("/usr/bin/amtool", "prometheus-alertmanager"),
+BINARIES = {  # our name -> (Debian's binary, its package)
+    "prometheus": ("prometheus", "prometheus"),
+    "promtool": ("promtool", "prometheus"),
+    "alertmanager": ("prometheus-alertmanager", "prometheus-alertmanager"),
+    "amtool": ("amtool", "prometheus-alertmanager"),
 }
 STARTUP_TIMEOUT_S = 30.0
 TEST_FOR = "1s"
 
 
 def binary(name: str) -> str:
-    """Path of a Prometheus-suite binary; fails the test naming the Debian package when it is missing."""
-    path, package = BINARIES[name]
-    if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: install Debian {package} (apt-get install {package})")
-    return path
+    """Path of a Prometheus-suite binary; fails the test naming the fix when it is missing."""
+    exe, package = BINARIES[name]
+    return server_binary(exe, package)
 
 
 def free_port() -> int:
