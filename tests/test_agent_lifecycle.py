@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from resilient.agent.sweep import AgentAlreadyRunningError, NodeProcesses, Stuck, read_stat
+from resilient.agent.sweep import AgentAlreadyRunningError, NodeProcesses, Stuck
 from resilient.exitcodes import EXIT_UNHEALTHY
+from resilient.watchdog.procfs import read_stat
 
 from .agent_helpers import agent_env, events, explain, incidents, node_status, run_agent, start_agent, wait_for
 from .helpers import read_trace

@@ -36,10 +36,7 @@ from typing import Any
 
 from ..errors import ResilientError
 from ..fsutil import read_json, write_json_atomic
-
-STATES = {"R": "running", "S": "sleeping", "D": "disk sleep", "Z": "zombie", "T": "stopped", "t": "tracing stop",
-          "X": "dead", "I": "idle", "P": "parked", "W": "paging"}
-"""The process states of ``/proc/<pid>/stat``, named as ``/proc/<pid>/status`` names them."""
+from ..watchdog.procfs import ProcStat, read_stat
 
 KILL_WAIT_S = 10.0
 """How long a SIGKILLed process may take to disappear before it counts as stuck."""
@@ -49,21 +46,6 @@ GIVE_UP_AFTER_S = 60.0
 
 class AgentAlreadyRunningError(ResilientError):
     """Another agent is running on the same run directory and node id."""
-
-
-@dataclass(frozen=True)
-class ProcStat:
-    """What ``/proc/<pid>/stat`` says about one process."""
-
-    pid: int
-    state: str
-    """One letter (see :data:`STATES`)."""
-    pgid: int
-    start_ticks: int
-
-    @property
-    def state_name(self) -> str:
-        return f"{self.state} ({STATES.get(self.state, 'unknown')})"
 
 
 @dataclass(frozen=True)
@@ -91,17 +73,6 @@ class SweepResult:
     """Processes that were alive and were SIGKILLed."""
     stuck: tuple[Stuck, ...]
     """Of those, the ones still there after :data:`KILL_WAIT_S`."""
-
-
-def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
-    """The process ``pid`` as ``/proc`` shows it, or None when there is no such process."""
-    try:
-        text = (proc_root / str(pid) / "stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-        return None
-    # The command name (field 2) is in parentheses and may hold spaces and ')': split after the last one.
-    rest = text[text.rindex(")") + 2:].split()
-    return ProcStat(pid=pid, state=rest[0], pgid=int(rest[2]), start_ticks=int(rest[19]))
 
 
 def group_members(pgid: int, proc_root: Path = Path("/proc")) -> list[ProcStat]:

@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-_STATES = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "tracing stop",
-           "Z": "zombie", "X": "dead", "I": "idle"}
+from .procfs import read_stat
 
 
 @dataclass(frozen=True)
@@ -42,11 +41,10 @@ class StackCapture:
 def process_state(pid: int, proc_root: str = "/proc") -> str:
     """The kernel's state of ``pid`` in words ("gone" when it no longer exists)."""
     try:
-        stat = Path(proc_root, str(pid), "stat").read_text()
-    except OSError:
+        st = read_stat(pid, Path(proc_root))
+    except (OSError, ValueError, IndexError):
         return "gone"
-    code = stat[stat.rfind(")") + 2:].split(" ", 1)[0]  # the name may contain spaces and parentheses
-    return _STATES.get(code, code)
+    return "gone" if st is None else st.state_word
 
 
 def find_py_spy() -> str | None:

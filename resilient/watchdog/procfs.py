@@ -1,0 +1,40 @@
+"""What ``/proc/<pid>/stat`` says about a process: one reader for the watchdog and the agent's sweep."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+STATES = {"R": "running", "S": "sleeping", "D": "disk sleep", "Z": "zombie", "T": "stopped", "t": "tracing stop",
+          "X": "dead", "I": "idle", "P": "parked", "W": "paging"}
+"""The process states of ``/proc/<pid>/stat``, named as ``/proc/<pid>/status`` names them."""
+
+@dataclass(frozen=True)
+class ProcStat:
+    """What ``/proc/<pid>/stat`` says about one process."""
+
+    pid: int
+    state: str
+    """One letter (see :data:`STATES`)."""
+    pgid: int
+    start_ticks: int
+
+    @property
+    def state_name(self) -> str:
+        return f"{self.state} ({STATES.get(self.state, 'unknown')})"
+
+    @property
+    def state_word(self) -> str:
+        """The state in words, e.g. "stopped"."""
+        return STATES.get(self.state, self.state)
+
+
+def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
+    """The process ``pid`` as ``/proc`` shows it, or None when there is no such process."""
+    try:
+        text = (proc_root / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces and ')': split after the last one.
+    rest = text[text.rindex(")") + 2:].split()
+    return ProcStat(pid=pid, state=rest[0], pgid=int(rest[2]), start_ticks=int(rest[19]))
