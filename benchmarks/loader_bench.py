@@ -173,7 +173,8 @@ def load_now() -> dict:
 def provenance() -> dict:
     return {
         "commit": _git("rev-parse", "HEAD") or "unknown (not a git checkout)",
-        "uncommitted_changes": _git("status", "--porcelain", "--", "resilient", "benchmarks").splitlines(),
+        "uncommitted_changes": _git("status", "--porcelain", "--", "resilient", "benchmarks",
+                                    ":(exclude)benchmarks/results").splitlines(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "cwd": os.getcwd(),
         "load_before": load_now(),
