@@ -75,7 +75,19 @@ def test_a_changed_dataset_refuses_to_resume():
         loaders(11, 2, 1)[0].load_state_dict(state)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [({"batch_size": 0}, "batch_size"), ({"rank": 3, "world_size": 2}, "rank 3")])
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"batch_size": 0}, "batch_size"),
+    ({"rank": 3, "world_size": 2}, "rank 3"),
+    ({"num_workers": -1}, r"num_workers=-1 must be an int >= 0"),
+    ({"prefetch_factor": 2}, r"prefetch_factor=2 needs worker processes: set num_workers > 0"),
+    ({"num_workers": 2, "prefetch_factor": 0}, r"prefetch_factor=0 must be an int >= 1"),
+    ({"persistent_workers": True}, r"persistent_workers=True needs num_workers > 0"),
+    ({"num_workers": 1, "timeout": -1}, r"timeout=-1 must be a number of seconds >= 0"),
+    ({"timeout": 5}, r"timeout=5 applies to worker processes"),
+    ({"multiprocessing_context": "fork"}, r"multiprocessing_context='fork' needs worker processes"),
+    ({"num_workers": 1, "multiprocessing_context": "threads"}, r"'threads' is not a start method here; use one of"),
+    ({"num_workers": 1, "worker_init_fn": 3}, r"worker_init_fn must be a callable"),
+])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ElasticLoader(list(range(4)), **{"batch_size": 2, **kwargs})

@@ -1,5 +1,6 @@
 """Resumable, exactly-once data delivery."""
 
+from .fetch import DataFetchError
 from .loader import ElasticLoader
 
-__all__ = ["ElasticLoader"]
+__all__ = ["DataFetchError", "ElasticLoader"]

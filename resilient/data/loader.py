@@ -7,6 +7,12 @@ step takes the next ``batch_size * world_size`` positions, rank ``r`` taking
 the ``r``-th block.  Every sample of an epoch is therefore consumed exactly
 once across ranks, batches that cross an epoch boundary stay full, and a
 cursor saved on one world size means the same thing on any other.
+
+Reading and collating run in the training process (``num_workers=0``, the
+default) or in torch ``DataLoader`` worker processes with prefetch and
+pinning (:mod:`resilient.data.workers`).  Either way ``consumed`` counts only
+the batches the loop received: what the workers prefetched and the loop did
+not take is not counted, and is dropped when the position changes.
 """
 
 from __future__ import annotations
@@ -14,12 +20,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
-import torch
 from torch.utils.data import default_collate
 
 from ..errors import CheckpointMismatchError, ConfigError
+from .fetch import fetch_in_process
+from .plan import StreamPlan, batch_start
+from .workers import LoaderOptions, WorkerPipeline
 
 
 class MapDataset(Protocol):
@@ -42,28 +50,44 @@ class ElasticLoader:
         rank: int | None = None,
         world_size: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        timeout: float = 0,
     ) -> None:
+        """``num_workers`` .. ``timeout`` mean what they mean for ``torch.utils.data.DataLoader``.
+
+        With ``num_workers=0`` (and no ``pin_memory``) samples are read in the
+        training process, without a DataLoader.
+        """
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ConfigError("ElasticLoader needs a map-style dataset (with __len__ and __getitem__)")
         if len(dataset) < 1:
             raise ConfigError("ElasticLoader got an empty dataset")
         if batch_size < 1:
             raise ConfigError(f"ElasticLoader batch_size={batch_size} must be >= 1")
+        self.options = LoaderOptions(
+            num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory,
+            persistent_workers=persistent_workers, worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context, timeout=timeout,
+        )
         self.dataset = dataset
         self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
         self.collate_fn = collate_fn
         self._clock = clock
         self.consumed = 0
         """Samples consumed by all ranks together since the start of the run."""
         self.data_wait_s = 0.0
-        """Time this rank spent producing batches (reading and collating)."""
+        """Time the loop waited in ``next()`` for its batches (with workers: not the workers' reading time)."""
         self.last_indices: list[int] = []
         """Dataset indices of the batch most recently returned on this rank."""
-        self._perms: dict[int, torch.Tensor] = {}
+        self._plan = StreamPlan(len(dataset), seed, shuffle)
+        self._pipeline: WorkerPipeline | None = None
         self.report_section: Callable[[str], AbstractContextManager[Any]] | None = None
-        """Set by a Run under an agent (``Run.section``): producing a batch is then reported as section "data"."""
+        """Set by a Run under an agent (``Run.section``): waiting for a batch is then reported as section "data"."""
         self.rank, self.world_size = 0, 1
         if rank is not None or world_size is not None:
             self.bind(rank or 0, world_size or 1)
@@ -79,6 +103,14 @@ class ElasticLoader:
         self.rank, self.world_size = rank, world_size
 
     @property
+    def seed(self) -> int:
+        return self._plan.seed
+
+    @property
+    def shuffle(self) -> bool:
+        return self._plan.shuffle
+
+    @property
     def epoch(self) -> int:
         return self.consumed // len(self.dataset)
 
@@ -86,27 +118,9 @@ class ElasticLoader:
     def global_batch_size(self) -> int:
         return self.batch_size * self.world_size
 
-    def _permutation(self, epoch: int) -> torch.Tensor:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            n = len(self.dataset)
-            if self.shuffle:
-                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % (2**63))
-                perm = torch.randperm(n, generator=gen)
-            else:
-                perm = torch.arange(n)
-            self._perms = {e: p for e, p in self._perms.items() if e >= epoch - 1}
-            self._perms[epoch] = perm
-        return perm
-
     def indices_at(self, start: int, count: int) -> list[int]:
         """Dataset indices at global stream positions ``start .. start+count-1``."""
-        n = len(self.dataset)
-        out = []
-        for pos in range(start, start + count):
-            epoch, offset = divmod(pos, n)
-            out.append(int(self._permutation(epoch)[offset]))
-        return out
+        return self._plan.indices(start, count)
 
     def __iter__(self) -> ElasticLoader:
         return self
@@ -119,12 +133,39 @@ class ElasticLoader:
 
     def _produce(self) -> Any:
         started = self._clock()
-        indices = self.indices_at(self.consumed + self.rank * self.batch_size, self.batch_size)
-        batch = self.collate_fn([self.dataset[i] for i in indices])
+        try:
+            if self.options.in_process:
+                start = batch_start(self.consumed, self.rank, self.batch_size)
+                indices = self.indices_at(start, self.batch_size)
+                batch = fetch_in_process(self.dataset, self.collate_fn, start, indices)
+            else:
+                if self._pipeline is None:
+                    self._pipeline = WorkerPipeline(self.dataset, self.collate_fn, self._plan, self.batch_size,
+                                                    self.options)
+                carried = self._pipeline.next_batch(self.consumed, self.rank, self.world_size)
+                indices, batch = carried.indices, carried.data
+        finally:
+            self.data_wait_s += self._clock() - started
         self.consumed += self.global_batch_size
         self.last_indices = indices
-        self.data_wait_s += self._clock() - started
         return batch
+
+    def close(self) -> None:
+        """Stop the worker processes, if any; a later ``next()`` starts them again."""
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            pipeline.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Workers also stop when torch's iterator is collected; closing here makes that prompt.
+        if getattr(self, "_pipeline", None) is not None:
+            self.close()
 
     def state_dict(self) -> dict[str, Any]:
         return {
