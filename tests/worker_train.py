@@ -121,6 +121,17 @@ def arm_fault(point: str, marker: str, signum: int = signal.SIGKILL) -> None:
     setattr(owner, attr, wrapper)
 
 
+def slow_storage(method: str, seconds: float) -> None:
+    """Every call of ``LocalStorage.<method>`` in this process takes ``seconds`` longer."""
+    real = getattr(ckpt_storage.LocalStorage, method)
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    setattr(ckpt_storage.LocalStorage, method, slow)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", default=None, help="checkpoint location; omit for no checkpointing")
@@ -137,6 +148,9 @@ def main() -> int:
     p.add_argument("--sync", action="store_true", help="synchronous saves")
     p.add_argument("--elastic", action="store_true", help="allow resuming on a different number of ranks")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (slower runs)")
+    p.add_argument("--when-busy", default="defer", help="CheckpointConfig.when_busy")
+    p.add_argument("--slow-storage", nargs=3, action="append", default=[], metavar=("RANK", "METHOD", "SECONDS"),
+                   help="on RANK, LocalStorage.METHOD sleeps SECONDS first (e.g. write_file: a slow disk)")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,8 +174,11 @@ def main() -> int:
     if args.dir:
         ckpt = resilient.CheckpointConfig(
             dir=args.dir, every_steps=args.every, keep=args.keep, endpoint_url=args.endpoint_url,
-            async_save=not args.sync, timeout_s=60, elastic=args.elastic,
+            async_save=not args.sync, timeout_s=60, elastic=args.elastic, when_busy=args.when_busy,
         )
+    for slow_rank, method, seconds in args.slow_storage:
+        if int(slow_rank) == rank:
+            slow_storage(method, float(seconds))
     events = resilient.EventLog(f"{args.events}.rank{rank}" if args.events else None)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
                         events=events)

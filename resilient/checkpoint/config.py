@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .digest import DEFAULT_CHUNK_BYTES
+from .pacing import WHEN_BUSY, WhenBusy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +24,9 @@ class CheckpointConfig:
     """Also keep every checkpoint whose step is a multiple of this, forever."""
     async_save: bool = True
     """Write in the background; the step loop pays only for a host-memory snapshot."""
+    when_busy: WhenBusy = "defer"
+    """A scheduled save due while the previous one is still written: "defer" it to the first step with a free
+    writer, snapshot into a "second_buffer" and queue it (else defer), or "wait" (stalls the loop)."""
     save_on_finish: bool = True
     """Commit a final checkpoint when ``Run.steps()`` runs out."""
     endpoint_url: str | None = None
@@ -45,5 +49,7 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.permanent_every={self.permanent_every} must be >= 1 (or None)")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"CheckpointConfig.chunk_bytes={self.chunk_bytes} must be at least 4096")
+        if self.when_busy not in WHEN_BUSY:
+            raise ConfigError(f"CheckpointConfig.when_busy={self.when_busy!r} must be one of {', '.join(WHEN_BUSY)}")
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointConfig.timeout_s={self.timeout_s} must be positive")
