@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import resilient
-from resilient.checkpoint import manager as ckpt_manager
 from resilient.checkpoint import storage as ckpt_storage
+from resilient.checkpoint import writer as ckpt_writer
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -77,7 +77,7 @@ _write_calls = itertools.count(1)
 
 # point -> (owner of the function, its name, which calls to die in)
 FAULT_POINTS = {
-    "snapshot": (lambda: ckpt_manager, "take_snapshots", lambda *a: True),  # during the host copy
+    "snapshot": (lambda: ckpt_writer, "take_snapshots", lambda *a: True),  # during the host copy
     # the second piece: the first one of a shard already reached the file
     "write": (lambda: ckpt_storage.os, "write", lambda *a: next(_write_calls) == 2),
     "before_manifest": (lambda: ckpt_storage.LocalStorage, "commit", lambda *a, **k: True),
