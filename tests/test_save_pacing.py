@@ -224,6 +224,48 @@ def test_a_final_save_with_a_busy_writer_waits_and_commits_the_final_step(tmp_pa
     assert (landed["due_step"], landed["step"]) == (2, 3) and "an explicit save" in landed["reason"]
 
 
+def test_run_loop_defers_and_its_final_save_waits_for_the_busy_writer(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    events = resilient.EventLog()
+    run = resilient.Run(model=model, optimizer=opt, events=events, agent=None,
+                        checkpoint=CheckpointConfig(dir=tmp_path / "c", every_steps=1, keep=10))
+    gate, writing = threading.Event(), threading.Event()
+    real = LocalStorage.write_file
+
+    def gated(self, *args, **kwargs):
+        writing.set()
+        assert gate.wait(60), "the test never released the writer"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(LocalStorage, "write_file", gated)
+    finished = threading.Event()
+
+    def train() -> None:
+        for _ in run.steps(4):
+            model(torch.ones(1, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        finished.set()
+
+    loop = threading.Thread(target=train, daemon=True)
+    loop.start()
+    assert writing.wait(30), "the save at step 1 never started writing"
+    for _ in range(300):  # the loop runs on while the writer is held: steps 2 and 3 are deferred
+        if len(events.of_kind("checkpoint_deferred")) == 2:
+            break
+        loop.join(0.1)
+    assert [e.fields["step"] for e in events.of_kind("checkpoint_deferred")] == [2, 3]
+    assert not finished.wait(0.5), "the final save did not wait for the busy writer"
+    gate.set()
+    loop.join(30)
+    assert finished.is_set()
+    result = run.close()
+    assert (result.step, result.ok, result.deferred_from, result.deferred_slots) == (4, True, 2, 2)
+    assert LocalStorage(tmp_path / "c").list_committed() == ["step_0000000001", "step_0000000004"]
+
+
 # ------------------------------------------------------------------- two gloo ranks, one slow disk
 
 STEPS = 30
