@@ -81,6 +81,8 @@ def test_second_buffer_needs_headroom():
 def test_when_busy_is_validated():
     with pytest.raises(ConfigError, match="when_busy='later' must be one of defer, second_buffer, wait"):
         CheckpointConfig(dir="x", when_busy="later")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning, match="has no effect with async_save=False"):
+        CheckpointConfig(dir="x", when_busy="second_buffer", async_save=False)
 
 
 # ------------------------------------------------------------------- one process, a writer held busy

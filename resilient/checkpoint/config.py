@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 from ..errors import ConfigError
@@ -51,5 +52,8 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.chunk_bytes={self.chunk_bytes} must be at least 4096")
         if self.when_busy not in WHEN_BUSY:
             raise ConfigError(f"CheckpointConfig.when_busy={self.when_busy!r} must be one of {', '.join(WHEN_BUSY)}")
+        if self.when_busy == "second_buffer" and not self.async_save:
+            warnings.warn("CheckpointConfig(when_busy='second_buffer') has no effect with async_save=False: every "
+                          "save is written before the loop goes on, so the writer is never busy", stacklevel=3)
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointConfig.timeout_s={self.timeout_s} must be positive")
