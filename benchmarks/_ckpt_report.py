@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import _ckpt_pacing
 from _ckpt_peers import GiB, med
 
 # key: (what is compared, reference, limit, True if ours/reference must be >= the limit)
@@ -91,6 +92,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     stall = {k: [x["stall_s"] for x in sm[k]] for k in sm if k not in ("raw_write", "dd")}
     until = {k: fmt(med([x["total_s"] for x in sm[k]])) for k in ("ours", "dcp_default", "dcp_reused_stager")}
     mgr = fmt(med([x["manager_stall_s"] for x in sm["ours"]]))
+    b2b = [row("ours, next save while previous still writing", *stats([x["second_stall_s"] for x in s["back_to_back"]]),
+               "= wait for the previous commit + snapshot")] if "back_to_back" in s else []  # results before (d)
     L += [
         "\n## (a) Training-loop stall per checkpoint\n",
         row("method", "median", "min", "max", "notes"),
@@ -98,8 +101,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         row("ours, first save", fmt(s["ours_first"]["stall_s"]), "", "", "allocates + faults the host buffer"),
         row("ours, steady state (the step loop at a due boundary)", *stats(stall["ours"]),
             f"manager's stall_s {mgr}; until durable commit {until['ours']}"),
-        row("ours, next save while previous still writing", *stats([x["second_stall_s"] for x in s["back_to_back"]]),
-            "= wait for the previous commit + snapshot"),
+        *b2b,
         row("torch.save + fsync", *stats(stall["torch_save_fsync"]), "the whole call blocks"),
         row("DCP async_save, default (new stager per call)", *stats(stall["dcp_default"]),
             f"until future done {until['dcp_default']}"),
@@ -134,4 +136,5 @@ def render_markdown(res: dict[str, Any]) -> str:
         x = fst[k]
         L.append(row(k, *(fmt(x[m]["median"]) for m in ("restore_s", "first_step_s", "second_step_s")),
                      fmt(x["restore_plus_first_step_s"])))  # fmt: skip
+    L += _ckpt_pacing.render(res)
     return "\n".join(L) + "\n"

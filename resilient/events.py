@@ -40,6 +40,8 @@ class EventKind(str, Enum):
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save did not commit (a rank's write or the commit failed)
     CHECKPOINT_CONFLICT = "checkpoint_conflict"  # a checkpoint of that name already exists; never overwritten
+    CHECKPOINT_DEFERRED = "checkpoint_deferred"  # a scheduled save fell due while the writer was busy: pending
+    CHECKPOINT_DEFERRED_LANDED = "checkpoint_deferred_landed"  # a pending save was taken, at a later step
     CHECKPOINT_FENCED = "checkpoint_fenced"  # a commit, retention or gc refused: another process holds the fence
     CHECKPOINT_FENCE_CLAIMED = "checkpoint_fence_claimed"  # this process took the location's fence at start
     CHECKPOINT_GARBAGE_COLLECTED = "checkpoint_garbage_collected"  # staging/trash left by dead writers removed

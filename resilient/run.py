@@ -250,7 +250,7 @@ class Run:
         result = self._reported_save = results[-1]
         size = result.manifest.total_bytes if result.manifest is not None else 0
         return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
-                "bytes": size}
+                "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}
 
     def _committed_step(self) -> int | None:
         manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
@@ -283,10 +283,14 @@ class Run:
             # After the first update the optimizer state exists, so the size is known.
             self._prepared = True
             ckpt.prepare(self._payloads())
-        if ckpt.config.every_steps is None:
-            return
-        if self.step % ckpt.config.every_steps == 0 and self._last_saved_step != self.step:
-            self._save(wait=False)
+        every = ckpt.config.every_steps
+        due = every is not None and self.step % every == 0 and self._last_saved_step != self.step
+        if due or ckpt.pending is not None:  # paced by config.when_busy: see resilient/checkpoint/pacing.py
+            with self.section("checkpoint"):
+                decision = ckpt.save_due(self.step, due=due, payloads=self._payloads, fingerprint=self._fingerprint,
+                                         counters={"samples": self.samples, "tokens": self.tokens})
+            if decision is not None and decision.action != "defer":
+                self._last_saved_step = self.step
 
     def _save(self, *, wait: bool) -> SaveResult | None:
         assert self.checkpoints is not None

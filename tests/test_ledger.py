@@ -345,3 +345,36 @@ def test_an_outcome_outside_the_vocabulary_is_refused_not_counted_as_a_clean_end
     ledger = started()
     with pytest.raises(ValueError, match="'stoped' is not a valid OutcomeKind"):
         ledger.generation_ended(5.0, "stoped")
+
+
+def test_deferred_saves_are_counted_with_the_steps_they_were_late_and_move_no_time():
+    ledger = started()
+    t = steps(ledger, 10.0, 0, 10)
+    before = ledger.account(t)
+    ledger.save_deferred(t, due_step=4, step=7)  # due at 4, taken at 7
+    ledger.save_deferred(t, due_step=8, step=10, slots=2)  # due at 8 and 9, taken at 10
+    acct = ledger.account(t)
+    assert (acct.saves_deferred, acct.deferred_steps) == (3, 5)
+    assert acct.seconds == before.seconds
+    restored = Ledger.from_dict(json.loads(json.dumps(ledger.to_dict())))
+    assert (restored.account(t).saves_deferred, restored.account(t).deferred_steps) == (3, 5)
+    # A ledger saved before deferred saves were counted still loads, with none counted.
+    old = ledger.to_dict()
+    del old["saves_deferred"], old["deferred_steps"]
+    assert Ledger.from_dict(old).account(t).saves_deferred == 0
+
+
+def test_deferred_saves_are_exported_and_reported():
+    from resilient.metrics.exporter import NodeView, families
+    from resilient.metrics.report import NodeReport, render
+
+    ledger = started()
+    t = steps(ledger, 10.0, 0, 5)
+    ledger.save_deferred(t, due_step=2, step=5)
+    acct = ledger.account(t)
+    samples = {s.name: s.value for fam in families(NodeView(run_id="r", node="n", now=t, account=acct))
+               for s in fam.samples}
+    assert samples["resilient_checkpoint_saves_deferred_total"] == 1.0
+    assert samples["resilient_checkpoint_deferred_steps_total"] == 3.0
+    text = render([NodeReport("n", acct)], [])
+    assert "checkpoints: 1 scheduled saves deferred (writer busy), taken 3 steps late in all" in text

@@ -77,8 +77,8 @@ def test_the_host_buffer_is_prepared_before_the_first_save(tmp_path):
     manager = run.checkpoints
     for step in run.steps(3):
         if step == 2:  # the boundary after the first update started the preparation
-            with manager._buffer.in_use:  # waits for it to finish
-                prepared = manager._buffer.capacity
+            with manager._writer.buffers[0].in_use:  # waits for it to finish
+                prepared = manager._writer.buffers[0].capacity
         model(torch.ones(1, 64)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -86,4 +86,4 @@ def test_the_host_buffer_is_prepared_before_the_first_save(tmp_path):
 
     assert prepared >= snapshot_bytes(run._payloads()) > 3 * 64 * 64 * 4, "model + AdamW state not covered"
     result = run.close()
-    assert result.ok and manager._buffer.capacity == prepared, "the final save had to grow the buffer"
+    assert result.ok and manager._writer.buffers[0].capacity == prepared, "the final save had to grow the buffer"

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import resilient
-from resilient.checkpoint import manager as ckpt_manager
 from resilient.checkpoint import storage as ckpt_storage
+from resilient.checkpoint import writer as ckpt_writer
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -77,7 +77,7 @@ _write_calls = itertools.count(1)
 
 # point -> (owner of the function, its name, which calls to die in)
 FAULT_POINTS = {
-    "snapshot": (lambda: ckpt_manager, "take_snapshots", lambda *a: True),  # during the host copy
+    "snapshot": (lambda: ckpt_writer, "take_snapshots", lambda *a: True),  # during the host copy
     # the second piece: the first one of a shard already reached the file
     "write": (lambda: ckpt_storage.os, "write", lambda *a: next(_write_calls) == 2),
     "before_manifest": (lambda: ckpt_storage.LocalStorage, "commit", lambda *a, **k: True),
@@ -121,6 +121,17 @@ def arm_fault(point: str, marker: str, signum: int = signal.SIGKILL) -> None:
     setattr(owner, attr, wrapper)
 
 
+def slow_storage(method: str, seconds: float) -> None:
+    """Every call of ``LocalStorage.<method>`` in this process takes ``seconds`` longer."""
+    real = getattr(ckpt_storage.LocalStorage, method)
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    setattr(ckpt_storage.LocalStorage, method, slow)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--dir", default=None, help="checkpoint location; omit for no checkpointing")
@@ -137,6 +148,9 @@ def main() -> int:
     p.add_argument("--sync", action="store_true", help="synchronous saves")
     p.add_argument("--elastic", action="store_true", help="allow resuming on a different number of ranks")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (slower runs)")
+    p.add_argument("--when-busy", default="defer", help="CheckpointConfig.when_busy")
+    p.add_argument("--slow-storage", nargs=3, action="append", default=[], metavar=("RANK", "METHOD", "SECONDS"),
+                   help="on RANK, LocalStorage.METHOD sleeps SECONDS first (e.g. write_file: a slow disk)")
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,8 +174,11 @@ def main() -> int:
     if args.dir:
         ckpt = resilient.CheckpointConfig(
             dir=args.dir, every_steps=args.every, keep=args.keep, endpoint_url=args.endpoint_url,
-            async_save=not args.sync, timeout_s=60, elastic=args.elastic,
+            async_save=not args.sync, timeout_s=60, elastic=args.elastic, when_busy=args.when_busy,
         )
+    for slow_rank, method, seconds in args.slow_storage:
+        if int(slow_rank) == rank:
+            slow_storage(method, float(seconds))
     events = resilient.EventLog(f"{args.events}.rank{rank}" if args.events else None)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
                         events=events)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .digest import DEFAULT_CHUNK_BYTES
+from .pacing import WHEN_BUSY, WhenBusy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +25,9 @@ class CheckpointConfig:
     """Also keep every checkpoint whose step is a multiple of this, forever."""
     async_save: bool = True
     """Write in the background; the step loop pays only for a host-memory snapshot."""
+    when_busy: WhenBusy = "defer"
+    """A scheduled save due while the previous one is still written: "defer" it to the first step with a free
+    writer, snapshot into a "second_buffer" and queue it (else defer), or "wait" (stalls the loop)."""
     save_on_finish: bool = True
     """Commit a final checkpoint when ``Run.steps()`` runs out."""
     endpoint_url: str | None = None
@@ -45,5 +50,10 @@ class CheckpointConfig:
             raise ConfigError(f"CheckpointConfig.permanent_every={self.permanent_every} must be >= 1 (or None)")
         if self.chunk_bytes < 4096:
             raise ConfigError(f"CheckpointConfig.chunk_bytes={self.chunk_bytes} must be at least 4096")
+        if self.when_busy not in WHEN_BUSY:
+            raise ConfigError(f"CheckpointConfig.when_busy={self.when_busy!r} must be one of {', '.join(WHEN_BUSY)}")
+        if self.when_busy == "second_buffer" and not self.async_save:
+            warnings.warn("CheckpointConfig(when_busy='second_buffer') has no effect with async_save=False: every "
+                          "save is written before the loop goes on, so the writer is never busy", stacklevel=3)
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointConfig.timeout_s={self.timeout_s} must be positive")

@@ -10,6 +10,12 @@ fence) goes through :meth:`Coordinator.on_root`: its outcome, a result *or*
 an error, is broadcast, so a failure on rank 0 becomes the same error on
 every rank at once instead of a peer waiting in a collective until the
 group times out.
+
+The training loop's own decisions (whether a due save is taken now, see
+:mod:`.pacing`) use a second gloo group, the *loop group*: the background
+thread may be inside a commit on the checkpoint group at that moment, and
+two threads issuing collectives on one group would pair different calls on
+different ranks.
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ _REBUILT: dict[str, type[errors.ResilientError]] = {
 class Coordinator:
     """Collectives among the ranks of one job; the single-process case is trivial."""
 
-    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None) -> None:
+    def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None, loop_group: Any = None) -> None:
+        """``group``: the commit thread's collectives; ``loop_group``: the training thread's (:meth:`agree_max`)."""
         self.rank = rank
         self.world_size = world_size
         self._group = group
+        self._loop_group = loop_group
 
     @classmethod
     def from_environment(cls, timeout_s: float) -> Coordinator:
@@ -53,7 +61,8 @@ class Coordinator:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        return cls(dist.get_rank(), dist.get_world_size(), group)
+        loop_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        return cls(dist.get_rank(), dist.get_world_size(), group, loop_group)
 
     @property
     def is_root(self) -> bool:
@@ -121,6 +130,25 @@ class Coordinator:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
         return bool(flag.item())
+
+    def agree_max(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """The element-wise maximum of ``values`` over all ranks, on the loop group (training thread only).
+
+        Raises :class:`~resilient.errors.CheckpointError` when this
+        coordinator was made without a loop group on more than one rank.
+        """
+        if self.world_size == 1:
+            return tuple(values)
+        if self._loop_group is None:
+            raise errors.CheckpointError(
+                "this Coordinator has no loop group, so ranks cannot agree on a save from the training loop; "
+                "create it with Coordinator.from_environment() or pass loop_group="
+            )
+        import torch.distributed as dist
+
+        flags = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._loop_group)
+        return tuple(int(v) for v in flags.tolist())
 
     def _global_root(self) -> int:
         import torch.distributed as dist

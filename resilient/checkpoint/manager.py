@@ -2,11 +2,14 @@
 
 Saving: every rank snapshots its payloads into host memory at a step
 boundary (the only part the training loop waits for), then a background
-thread writes and hashes its files into the staging area and reports
+thread (:mod:`.writer`) writes and hashes its files into the staging area and reports
 (path, size, digest) to rank 0 over the checkpoint group.  Rank 0 writes the
 manifest and commits it only if every rank succeeded, tells every rank the
 outcome, and applies retention.  A failed save is an event, never a crash,
-and never moves "latest".
+and never moves "latest".  A scheduled save that falls due while the
+previous one is still being written is paced by ``config.when_busy`` (pure
+policy in :mod:`.pacing`, agreed by all ranks): deferred, queued in a second
+buffer, or waited for.  Explicit saves always wait for the writer.
 
 Fencing: at start rank 0 claims the location's fence with this job's
 launch and generation (:mod:`.fence`); a stale process is refused there, and
@@ -23,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import CommitConflictError, FencedError, ResilientError
@@ -32,42 +35,18 @@ from .config import CheckpointConfig
 from .coordinator import Coordinator
 from .fence import Fence
 from .manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
+from .pacing import Busy, Pending, SaveDecision, decide_save, local_busy, second_buffer_fits
 from .restore import RANK, REPLICATED, Restored, restore_newest
 from .retention import decide_retention
-from .snapshot import HostBuffer, Snapshot, snapshot_bytes, take_snapshots
+from .snapshot import HostBuffer, snapshot_bytes
 from .storage import Storage, open_storage
+from .writer import Job, SaveResult, Writer
 
 __all__ = ["RANK", "REPLICATED", "CheckpointManager", "Restored", "SaveResult", "file_name"]
 
 
 def file_name(key: str, rank: int) -> str:
     return "replicated.shard" if key == REPLICATED else f"rank{rank:05d}.shard"
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """Outcome of one save, as every rank sees it."""
-
-    step: int
-    name: str
-    ok: bool
-    error: str | None
-    manifest: Manifest | None
-    stall_s: float
-    """Time the training loop waited (previous save + snapshot)."""
-    write_s: float
-    """Background time from snapshot to commit outcome."""
-
-
-@dataclass
-class _Job:
-    step: int
-    snapshots: dict[str, Snapshot]
-    counters: dict[str, int]
-    fingerprint: dict[str, Any]
-    stall_s: float
-    done: threading.Event = field(default_factory=threading.Event)
-    result: SaveResult | None = None
 
 
 class CheckpointManager:
@@ -90,9 +69,9 @@ class CheckpointManager:
         self.last_committed: Manifest | None = None
         self.results: deque[SaveResult] = deque(maxlen=64)
         """Outcomes of the most recent saves, oldest first."""
-        self._buffer = HostBuffer()
-        self._inflight: _Job | None = None
-        self._thread: threading.Thread | None = None
+        self.pending: Pending | None = None
+        """A scheduled save deferred because the writer was busy (see :mod:`.pacing`)."""
+        self._writer = Writer(self._write_job, background=config.async_save)
         # Rank 0 checks the store, claims the fence and then sweeps leftovers
         # of crashed (or stale) saves; every rank gets the save token, or the
         # same error (a refused claim is a FencedError everywhere).
@@ -130,63 +109,115 @@ class CheckpointManager:
         fingerprint: dict[str, Any],
         wait: bool,
     ) -> SaveResult | None:
-        """Snapshot ``payloads`` now and commit them as checkpoint ``step``.
+        """Snapshot ``payloads`` now and commit them as checkpoint ``step``: an explicit save.
 
         ``payloads`` holds this rank's trees: ``{"rank": ...}`` plus
-        ``{"replicated": ...}`` on rank 0.  Returns the result when ``wait``.
+        ``{"replicated": ...}`` on rank 0.  It first waits for every save in
+        flight (an explicit save, e.g. the final one or a graceful stop's,
+        must happen whatever the writer is doing) and takes the pending save
+        if there is one.  Returns the result when ``wait``.
         """
         started = time.monotonic()
-        self.wait()  # at most one save in flight: its buffer is reused
-        self._buffer.in_use.acquire()
-        try:
-            snapshots = take_snapshots(payloads, self._buffer)
-        except BaseException:
-            self._buffer.in_use.release()
-            raise
-        job = _Job(step, snapshots, dict(counters), fingerprint, stall_s=time.monotonic() - started)
-        self._inflight = job
-        if self.config.async_save and not wait:
-            self._thread = threading.Thread(target=self._run_job, args=(job,), name="resilient-ckpt", daemon=False)
-            self._thread.start()
+        waited = self._writer.wait_all()[1]
+        landed, self.pending = self.pending, None
+        if landed is not None:
+            self._landed(landed, step, "an explicit save (Run.save, a graceful stop or the final save)")
+        job = self._writer.take(step, payloads, counters, fingerprint, self._writer.buffers[0], started=started,
+                                waited_s=waited, landed=landed)
+        return self._writer.start(job, wait=wait)
+
+    def save_due(
+        self,
+        step: int,
+        *,
+        due: bool,
+        payloads: Callable[[], dict[str, Any]],
+        counters: dict[str, int],
+        fingerprint: dict[str, Any],
+    ) -> SaveDecision | None:
+        """At a step boundary: take the scheduled save if ``due`` or pending, paced by ``config.when_busy``.
+
+        Collective at every boundary where a save is due or pending (the
+        ranks agree there, see :mod:`.pacing`); nothing happens otherwise.
+        ``payloads`` is called only when a snapshot (or its size) is needed.
+        Returns the decision, or None when there was nothing to decide.
+        """
+        if not due and self.pending is None:
             return None
-        self._run_job(job)
-        self._inflight = None
-        return job.result
+        policy = self.config.when_busy
+        if policy == "wait" or not self.config.async_save:
+            self.save(step, payloads(), counters=counters, fingerprint=fingerprint, wait=False)
+            return SaveDecision("snapshot", f"when_busy={policy!r}, async_save={self.config.async_save}: "
+                                "waited for the writer", None)
+        started = time.monotonic()
+        captured: dict[str, Any] | None = None
+        in_flight = self._writer.in_flight()
+        fits, note = False, None
+        if policy == "second_buffer" and len(in_flight) == 1:
+            captured = payloads()
+            fits, note = self._second_buffer_fits(captured, in_flight[0].buffer)
+        level = local_busy(in_flight=len(in_flight), policy=policy, second_buffer_fits=fits)
+        agreed, busy_step = self.coord.agree_max((int(level), in_flight[0].step if in_flight else -1))
+        decision = decide_save(step=step, due=due, pending=self.pending, busy=Busy(agreed),
+                               busy_step=busy_step if busy_step >= 0 else None, policy=policy)
+        self.pending = decision.pending
+        if decision.action == "defer":
+            if due:
+                assert decision.pending is not None
+                self.events.emit(EventKind.CHECKPOINT_DEFERRED, step=step, pending_since=decision.pending.due_step,
+                                 reason=decision.reason, policy=policy,
+                                 memory=note if level is Busy.NO_MEMORY else None)
+            return decision
+        if decision.landed is not None:
+            self._landed(decision.landed, step, decision.reason)
+        behind, buffer = None, self._writer.buffers[0]
+        if decision.action == "queue" and in_flight:  # this rank's writer is busy: queue behind it
+            behind = in_flight[-1]
+            buffer = self._writer.other_buffer(behind.buffer)
+        else:
+            self._writer.wait_all()  # every save already has its outcome (agreed FREE): reaps, never waits
+        job = self._writer.take(step, captured if captured is not None else payloads(), counters, fingerprint,
+                                buffer, started=started, waited_s=0.0, landed=decision.landed, behind=behind)
+        self._writer.start(job, wait=False)
+        return decision
+
+    @property
+    def in_flight(self) -> int:
+        """Saves of this rank without an outcome yet (at most two: one written, one queued)."""
+        return len(self._writer.in_flight())
+
+    def _landed(self, landed: Pending, step: int, reason: str) -> None:
+        self.events.emit(EventKind.CHECKPOINT_DEFERRED_LANDED, due_step=landed.due_step, step=step,
+                         steps_late=step - landed.due_step, slots=landed.slots, reason=reason)
+
+    def _second_buffer_fits(self, payloads: dict[str, Any], busy: HostBuffer) -> tuple[bool, str]:
+        import psutil
+
+        need = snapshot_bytes(payloads) - self._writer.other_buffer(busy, create=False).capacity
+        return second_buffer_fits(need, int(psutil.virtual_memory().available))
 
     def prepare(self, payloads: dict[str, Any]) -> threading.Thread | None:
-        """Allocate and fault in the host buffer for state like ``payloads``, in the background.
+        """Allocate and fault in the host buffer(s) for state like ``payloads``, in the background.
 
         Without it the first save pays for fresh memory (about 0.4 s per GiB
         here) inside the training loop.  A save that starts meanwhile waits
-        for the buffer, which costs no more than allocating it itself.
+        for the buffer, which costs no more than allocating it itself.  With
+        ``when_busy="second_buffer"`` the second buffer is made too if it
+        fits in available memory (else on first use, if it fits then).
         """
         if not self.config.async_save:
             return None
-        nbytes = snapshot_bytes(payloads)
-        if nbytes <= self._buffer.capacity:
-            return None
-
-        def reserve() -> None:
-            with self._buffer.in_use:
-                self._buffer.reserve(nbytes)
-
-        thread = threading.Thread(target=reserve, name="resilient-ckpt-prepare", daemon=True)
-        thread.start()
-        return thread
+        first = self._writer.buffers[0]
+        buffers = [first]
+        if self.config.when_busy == "second_buffer" and self._second_buffer_fits(payloads, first)[0]:
+            buffers.append(self._writer.other_buffer(first))
+        return self._writer.prepare(snapshot_bytes(payloads), buffers)
 
     def wait(self) -> SaveResult | None:
-        """Block until the in-flight save (if any) has its outcome; return it."""
-        job = self._inflight
-        if job is None:
-            return None
-        job.done.wait()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._inflight = None
-        return job.result
+        """Block until every save in flight has its outcome; return the newest one's (None if none was)."""
+        return self._writer.wait_all()[0]
 
-    def _run_job(self, job: _Job) -> None:
+    def _write_job(self, job: Job) -> None:
         started = time.monotonic()
         name = checkpoint_name(job.step)
         try:
@@ -202,6 +233,10 @@ class CheckpointManager:
             manifest=manifest,
             stall_s=job.stall_s,
             write_s=time.monotonic() - started,
+            waited_s=job.waited_s,
+            deferred_from=job.landed.due_step if job.landed is not None else None,
+            deferred_slots=job.landed.slots if job.landed is not None else 0,
+            queued=job.behind is not None,
         )
         if manifest is not None:
             self.last_committed = manifest
@@ -213,6 +248,9 @@ class CheckpointManager:
                 stall_s=round(job.stall_s, 6),
                 write_s=round(result.write_s, 6),
                 location=self.storage.url,
+                waited_s=round(job.waited_s, 6),
+                deferred_from=result.deferred_from,
+                queued=result.queued,
             )
             if self.coord.is_root:
                 self._apply_retention(name)
@@ -225,9 +263,8 @@ class CheckpointManager:
             self.events.emit(kind, name=name, step=job.step, error=result.error)
         self.results.append(result)
         job.result = result
-        job.done.set()
 
-    def _write_and_commit(self, job: _Job, name: str) -> dict[str, Any]:
+    def _write_and_commit(self, job: Job, name: str) -> dict[str, Any]:
         rank = self.coord.rank
         files: list[dict[str, Any]] = []
         error = None
@@ -244,7 +281,7 @@ class CheckpointManager:
             error = f"rank {rank}: {e}"
         finally:
             job.snapshots.clear()
-            self._buffer.in_use.release()
+            job.buffer.in_use.release()
         report = json.dumps({"error": error, "files": files, "counters": job.counters}).encode()
         reports = self.coord.gather(report)
         outcome: dict[str, Any] | None = None
@@ -255,7 +292,7 @@ class CheckpointManager:
                 outcome = {"ok": False, "error": f"commit of {name} failed on rank 0: {type(e).__name__}: {e}"}
         return json.loads(self.coord.broadcast(json.dumps(outcome).encode() if outcome is not None else None))
 
-    def _decide_commit(self, job: _Job, name: str, staging: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    def _decide_commit(self, job: Job, name: str, staging: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         errors = [r["error"] for r in reports if r["error"]]
         if errors or staging is None:
             if staging is not None:

@@ -39,6 +39,9 @@ Attribution (node level; exactly one category at a time):
   ``recovery`` after an outcome ``failed`` or ``membership`` (or a reported
   failure), ``idle`` otherwise; after ``finished``: ``idle``.  A later
   ``agent_started`` marks the gap since the last event ``idle``.
+- ``save_deferred``: a scheduled save was taken late (the writer was busy);
+  it moves no time, only the counts of deferred saves and of steps they
+  were late by (the extra steps a failure then could cost).
 - The lead rank (lowest rank seen in the generation) drives the timeline;
   every rank feeds its own step histogram; tokens are summed over ranks.
 
@@ -112,6 +115,7 @@ class Ledger:
         self.committed_tokens = self.committed_samples = 0
         self.last_commit_t: float | None = None
         self.last_progress_t: float | None = None
+        self.saves_deferred = self.deferred_steps = 0
         self.tokens_at: dict[int, dict[int, tuple[int, int]]] = {}
         self.reservoir: deque[float] = deque(maxlen=config.reservoir)
         self.measured: float | None = None
@@ -199,6 +203,12 @@ class Ledger:
             self.committed_tokens = sum(c[0] for c in counters.values())
             self.committed_samples = sum(c[1] for c in counters.values())
         self.tokens_at = {s: c for s, c in self.tokens_at.items() if s > step}
+
+    def save_deferred(self, t: float, due_step: int, step: int, slots: int = 1) -> None:
+        """The save due at ``due_step`` (and ``slots - 1`` later due steps) was taken at ``step``."""
+        self._begin(t)
+        self.saves_deferred += max(1, slots)
+        self.deferred_steps += max(0, step - due_step)
 
     def failure(self, t: float, last_progress_t: float, incident_id: str, kind: str) -> None:
         """A failure detected at ``t``; the failing rank last made progress at ``last_progress_t``."""

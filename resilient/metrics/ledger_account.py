@@ -133,4 +133,6 @@ def build_account(ledger: Ledger, now: float) -> Account:
         world_size=ledger.world_size,
         full_world_size=ledger.full_world_size,
         clamped_events=ledger.clamped_events,
+        saves_deferred=ledger.saves_deferred,
+        deferred_steps=ledger.deferred_steps,
     )

@@ -86,11 +86,13 @@ _SCALARS = ("start_t", "last_t", "clamped_events", "hold", "generation", "world_
             "high_water", "replay_mark", "attempted_steps", "replayed_steps", "attempted_tokens",
             "replayed_tokens", "committed_step", "committed_tokens", "committed_samples", "last_commit_t",
             "last_progress_t", "measured", "floor")
+_ADDED = {"saves_deferred": 0, "deferred_steps": 0}
+"""Scalars added since format 1 was first written, with the value a ledger saved before them had."""
 
 
 def ledger_to_dict(ledger: Ledger) -> dict[str, Any]:
     d: dict[str, Any] = {"format": FORMAT, "config": asdict(ledger.config)}
-    d.update({name: getattr(ledger, name) for name in _SCALARS})
+    d.update({name: getattr(ledger, name) for name in (*_SCALARS, *_ADDED)})
     d["phase"] = ledger.phase.value
     d["seconds"] = list(ledger.seconds)
     d["ranks"] = [[rank, *r.to_list()] for rank, r in ledger.ranks.items()]
@@ -115,6 +117,8 @@ def ledger_from_dict(cls: type[Ledger], d: dict[str, Any], config: LedgerConfig 
         ledger = cls(config)
         for name in _SCALARS:
             setattr(ledger, name, d[name])
+        for name, default in _ADDED.items():
+            setattr(ledger, name, int(d.get(name, default)))
         ledger.phase = Phase(d["phase"])
         ledger.seconds = [float(x) for x in d["seconds"]]
         ledger.ranks = {int(r[0]): _Rank(*r[1:]) for r in d["ranks"]}

@@ -121,3 +121,7 @@ class Account:
     full_world_size: int
     clamped_events: int
     """Events whose time was earlier than the previous event's and was clamped to it."""
+    saves_deferred: int = 0
+    """Scheduled saves not taken at their step because the writer was busy (taken later)."""
+    deferred_steps: int = 0
+    """Steps by which deferred saves were taken late, summed: extra steps a failure could have cost."""

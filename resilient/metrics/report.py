@@ -89,6 +89,9 @@ def render(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]]) -
         out.append(f"  committed: step {a.committed_step}, {a.committed_tokens} tokens; attempted "
                    f"{a.attempted_steps} steps ({a.attempted_tokens} tokens), replayed {a.replayed_steps} steps "
                    f"({a.replayed_tokens} tokens)")
+        if a.saves_deferred:
+            out.append(f"  checkpoints: {a.saves_deferred} scheduled saves deferred (writer busy), taken "
+                       f"{a.deferred_steps} steps late in all: extra steps at risk")
         for cost in a.incidents:
             out.append(f"  incident {cost.id} ({cost.kind}) cost {_fmt_s(cost.total_s)}: "
                        f"{_fmt_s(cost.detection_s)} to detect, {_fmt_s(cost.recovery_s)} to restart, "
