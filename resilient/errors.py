@@ -62,3 +62,16 @@ class FencedError(ResilientError):
         self.holder_launch = holder_launch
         self.holder_generation = holder_generation
         super().__init__(message)
+
+
+class DataFetchError(ResilientError):
+    """Reading a sample (``dataset[index]``) or collating a batch raised; the message names which."""
+
+    def __init__(self, message: str, *, position: int, index: int | None, cause_type: str, cause: str) -> None:
+        self.position = position
+        """Global stream position of the sample (of the batch's first sample for a collate failure)."""
+        self.index = index
+        """Dataset index of the sample; None when ``collate_fn`` failed."""
+        self.cause_type = cause_type
+        self.cause = cause
+        super().__init__(message)

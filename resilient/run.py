@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
@@ -202,11 +202,13 @@ class Run:
         return result
 
     def close(self) -> SaveResult | None:
-        """Wait for the in-flight checkpoint (if any) to commit; return its outcome."""
+        """Wait for the in-flight checkpoint (if any) to commit, stop the loader's workers; return the save's outcome."""
         result = None
         if self.checkpoints is not None:
             with self.section("checkpoint"):
                 result = self.checkpoints.wait()
+        if self.data is not None:
+            self.data.close()  # stop its worker processes now, not whenever the loader is collected
         self.events.emit(EventKind.RUN_CLOSED, step=self.step)
         if self._hooks is not None:
             self._hooks.bye(self.step, self._committed_step())
@@ -229,7 +231,7 @@ class Run:
         """
         return _Section(self, name)
 
-    def __enter__(self) -> Run:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,21 +28,8 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from ..errors import ResilientError
+from ..errors import DataFetchError
 from .plan import StreamPlan, batch_start
-
-
-class DataFetchError(ResilientError):
-    """Reading a sample (``dataset[index]``) or collating a batch raised; the message names which."""
-
-    def __init__(self, message: str, *, position: int, index: int | None, cause_type: str, cause: str) -> None:
-        self.position = position
-        """Global stream position of the sample (of the batch's first sample for a collate failure)."""
-        self.index = index
-        """Dataset index of the sample; None when ``collate_fn`` failed."""
-        self.cause_type = cause_type
-        self.cause = cause
-        super().__init__(message)
 
 
 class Batch(NamedTuple):
