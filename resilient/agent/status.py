@@ -67,6 +67,8 @@ class StatusPublisher:
         self._assignment: Assignment | None = None
         self.phase = "starting"
         self.metrics_url: str | None = None
+        self.restore: dict[str, Any] | None = None
+        """What the newest generation's ranks restored (:meth:`RestoreSummary.record`), once they all reported."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -127,7 +129,7 @@ class StatusPublisher:
             "timeouts": [{"section": s.section, "timeout_s": round(s.timeout_s, 3), "source": s.source,
                           "observations": s.count, "max_seen_s": round(s.max_s, 3)}
                          for s in calibration_summary(tracker.stats, c.sections)],
-            "checkpoint": tracker.checkpoint_location,
+            "checkpoint": tracker.checkpoint_location, "restore": self.restore,
             "store_published_at": self._store_published_at,
         }
 

@@ -130,6 +130,9 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
         if rows:
             table = format_table(["RANK", "PID", "SECTION", "STEP", "IN SECTION", "LAST BEAT", "ALIVE"], rows)
             out.extend("  " + line for line in table.splitlines())
+        restore = n.get("restore")
+        if isinstance(restore, dict) and restore.get("summary"):
+            out.append(f"  restore: {restore['summary']}")
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
                              if t["source"] != "initial")
         if timeouts:
