@@ -199,6 +199,7 @@ def test_sigterm_commits_at_a_step_boundary_and_the_resumed_run_matches(tmp_path
     try:
         wait_for(lambda: (s := node_status(run_dir, NODE)) and any(r["step"] >= 7 for r in s["ranks"].values()),
                  timeout=120, what="the workers to pass step 7")
+        assert_status_is_live(run_dir, tmp_path / "trace")
         agent.send_signal(signal.SIGTERM)
         code = agent.wait(timeout=90)
     finally:
@@ -217,6 +218,39 @@ def test_sigterm_commits_at_a_step_boundary_and_the_resumed_run_matches(tmp_path
         got = read_trace(tmp_path / "trace", rank)
         assert [s["restored_from"] for s in got.starts] == [None, f"step_{stop_at:010d}"]
         assert_same_run(ref, got)
+
+
+def last_traced_step(trace: Path, rank: int) -> int:
+    """The newest step rank ``rank`` finished, from its own trace (a line being written is skipped)."""
+    steps = [-1]
+    for line in Path(f"{trace}.rank{rank}").read_text().splitlines():
+        try:
+            steps.append(json.loads(line).get("step", -1))
+        except json.JSONDecodeError:
+            pass
+    return max(steps)
+
+
+def assert_status_is_live(run_dir: Path, trace: Path) -> None:
+    """`resilient status` shows each rank's step as the worker is at it: at most one heartbeat batch behind.
+
+    A worker finishing step k has sent the heartbeat of step k at its start (0.1 s earlier), and reports
+    step k+1 as it begins it; so between two reads of its trace, k_before and k_after, status must show a
+    step in [k_before, k_after + 1].  status.json alone (written once a second) is ~10 steps behind here.
+    """
+    from resilient.cli.status_cmd import collect_from_run_dir, render
+
+    for _ in range(5):
+        before = {r: last_traced_step(trace, r) for r in (0, 1)}
+        status = collect_from_run_dir(run_dir)
+        after = {r: last_traced_step(trace, r) for r in (0, 1)}
+        [node] = status["nodes"]
+        assert node["read"] == "live", node
+        for r in (0, 1):
+            shown = node["ranks"][str(r)]["step"]
+            assert before[r] <= shown <= after[r] + 1, (r, before[r], shown, after[r])
+        time.sleep(0.13)
+    assert "read live from its agent" in render(status, 5)
 
 
 def test_unhealthy_node_steps_out_and_says_why(tmp_path):
