@@ -305,6 +305,18 @@ def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, cause
     )
 
 
+def _casualties(ctx: GenerationContext, group: WorkerGroup, gdir: Path, ranks: dict[int, Any],
+                first: Failure) -> tuple[str, ...]:
+    """One line for each other rank that ended non-zero once the agent stopped the group after ``first``."""
+    lines = []
+    for e in group.exits():
+        if e.returncode != 0 and e.rank != first.rank:
+            error = read_error_file(gdir / f"rank{e.rank}.error.json")
+            f = _as_failure(ctx, e, ranks, caused_by_agent=True, consequence=is_collective_error(error))
+            lines.append(describe_other(f, error, first))
+    return tuple(lines)
+
+
 def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
     ranks = ctx.tracker.ranks()
     ctx.emit(EventKind.HANG_DETECTED, generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
@@ -337,6 +349,7 @@ def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
               "policy_reason": hang.reason, "attribution": culprit.reason if culprit else "only rank overrunning",
               "stack_tool": py_spy or "faulthandler only"},
         stacks=stacks_record(captures),
+        other_failures=_casualties(ctx, group, gdir, ranks, failure),
     )
     last_progress = info.entered_at if info is not None else now
     return Outcome(OutcomeKind.FAILED, summary, failure, incident, detected_at=now, last_progress_at=last_progress)
