@@ -112,3 +112,12 @@ def test_a_fresh_start_different_checkpoints_and_silent_ranks_are_named():
     assert one.line == "generation 4: rank 0 restored step_5 (step 5) in 0.20 s (slowest rank 0)"
     with pytest.raises(ValueError, match="at least one"):
         summarise_restores(1, "n0", [0], {})
+
+
+def test_a_first_failure_that_is_itself_a_collective_error_shows_in_one_line():
+    incident = Incident(id="g0001-n1", node="n1", generation=1, kind="exit", rank=1, pid=7, section="step", step=20,
+                        summary="rank 1 on n1: exit 1 in section 'step' at step 20: a collective error, ...",
+                        exit_code=1, error={**GLOO_RESET, "traceback": "Traceback (most recent call last):\n..."})
+    assert format_incident(incident).splitlines()[1:] == [
+        "resilient:   rank 1 raised RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:20899 (traceback in "
+        "the incident file)"]

@@ -281,7 +281,10 @@ def _failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
     assert first.rank is not None
     info = ranks.get(first.rank)
     returncode = first.exit_code if first.exit_code is not None else -(first.signal or 0)
-    summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step)
+    # Only collective errors failed here: the death that caused them was elsewhere (another node, the store).
+    hint = "a collective error, as a lost peer causes: the cause is on another node" if first.consequence else ""
+    summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step,
+                               hint)
     incident = Incident(
         id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind=first.kind, rank=first.rank, pid=info.pid if info else None, section=first.section, step=first.step,

@@ -24,6 +24,7 @@ from ..events import Emit, EventKind, FailureKind
 from ..exitcodes import describe_exit
 from ..fsutil import write_json_atomic
 from ..watchdog.stacks import StackCapture
+from .consequences import is_collective_error, short_error
 
 if TYPE_CHECKING:
     from ..coord.store import ControlStore
@@ -164,7 +165,9 @@ def format_incident(incident: Incident, path: Path | None = None) -> str:
     out = [f"resilient: incident {incident.id}: {incident.summary}"]
     error = incident.error or {}
     trace = str(error.get("traceback") or "").rstrip().splitlines()
-    if trace:
+    if trace and is_collective_error(error):  # the cause is elsewhere: its traceback says nothing more
+        out.append(f"resilient:   rank {incident.rank} raised {short_error(error)} (traceback in the incident file)")
+    elif trace:
         cut = len(trace) > TRACEBACK_LINES
         out.append(f"resilient:   rank {incident.rank} raised{' (last lines)' if cut else ''}:")
         out.extend(f"resilient:   | {line}" for line in trace[-TRACEBACK_LINES:])
