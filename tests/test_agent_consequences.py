@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from resilient.agent.consequences import describe_other, is_collective_error, short_error
+from resilient.agent.consequences import describe_other, describe_others, is_collective_error, short_error
 from resilient.agent.incidents import Incident, format_incident
 from resilient.agent.policy import Failure, first_failure
 from resilient.agent.restores import summarise_restores
@@ -119,5 +119,17 @@ def test_a_first_failure_that_is_itself_a_collective_error_shows_in_one_line():
                         summary="rank 1 on n1: exit 1 in section 'step' at step 20: a collective error, ...",
                         exit_code=1, error={**GLOO_RESET, "traceback": "Traceback (most recent call last):\n..."})
     assert format_incident(incident).splitlines()[1:] == [
-        "resilient:   rank 1 raised RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:20899 (traceback in "
-        "the incident file)"]
+        ("resilient:   rank 1 raised RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:20899 (traceback in "
+         "the incident file)")]
+
+
+def test_an_error_raised_after_the_first_failure_was_seen_is_a_consequence_whatever_it_says():
+    first = killed(1, 10.0)
+    late = exited(0, 10.4)
+    early = exited(2, 10.3)
+    errors = {0: {"exc_type": "ValueError", "message": "bad batch", "monotonic": 10.2},
+              2: {"exc_type": "ValueError", "message": "bad batch", "monotonic": 9.9}, 1: None}
+    assert describe_others([first, late, early], errors, first) == (
+        "rank 0 on n0: consequence: ValueError: bad batch (after rank 1 was killed by SIGKILL)",
+        "rank 2 on n0: also failed: ValueError: bad batch (after rank 1 was killed by SIGKILL)",  # raised before it
+    )

@@ -11,6 +11,9 @@ stamped and each rank's error file (written by the ``sys.excepthook`` its
   (a connection reset or closed by the peer, an aborted communicator, a
   collective that timed out), so :func:`~resilient.agent.policy.first_failure`
   never names it while another failure is at hand;
+* :func:`describe_others`: every failure but the first, a consequence when
+  its error is a collective one or was raised after the first failure was
+  seen (the error file's ``monotonic`` time: the host's clock, the agent's);
 * :func:`describe_other`: a failure that is not the first, in one line:
   ``rank 0 on n0: consequence: RuntimeError: [gloo] Connection closed by
   peer [127.0.0.1]:20899 (after rank 1 was killed by SIGKILL)``; a rank the
@@ -21,7 +24,8 @@ stamped and each rank's error file (written by the ``sys.excepthook`` its
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..exitcodes import describe_exit
@@ -93,3 +97,23 @@ def describe_other(f: Failure, error: Mapping[str, Any] | None, first: Failure) 
     if f.caused_by_agent:
         return f"{who}{where}: {describe_exit(code)}: stopped by the agent {after}"
     return f"{who}{where}: also failed: {describe_exit(code)} {after}"
+
+
+def raised_after(error: Mapping[str, Any] | None, t: float) -> bool:
+    """Whether ``error`` (an error file's record) was raised at or after ``t`` on this host's monotonic clock."""
+    raised = error.get("monotonic") if error else None
+    return isinstance(raised, int | float) and not isinstance(raised, bool) and raised >= t
+
+
+def describe_others(failures: Sequence[Failure], errors: Mapping[int, Mapping[str, Any] | None],
+                    first: Failure) -> tuple[str, ...]:
+    """One line for each failure but ``first`` (``errors``: rank -> error file record or None)."""
+    lines = []
+    for f in failures:
+        if f is first:
+            continue
+        error = errors.get(f.rank) if f.rank is not None else None
+        if not f.consequence and raised_after(error, first.time):  # it raised once the first failure was seen
+            f = replace(f, consequence=True)
+        lines.append(describe_other(f, error, first))
+    return tuple(lines)

@@ -23,7 +23,7 @@ from ..fsutil import write_json_atomic
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
-from .consequences import describe_other, is_collective_error
+from .consequences import describe_others, is_collective_error
 from .health import assess, probe
 from .incidents import (
     Incident,
@@ -289,8 +289,7 @@ def _failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
         id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind=first.kind, rank=first.rank, pid=info.pid if info else None, section=first.section, step=first.step,
         summary=summary, exit_code=first.exit_code, signal=first.signal, error=errors[first.rank],
-        other_failures=tuple(describe_other(f, errors[f.rank] if f.rank is not None else None, first)
-                             for f in failures if f is not first),
+        other_failures=describe_others(failures, errors, first),
     )
     ctx.emit(EventKind.WORKER_FAILED, generation=a.generation, rank=first.rank, summary=summary)
     last_progress = info.last_seen if info is not None else first.time
@@ -311,13 +310,11 @@ def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, cause
 def _casualties(ctx: GenerationContext, group: WorkerGroup, gdir: Path, ranks: dict[int, Any],
                 first: Failure) -> tuple[str, ...]:
     """One line for each other rank that ended non-zero once the agent stopped the group after ``first``."""
-    lines = []
-    for e in group.exits():
-        if e.returncode != 0 and e.rank != first.rank:
-            error = read_error_file(gdir / f"rank{e.rank}.error.json")
-            f = _as_failure(ctx, e, ranks, caused_by_agent=True, consequence=is_collective_error(error))
-            lines.append(describe_other(f, error, first))
-    return tuple(lines)
+    exits = [e for e in group.exits() if e.returncode != 0 and e.rank != first.rank]
+    errors = {e.rank: read_error_file(gdir / f"rank{e.rank}.error.json") for e in exits}
+    return describe_others([_as_failure(ctx, e, ranks, caused_by_agent=True,
+                                        consequence=is_collective_error(errors[e.rank])) for e in exits],
+                           errors, first)
 
 
 def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:

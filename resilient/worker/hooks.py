@@ -226,6 +226,9 @@ class WorkerHooks:
             "rank": self.env.rank,
             "pid": os.getpid(),
             "time": time.time(),
+            # The host's CLOCK_MONOTONIC, which the agent's clock is: it tells an error raised after a peer's death
+            # was seen (a consequence) from one that came first.
+            "monotonic": time.monotonic(),
             "exc_type": exc_type.__qualname__ if module == "builtins" else f"{module}.{exc_type.__qualname__}",
             "message": str(exc),
             "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
