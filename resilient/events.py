@@ -76,6 +76,7 @@ class EventKind(str, Enum):
     NODE_LOST = "node_lost"  # a peer's presence lease expired while it was running
     NODE_UNHEALTHY = "node_unhealthy"  # a health check failed, or workers SIGKILL did not end
     STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last
+    RESTORED = "restored"  # a generation's ranks on this node reported what they restored (or a fresh start)
 
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on

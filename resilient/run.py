@@ -130,6 +130,7 @@ class Run:
             "code": {"resilient": __version__, "torch": torch.__version__},
         }
         self.checkpoints: CheckpointManager | None = None
+        restore_started = time.perf_counter()
         if checkpoint is not None:
             with self.section("restore"):
                 coordinator = Coordinator.from_environment(checkpoint.timeout_s)
@@ -139,6 +140,9 @@ class Run:
                 restored = self.checkpoints.restore()
                 if restored is not None:
                     self._apply(restored)
+        if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
+            self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
+                                 time.perf_counter() - restore_started)
         self.events.emit(EventKind.RUN_STARTED, rank=self.rank, world_size=self.world_size, step=self.step,
                          restored_from=self.restored_from)
 

@@ -17,15 +17,20 @@ def agent_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra or {})}
 
 
-def agent_cmd(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "resilient", "run", "--run-dir", str(run_dir), "--quiet", *flags,
-            str(script), *script_args]
+def agent_cmd(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = (),
+              quiet: bool = True) -> list[str]:
+    return [sys.executable, "-m", "resilient", "run", "--run-dir", str(run_dir), *(["--quiet"] if quiet else []),
+            *flags, str(script), *script_args]
 
 
 def run_agent(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = (),
-              timeout: float = 240, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = agent_cmd(run_dir, *flags, script=script, script_args=script_args)
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=agent_env(env), check=False)
+              timeout: float = 240, env: dict[str, str] | None = None, console: bool = False
+              ) -> subprocess.CompletedProcess:
+    """Run the agent to its end; ``console``: echo worker output too, with stderr merged into ``stdout`` in the
+    order it was written (the agent flushes every line), as a terminal would show it."""
+    cmd = agent_cmd(run_dir, *flags, script=script, script_args=script_args, quiet=not console)
+    return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT if console else subprocess.PIPE,
+                          text=True, timeout=timeout, env=agent_env(env), check=False)
 
 
 def start_agent(run_dir: Path, *flags: str, script: Path = WORKER, script_args: tuple[str, ...] = (),
@@ -63,4 +68,4 @@ def node_status(run_dir: Path, node: str) -> dict[str, Any] | None:
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:
-    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    return f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{(proc.stderr or '')[-5000:]}"

@@ -105,6 +105,19 @@ def test_losing_one_of_three_nodes_continues_on_two_from_the_newest_checkpoint(t
     assert trace.end is not None and trace.end["step"] == steps
     assert sorted(trace.steps) == list(range(steps))
 
+    # A survivor's failure (its workers' collective errors: the cause was the lost node) names what the restart
+    # restored, in its file and in its run-wide copy in the store.
+    from resilient.cli.status_cmd import collect_from_store
+
+    stored = {i["id"]: i for i in collect_from_store(etcd_server.url, "lose-one")["incidents"]}
+    failed = [i for i in incidents(run_dir) if i["kind"] in ("exit", "signal")]
+    assert failed and {i["node"] for i in failed} <= set(survivors), incidents(run_dir)
+    for i in failed:
+        restored = i["restored"]
+        assert (restored["checkpoint"], restored["step"]) == (resumed[-1]["restored_from"], restored_step), i
+        assert restored["generation"] > i["generation"] and not restored["missing"]
+        assert stored[i["id"]]["restored"] == restored
+
 
 def test_a_short_etcd_outage_does_not_kill_the_run(tmp_path, etcd_outage_server):
     run_dir, nodes, steps = tmp_path / "run", ["a", "b"], 60

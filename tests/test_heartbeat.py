@@ -343,3 +343,61 @@ def test_a_closed_batching_sender_counts_what_it_is_still_given_as_dropped(sock_
         assert [m.kind for m in inbox.messages()] == ["hello"]
     finally:
         receiver.close()
+
+
+def test_a_restore_report_travels_alone_and_reaches_the_tracker_but_not_the_ledger(sock_path, tmp_path):
+    """``restored`` goes after what is queued, in a datagram of its own (an older agent drops only that one)."""
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.tracker import HeartbeatIntake, RankTracker
+    from resilient.metrics.ledger import LedgerConfig
+    from resilient.worker.heartbeat import BatchingSender
+
+    tracker = RankTracker()
+    accounting = NodeAccounting(tmp_path / "ledger.json", LedgerConfig())
+    accounting.apply("agent_started")
+    accounting.generation_started(3, 1, 1, restart=True, lead_rank=0)
+    tracker.start_generation({0: os.getpid()}, time.monotonic(), generation=3)
+    datagrams: list[bytes] = []
+    intake = HeartbeatIntake(tracker, accounting)
+    receiver = HeartbeatReceiver(sock_path, intake)
+    real_send_raw = HeartbeatSender.send_raw
+    try:
+        inner = HeartbeatSender(sock_path, rank=0, local_rank=0, generation=3)
+        inner.send_raw = lambda text, count: (datagrams.append(text.encode()), real_send_raw(inner, text, count))[1]
+        sender = BatchingSender(inner, interval_s=10)  # nothing leaves on the timer during the test
+        sender.send("hello", "init", 0)
+        sender.send("section", "restore", 0)  # queued: the hello just left
+        assert sender.send_single("restored", "init", 10, restored={"checkpoint": "step_1", "step": 1,
+                                                                     "seconds": 0.5})
+        wait_for(lambda: receiver.received == 3, what="hello, the queued section and the report")
+        ledger_before = accounting.ledger.to_dict()
+        assert sender.send_single("restored", "init", 10, restored={"checkpoint": "step_10", "step": 10,
+                                                                     "seconds": 0.25})
+        wait_for(lambda: receiver.received == 4, what="the second report")
+        sender.close()
+    finally:
+        receiver.close()
+    assert [b'"rows"' in d for d in datagrams] == [True, True, False, False], "a report is a datagram of its own"
+    report = decode(datagrams[-1])
+    assert (report.kind, report.restored, report.generation) == (
+        "restored", {"checkpoint": "step_10", "step": 10, "seconds": 0.25}, 3)
+    assert tracker.restores() == ((0,), {0: {"checkpoint": "step_10", "step": 10, "seconds": 0.25}})
+    [rank0] = tracker.ranks().values()
+    assert rank0.section == "restore", "a report is not a section entry"
+    assert accounting.ledger.to_dict() == ledger_before, "the ledger never sees a restore report"
+
+
+@pytest.mark.parametrize("restored, problem", [
+    (None, "needs an object 'restored'"),
+    ({"checkpoint": 5, "step": 1, "seconds": 0.1}, "restored.checkpoint"),
+    ({"checkpoint": "a", "step": "1", "seconds": 0.1}, "restored.step"),
+    ({"checkpoint": "a", "step": 1, "seconds": -1}, "restored.seconds"),
+])
+def test_a_malformed_restore_report_is_refused_saying_what_is_wrong(restored, problem):
+    hb = Heartbeat(rank=0, local_rank=0, pid=1, section="init", step=0, seq=1, kind="restored", generation=1,
+                   restored=restored)
+    with pytest.raises(HeartbeatError, match=problem):
+        decode(encode(hb))
+    with pytest.raises(HeartbeatError, match="belongs to kind 'restored' only"):
+        decode(encode(Heartbeat(rank=0, local_rank=0, pid=1, section="s", step=0, seq=1, kind="section",
+                                generation=1, restored={"checkpoint": None, "step": None, "seconds": 0})))

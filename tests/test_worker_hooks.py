@@ -225,6 +225,7 @@ def test_run_reports_its_sections(tmp_path, agent):
     S = "section"
     assert agent.sections() == [
         ("hello", "init", 0), (S, "restore", 0), (S, "init", 0),  # restore re-enters init
+        ("restored", "init", 0),  # what it restored: nothing yet
         (S, "step", 0), (S, "data", 0), (S, "step", 0),  # next(run.data) inside the step
         (S, "step", 1), (S, "data", 1), (S, "step", 1),
         (S, "checkpoint", 2),  # the cadence checkpoint after 2 updates, at the boundary (between steps:
@@ -236,6 +237,9 @@ def test_run_reports_its_sections(tmp_path, agent):
     ]
     msgs = agent.seen()
     assert msgs[0].checkpoint == str(tmp_path / "ckpt") and msgs[0].pid == os.getpid()
+    [report] = [m for m in msgs if m.kind == "restored"]
+    assert report.restored is not None and (report.restored["checkpoint"], report.restored["step"]) == (None, None)
+    assert report.restored["seconds"] > 0
     assert msgs[-1].committed_step == 3  # save_on_finish committed the final state
     assert [m.seq for m in msgs] == list(range(1, len(msgs) + 1))  # nothing lost
     assert run.heartbeats is not None and (run.heartbeats.sent, run.heartbeats.dropped) == (len(msgs), 0)
@@ -245,6 +249,22 @@ def test_run_reports_its_sections(tmp_path, agent):
         pass
     time.sleep(0.1)
     assert (run.heartbeats.sent, run.heartbeats.dropped) == (len(msgs), 0) and len(agent.seen()) == len(msgs)
+
+
+def test_a_restoring_run_reports_the_checkpoint_its_step_and_its_time(tmp_path, agent):
+    first = tiny(tmp_path, None)  # no agent: commits step 2 (cadence) and step 3 (save_on_finish)
+    train(first, 3)
+    first.close()
+    run = tiny(tmp_path, agent.env)
+    try:
+        wait_for(lambda: any(m.kind == "restored" for m in agent.seen()), what="the restore report")
+    finally:
+        run._hooks.uninstall()
+    [report] = [m for m in agent.seen() if m.kind == "restored"]
+    assert report.restored is not None and run.restored_from == "step_0000000003"
+    assert (report.restored["checkpoint"], report.restored["step"]) == (run.restored_from, run.step) == (
+        "step_0000000003", 3)
+    assert report.restored["seconds"] > 0
 
 
 def test_explicit_no_agent_beats_the_environment(tmp_path, monkeypatch):

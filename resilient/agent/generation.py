@@ -8,7 +8,6 @@ so a store outage cannot delay hang detection.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -24,11 +23,21 @@ from ..fsutil import write_json_atomic
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
+from .consequences import describe_others, is_collective_error
 from .health import assess, probe
-from .incidents import Incident, describe_failure, read_error_file, stacks_record, unhealthy_incident, write_incident
+from .incidents import (
+    Incident,
+    describe_failure,
+    format_incident,
+    publish_incident,
+    read_error_file,
+    stacks_record,
+    unhealthy_incident,
+)
 from .launcher import Exit, WorkerGroup, WorkerSpec
 from .policy import Failure, first_failure
 from .rendezvous import Assignment
+from .restores import RestoreSummary, summarise_restores
 from .rundir import RunDir, heartbeat_socket
 from .sweep import Stuck
 
@@ -83,6 +92,8 @@ class GenerationContext:
     """Record a generation's worker pids (for a later agent's sweep)."""
     workers_stopped: Callable[[int, tuple[Stuck, ...]], None]
     """Report workers of a generation that SIGKILL did not end."""
+    restored: Callable[[RestoreSummary], None]
+    """Report what this node's ranks of a generation restored (once per generation)."""
 
 
 class PeerWatch:
@@ -166,22 +177,36 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     ctx.status.attach(group, a)
     ctx.emit(EventKind.WORKERS_STARTED, generation=a.generation, attempt=attempt, pids=pids)
     peers = PeerWatch(ctx)
+    reported = False
+
+    def report_restores(final: bool) -> None:
+        """Once every rank reported its restore (or, at the end, whatever some did), say what they restored."""
+        nonlocal reported
+        expected, reports = ctx.tracker.restores()
+        if not reported and reports and (final or len(reports) >= len(expected)):
+            reported = True
+            ctx.restored(summarise_restores(a.generation, ctx.config.node_id, expected, reports,
+                                            multi_node=a.num_nodes > 1))
+
     try:
-        return _watch(ctx, group, a, gdir, peers)
+        return _watch(ctx, group, a, gdir, peers, report_restores)
     finally:
         peers.close()
         group.stop(ctx.config.stop_grace_s)
+        report_restores(True)
         ctx.status.detach()
         ctx.workers_stopped(a.generation, group.stuck)
 
 
-def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch) -> Outcome:
+def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch,
+           report_restores: Callable[[bool], None]) -> Outcome:
     c = ctx.config
     stop_deadline: float | None = None
     stop_at: int | None = None
     next_health = ctx.clock() + c.health_interval_s
     while True:
         now = ctx.clock()
+        report_restores(False)
         failed = [e for e in group.exits() if e.returncode != 0]
         if failed and stop_deadline is None:
             return _failure(ctx, group, a, gdir, now)
@@ -248,36 +273,48 @@ def _failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
     ranks = ctx.tracker.ranks()
     stop_started = ctx.clock()
     group.stop(ctx.config.stop_grace_s)
-    failures = [_as_failure(ctx, e, ranks, caused_by_agent=e.at >= stop_started)
-                for e in group.exits() if e.returncode != 0]
+    exits = [e for e in group.exits() if e.returncode != 0]
+    errors = {e.rank: read_error_file(gdir / f"rank{e.rank}.error.json") for e in exits}
+    failures = [_as_failure(ctx, e, ranks, caused_by_agent=e.at >= stop_started,
+                            consequence=is_collective_error(errors[e.rank])) for e in exits]
     first = first_failure(failures)
     assert first.rank is not None
     info = ranks.get(first.rank)
-    error = read_error_file(gdir / f"rank{first.rank}.error.json")
     returncode = first.exit_code if first.exit_code is not None else -(first.signal or 0)
-    summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step)
+    # Only collective errors failed here: the death that caused them was elsewhere (another node, the store).
+    hint = "a collective error, as a lost peer causes: the cause is on another node" if first.consequence else ""
+    summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step,
+                               hint)
     incident = Incident(
         id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind=first.kind, rank=first.rank, pid=info.pid if info else None, section=first.section, step=first.step,
-        summary=summary, exit_code=first.exit_code, signal=first.signal, error=error,
-        other_failures=tuple(describe_failure(f.kind, f.rank, f.node or "?", f.exit_code if f.exit_code is not None
-                                              else -(f.signal or 0), f.section, f.step,
-                                              "stopped by the agent" if f.caused_by_agent else "")
-                             for f in failures if f is not first),
+        summary=summary, exit_code=first.exit_code, signal=first.signal, error=errors[first.rank],
+        other_failures=describe_others(failures, errors, first),
     )
     ctx.emit(EventKind.WORKER_FAILED, generation=a.generation, rank=first.rank, summary=summary)
     last_progress = info.last_seen if info is not None else first.time
     return Outcome(OutcomeKind.FAILED, summary, first, incident, detected_at=first.time, last_progress_at=last_progress)
 
 
-def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool) -> Failure:
+def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool,
+                consequence: bool) -> Failure:
     info = ranks.get(e.rank)
     return Failure(
         kind="signal" if e.signal else "exit", rank=e.rank, node=ctx.config.node_id,
         exit_code=None if e.signal else e.returncode, signal=e.signal,
         section=info.section if info else None, step=info.step if info else None, time=e.at,
-        caused_by_agent=caused_by_agent,
+        caused_by_agent=caused_by_agent, consequence=consequence,
     )
+
+
+def _casualties(ctx: GenerationContext, group: WorkerGroup, gdir: Path, ranks: dict[int, Any],
+                first: Failure) -> tuple[str, ...]:
+    """One line for each other rank that ended non-zero once the agent stopped the group after ``first``."""
+    exits = [e for e in group.exits() if e.returncode != 0 and e.rank != first.rank]
+    errors = {e.rank: read_error_file(gdir / f"rank{e.rank}.error.json") for e in exits}
+    return describe_others([_as_failure(ctx, e, ranks, caused_by_agent=True,
+                                        consequence=is_collective_error(errors[e.rank])) for e in exits],
+                           errors, first)
 
 
 def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
@@ -312,18 +349,14 @@ def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
               "policy_reason": hang.reason, "attribution": culprit.reason if culprit else "only rank overrunning",
               "stack_tool": py_spy or "faulthandler only"},
         stacks=stacks_record(captures),
+        other_failures=_casualties(ctx, group, gdir, ranks, failure),
     )
     last_progress = info.entered_at if info is not None else now
     return Outcome(OutcomeKind.FAILED, summary, failure, incident, detected_at=now, last_progress_at=last_progress)
 
 
 def record_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Emit) -> None:
-    """Write the incident file, its event, and its run-wide copy in the store (incidents outlive launches)."""
-    path = write_incident(run_dir.incidents, incident)
+    """Write the incident file, its event, and its run-wide copy in the store; print it with its consequences."""
+    path = publish_incident(incident, run_dir, store, emit)
     emit(EventKind.INCIDENT, path=str(path), **incident.event_fields())
-    try:  # readable with `resilient status --store` from any machine
-        record = {**incident.event_fields(), "node": incident.node, "wall_time": incident.wall_time}
-        store.put(f"incidents/{incident.id}", json.dumps(record).encode())
-    except Exception as e:
-        emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
-    print(f"resilient: incident {incident.id}: {incident.summary}", file=sys.stderr, flush=True)
+    print(format_incident(incident, path), file=sys.stderr, flush=True)

@@ -18,12 +18,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..events import FailureKind
+from ..events import Emit, EventKind, FailureKind
 from ..exitcodes import describe_exit
 from ..fsutil import write_json_atomic
 from ..watchdog.stacks import StackCapture
+from .consequences import is_collective_error, short_error
+
+if TYPE_CHECKING:
+    from ..coord.store import ControlStore
+    from .rundir import RunDir
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,17 +55,29 @@ class Incident:
     stacks: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     """Captured stacks by rank: state, method, text, note."""
     other_failures: tuple[str, ...] = ()
-    """Failures that followed the first one (usually its casualties)."""
+    """Failures besides the first, one line each: a consequence (with its error), stopped by the agent, or
+    also failed (see :mod:`resilient.agent.consequences`)."""
     problems: tuple[str, ...] = ()
     """For ``unhealthy``: each failed health check, or each worker that SIGKILL did not end, with its state."""
     decision: Mapping[str, Any] | None = None
     """The restart decision: action, reason, verdict, delay."""
+    restored: Mapping[str, Any] | None = None
+    """After a restart: what the next generation's ranks restored (:meth:`RestoreSummary.record`)."""
     wall_time: float = field(default_factory=time.time)
 
     def with_decision(self, decision: Any) -> Incident:
         """This incident with the restart decision taken on it."""
         return replace(self, decision={"action": decision.action.value, "reason": decision.reason,
                                        "verdict": decision.verdict, "delay_s": decision.delay_s})
+
+    def with_restore(self, restored: Mapping[str, Any]) -> Incident:
+        """This incident with what the restart restored appended."""
+        return replace(self, restored=dict(restored))
+
+    def store_record(self) -> dict[str, Any]:
+        """The run-wide copy kept in the store (readable with ``resilient status --store``)."""
+        return {**self.event_fields(), "node": self.node, "wall_time": self.wall_time,
+                **({"restored": dict(self.restored)} if self.restored else {})}
 
     def event_fields(self) -> dict[str, Any]:
         """The compact form that goes into the event log."""
@@ -131,6 +148,44 @@ def write_incident(incidents_dir: Path, incident: Incident) -> Path:
     incidents_dir.mkdir(parents=True, exist_ok=True)
     path = incidents_dir / f"{incident.id}.json"
     write_json_atomic(path, asdict(incident))
+    return path
+
+
+TRACEBACK_LINES = 20
+"""Lines of the first failure's traceback the console shows (the incident file keeps all of it)."""
+
+
+def format_incident(incident: Incident, path: Path | None = None) -> str:
+    """The console's account: the first failure, the end of its traceback, one line per consequence, the decision.
+
+    Workers' own tracebacks are held back from the console (see
+    :mod:`resilient.agent.launcher`), so this is where the first failure's
+    shows, under its incident, and a survivor's shows only as its one line.
+    """
+    out = [f"resilient: incident {incident.id}: {incident.summary}"]
+    error = incident.error or {}
+    trace = str(error.get("traceback") or "").rstrip().splitlines()
+    if trace and is_collective_error(error):  # the cause is elsewhere: its traceback says nothing more
+        out.append(f"resilient:   rank {incident.rank} raised {short_error(error)} (traceback in the incident file)")
+    elif trace:
+        cut = len(trace) > TRACEBACK_LINES
+        out.append(f"resilient:   rank {incident.rank} raised{' (last lines)' if cut else ''}:")
+        out.extend(f"resilient:   | {line}" for line in trace[-TRACEBACK_LINES:])
+    out.extend(f"resilient:   {line}" for line in incident.other_failures)
+    if incident.decision:
+        out.append(f"resilient:   decision: {incident.decision.get('reason')}")
+    if path is not None:
+        out.append(f"resilient:   details: {path}")
+    return "\n".join(out)
+
+
+def publish_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Emit) -> Path:
+    """Write (or rewrite) the incident file and its run-wide copy in the store (incidents outlive launches)."""
+    path = write_incident(run_dir.incidents, incident)
+    try:
+        store.put(f"incidents/{incident.id}", json.dumps(incident.store_record()).encode())
+    except Exception as e:  # noqa: BLE001  whatever the store raises, the incident file is written
+        emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
     return path
 
 

@@ -3,7 +3,13 @@
 Mechanism only: the supervisor decides, this module carries it out.  Each
 worker is a child in its own session (so that stopping it also stops what
 it spawned), with stdout and stderr copied line by line to a per-rank log
-file and, prefixed with the rank, to the agent's own stdout.  A waiter
+file and, prefixed with the rank, to the agent's own stdout, except what a
+worker prints after announcing an uncaught exception
+(:data:`~resilient.worker.hooks.UNCAUGHT_PREFIX`, printed by the
+excepthook its ``Run`` installs once the error file is written): that
+traceback is a survivor's consequence as often as it is the cause, so it
+goes to the log only and the agent prints the error under the incident,
+once it knows which failure came first.  A waiter
 thread per worker stamps the moment it exited, so that the first failure
 can be told from the casualties that followed it.
 
@@ -28,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ..worker.hooks import UNCAUGHT_PREFIX
 from .sweep import KILL_WAIT_S, Stuck, stuck_state
 
 PR_SET_PDEATHSIG = 1
@@ -116,6 +123,8 @@ class Worker:
         )
         self.pid = self.proc.pid
         self.exit: Exit | None = None
+        self.held_lines = 0
+        """Lines kept out of the console after the worker announced an uncaught exception (all in its log)."""
         self._echo_to = echo_to
         self._copier = threading.Thread(target=self._copy_output, name=f"rank{spec.rank}-output", daemon=True)
         self._copier.start()
@@ -129,9 +138,14 @@ class Worker:
     def _copy_output(self) -> None:
         assert self.proc.stdout is not None
         prefix = f"[rank {self.spec.rank}] ".encode()
+        marker = UNCAUGHT_PREFIX.encode()
         for line in iter(self.proc.stdout.readline, b""):
             self._log.write(line)
-            if self.spec.echo:
+            if self.held_lines or line.startswith(marker):
+                # The worker raised and is exiting: its traceback (and whatever follows) stays in the log, and
+                # the agent shows the error under the incident, so the console leads with the first failure.
+                self.held_lines += 1
+            elif self.spec.echo:
                 try:
                     self._echo_to.write((prefix + line).decode(errors="replace"))
                     self._echo_to.flush()

@@ -85,6 +85,9 @@ class Failure:
     step: int | None = None
     caused_by_agent: bool = False
     """The agent itself killed this process while stopping the group: a casualty, never the cause."""
+    consequence: bool = False
+    """The rank raised the error a lost peer causes (a collective's connection reset, an aborted
+    communicator): the cause only when nothing else failed."""
     detail: str | None = None
     """Evidence in one line: ``exc_type: message`` from the error file, a hang's reason, a health problem."""
 
@@ -241,13 +244,17 @@ def first_failure(failures: Sequence[Failure]) -> Failure:
     """The failure an incident is about: the earliest one the agent did not cause itself.
 
     Casualties of the agent's own stop (``caused_by_agent``) are chosen only
-    when nothing else failed.  A hang's time is its detection.  Ties go to a
-    process's own death (exit, then signal) before a hang or a node event,
-    then to the lowest rank.
+    when nothing else failed, and collective errors a lost peer causes
+    (``consequence``) only when nothing but casualties failed: a survivor's
+    "connection reset by peer" is what a peer's death (on this node or
+    another) made it raise, whenever its exit was reaped.  A hang's time
+    is its detection.  Ties go to a process's own death (exit, then signal)
+    before a hang or a node event, then to the lowest rank.
     """
     if not failures:
         raise ValueError("first_failure needs at least one failure")
-    genuine = [f for f in failures if not f.caused_by_agent] or list(failures)
+    genuine = ([f for f in failures if not (f.caused_by_agent or f.consequence)]
+               or [f for f in failures if not f.caused_by_agent] or list(failures))
     return min(
         genuine,
         key=lambda f: (f.time, _KIND_ORDER[f.kind], f.rank if f.rank is not None else math.inf),

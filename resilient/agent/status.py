@@ -5,6 +5,14 @@ the run uses etcd, under ``status/<node>`` in the store, so that the
 on-call engineer can read it from any machine.  Times in it are wall-clock
 seconds for humans; the agent never compares them across hosts.
 
+``resilient status`` asks the running agent for a fresh :meth:`StatusPublisher.snapshot`
+through its control socket (no token needed) whenever it can reach it, so
+the rank rows it shows are as new as the newest heartbeat the agent has
+received: at most one heartbeat batch (20 ms) behind the worker.  The file
+and the store copy, read when the socket cannot be reached (another host,
+an agent that ended), are at most one interval (1 s) plus their write
+behind.
+
 Local first, network second: one thread saves ``ledger.json`` and writes
 ``status.json`` every second and touches nothing but local files and
 memory; a second thread reads the restart count from the store (the
@@ -67,6 +75,8 @@ class StatusPublisher:
         self._assignment: Assignment | None = None
         self.phase = "starting"
         self.metrics_url: str | None = None
+        self.restore: dict[str, Any] | None = None
+        """What the newest generation's ranks restored (:meth:`RestoreSummary.record`), once they all reported."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -127,22 +137,26 @@ class StatusPublisher:
             "timeouts": [{"section": s.section, "timeout_s": round(s.timeout_s, 3), "source": s.source,
                           "observations": s.count, "max_seen_s": round(s.max_s, 3)}
                          for s in calibration_summary(tracker.stats, c.sections)],
-            "checkpoint": tracker.checkpoint_location,
+            "checkpoint": tracker.checkpoint_location, "restore": self.restore,
             "store_published_at": self._store_published_at,
         }
 
     def publish_local(self) -> dict[str, Any]:
-        """Save the ledger and write status.json (local files only); return the snapshot."""
-        try:
-            self._accounting.save()
-        except OSError as e:
-            self._emit(EventKind.LEDGER_WRITE_FAILED, error=str(e))
+        """Write status.json, then save the ledger (local files only); return the snapshot.
+
+        Status first: the snapshot is taken just before its own write, never
+        behind the ledger's (larger) one.
+        """
         snap = self.snapshot()
         try:
             write_json_atomic(self._status_file, snap)
         except OSError as e:
             self._emit(EventKind.STATUS_WRITE_FAILED, error=str(e))
         self._latest = snap
+        try:
+            self._accounting.save()
+        except OSError as e:
+            self._emit(EventKind.LEDGER_WRITE_FAILED, error=str(e))
         return snap
 
     # ------------------------------------------------------------ store

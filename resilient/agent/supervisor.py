@@ -42,9 +42,10 @@ from .coordination import Coordination
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
-from .incidents import Incident, node_lost_incident, unhealthy_incident
+from .incidents import Incident, node_lost_incident, publish_incident, unhealthy_incident
 from .policy import Action, decide_restart
 from .reporting import NodeReporting
+from .restores import RestoreSummary
 from .rundir import RunDir, heartbeat_socket, read_token
 from .tracker import HeartbeatIntake, RankTracker
 
@@ -96,6 +97,8 @@ class Agent:
             self.coordination.control.put("generation", str(self.accounting.ledger.generation).encode())
         self.last_outcome: OutcomeKind | None = None
         """How the previous generation ended; None before the first."""
+        self._restart_incident: Incident | None = None
+        """The incident of the failure that the next generation restarts after (it gets the restore appended)."""
         self.reporting = NodeReporting(config, self.run_dir, tracker=self.tracker, accounting=self.accounting,
                                        coordination=self.coordination, emit=self.emit, clock=clock)
 
@@ -147,7 +150,19 @@ class Agent:
             waiting=(lambda: rendezvous.num_nodes_waiting()) if rendezvous is not None else (lambda: 0),
             stop_requested=lambda: self.stop_requested, interrupted=lambda: self.interrupted,
             workers_started=self.bookkeeping.workers_started, workers_stopped=self.bookkeeping.workers_stopped,
+            restored=self._on_restored,
         )
+
+    def _on_restored(self, summary: RestoreSummary) -> None:
+        """Say what a generation restored: console, event, status, and the incident whose restart it was."""
+        record = summary.record()
+        incident, self._restart_incident = self._restart_incident, None
+        self.reporting.status.restore = record
+        self.emit(EventKind.RESTORED, incident=incident.id if incident else None,
+                  **{k: v for k, v in record.items() if k != "node"})
+        print(f"resilient: {summary.line}", file=sys.stderr, flush=True)
+        if incident is not None and incident.generation < summary.generation:
+            publish_incident(incident.with_restore(record), self.run_dir, self.coordination.control, self.emit)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> AgentResult:
@@ -263,6 +278,7 @@ class Agent:
                 else EXIT_STOPPED
             self.coordination.publish_verdict(decision.verdict or "stopped", decision.reason, code)
             return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
+        self._restart_incident = incident
         self.coordination.count_restart(generation, decision.reason, committed)
         self.accounting.restarted(outcome.failure.kind)
         self.emit(EventKind.RESTART, generation=generation, reason=decision.reason, delay_s=decision.delay_s,

@@ -4,7 +4,8 @@ Heartbeats arrive on the receiver's thread; the supervisor reads on its own.
 The tracker keeps, per rank of the current generation, the section it is in
 and since when (the agent's clock, at receipt), feeds finished section
 durations into the calibration statistics, and remembers the newest
-committed checkpoint step any worker has reported.
+committed checkpoint step any worker has reported, and what each rank
+reported it restored (a ``restored`` message; the ledger never sees those).
 
 Only heartbeats of the current generation count: one that carries another
 generation (or none), or comes from a pid that is not this generation's
@@ -19,7 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..watchdog.sections import RankView, SectionStats, observe
 from .heartbeat import Heartbeat
@@ -61,6 +62,7 @@ class RankTracker:
         self.committed_step: int | None = None
         self.checkpoint_location: str | None = None
         self.max_step = 0
+        self._restores: dict[int, dict[str, Any]] = {}
 
     @property
     def generation(self) -> int | None:
@@ -72,6 +74,7 @@ class RankTracker:
             self._generation = generation
             self._pids = dict(pids)
             self._ranks = {r: RankInfo(r, pid, "init", 0, now, now) for r, pid in pids.items()}
+            self._restores = {}
 
     def on_heartbeat(self, hb: Heartbeat, received_at: float) -> bool:
         """Take one heartbeat; False (and nothing changes) when it is stale (see the module docstring)."""
@@ -97,6 +100,10 @@ class RankTracker:
         old = self._ranks.get(hb.rank)
         if old is None:
             return False
+        if hb.kind == "restored":  # a report, not a section entry: the hang timers and calibration stay as they are
+            if hb.restored is not None:
+                self._restores[hb.rank] = dict(hb.restored)
+            return True
         if hb.kind == "bye":
             self._ranks[hb.rank] = replace(old, section="exiting", last_seen=received_at,
                                            entered_at=received_at, heartbeats=old.heartbeats + 1)
@@ -113,6 +120,11 @@ class RankTracker:
         with self._lock:
             return dict(self._ranks)
 
+    def restores(self) -> tuple[tuple[int, ...], dict[int, dict[str, Any]]]:
+        """This generation's ranks, and what each that reported its restore restored (see the protocol)."""
+        with self._lock:
+            return tuple(sorted(self._pids)), dict(self._restores)
+
     def views(self) -> dict[int, RankView]:
         """The ranks as the hang policy sees them (ranks that said goodbye are not watched)."""
         with self._lock:
@@ -128,6 +140,6 @@ class HeartbeatIntake:
         self.accounting = accounting
 
     def __call__(self, hb: Heartbeat, received_at: float) -> None:
-        if self.tracker.on_heartbeat(hb, received_at):
+        if self.tracker.on_heartbeat(hb, received_at) and hb.kind != "restored":
             self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
                                       hb.committed_step, hb.save)

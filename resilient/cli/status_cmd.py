@@ -1,8 +1,13 @@
 """``resilient status``: the first command on-call runs.
 
 Shows the run's nodes, their ranks and the section each is in, the
-generation, restarts used, the newest committed checkpoint and its age, the
-verdict if the run stopped, and recent incidents with their first failure.
+generation and what its ranks restored, restarts used, the newest committed
+checkpoint and its age, the verdict if the run stopped, and recent incidents
+with their first failure.  A node whose agent runs on this host is read live
+through its control socket (rank rows at most one 20 ms heartbeat batch
+behind the workers), else from its ``status.json`` (up to a second older).
+Without ``--run-dir`` it reads the only run directory under ``runs/``, and
+lists them newest first when there are several.
 From the store, restarts and the verdict are those of the current launch.
 Reads a run directory (``--run-dir``) or the shared store (``--store URL
 --run-id ID``); it never changes the run.
@@ -36,7 +41,8 @@ def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
 
     if not run_dir.is_dir():
         raise ConfigError(f"no run directory at {run_dir}: pass the --run-dir that `resilient run` printed")
-    nodes = [s for p in sorted((run_dir / "nodes").glob("*/status.json")) if (s := read_json(p)) is not None]
+    nodes = [live_status(s) for p in sorted((run_dir / "nodes").glob("*/status.json"))
+             if (s := read_json(p)) is not None]
     events = _read_events(run_dir / "events.jsonl")
     restarts = [e for e in events if e.get("kind") == "restart"]
     finished = [e for e in events if e.get("kind") == "agent_finished"]
@@ -46,6 +52,29 @@ def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
         "verdicts": [{k: e.get(k) for k in ("node", "verdict", "reason", "exit_code")} for e in finished],
         "incidents": load_incidents(run_dir / "incidents"),
     }
+
+
+def live_status(saved: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]:
+    """The node's status from its running agent (``"read": "live"``), else ``saved``, its status.json (``"file"``).
+
+    The agent answers with a snapshot taken as it answers, so its rank rows
+    are as new as the newest heartbeat it received (at most one 20 ms batch
+    behind the worker); the file is up to a second older.  The control socket
+    is reachable only on the agent's host; elsewhere, or once the agent
+    ended, the file is what there is.
+    """
+    from ..agent.control import ControlError, call
+
+    sock = saved.get("control_socket")
+    if not sock or str(saved.get("phase", "")).startswith("finished"):
+        return {**saved, "read": "file"}
+    try:
+        answer = call(Path(sock), {"op": "status"}, timeout_s=timeout_s)
+    except (ControlError, OSError) as e:
+        return {**saved, "read": "file", "live_error": str(e)}
+    if answer.get("ok") and isinstance(answer.get("status"), dict):
+        return {**answer["status"], "read": "live"}
+    return {**saved, "read": "file", "live_error": str(answer.get("error"))}
 
 
 def collect_from_store(url: str, run_id: str) -> dict[str, Any]:
@@ -121,15 +150,18 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
         out.append("no node has published status yet")
     max_restarts = max([n.get("max_restarts", 0) for n in nodes] or [0])
     for n in nodes:
+        read = "read live from its agent" if n.get("read") == "live" else f"updated {age(now, n.get('updated_at'))} ago"
         out.append(f"node {n['node']} (agent pid {n.get('agent_pid')}): {n.get('phase')}, generation "
-                   f"{n.get('generation')}, node rank {n.get('node_rank')} of {n.get('num_nodes')}, "
-                   f"updated {age(now, n.get('updated_at'))} ago")
+                   f"{n.get('generation')}, node rank {n.get('node_rank')} of {n.get('num_nodes')}, {read}")
         rows = [[r, str(v["pid"]), v["section"], str(v["step"]), f"{v['in_section_s']:.1f}s",
                  "-" if v.get("last_heartbeat_age_s") is None else f"{v['last_heartbeat_age_s']:.1f}s",
                  "yes" if v.get("alive") else "no"] for r, v in sorted(n.get("ranks", {}).items(), key=lambda x: int(x[0]))]
         if rows:
             table = format_table(["RANK", "PID", "SECTION", "STEP", "IN SECTION", "LAST BEAT", "ALIVE"], rows)
             out.extend("  " + line for line in table.splitlines())
+        restore = n.get("restore")
+        if isinstance(restore, dict) and restore.get("summary"):
+            out.append(f"  restore: {restore['summary']}")
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
                              if t["source"] != "initial")
         if timeouts:
@@ -171,10 +203,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         run_dir = args.run_dir
         if run_dir is None:
-            found = sorted(p for p in Path("runs").glob("*") if (p / "events.jsonl").exists())
-            if len(found) != 1:
-                raise ConfigError(f"{len(found)} run directories under runs/; pick one with --run-dir")
-            run_dir = found[0]
+            run_dir = only_run_dir(Path("runs"))
         status = collect_from_run_dir(run_dir)
     location = next((n.get("checkpoint") for n in status["nodes"] if n.get("checkpoint")), None)
     status["checkpoint"] = newest_checkpoint(location)
@@ -183,3 +212,51 @@ def cmd_status(args: argparse.Namespace) -> int:
     else:
         print(render(status, args.incidents))
     return 0
+
+
+def only_run_dir(runs: Path) -> Path:
+    """The one run directory under ``runs``; with none or several, a ConfigError that lists them newest first."""
+    found = [p for p in runs.glob("*") if (p / "events.jsonl").exists()]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ConfigError(f"no run directory under {runs}/; pass --run-dir DIR (the one `resilient run` printed)")
+    now = time.time()
+    summaries = sorted((summarise_run_dir(p) for p in found), key=lambda r: r["updated_at"], reverse=True)
+    rows = [[r["path"], r["run_id"] or "?", f"{age(now, r['updated_at'])} ago", r["state"]] for r in summaries]
+    table = format_table(["RUN DIR", "RUN ID", "UPDATED", "STATE"], rows)
+    raise ConfigError(f"{len(found)} run directories under {runs}/, newest first; pick one with --run-dir:\n{table}")
+
+
+def summarise_run_dir(run_dir: Path) -> dict[str, Any]:
+    """Path, run id, last update (wall clock) and state of a run directory, from its files only."""
+    from ..fsutil import read_json
+
+    nodes = [s for p in sorted(run_dir.glob("nodes/*/status.json")) if isinstance(s := read_json(p), dict)]
+    events = run_dir / "events.jsonl"
+    finished = [e for e in _tail_events(events) if e.get("kind") == "agent_finished"]
+    updated = max([float(n.get("updated_at") or 0) for n in nodes] + [events.stat().st_mtime])
+    run_id = next((n.get("run_id") for n in nodes if n.get("run_id")), None)
+    phases = sorted({str(n.get("phase")) for n in nodes if n.get("phase")})
+    if finished and all(p.startswith("finished") for p in phases):
+        last = finished[-1]
+        state = f"finished: {last.get('verdict')} (exit {last.get('exit_code')})"
+    else:
+        state = ", ".join(phases) or "no status yet"
+    return {"path": str(run_dir), "run_id": run_id, "updated_at": updated, "state": state}
+
+
+def _tail_events(path: Path, size: int = 65536) -> list[dict[str, Any]]:
+    """The events in the last ``size`` bytes of ``path`` (the verdict is among the last lines)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, f.seek(0, 2) - size))
+        lines = f.read().decode(errors="replace").splitlines()
+    found = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the first line cut by the seek, or one being written
+        if isinstance(event, dict):
+            found.append(event)
+    return found

@@ -73,7 +73,8 @@ class HeartbeatSender:
 
     def format(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
                checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
-               save: dict[str, Any] | None = None, t: float | None = None) -> str:
+               save: dict[str, Any] | None = None, t: float | None = None,
+               restored: dict[str, Any] | None = None) -> str:
         """One heartbeat as a JSON line (takes the next sequence number)."""
         self.seq += 1
         quoted = self._sections.get(section)
@@ -83,17 +84,18 @@ class HeartbeatSender:
         committed = "null" if committed_step is None else int(committed_step)
         saved = "" if save is None else f',"save":{json.dumps(save)}'
         when = "" if t is None else f',"t":{t!r}'
+        report = "" if restored is None else f',"restored":{json.dumps(restored)}'
         return (f'{self._head}"section":{quoted},"step":{int(step)},"seq":{self.seq},"kind":"{kind}",'
                 f'"checkpoint":{where},"committed_step":{committed},"tokens":{int(tokens)},'
-                f'"samples":{int(samples)}{saved}{when}}}')
+                f'"samples":{int(samples)}{saved}{when}{report}}}')
 
     def send(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
              checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
-             save: dict[str, Any] | None = None) -> bool:
+             save: dict[str, Any] | None = None, restored: dict[str, Any] | None = None) -> bool:
         """Send one heartbeat; True when the agent's socket took it."""
         try:
             text = self.format(kind, section, step, committed_step=committed_step, checkpoint=checkpoint,
-                               tokens=tokens, samples=samples, save=save)
+                               tokens=tokens, samples=samples, save=save, restored=restored)
         except Exception as e:  # noqa: BLE001  e.g. a save report that is not JSON: drop, never raise
             self.dropped += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -183,6 +185,22 @@ class BatchingSender:
             self._thread.start()
         return True
 
+    def send_single(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
+                    restored: dict[str, Any] | None = None) -> bool:
+        """Send what is queued, then one heartbeat in a datagram of its own (a ``restored`` report); never raises.
+
+        A report that older agents do not know travels alone, so an older
+        agent drops that datagram only, never a batch of heartbeats with it.
+        """
+        if self._closed.is_set():
+            self.sender.dropped += 1
+            self.sender.last_error = "the sender is closed"
+            return False
+        with self._lock:
+            self._flush_locked()
+            self._last_flush = self._clock()
+            return self.sender.send(kind, section, step, committed_step=committed_step, restored=restored)
+
     def _loop(self) -> None:
         while not self._closed.wait(self.interval_s):
             self.flush()
@@ -190,23 +208,27 @@ class BatchingSender:
     def flush(self) -> None:
         """Send everything queued, in order, in as few datagrams as fit."""
         with self._lock:
-            pending = self._pending
-            if pending:
-                self._last_flush = self._clock()
-            while pending:
-                rows: list[list[Any]] = []
-                while pending and len(rows) < ROWS_PER_DATAGRAM:
-                    kind, section, step, committed, checkpoint, tokens, samples, save, t = pending.popleft()
-                    self.sender.seq += 1
-                    rows.append([kind, section, step, self.sender.seq, t, committed, tokens, samples, save,
-                                 checkpoint])
-                try:
-                    text = self._head + json.dumps(rows, separators=(",", ":")) + "}"
-                except (TypeError, ValueError) as e:  # a save report that is not JSON: drop, never raise
-                    self.sender.dropped += len(rows)
-                    self.sender.last_error = f"{type(e).__name__}: {e}"
-                    continue
-                self.sender.send_raw(text, len(rows))
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        """Send everything queued (the caller holds the lock)."""
+        pending = self._pending
+        if pending:
+            self._last_flush = self._clock()
+        while pending:
+            rows: list[list[Any]] = []
+            while pending and len(rows) < ROWS_PER_DATAGRAM:
+                kind, section, step, committed, checkpoint, tokens, samples, save, t = pending.popleft()
+                self.sender.seq += 1
+                rows.append([kind, section, step, self.sender.seq, t, committed, tokens, samples, save,
+                             checkpoint])
+            try:
+                text = self._head + json.dumps(rows, separators=(",", ":")) + "}"
+            except (TypeError, ValueError) as e:  # a save report that is not JSON: drop, never raise
+                self.sender.dropped += len(rows)
+                self.sender.last_error = f"{type(e).__name__}: {e}"
+                continue
+            self.sender.send_raw(text, len(rows))
 
     def close(self) -> None:
         self._closed.set()

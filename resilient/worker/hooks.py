@@ -8,7 +8,11 @@
   file when the agent sends ``RESILIENT_STACK_SIGNAL`` (it runs in C, so it
   works while the main thread is stuck in a lock or a sleep);
 - the error file: an uncaught exception is written as JSON for the agent's
-  first-failure report, and exceptions under the exit-code contract
+  first-failure report, then announced by a line starting with
+  :data:`UNCAUGHT_PREFIX` before the traceback is printed (the agent keeps
+  the rest of that worker's output out of its console and shows the error
+  under the incident, as the first failure or as one line of consequence);
+  exceptions under the exit-code contract
   (:func:`resilient.exitcodes.exit_code_for`) end the process with their
   code so the agent does not restart a run that cannot succeed;
 - graceful stop: ``RESILIENT_STOP_SIGNAL`` only sets a flag; the Run reads
@@ -43,6 +47,10 @@ from .heartbeat import BatchingSender, HeartbeatSender
 if TYPE_CHECKING:
     from ..chaos.inject import FaultInjector
     from ..events import EventLog
+
+UNCAUGHT_PREFIX = "resilient: uncaught "
+"""Starts the line the excepthook prints before the traceback once the error file is written: the agent
+keeps what follows out of its console (the rank's log still has it) and reports it with the incident."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +157,12 @@ class WorkerHooks:
                 self.sender.flush()  # the agent must see where the fault struck before it strikes
             self.injector.at(section, step)
 
+    def restored(self, checkpoint: str | None, step: int | None, seconds: float) -> None:
+        """Tell the agent what this process restored (``checkpoint`` None: a fresh start) and how long it took."""
+        report = {"checkpoint": checkpoint, "step": step, "seconds": round(max(0.0, seconds), 6)}
+        self.sender.send_single("restored", self.section, self.step, committed_step=self.committed_step,
+                                restored=report)
+
     def bye(self, step: int, committed_step: int | None) -> None:
         """Tell the agent that no more heartbeats will come from this process."""
         if self._said_bye:
@@ -186,6 +200,9 @@ class WorkerHooks:
 
             code = exit_code_for(exc)
             self.write_error(exc_type, exc, tb, code)
+            if self.env.error_file is not None:
+                print(f"{UNCAUGHT_PREFIX}{exc_type.__qualname__} in rank {self.env.rank}, written to "
+                      f"{self.env.error_file}; traceback follows", file=sys.stderr, flush=True)
         except Exception as e:  # noqa: BLE001  the hook must still print the original error
             print(f"resilient: could not write the error file: {e}", file=sys.stderr)
         (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
@@ -209,6 +226,9 @@ class WorkerHooks:
             "rank": self.env.rank,
             "pid": os.getpid(),
             "time": time.time(),
+            # The host's CLOCK_MONOTONIC, which the agent's clock is: it tells an error raised after a peer's death
+            # was seen (a consequence) from one that came first.
+            "monotonic": time.monotonic(),
             "exc_type": exc_type.__qualname__ if module == "builtins" else f"{module}.{exc_type.__qualname__}",
             "message": str(exc),
             "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),

@@ -15,9 +15,17 @@ progress.  Version 1 had no ``g``; it still decodes (``generation`` None),
 and the agent's tracker treats it like any other generation's.
 
 ``kind`` is ``hello`` (first message of a process; only it carries
-``checkpoint``, the checkpoint location), ``section`` (entered a section)
-or ``bye`` (no more heartbeats will come: finished or stopped).
-``committed_step`` is the newest committed checkpoint step the worker knows.
+``checkpoint``, the checkpoint location), ``section`` (entered a section),
+``restored`` (the worker finished its restore; only it carries
+``restored``: ``{"checkpoint": name or null, "step": int or null,
+"seconds": float}``, null checkpoint meaning a fresh start) or ``bye`` (no
+more heartbeats will come: finished or stopped).  ``committed_step`` is the
+newest committed checkpoint step the worker knows.
+
+``restored`` came after version 2 without a version change: it is always
+sent as a single datagram, never inside a batch, so an agent that predates
+it rejects that one datagram (unknown kind, counted as malformed) and
+nothing else, and this agent still takes every version 1 and 2 sender.
 
 The sender sits in the training loop, so it never blocks and never raises:
 a datagram the agent cannot take (no agent, socket gone, queue full) is
@@ -56,7 +64,7 @@ from ..errors import ResilientError
 PROTOCOL_VERSION = 2
 """2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""
 VERSIONS = (1, 2)
-KINDS = ("hello", "section", "bye")
+KINDS = ("hello", "section", "restored", "bye")
 MAX_DATAGRAM = 65536
 ROWS_PER_DATAGRAM = 150
 """Rows per batch datagram: about 100 bytes each, well inside MAX_DATAGRAM."""
@@ -91,6 +99,8 @@ class Heartbeat:
     """When the worker entered the section, on its ``time.monotonic`` clock (set by batched senders)."""
     generation: int | None = None
     """The worker's generation (``g`` on the wire); None from a version 1 sender."""
+    restored: dict[str, Any] | None = None
+    """``restored`` only: the checkpoint name (None: fresh start), its step and the restore's seconds."""
     v: int = PROTOCOL_VERSION
 
 
@@ -174,12 +184,30 @@ def _validate(obj: Any) -> Heartbeat:
     save = obj.get("save")
     if save is not None and not (isinstance(save, dict) and _is_int(save.get("step"))):
         raise HeartbeatError(f"field 'save' must be null or an object with an integer step, got {save!r}")
+    restored = obj.get("restored")
+    if obj["kind"] == "restored":
+        _check_restored(restored)
+    elif restored is not None:
+        raise HeartbeatError(f"field 'restored' belongs to kind 'restored' only, got it with {obj['kind']!r}")
     return Heartbeat(
         rank=obj["rank"], local_rank=obj["local_rank"], pid=obj["pid"], section=section, step=obj["step"],
         seq=obj["seq"], kind=obj["kind"], checkpoint=checkpoint, committed_step=committed,
         tokens=obj.get("tokens", 0), samples=obj.get("samples", 0), save=save,
         t=float(t) if t is not None else None, generation=generation if version >= 2 else None, v=version,
+        restored=restored,
     )
+
+
+def _check_restored(restored: Any) -> None:
+    if not isinstance(restored, dict):
+        raise HeartbeatError(f"kind 'restored' needs an object 'restored', got {restored!r:.80}")
+    name, step, seconds = restored.get("checkpoint"), restored.get("step"), restored.get("seconds")
+    if name is not None and not isinstance(name, str):
+        raise HeartbeatError(f"restored.checkpoint must be a string or null, got {name!r}")
+    if step is not None and not _is_int(step):
+        raise HeartbeatError(f"restored.step must be an integer or null, got {step!r}")
+    if not (isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds >= 0):
+        raise HeartbeatError(f"restored.seconds must be a number >= 0, got {seconds!r}")
 
 
 def _is_int(value: Any) -> bool:
