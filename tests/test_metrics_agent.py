@@ -154,3 +154,30 @@ def test_the_account_continues_across_agent_restarts(tmp_path):
     assert [e["generation"] for e in events(run_dir, "workers_started")] == [1, 2], "numbering continues"
     assert after.attempted_steps - after.replayed_steps == 30, "every step counted once as progress"
     assert math.isclose(sum(after.seconds.values()), after.wall_s, rel_tol=1e-9)
+
+
+def test_saves_deferred_by_a_busy_writer_reach_the_account_the_metrics_and_the_report(tmp_path):
+    """A slow disk (every file write takes 0.3 s) and a save due every 2 steps of 0.05 s: saves are deferred.
+
+    What the worker's own events say was deferred (slots and steps late) is what the agent's account, the
+    exported counters and the goodput report say: the agent books each late save once, from the lead rank.
+    """
+    run_dir = tmp_path / "run"
+    worker_events = tmp_path / "events"
+    args = ("--steps", "16", "--every", "2", "--dir", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "t"),
+            "--step-sleep", "0.05", "--slow-storage", "0", "write_file", "0.3", "--events", str(worker_events))
+    done = run_agent(run_dir, "--nproc-per-node", "1", "--node-id", NODE, "--run-id", "deferred", script_args=args)
+    assert done.returncode == 0, explain(done)
+
+    landed = [json.loads(line) for line in (tmp_path / "events.rank0").read_text().splitlines()
+              if json.loads(line)["kind"] == "checkpoint_deferred_landed"]
+    assert landed, "the slow writer deferred no save: the test did not exercise what it is about"
+    slots = sum(e["slots"] for e in landed)
+    late = sum(e["steps_late"] for e in landed)
+    report = subprocess.run([sys.executable, "-m", "resilient", "report", "goodput", str(run_dir)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert report.returncode == 0, report.stderr
+    account = json.loads((run_dir / "goodput.json").read_text())["nodes"][NODE]
+    assert (account["saves_deferred"], account["deferred_steps"]) == (slots, late)
+    assert account["committed_step"] == 16  # the final save waited for the writer and committed
+    assert f"checkpoints: {slots} scheduled saves deferred (writer busy), taken {late} steps late" in report.stdout

@@ -77,6 +77,9 @@ class NodeAccounting:
                 self.checkpoint_bytes = int(save.get("bytes") or 0)
                 if not save.get("ok", True):
                     self.checkpoint_failures += 1
+                if save.get("deferred_from") is not None:  # taken late: the writer was busy when it fell due
+                    self.ledger.save_deferred(t, int(save["deferred_from"]), int(save["step"]),
+                                              int(save.get("deferred_slots") or 1))
             if kind == "bye" and rank == self._lead_rank:
                 # The lead rank closed its Run: its last step is done, and what follows (interpreter and
                 # process-group teardown) is not training time.
