@@ -165,7 +165,8 @@ def test_saves_deferred_by_a_busy_writer_reach_the_account_the_metrics_and_the_r
     run_dir = tmp_path / "run"
     worker_events = tmp_path / "events"
     args = ("--steps", "16", "--every", "2", "--dir", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "t"),
-            "--step-sleep", "0.05", "--slow-storage", "0", "write_file", "0.3", "--events", str(worker_events))
+            "--step-sleep", "0.05", "--slow-storage", "0", "write_file", "0.3", "--when-busy", "defer",
+            "--events", str(worker_events))
     done = run_agent(run_dir, "--nproc-per-node", "1", "--node-id", NODE, "--run-id", "deferred", script_args=args)
     assert done.returncode == 0, explain(done)
 

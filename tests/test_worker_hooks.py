@@ -60,7 +60,7 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = resilient.ElasticLoader([torch.randn(4) for _ in range(32)], batch_size=4, seed=1)
-ckpt = resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every) if args.ckpt else None
+ckpt = resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every, when_busy="wait") if args.ckpt else None
 trace = open(args.trace, "a")
 with resilient.Run(model=model, optimizer=opt, data=data, checkpoint=ckpt,
                    events=resilient.EventLog(args.events)) as run:

@@ -15,6 +15,8 @@ def tiny_run(url, endpoint=None, *, hidden: int = 16, events=None, every: int | 
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     g = torch.Generator().manual_seed(3)
     data = resilient.ElasticLoader([torch.randn(4, generator=g) for _ in range(40)], batch_size=4, seed=2)
+    # A save at every scheduled step whatever the load: the tests name the checkpoints they expect.
+    config.setdefault("when_busy", "wait")
     ckpt = resilient.CheckpointConfig(dir=url, endpoint_url=endpoint, every_steps=every, keep=keep, **config)
     return resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
                          events=events or resilient.EventLog())
