@@ -30,19 +30,15 @@ from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
 from .checkpoint.fence import Fence
 from .checkpoint.manager import CheckpointManager, SaveResult
-from .checkpoint.restore import RANK, REPLICATED, Restored
+from .checkpoint.restore import Restored
 from .data.loader import ElasticLoader
 from .errors import ConfigError
 from .events import EventKind, EventLog
+from .run_payloads import apply_restored, capture_payloads
 from .state import (
     Stateful,
-    capture_rng,
     check_stateful,
-    load_model_state,
-    load_optimizer_state,
     model_fingerprint,
-    restore_rng,
-    unwrap,
 )
 from .worker.env import WorkerEnv
 from .worker.heartbeat import HeartbeatCounts
@@ -311,61 +307,10 @@ class Run:
             )
 
     def _payloads(self) -> dict[str, Any]:
-        payloads: dict[str, Any] = {
-            RANK: {
-                "rng": capture_rng(),
-                "data": self.data.state_dict() if self.data is not None else None,
-                "user": {name: obj.state_dict() for name, obj in self.user_state.items()},
-                "counters": {"step": self.step, "samples": self.samples, "tokens": self.tokens},
-            }
-        }
-        if self.rank == 0:
-            payloads[REPLICATED] = {
-                "model": unwrap(self.model).state_dict(),
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "step": self.step,
-            }
-        return payloads
+        return capture_payloads(self)
 
     def _apply(self, restored: Restored) -> None:
-        name = restored.manifest.name
-        rep, mine = restored.replicated, restored.rank_state
-        load_model_state(self.model, rep["model"], name)
-        for label, obj, value in (
-            ("optimizer", self.optimizer, rep["optimizer"]),
-            ("scheduler", self.scheduler, rep["scheduler"]),
-            ("scaler", self.scaler, rep["scaler"]),
-        ):
-            if (obj is None) != (value is None):
-                raise ConfigError(
-                    f"checkpoint {name} {'has' if value is not None else 'lacks'} {label} state but this Run "
-                    f"{'lacks' if obj is None else 'has'} a {label}; create the Run with the same components"
-                )
-        if self.optimizer is not None:
-            load_optimizer_state(self.optimizer, rep["optimizer"], name)
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(rep["scheduler"])
-        if self.scaler is not None:
-            self.scaler.load_state_dict(rep["scaler"])
-        missing = set(self.user_state) - set(mine["user"])
-        if missing:
-            raise ConfigError(f"checkpoint {name} has no state for {sorted(missing)}; it was saved without them")
-        for key, obj in self.user_state.items():
-            obj.load_state_dict(mine["user"][key])
-        if self.data is not None:
-            if mine["data"] is None:
-                raise ConfigError(f"checkpoint {name} has no data cursor; it was saved without data=ElasticLoader")
-            self.data.load_state_dict(mine["data"])
-        counters = mine["counters"]
-        self.step, self.samples, self.tokens = counters["step"], counters["samples"], counters["tokens"]
-        restore_rng(mine["rng"])  # last: loading above must not consume random numbers after it
-        saved_config = restored.manifest.fingerprint.get("config")
-        if saved_config != self._fingerprint["config"]:
-            self.events.emit(EventKind.CONFIG_CHANGED, checkpoint=name, saved=saved_config,
-                             now=self._fingerprint["config"])
-        self.restored_from = name
+        apply_restored(self, restored)
         self._last_saved_step = self.step
 
 

@@ -15,6 +15,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+from .ledger_codec import DEGRADED, EXCESS, PRODUCTIVE, Piece
+
 MAD_FACTOR = 3.0
 """Durations above ``median + MAD_FACTOR * MAD`` are outliers."""
 
@@ -33,3 +35,26 @@ def measured_ideal(durations: Sequence[float], min_steps: int = 1) -> float | No
     kept = [d for d in durations if d <= bound]
     # The median itself is always kept, so ``kept`` is never empty.
     return math.fsum(kept) / len(kept)
+
+
+def split_new_step_time(a: float, b: float, *, ideal: float | None, work: float, world_size: int,
+                        full_world_size: int) -> list[Piece]:
+    """Attribute ``[a, b]`` of a new step that has already worked ``work`` seconds: pieces ``(t0, t1, category)``.
+
+    Up to the ideal step time it is productive (``world/full`` of it when the
+    job runs on fewer ranks than it was sized for, the rest degraded), beyond
+    it slowdown excess; with no ideal known yet all of it is productive.
+    """
+    dt = b - a
+    room = dt if ideal is None else min(dt, max(0.0, ideal - work))
+    end = b if room >= dt else a + room
+    out: list[Piece] = []
+    if world_size < full_world_size:
+        kept = a + room * world_size / full_world_size
+        out.append((a, kept, PRODUCTIVE))
+        out.append((kept, end, DEGRADED))
+    else:
+        out.append((a, end, PRODUCTIVE))
+    if end < b:
+        out.append((end, b, EXCESS))
+    return out

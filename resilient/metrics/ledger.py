@@ -64,15 +64,12 @@ from typing import Any
 
 from ..events import OutcomeKind
 from .catalogue import STEP_BUCKETS
-from .ideal import measured_ideal
+from .ideal import measured_ideal, split_new_step_time
 from .ledger_account import build_account
 from .ledger_codec import (
-    DEGRADED,
     DETECTION,
-    EXCESS,
     IDLE,
     INIT,
-    PRODUCTIVE,
     RECOVERY,
     REPLAY,
     SECTION_CATEGORY,
@@ -313,19 +310,8 @@ class Ledger:
         dt = b - a
         if self.lead_step <= self.replay_mark:
             return [(a, b, REPLAY)], dt
-        ideal = self.lead_ideal
-        room = dt if ideal is None else min(dt, max(0.0, ideal - self.lead_work))
-        end = b if room >= dt else a + room
-        out: list[Piece] = []
-        if self.world_size < self.full_world_size:
-            kept = a + room * self.world_size / self.full_world_size
-            out.append((a, kept, PRODUCTIVE))
-            out.append((kept, end, DEGRADED))
-        else:
-            out.append((a, end, PRODUCTIVE))
-        if end < b:
-            out.append((end, b, EXCESS))
-        return out, dt
+        return split_new_step_time(a, b, ideal=self.lead_ideal, work=self.lead_work, world_size=self.world_size,
+                                   full_world_size=self.full_world_size), dt
 
     def _record(self, t0: float, t1: float, cat: int) -> None:
         d = t1 - t0
