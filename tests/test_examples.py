@@ -89,9 +89,12 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "verdict: MATCH" in out, out[-6000:]
-    # The kill lands at the top of step 45. These steps are shorter than the agent's 20 ms heartbeat batching,
-    # so the agent may still place rank 1 at the end of step 44 (see resilient/worker/heartbeat.py).
-    assert re.search(r"rank 1 on \S+: killed by SIGKILL in section '\w+' at step 4[45]", out), out[-6000:]
+    # The kill lands at the top of step 45. A SIGKILL loses the heartbeats not yet sent; they span less than
+    # one batch interval (20 ms: a section entry that much after the last send sends at once, see
+    # resilient/worker/heartbeat.py). These steps take 18-20 ms on 2 cores: with any step over 10 ms the unsent
+    # entries are at most those of steps 44 and 45, so the agent places rank 1 in step 43, 44 or 45.
+    found = re.search(r"rank 1 on \S+: killed by SIGKILL in section '\w+' at step (\d+)", out)
+    assert found and 43 <= int(found.group(1)) <= 45, out[-6000:]
     assert "decision: restart" in out
     assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report
     assert "step_0000000040 (resumed at step 40)" in out
