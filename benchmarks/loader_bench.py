@@ -32,7 +32,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from typing import Any
 
 import psutil
 import torch
+from _provenance import commit, load_now, uncommitted_code_changes
 from torch.utils.data import DataLoader, DistributedSampler
 
 from resilient import ElasticLoader
@@ -151,30 +151,10 @@ def train_step_ms(batch: int, reps: int = 200) -> float:
     return (time.perf_counter() - started) / reps * 1e3
 
 
-def _git(*args: str) -> str:
-    try:
-        out = subprocess.run(["git", "-C", str(HERE.parent), *args], capture_output=True, text=True, timeout=30,
-                             check=False)
-    except OSError:
-        return ""
-    return out.stdout.rstrip("\n") if out.returncode == 0 else ""
-
-
-def load_now() -> dict:
-    """Load average and the kernel's running/total task counts (``/proc/loadavg``): other work on the machine."""
-    try:
-        fields = Path("/proc/loadavg").read_text().split()
-        running, total = (int(x) for x in fields[3].split("/"))
-    except (OSError, ValueError, IndexError):
-        running = total = -1
-    return {"loadavg": list(os.getloadavg()), "running_tasks": running, "total_tasks": total}
-
-
 def provenance() -> dict:
     return {
-        "commit": _git("rev-parse", "HEAD") or "unknown (not a git checkout)",
-        "uncommitted_changes": _git("status", "--porcelain", "--", "resilient", "benchmarks",
-                                    ":(exclude)benchmarks/results").splitlines(),
+        "commit": commit(),
+        "uncommitted_changes": uncommitted_code_changes(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "cwd": os.getcwd(),
         "load_before": load_now(),

@@ -32,6 +32,7 @@ import urllib.request
 from pathlib import Path
 
 import torch
+from _provenance import commit, uncommitted_code_changes
 
 HERE = Path(__file__).resolve().parent
 RECEIVER = """
@@ -163,16 +164,6 @@ def bench_ingest_and_scrape(tmp: Path, ranks: int, steps: int) -> dict:
     }
 
 
-def _git(*args: str) -> str:
-    """Output of a git command in the repository (empty when git or the repository is missing)."""
-    try:
-        out = subprocess.run(["git", "-C", str(HERE.parent), *args], capture_output=True, text=True, timeout=30,
-                             check=False)
-    except OSError:
-        return ""
-    return out.stdout.rstrip("\n") if out.returncode == 0 else ""
-
-
 def provenance() -> dict:
     """What was measured and how: the commit, uncommitted changes to the code, the exact command, the load.
 
@@ -181,8 +172,8 @@ def provenance() -> dict:
     there was.
     """
     return {
-        "commit": _git("rev-parse", "HEAD") or "unknown (not a git checkout)",
-        "uncommitted_changes": _git("status", "--porcelain", "--", "resilient", "benchmarks").splitlines(),
+        "commit": commit(),
+        "uncommitted_changes": uncommitted_code_changes(),
         "command": shlex.join([sys.executable, *sys.argv]),
         "cwd": os.getcwd(),
         "loadavg_before": list(os.getloadavg()),
