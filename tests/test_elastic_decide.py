@@ -174,6 +174,9 @@ def test_the_wait_is_bounded_then_the_run_shrinks() -> None:
                         RecoveryCosts(repair_s=3.0), CFG, NOW)
     assert d.action is Action.SHRINK
     assert "the expected repair in 3.0 s is past the wait bound (1.0 s left of max_wait_s=300.0 s)" in d.reason
+    d = decide_recovery(observe(crash(1), members(2, min_size=1)), RecoveryCosts(repair_s=3.0),
+                        LadderConfig(max_wait_s=0.0), NOW)
+    assert d.action is Action.SHRINK and d.reason.endswith("but waiting for a repair is off (max_wait_s=0)")
 
 
 @pytest.mark.parametrize(
@@ -408,6 +411,26 @@ def test_no_spare_is_promoted_twice_across_a_sequence_of_failures(
     assert len(promoted) == len(set(promoted))
 
 
+@settings(max_examples=300, deadline=None)
+@given(world=st.integers(1, 6), extra=st.integers(0, 4), feasible=st.sets(st.integers(1, 10), max_size=6),
+       pool=spares_st, remaining=st.one_of(st.none(), st.floats(0, 100)))
+def test_grow_invariants(world: int, extra: int, feasible: set[int], pool: list[Spare], remaining: float | None) -> None:
+    m = members(world, min_size=1, full=world + extra, max_size=world + extra + 2, feasible=feasible)
+    d = grow(m, tuple(pool), remaining_s=remaining)
+    assert d.reason and "\n" not in d.reason
+    json.dumps(d.to_event(), allow_nan=False)
+    if d.action is GrowAction.HOLD:
+        assert (d.world_size, d.joiners) == (world, ())
+        return
+    assert world < d.world_size <= m.full_size and d.world_size in feasible
+    assert [p.rank for p in d.joiners] == list(range(world, d.world_size))
+    by_id = {s.id: s for s in pool}
+    assert len({p.spare for p in d.joiners}) == len(d.joiners)
+    for p in d.joiners:
+        s = by_id[p.spare]
+        assert s.usable and s.ready_since is not None and NOW - s.ready_since >= CFG.grow_settle_s
+
+
 # --- bad input, and the import contract --------------------------------------------------------------------
 
 
@@ -433,6 +456,7 @@ def test_bad_config_is_named(make, words: str) -> None:  # type: ignore[no-untyp
         (lambda: observe(crash(4)), "Fault names rank 4, outside the world of 4 ranks"),
         (lambda: observe(crash(1), survivor_steps={1: 56}), "survivor_steps has rank 1, which the fault lost"),
         (lambda: observe(crash(1), spares=(spare("s"), spare("s"))), "lists spare id(s) s more than once"),
+        (lambda: observe(crash(1), diverged=frozenset({7})), "diverged name rank 7, outside the world of 4 ranks"),
         (lambda: Fault(kind=FaultKind.COLLECTIVE_ERROR, step=1, ranks=frozenset({1})), "every rank is alive"),
         (lambda: Fault(kind=FaultKind.CRASH, step=1), "a crash Fault needs the ranks that failed"),
         (lambda: members(4, min_size=5, full=4), "1 <= min_size <= full_size <= max_size"),
@@ -451,9 +475,10 @@ def test_a_decision_checks_its_own_shape() -> None:
 
 
 def test_the_decision_imports_without_torch() -> None:
+    # The agent imports these; they must not pull torch in, nor reach up into the agent.
     code = ("import sys, resilient.elastic, resilient.elastic.decide, resilient.elastic.grow; "
-            "print('torch' in sys.modules)")
+            "print('torch' in sys.modules, any(m.startswith('resilient.agent') for m in sys.modules))")
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"

@@ -212,6 +212,12 @@ class Observation:
         unknown = sorted(self.fault.nodes - set(self.membership.rank_nodes))
         if unknown:
             raise ValueError(f"Fault names node(s) {', '.join(unknown)} that hold no rank of the current world")
+        strangers = sorted(r for r in (*self.survivor_steps, *self.diverged) if not 0 <= r < world)
+        if strangers:
+            raise ValueError(
+                f"survivor_steps or diverged name {ranks_text(set(strangers), verb=False)}, outside the world of "
+                f"{world} ranks"
+            )
         lost = set(self.lost_ranks)
         reporting_lost = sorted(lost & set(self.survivor_steps))
         if reporting_lost:
