@@ -12,13 +12,20 @@ The model has dropout and every sample draws a random augmentation, so the
 random streams matter.  Each rank writes one JSON line per step (the
 indices and the unscaled loss of each micro-batch, the accumulation) and a
 last line with every parameter as hex floats.
+
+``--die-rank R --die-step S`` SIGKILLs rank R before its backward at step S;
+the survivors' ``Run._recovery`` records the failure and declines (there is
+no re-formation here), so ``attempt()`` passes it through, and each survivor
+writes an ``error`` line saying what it raised and how it was classified.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -43,6 +50,36 @@ class Noisy(torch.utils.data.Dataset):
         return self.x[i] + 0.01 * torch.randn(8), self.y[i]
 
 
+def train(run, args, trace, classic: bool, rank: int, optimizer, scheduler) -> None:
+    for step in run.steps(args.steps):
+        indices, losses = [], []
+        if classic:
+            torch.manual_seed(step_seed(SEED, step, rank))
+            x, y = next(run.data)
+            loss = torch.nn.functional.mse_loss(run.model(x), y)
+            loss.backward()
+            indices.append(run.data.last_indices)
+            losses.append(loss.item().hex())
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+            run.report(loss=loss)
+            accumulation = 1
+        else:
+            with run.attempt():
+                for x, y in run.micro_batches():
+                    loss = torch.nn.functional.mse_loss(run.model(x), y)
+                    if rank == args.die_rank and step == args.die_step:
+                        os.kill(os.getpid(), signal.SIGKILL)  # the peers are in this step's all-reduce
+                    (loss / run.accumulation).backward()
+                    indices.append(run.data.last_indices)
+                    losses.append(loss.item().hex())
+                optimizer.step(); scheduler.step(); optimizer.zero_grad()
+                run.report(loss=loss)
+            accumulation = run.accumulation
+        trace.write(json.dumps({"step": step, "indices": indices, "losses": losses, "accumulation": accumulation,
+                                "consumed": run.data.consumed, "samples": run.samples}) + "\n")
+        trace.flush()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--style", choices=["classic", "attempt"], required=True)
@@ -50,11 +87,13 @@ def main() -> int:
     p.add_argument("--trace", required=True)
     p.add_argument("--dir", default=None, help="checkpoint location (elastic, saved at the end)")
     p.add_argument("--events", default=None)
+    p.add_argument("--die-rank", type=int, default=None)
+    p.add_argument("--die-step", type=int, default=None)
     args = p.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(1234)
@@ -74,34 +113,22 @@ def main() -> int:
         model = torch.nn.parallel.DistributedDataParallel(model)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
                         events=events, ddp=not classic, seed=SEED)
+    asked: list[BaseException] = []
+    if args.die_rank is not None:
+        run._recovery = lambda exc: asked.append(exc) and False  # what in-process recovery would be handed
     with open(f"{args.trace}.rank{rank}", "a") as trace:
         trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step,
                                 "world_size": run.world_size, "wrapped": type(run.model).__name__}) + "\n")
-        for step in run.steps(args.steps):
-            indices, losses = [], []
-            if classic:
-                torch.manual_seed(step_seed(SEED, step, rank))
-                x, y = next(run.data)
-                loss = torch.nn.functional.mse_loss(run.model(x), y)
-                loss.backward()
-                indices.append(run.data.last_indices)
-                losses.append(loss.item().hex())
-                optimizer.step(); scheduler.step(); optimizer.zero_grad()
-                run.report(loss=loss)
-                accumulation = 1
-            else:
-                with run.attempt():
-                    for x, y in run.micro_batches():
-                        loss = torch.nn.functional.mse_loss(run.model(x), y)
-                        (loss / run.accumulation).backward()
-                        indices.append(run.data.last_indices)
-                        losses.append(loss.item().hex())
-                    optimizer.step(); scheduler.step(); optimizer.zero_grad()
-                    run.report(loss=loss)
-                accumulation = run.accumulation
-            trace.write(json.dumps({"step": step, "indices": indices, "losses": losses, "accumulation": accumulation,
-                                    "consumed": run.data.consumed, "samples": run.samples}) + "\n")
-            trace.flush()
+        try:
+            train(run, args, trace, classic, rank, optimizer, scheduler)
+        except Exception as exc:
+            if args.die_rank is None:
+                raise
+            trace.write(json.dumps({"event": "error", "type": type(exc).__qualname__, "message": str(exc)[:300],
+                                    "recoverable": run._attempt_failed(exc), "asked_recovery": len(asked),
+                                    "step": run.step}) + "\n")
+            dist.destroy_process_group()
+            return 0
         run.close()
         params = [v.hex() for t in inner.parameters() for v in t.detach().reshape(-1).tolist()]
         trace.write(json.dumps({"event": "end", "step": run.step, "params": params}) + "\n")

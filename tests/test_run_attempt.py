@@ -108,6 +108,31 @@ def test_a_run_saved_on_two_ranks_and_restored_on_one_keeps_the_global_batch(ref
     assert planned["reason"] == "global batch 8 = 1 rank x 2 micro-batches x 4 samples: accumulation 2 keeps the global batch"
 
 
+def test_a_peer_killed_in_the_step_is_a_recoverable_failure_and_without_recovery_it_passes_through(tmp_path):
+    # The test hosts the store (as the agent will) on a free port; the workers only connect to it.
+    store = dist.TCPStore("127.0.0.1", 0, world_size=3, is_master=True, wait_for_workers=False)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(store.port), "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    trace = tmp_path / "t"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "--trace", str(trace), "--style", "attempt", "--steps",
+                               "6", "--die-rank", "1", "--die-step", "3"],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[1].returncode == -9, outputs[1][-2000:]
+    assert procs[0].returncode == 0, outputs[0][-3000:]
+    lines = [json.loads(line) for line in Path(f"{trace}.rank0").read_text().splitlines()]
+    error = lines[-1]
+    assert error["event"] == "error" and error["step"] == 3, lines
+    assert error["recoverable"] and error["asked_recovery"] == 1, f"not recognised as a peer failure: {error}"
+    assert [rec["step"] for rec in lines if "losses" in rec] == [0, 1, 2], "the failed step was not recorded"
+    del store
+
+
 # ------------------------------------------------------------------ in this process (no process group)
 class Noisy(torch.utils.data.Dataset):
     def __len__(self) -> int:
