@@ -1,0 +1,1 @@
+"""Recovery policy and mechanisms: re-forming the process group in process, taking state from a peer."""
