@@ -11,6 +11,7 @@ scenario on a bigger model and prints where the time from the kill went.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -326,6 +327,9 @@ def _measure(hidden: int, layers: int) -> None:
         for name, t in sorted(times.items(), key=lambda kv: kv[1]):
             print(f"  {name:24s} {t * 1000:9.1f} ms after the kill")
         print("  sync (all ranks):", [round((r["synced"] - r["formed"]) * 1000, 1) for r in gen2], "ms")
+        ends = [r["t"] for r in cluster.trace("w0") if r["event"] == "step" and r["generation"] == 1]
+        gaps = sorted(b - a for a, b in itertools.pairwise(ends))
+        print(f"  a step before the failure: {gaps[len(gaps) // 2] * 1000:.1f} ms (median)")
 
 
 if __name__ == "__main__":

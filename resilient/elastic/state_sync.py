@@ -73,19 +73,19 @@ def decide_source(completed: Sequence[int | None], preferred: int | None = None)
     choice) wins among those.  Raises :class:`StateSyncError` when no rank
     has state or survivors are more than one step apart.
     """
-    holders = [r for r, c in enumerate(completed) if c is not None]
+    held = {r: c for r, c in enumerate(completed) if c is not None}
+    holders = list(held)
     if not holders:
         raise StateSyncError("no rank holds training state; restart from the newest committed checkpoint")
-    top = max(completed[r] for r in holders)  # type: ignore[type-var]
-    lowest = min(completed[r] for r in holders)  # type: ignore[type-var]
+    top, lowest = max(held.values()), min(held.values())
     if top - lowest > 1:
-        far = [r for r in holders if completed[r] == lowest]
+        far = [r for r in holders if held[r] == lowest]
         raise StateSyncError(
             f"ranks {far} completed step {lowest} while others completed step {top}: one interrupted step "
             "cannot explain that, so the replicas diverged; restart from the newest committed checkpoint"
         )
-    ahead = tuple(r for r in holders if completed[r] == top)
-    behind = tuple(r for r in holders if completed[r] != top)
+    ahead = tuple(r for r in holders if held[r] == top)
+    behind = tuple(r for r in holders if held[r] != top)
     replacements = tuple(r for r, c in enumerate(completed) if c is None)
     if preferred is not None and preferred in ahead:
         source, why = preferred, f"rank {preferred} (the agent's choice) completed step {top}"
@@ -160,7 +160,7 @@ def sync_from(
         rest_tensors = [torch.empty(shape, dtype=DTYPES[dtype]) for dtype, shape in source_meta["rest"]]
     _broadcast_tensors(list(model_state.values()) + rest_tensors, source_rank, group)
     if rank == source_rank:
-        return rest["extra"]
+        return dict(extra or {})
 
     received = unflatten(source_meta["skeleton"], rest_tensors)
     if optimizer is not None:
