@@ -235,6 +235,21 @@ def test_without_a_spare_the_survivors_shrink_and_continue_like_a_two_rank_run_f
         shrunk.close()
 
 
+def test_a_rank_whose_model_does_not_fit_the_source_fails_on_every_rank_at_once_naming_the_misfit(tmp_path):
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start("a")
+        cluster.start("b", "--hidden", "16")
+        cluster.publish(1, [("a", 0), ("b", 1)])
+        codes = {w: cluster.wait(w, 60) for w in ("a", "b")}
+        assert codes == {"a": 1, "b": 1}, codes
+        assert "StateSyncError: rank 1: the model does not match the source's" in cluster.log("b")
+        assert "StateSyncError: rank 0: another rank's state does not fit the source's" in cluster.log("a")
+        assert not any(r["event"] == "step" for w in ("a", "b") for r in cluster.trace(w))
+    finally:
+        cluster.close()
+
+
 # ---- the pieces, one process ------------------------------------------------------------------------------------
 
 

@@ -293,7 +293,12 @@ def abandon() -> float:
 
     Closing this rank's connections is what makes its peers' pending
     collectives fail at once instead of at their timeout, so a survivor
-    calls this as soon as it caught the error.  Idempotent.
+    calls this as soon as it caught the error.  gloo closes them only when
+    the group object itself is destroyed (its ``shutdown()`` and ``abort()``
+    leave them open), so drop every other reference first: the DDP wrapper,
+    and the exception's traceback (call this after leaving the ``except``
+    block).  A reference kept elsewhere leaves peers waiting until their
+    collective timeout.  Idempotent.
     """
     import torch.distributed as dist
 
