@@ -163,9 +163,10 @@ def main() -> int:
                 "scheduler": scheduler.state_dict(), "completed": completed}, args.out / f"{args.worker}.final.pt")
     trace.write(event="end", completed=completed, generation=generation)
     # Leave without tearing the group down: in torch 2.13, dropping the last reference to a gloo group
-    # joins its worker threads while holding the GIL, and a worker still destroying a finished work
-    # waits for the GIL: a deadlock seen at exit in 2 of 8 two-rank runs here (docs/architecture.md,
-    # "In-process recovery"). Everything this worker reports is written and flushed above.
+    # joins its worker threads while holding the GIL, and a worker still destroying a work launched in
+    # backward (it holds the autograd context object) waits for the GIL: a deadlock seen at exit in 2 of
+    # 8 two-rank runs here (docs/architecture.md, "In-process recovery"). Everything this worker reports
+    # is written and flushed above.
     os._exit(0)
 
 
