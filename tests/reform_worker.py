@@ -162,12 +162,12 @@ def main() -> int:
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "completed": completed}, args.out / f"{args.worker}.final.pt")
     trace.write(event="end", completed=completed, generation=generation)
-    # Leave without tearing the group down: in torch 2.13, dropping the last reference to a gloo group
-    # joins its worker threads while holding the GIL, and a worker still destroying a work launched in
-    # backward (it holds the autograd context object) waits for the GIL: a deadlock seen at exit in 2 of
-    # 8 two-rank runs here (docs/architecture.md, "In-process recovery"). Everything this worker reports
-    # is written and flushed above.
-    os._exit(0)
+    # The DDP wrapper goes first: if its reducer held the group's last reference, the group would be
+    # destroyed inside the reducer's destructor, which deadlocked at exit in 2 of 8 two-rank runs here
+    # (docs/architecture.md, "In-process recovery").
+    ddp = loss = None
+    abandon()
+    return 0
 
 
 def _die(trace: Trace) -> None:

@@ -298,7 +298,8 @@ def abandon() -> float:
     leave them open), so drop every other reference first: the DDP wrapper,
     and the exception's traceback (call this after leaving the ``except``
     block).  A reference kept elsewhere leaves peers waiting until their
-    collective timeout.  Idempotent.
+    collective timeout, and a group destroyed later by DDP's reducer can
+    deadlock in torch 2.13 (see ``docs/architecture.md``).  Idempotent.
     """
     import torch.distributed as dist
 
