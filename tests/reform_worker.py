@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from resilient.checkpoint.coordinator import Coordinator
 from resilient.elastic.reform import abandon, connect_store, is_peer_failure, reform, wait_for_assignment
 from resilient.elastic.state_sync import agree_step, sync_from
 
@@ -99,7 +100,10 @@ def main() -> int:
         assignment = wait_for_assignment(store, args.worker, generation, args.timeout)
         assigned = time.monotonic()
         generation = assignment.generation
-        reformed = reform(assignment, timeout_s=args.timeout, store=store)
+        # The checkpoint Coordinator's two gloo sub-groups are re-created on the new group.
+        reformed = reform(assignment, timeout_s=args.timeout, store=store,
+                          subgroups=[lambda: Coordinator.from_environment(args.timeout)])
+        coordinator = reformed.subgroups[0]
         formed = time.monotonic()
         if assignment.is_replacement:  # whatever it built, a promoted spare takes all state from the source
             agreement = agree_step(None, applied=False, preferred_source=assignment.source_rank)
@@ -114,11 +118,15 @@ def main() -> int:
         assert completed == agreement.completed, (extra, agreement)
         rank, world = assignment.rank, assignment.world_size
         assert rank is not None
+        gathered = coordinator.gather(args.worker.encode())  # both sub-groups work in the new generation
+        subgroups = {"workers": [b.decode() for b in gathered] if gathered is not None else None,
+                     "max_rank": coordinator.agree_max((rank,))[0]}
         trace.write(event="generation", generation=generation, rank=rank, world=world,
                     source=agreement.source_rank, completed=completed, reason=agreement.reason,
                     replacement=assignment.is_replacement, failed_at=failed_at if interrupted else None,
                     waited=waited, assigned=assigned, formed=formed, synced=synced,
-                    abandon_s=reformed.abandon_s, form_s=reformed.form_s)
+                    abandon_s=reformed.abandon_s, form_s=reformed.form_s, subgroups_s=reformed.subgroups_s,
+                    subgroups=subgroups)
         optimizer.zero_grad(set_to_none=True)
         ddp = DistributedDataParallel(model, init_sync=False, find_unused_parameters=True)
         interrupted = None
@@ -153,7 +161,7 @@ def main() -> int:
             break
         # Outside the except block, so no traceback keeps the old DDP (and its group) alive.
         failed_at = time.monotonic()
-        ddp = loss = None
+        ddp = loss = coordinator = reformed = None
         abandon_s = abandon()
         trace.write(event="failure", step=step, generation=generation, t=failed_at, error=failure,
                     abandon_s=abandon_s)
@@ -165,7 +173,7 @@ def main() -> int:
     # The DDP wrapper goes first: if its reducer held the group's last reference, the group would be
     # destroyed inside the reducer's destructor, which deadlocked at exit in 2 of 8 two-rank runs here
     # (docs/architecture.md, "In-process recovery").
-    ddp = loss = None
+    ddp = loss = coordinator = reformed = None
     abandon()
     return 0
 

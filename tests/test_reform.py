@@ -195,6 +195,8 @@ def test_a_spare_replaces_a_rank_killed_in_backward_and_the_run_is_bitwise_the_u
         joined = next(r for r in cluster.trace("spare") if r["event"] == "generation")
         assert (joined["generation"], joined["rank"], joined["replacement"]) == (2, 1, True)
         assert (joined["source"], joined["completed"]) == (0, KILL_AT - 1), joined
+        gen2 = next(r for r in cluster.trace("w0") if r["event"] == "generation" and r["generation"] == 2)
+        assert gen2["subgroups"] == {"workers": ["w0", "spare", "w2"], "max_rank": 2}, gen2
         print("recovery (s after the kill):", {k: round(v, 4) for k, v in times.items()})
     finally:
         cluster.close()
@@ -229,6 +231,9 @@ def test_without_a_spare_the_survivors_shrink_and_continue_like_a_two_rank_run_f
         for w in ("w0", "w2"):
             gen2 = next(r for r in cluster.trace(w) if r["event"] == "generation" and r["generation"] == 2)
             assert (gen2["world"], gen2["completed"]) == (2, KILL_AT - 1), gen2
+            assert gen2["subgroups"]["max_rank"] == 1, gen2
+            if w == "w0":
+                assert gen2["subgroups"]["workers"] == ["w0", "w2"], gen2
             assert_same_state(cluster.final(w), shrunk.final("t0"))
     finally:
         cluster.close()
