@@ -313,6 +313,15 @@ def test_a_spare_waits_through_standby_generations_and_a_missing_one_times_out_n
     assert time.monotonic() - started < 5
 
 
+def test_the_agent_can_plan_assignments_without_importing_torch():
+    code = ("import sys; from resilient.elastic.reform import Member, plan_assignments; "
+            "a = plan_assignments(3, [Member(worker_id='w', new_rank=0, old_rank=1)], 0, 'h', 1); "
+            "print(a[0].prefix, 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["reform/g3/", "False"]
+
+
 def test_the_source_is_a_rank_that_completed_the_most_so_an_update_is_never_applied_twice_or_lost():
     kept = decide_source([4, None, 4], preferred=0)
     assert (kept.source_rank, kept.completed, kept.replacements, kept.behind) == (0, 4, (1,), ())
