@@ -35,6 +35,8 @@ class EventKind(str, Enum):
     STOP_REQUESTED = "stop_requested"  # a graceful stop was asked for, at a step (agent: asked; worker: received)
     GRACEFUL_STOP = "graceful_stop"  # the worker reached the stop step, committed and stops
     FAULT_INJECTED = "fault_injected"  # a planned chaos fault fires in this worker
+    BATCH_PLANNED = "batch_planned"  # run.micro_batches() split the global batch for this world size (or could not)
+    ATTEMPT_RETRIED = "attempt_retried"  # a step's attempt failed with a peer error, was recovered and is retried
 
     # -- checkpoints
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint

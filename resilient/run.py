@@ -12,15 +12,17 @@ each heartbeat, dumps its stacks on request, writes an error file on an
 uncaught exception, injects planned faults, and stops gracefully when
 asked: see :mod:`resilient.worker.hooks`.  Without an agent none of
 this is installed and the Run behaves exactly as it would otherwise.
+
+A script opts into in-process recovery with ``ddp=True`` (``run.model``),
+``run.micro_batches()`` (the run's fixed global batch at any world size) and
+``with run.attempt():`` around its step body: see :mod:`resilient.run_attempt`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -32,9 +34,13 @@ from .checkpoint.fence import Fence
 from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import Restored
 from .data.loader import ElasticLoader
+from .elastic.batch import BatchPlan
 from .errors import ConfigError
 from .events import EventKind, EventLog
-from .run_payloads import apply_restored, capture_payloads
+from .run_attempt import Attempt, AttemptStart, ddp_options, is_recoverable, regroup, rewind, wrap_ddp
+from .run_attempt import micro_batches as _micro_batches
+from .run_payloads import apply_restored, capture_payloads, digest_config, refuse_sharded
+from .run_sections import BETWEEN, Section
 from .state import (
     Stateful,
     check_stateful,
@@ -69,8 +75,17 @@ class Run:
         config: Mapping[str, Any] | None = None,
         events: EventLog | None = None,
         agent: WorkerEnv | None = _FROM_ENVIRONMENT,
+        ddp: bool | Mapping[str, Any] = False,
+        seed: int = 0,
     ) -> None:
-        """``agent``: the agent contract; read from the environment unless given (None: no agent)."""
+        """``agent``: the agent contract; read from the environment unless given (None: no agent).
+
+        ``ddp``: wrap ``model`` in ``DistributedDataParallel`` here (True, or a
+        dict of its keyword arguments) once a process group exists, so that the
+        wrapper can be rebuilt on a re-formed group; ``run.model`` is then the
+        wrapped module.  ``seed``: the run's seed for the random streams of
+        :meth:`attempt` and :meth:`micro_batches` (:mod:`resilient.run_attempt`).
+        """
         self.events = events if events is not None else EventLog()
         self._section = "init"
         self._hooks: WorkerHooks | None = None
@@ -91,8 +106,13 @@ class Run:
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 check_stateful(name, obj)
-        _refuse_sharded(model)
+        refuse_sharded(model)
+        self._ddp = ddp_options(ddp, model)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"Run(seed={seed!r}) must be an int")
+        self.seed = seed
         self.model = model
+        """The model to call: the DDP wrapper with ``ddp=True`` under a process group, else the module given."""
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
@@ -110,19 +130,21 @@ class Run:
         self._prepared = False
         self._step_started: float | None = None
         self.last_step_s: float | None = None
-
-        import torch.distributed as dist
-
-        distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if distributed else 0
-        self.world_size = dist.get_world_size() if distributed else 1
-        if data is not None:
-            data.bind(self.rank, self.world_size)
-            if self._hooks is not None:
-                data.report_section = self.section
+        self._attempt_start: AttemptStart | None = None
+        self._recovery: Callable[[BaseException], bool] | None = None
+        """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
+        self._retry = False
+        self._micro: Generator[Any, None, None] | None = None
+        self._micro_samples: int | None = None
+        self._announced_plan: BatchPlan | None = None
+        """The batch plan last announced in a ``batch_planned`` event."""
+        self.rank, self.world_size = 0, 1
+        regroup(self)  # rank and world size of the process group (if any), the loader's share of it
+        if data is not None and self._hooks is not None:
+            data.report_section = self.section
         self._fingerprint = {
             "model": model_fingerprint(model),
-            "config": _digest_config(self.config),
+            "config": digest_config(self.config),
             "code": {"resilient": __version__, "torch": torch.__version__},
         }
         self.checkpoints: CheckpointManager | None = None
@@ -136,6 +158,8 @@ class Run:
                 restored = self.checkpoints.restore()
                 if restored is not None:
                     self._apply(restored)
+        if self._ddp is not None:  # after the restore: DDP's first broadcast then carries the restored state
+            self.model = wrap_ddp(self.model, self._ddp)
         if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
                                  time.perf_counter() - restore_started)
@@ -166,11 +190,14 @@ class Run:
             if hooks is not None:
                 self._enter("step")
             yield self.step
+            if self._retry:  # the attempt failed and was recovered in-process: the same step again
+                self._retry = False
+                continue
             self.last_step_s = time.perf_counter() - self._step_started
             self.step += 1
             # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
             # its way out, or the agent would see the next step start before it does.
-            self._section = _BETWEEN
+            self._section = BETWEEN
         ckpt = self.checkpoints
         if ckpt is not None and ckpt.config.save_on_finish and self._last_saved_step != self.step:
             self._save(wait=False)
@@ -180,9 +207,40 @@ class Run:
         if loss is not None:
             self.last_loss = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
         if samples is None:
-            samples = self.data.batch_size if self.data is not None else 0
+            samples = self._micro_samples if self._micro_samples is not None else \
+                self.data.batch_size if self.data is not None else 0
+            self._micro_samples = None
         self.samples += int(samples)
         self.tokens += int(tokens)
+
+    def attempt(self) -> Attempt:
+        """``with run.attempt():`` around the step body: a peer failure inside is survived and the step retried.
+
+        Only where in-process recovery is available; under plain python or
+        torchrun every error passes through (recovery is by restart).  Entry
+        seeds the torch RNG from ``(seed, step, rank)`` and records the cursor,
+        so a retry reads the same batches and draws the same numbers.  Keep
+        the whole step body inside: code after the block runs once per attempt.
+        """
+        return Attempt(self)
+
+    def micro_batches(self, *, weighted: bool = False) -> Generator[Any, None, None]:
+        """This rank's share of the step's global batch: :attr:`accumulation` micro-batches, at any world size.
+
+        The global batch is the loader's ``batch_size`` times the world size at
+        the run's first start; with DDP only the last micro-batch's backward
+        all-reduces (``no_sync()`` on the others).  Divide each micro-batch's
+        mean loss by :attr:`accumulation`; where the plan is uneven (the
+        loader's ``batch_rule="uneven"``) iterate ``weighted=True`` pairs
+        ``(batch, weight)`` and multiply by ``weight`` instead.
+        """
+        self._micro = _micro_batches(self, weighted)
+        return self._micro
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches this rank runs per step under :meth:`micro_batches` (1 at the run's first world size)."""
+        return self.data.plan.require().accumulation if self.data is not None else 1
 
     def save(self) -> SaveResult:
         """Commit a checkpoint of the state after ``step`` updates; return once committed.
@@ -221,7 +279,7 @@ class Run:
             return None
         return HeartbeatCounts(sent=self._hooks.sender.sent, dropped=self._hooks.sender.dropped)
 
-    def section(self, name: str) -> _Section:
+    def section(self, name: str) -> Section:
         """Context manager marking a part of the loop, e.g. ``with run.section("eval"): ...``.
 
         Under the agent, entering it sends a heartbeat naming ``name`` (so a
@@ -229,13 +287,39 @@ class Run:
         leaving it re-enters the enclosing section.  Without an agent it only
         records the name.
         """
-        return _Section(self, name)
+        return Section(self, name)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ------------------------------------------- in-process recovery (internal)
+    def _attempt_failed(self, exc: BaseException) -> bool:
+        """Whether ``exc`` (raised inside :meth:`attempt`) is a peer failure the group can be re-formed after."""
+        return is_recoverable(exc)
+
+    def _rewind_attempt(self) -> None:
+        """Back to the current attempt's start: cursor, counters, gradients (none) and RNG, for a retry."""
+        if self._attempt_start is None:
+            raise ConfigError("Run._rewind_attempt() outside run.attempt(): there is no attempt to rewind")
+        rewind(self, self._attempt_start)
+
+    def _rebuild_ddp(self) -> None:
+        """Follow a re-formed default process group: rank, world size, the loader's share, the DDP wrapper.
+
+        Call it once every member's state is the same (DDP's construction
+        broadcasts rank 0's parameters and buffers).
+        """
+        regroup(self)
+        if self._ddp is not None:
+            self.model = wrap_ddp(self.model, self._ddp)
+
+    def _close_micro_batches(self) -> None:
+        micro, self._micro = self._micro, None
+        if micro is not None:
+            micro.close()  # a generator left inside DDP's no_sync() leaves it
 
     # -------------------------------------------------------------- helpers
     def _enter(self, section: str) -> None:
@@ -312,54 +396,3 @@ class Run:
     def _apply(self, restored: Restored) -> None:
         apply_restored(self, restored)
         self._last_saved_step = self.step
-
-
-_BETWEEN = ""
-"""The section between two updates (at a step boundary): not reported."""
-
-
-class _Section:
-    """``Run.section(name)``: enter ``name``, re-enter the enclosing section on the way out."""
-
-    __slots__ = ("_name", "_outer", "_run")
-
-    def __init__(self, run: Run, name: str) -> None:
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"Run.section({name!r}): a section needs a non-empty name")
-        self._run = run
-        self._name = name
-        self._outer: str | None = None
-
-    def __enter__(self) -> None:
-        outer = self._run._section
-        if outer != self._name:  # already inside it (e.g. save() around _save()): nothing to report
-            self._outer = outer
-            self._run._enter(self._name)
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        hooks = self._run._hooks
-        if exc is not None and hooks is not None:
-            hooks.raised_in(exc, self._name)  # the error file names where it was raised, not where it surfaced
-        if self._outer is not None:
-            if self._outer == _BETWEEN:
-                self._run._section = _BETWEEN  # nothing to re-enter: the next step reports itself
-            else:
-                self._run._enter(self._outer)
-
-
-def _digest_config(config: Mapping[str, Any] | None) -> str | None:
-    if config is None:
-        return None
-    text = json.dumps(config, sort_keys=True, default=repr)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _refuse_sharded(model: torch.nn.Module) -> None:
-    """Sharded parameters need per-owner saving; say so up front instead of failing mid-save."""
-    for name, p in model.named_parameters():
-        if type(p.data) is not torch.Tensor:  # a plain Parameter's data is a plain Tensor
-            raise ConfigError(
-                f"parameter {name!r} is a {type(p.data).__qualname__} (sharded, e.g. FSDP2/DTensor); resilient "
-                "checkpoints hold replicated (DDP) or single-process state only. Use DDP, or save sharded state "
-                "with torch.distributed.checkpoint"
-            )

@@ -9,7 +9,12 @@ before it consumes random numbers.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .checkpoint.restore import RANK, REPLICATED, Restored
 from .errors import ConfigError
@@ -39,6 +44,7 @@ def capture_payloads(run: Run) -> dict[str, Any]:
             "step": run.step,
         }
     return payloads
+
 
 def apply_restored(run: Run, restored: Restored) -> None:
     """Put a verified checkpoint back into the Run's components, refusing one that does not fit them."""
@@ -78,3 +84,22 @@ def apply_restored(run: Run, restored: Restored) -> None:
         run.events.emit(EventKind.CONFIG_CHANGED, checkpoint=name, saved=saved_config,
                          now=run._fingerprint["config"])
     run.restored_from = name
+
+
+def digest_config(config: Mapping[str, Any] | None) -> str | None:
+    """The config's fingerprint in every manifest (a resume under another config is an event)."""
+    if config is None:
+        return None
+    text = json.dumps(config, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def refuse_sharded(model: torch.nn.Module) -> None:
+    """Sharded parameters need per-owner saving; say so up front instead of failing mid-save."""
+    for name, p in model.named_parameters():
+        if type(p.data) is not torch.Tensor:  # a plain Parameter's data is a plain Tensor
+            raise ConfigError(
+                f"parameter {name!r} is a {type(p.data).__qualname__} (sharded, e.g. FSDP2/DTensor); resilient "
+                "checkpoints hold replicated (DDP) or single-process state only. Use DDP, or save sharded state "
+                "with torch.distributed.checkpoint"
+            )

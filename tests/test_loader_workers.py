@@ -253,3 +253,41 @@ def test_training_on_two_gloo_ranks_with_workers_resumes_on_one_rank_with_the_in
         batch = next(resumed)
         assert rec["indices"] == resumed.last_indices, f"step {rec['step']} after the resize: other samples"
         assert rec["x"] == batch["x"].tolist()
+
+
+def micro(loader: ElasticLoader, steps: int) -> list:
+    """``steps`` steps of ``micro_batches()``, as ``take`` records them."""
+    return [(list(loader.last_indices), b["x"].clone(), b["i"].clone(), set(b["pid"].tolist()))
+            for _ in range(steps) for b in loader.micro_batches()]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_workers_serve_the_plans_micro_batches_and_a_rewind_drops_what_they_prefetched(persistent):
+    def run(options: dict) -> tuple[list, list[int]]:
+        loader = make(dataset=Samples(23, delay=0.002), **options)
+        loader.load_state_dict({**loader.state_dict(), "global_batch": 12})  # three micro-batches a step
+        got = micro(loader, 2)
+        step = loader.micro_batches()
+        got.append(take_one(step, loader))  # the workers read ahead of this first micro-batch of the third step
+        restarts = [loader._pipeline.restarts] if loader._pipeline is not None else []
+        loader.rewind(12)  # the attempt of the second step is retried
+        got += micro(loader, 2)
+        got += take(loader, 2)  # the classic way from there: another layout, read from the cursor on
+        got += micro(loader, 1)
+        if loader._pipeline is not None:
+            restarts.append(loader._pipeline.restarts)
+        assert loader.consumed == 12 * 3 + 4 * 2 + 12
+        loader.close()
+        return got, restarts
+
+    options = {**WORKERS, "persistent_workers": persistent}
+    got, restarts = run(options)
+    want, _ = run({})
+    assert_same(got, want)
+    assert restarts[1] - restarts[0] == 3, "restarted at the rewind, at next() and back at micro_batches()"
+    assert os.getpid() not in set().union(*(b[3] for b in got)), "the batches were not read in worker processes"
+
+
+def take_one(step, loader: ElasticLoader) -> tuple:
+    b = next(step)
+    return list(loader.last_indices), b["x"].clone(), b["i"].clone(), set(b["pid"].tolist())

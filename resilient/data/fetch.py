@@ -6,7 +6,8 @@ worker path hands torch's ``DataLoader`` three small objects:
 
 - :class:`CursorBatchSampler` (main process): yields ``[(position, index),
   ...]`` for this rank's batches, starting at the cursor it was reset to and
-  stepping by the global batch; it is infinite, like the stream.
+  following a :class:`~resilient.data.plan.Layout` step after step; it is
+  infinite, like the stream.
 - :class:`PositionedDataset` (worker): ``dataset[index]``, carrying the
   position and index along with the sample.
 - :class:`CarryingCollate` (worker): the user's collate on the samples,
@@ -29,7 +30,7 @@ from typing import Any, NamedTuple
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
 from ..errors import DataFetchError
-from .plan import StreamPlan, batch_start
+from .plan import Layout, StreamPlan
 
 
 class Batch(NamedTuple):
@@ -125,26 +126,32 @@ class CursorBatchSampler(Sampler[list[tuple[int, int]]]):
     """Main-process side: this rank's batches of ``(position, index)`` from the cursor it was last reset to.
 
     ``DataLoader`` calls ``iter()`` on it when an iterator is created or (with
-    persistent workers) reset; each ``iter()`` snapshots the cursor, rank and
-    world size, so changing them later affects only the next reset.
+    persistent workers) reset; each ``iter()`` snapshots the cursor, the
+    layout (where this rank's batches lie in each step: one batch per step for
+    ``next(loader)``, the plan's micro-batches for ``micro_batches()``) and the
+    batch of the step to start at, so changing them later affects only the
+    next reset.
     """
 
     def __init__(self, plan: StreamPlan, batch_size: int) -> None:
         self.plan = plan
-        self.batch_size = batch_size
         self.consumed = 0
-        self.rank = 0
-        self.world_size = 1
+        self.layout = Layout.classic(0, batch_size, 1)
+        self.first = 0
 
-    def reset(self, consumed: int, rank: int, world_size: int) -> None:
-        self.consumed, self.rank, self.world_size = consumed, rank, world_size
+    def reset(self, consumed: int, layout: Layout, first: int = 0) -> None:
+        """Start at batch ``first`` of the step whose cursor is ``consumed``."""
+        assert 0 <= first < len(layout.slots), (first, layout)
+        self.consumed, self.layout, self.first = consumed, layout, first
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        return self._stream(batch_start(self.consumed, self.rank, self.batch_size),
-                            self.batch_size * self.world_size)
+        return self._stream(self.consumed, self.layout, self.first)
 
-    def _stream(self, position: int, stride: int) -> Iterator[list[tuple[int, int]]]:
-        size = self.batch_size
+    def _stream(self, cursor: int, layout: Layout, k: int) -> Iterator[list[tuple[int, int]]]:
         while True:  # the stream is infinite: epochs concatenate
-            yield list(zip(range(position, position + size), self.plan.indices(position, size), strict=True))
-            position += stride
+            offset, size = layout.slots[k]
+            start = cursor + offset
+            yield list(zip(range(start, start + size), self.plan.indices(start, size), strict=True))
+            k += 1
+            if k == len(layout.slots):
+                k, cursor = 0, cursor + layout.stride

@@ -8,6 +8,14 @@ the ``r``-th block.  Every sample of an epoch is therefore consumed exactly
 once across ranks, batches that cross an epoch boundary stay full, and a
 cursor saved on one world size means the same thing on any other.
 
+A script that lets the :class:`~resilient.run.Run` split the step
+(``run.micro_batches()``) takes its batches under the batch contract
+instead: every step consumes the run's fixed global batch
+(:attr:`ElasticLoader.global_batch`, ``batch_size`` times the world size at
+the run's first start, kept in the checkpoint), split over the current
+ranks in micro-batches by :func:`resilient.elastic.batch.plan_batch`, so the
+step's samples are the same at any world size.
+
 Reading and collating run in the training process (``num_workers=0``, the
 default) or in torch ``DataLoader`` worker processes with prefetch and
 pinning (:mod:`resilient.data.workers`).  Either way ``consumed`` counts only
@@ -18,15 +26,16 @@ not take is not counted, and is dropped when the position changes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, Self
 
 from torch.utils.data import default_collate
 
+from ..elastic.batch import BatchPlan, BatchRule, as_rule, plan_batch
 from ..errors import CheckpointMismatchError, ConfigError
 from .fetch import fetch_in_process
-from .plan import StreamPlan, batch_start
+from .plan import Layout, StreamPlan
 from .workers import LoaderOptions, WorkerPipeline
 
 
@@ -37,7 +46,7 @@ class MapDataset(Protocol):
 
 
 class ElasticLoader:
-    """Yields this rank's batches; call ``next(loader)`` once per micro-batch on every rank."""
+    """Yields this rank's batches: ``next(loader)`` once per batch on every rank, or a step's ``micro_batches()``."""
 
     def __init__(
         self,
@@ -57,11 +66,14 @@ class ElasticLoader:
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         timeout: float = 0,
+        batch_rule: BatchRule | str = BatchRule.REFUSE,
     ) -> None:
         """``num_workers`` .. ``timeout`` mean what they mean for ``torch.utils.data.DataLoader``.
 
         With ``num_workers=0`` (and no ``pin_memory``) samples are read in the
-        training process, without a DataLoader.
+        training process, without a DataLoader.  ``batch_rule`` says what
+        :meth:`micro_batches` does at a world size that cannot split the
+        global batch into equal micro-batches (:class:`~resilient.elastic.batch.BatchRule`).
         """
         if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ConfigError("ElasticLoader needs a map-style dataset (with __len__ and __getitem__)")
@@ -76,6 +88,9 @@ class ElasticLoader:
         )
         self.dataset = dataset
         self.batch_size = batch_size
+        self.batch_rule = as_rule(batch_rule)
+        self._global_batch: int | None = None
+        self._batch_plan: BatchPlan | None = None
         self.collate_fn = collate_fn
         self._clock = clock
         self.consumed = 0
@@ -98,9 +113,12 @@ class ElasticLoader:
                 self.bind(dist.get_rank(), dist.get_world_size())
 
     def bind(self, rank: int, world_size: int) -> None:
+        """Serve rank ``rank`` of ``world_size``; the first bind fixes the global batch (unless a checkpoint sets it)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"ElasticLoader: rank {rank} is not within world size {world_size}")
         self.rank, self.world_size = rank, world_size
+        if self._global_batch is None:
+            self._global_batch = self.batch_size * world_size
 
     @property
     def seed(self) -> int:
@@ -116,7 +134,66 @@ class ElasticLoader:
 
     @property
     def global_batch_size(self) -> int:
+        """Samples one round of ``next(loader)`` on every rank consumes: ``batch_size`` x the current world size."""
         return self.batch_size * self.world_size
+
+    @property
+    def global_batch(self) -> int:
+        """Samples each step of :meth:`micro_batches` consumes, at any world size.
+
+        ``batch_size`` times the world size of the first :meth:`bind` (the
+        run's first start), or the value a restored checkpoint carries.
+        """
+        return self._global_batch if self._global_batch is not None else self.batch_size * self.world_size
+
+    @property
+    def plan(self) -> BatchPlan:
+        """How a step's global batch is split at the current world size (may be infeasible: see its reason)."""
+        plan = self._batch_plan
+        if plan is None or (plan.global_batch, plan.micro_batch, plan.world_size, plan.rule) != \
+                (self.global_batch, self.batch_size, self.world_size, self.batch_rule):
+            plan = self._batch_plan = plan_batch(self.global_batch, self.batch_size, self.world_size, self.batch_rule)
+        return plan
+
+    def micro_batches(self, *, weighted: bool = False) -> Iterator[Any]:
+        """This rank's micro-batches of the step at the cursor, under :attr:`plan`; the cursor moves on at the last.
+
+        The step takes stream positions ``[consumed, consumed + global_batch)``
+        and rank ``r`` its slots of them (:mod:`resilient.elastic.batch`).
+        ``weighted=True`` yields ``(batch, weight)``: multiply the batch's
+        mean loss by ``weight`` (needed when the plan is not even; with an
+        even plan the weight is ``1 / accumulation``).  Abandoning the
+        iteration before the last micro-batch leaves the cursor at the step's
+        start.
+        """
+        plan = self.plan.require()
+        if not plan.even and not weighted:
+            raise ConfigError(
+                f"ElasticLoader: {plan.reason}; micro-batches of unequal size need their losses weighted: iterate "
+                "micro_batches(weighted=True) and multiply each micro-batch's mean loss by its weight"
+            )
+        return self._micro_batches(plan, self.consumed, weighted)
+
+    def _micro_batches(self, plan: BatchPlan, cursor: int, weighted: bool) -> Iterator[Any]:
+        layout = Layout(plan.slots(self.rank), plan.global_batch)
+        last = len(layout.slots) - 1
+        for k in range(len(layout.slots)):
+            if self.consumed != cursor:
+                raise ConfigError(
+                    f"ElasticLoader: the cursor moved from {cursor} to {self.consumed} while the micro-batches of the "
+                    "step were being taken; call neither next(loader) nor load_state_dict/rewind inside that loop"
+                )
+            batch = self._take(cursor, k, layout, cursor + plan.global_batch if k == last else cursor)
+            yield (batch, plan.weight(self.rank, k)) if weighted else batch
+
+    def rewind(self, consumed: int) -> None:
+        """Put the cursor back to ``consumed`` (an attempt's start): the batches from there are served again.
+
+        Batches the workers prefetched from the later position are dropped.
+        """
+        if isinstance(consumed, bool) or not isinstance(consumed, int) or consumed < 0:
+            raise ConfigError(f"ElasticLoader.rewind({consumed!r}): the cursor is an int >= 0")
+        self.consumed = consumed
 
     def indices_at(self, start: int, count: int) -> list[int]:
         """Dataset indices at global stream positions ``start .. start+count-1``."""
@@ -126,29 +203,34 @@ class ElasticLoader:
         return self
 
     def __next__(self) -> Any:
+        layout = Layout.classic(self.rank, self.batch_size, self.world_size)
+        return self._take(self.consumed, 0, layout, self.consumed + layout.stride)
+
+    def _take(self, cursor: int, k: int, layout: Layout, after: int) -> Any:
+        """Batch ``k`` of the step at ``cursor``; once it is received the cursor is ``after``."""
         if self.report_section is not None:
             with self.report_section("data"):
-                return self._produce()
-        return self._produce()
+                indices, batch = self._fetch(cursor, k, layout)
+        else:
+            indices, batch = self._fetch(cursor, k, layout)
+        self.consumed = after
+        self.last_indices = indices
+        return batch
 
-    def _produce(self) -> Any:
+    def _fetch(self, cursor: int, k: int, layout: Layout) -> tuple[list[int], Any]:
         started = self._clock()
         try:
             if self.options.in_process:
-                start = batch_start(self.consumed, self.rank, self.batch_size)
-                indices = self.indices_at(start, self.batch_size)
-                batch = fetch_in_process(self.dataset, self.collate_fn, start, indices)
-            else:
-                if self._pipeline is None:
-                    self._pipeline = WorkerPipeline(self.dataset, self.collate_fn, self._plan, self.batch_size,
-                                                    self.options)
-                carried = self._pipeline.next_batch(self.consumed, self.rank, self.world_size)
-                indices, batch = carried.indices, carried.data
+                offset, size = layout.slots[k]
+                indices = self.indices_at(cursor + offset, size)
+                return indices, fetch_in_process(self.dataset, self.collate_fn, cursor + offset, indices)
+            if self._pipeline is None:
+                self._pipeline = WorkerPipeline(self.dataset, self.collate_fn, self._plan, self.batch_size,
+                                                self.options)
+            carried = self._pipeline.next_batch(cursor, k, self.rank, layout)
+            return carried.indices, carried.data
         finally:
             self.data_wait_s += self._clock() - started
-        self.consumed += self.global_batch_size
-        self.last_indices = indices
-        return batch
 
     def close(self) -> None:
         """Stop the worker processes, if any; a later ``next()`` starts them again."""
@@ -175,6 +257,7 @@ class ElasticLoader:
             "dataset_len": len(self.dataset),
             "batch_size": self.batch_size,
             "world_size": self.world_size,
+            "global_batch": self.global_batch,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -190,3 +273,7 @@ class ElasticLoader:
                 "skip or repeat samples. Resume with the same dataset, seed and shuffle setting"
             )
         self.consumed = int(state["consumed"])
+        # The run's global batch outlives a change of world size; a checkpoint from before it was saved
+        # carries the batch of the ranks that wrote it.
+        saved = state.get("global_batch")
+        self._global_batch = int(saved) if saved is not None else int(state["batch_size"]) * int(state["world_size"])

@@ -5,7 +5,10 @@ The stream is the concatenation of per-epoch permutations of
 identity when not shuffling).  Position ``p`` is offset ``p % n`` of epoch
 ``p // n``.  A step of a ``world_size``-rank job takes the next
 ``batch_size * world_size`` positions and rank ``r`` takes the ``r``-th block
-of ``batch_size``: :func:`batch_start` says where that block begins.
+of ``batch_size`` (:meth:`Layout.classic`).  Under a
+batch plan (:mod:`resilient.elastic.batch`) a step takes the run's fixed
+global batch and a rank takes several micro-batches of it: a
+:class:`Layout` says where a rank's batches lie in every step, for both.
 
 Pure apart from a small cache of permutations (the only state), so the
 loader's in-process path and the batch sampler that feeds worker processes
@@ -14,12 +17,24 @@ compute the same indices from the same code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
-def batch_start(consumed: int, rank: int, batch_size: int) -> int:
-    """Stream position of the first sample of ``rank``'s next batch when ``consumed`` samples are done."""
-    return consumed + rank * batch_size
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank's batches lie in each step: ``(offset, size)`` of each within the step, and the step's length."""
+
+    slots: tuple[tuple[int, int], ...]
+    """This rank's batches of one step, in the order it takes them: offset from the step's cursor, and size."""
+    stride: int
+    """Positions one step consumes (all ranks together): the next step's cursor is this much further."""
+
+    @staticmethod
+    def classic(rank: int, batch_size: int, world_size: int) -> Layout:
+        """One batch per step and rank, the ``rank``-th block of ``batch_size`` (``next(loader)``)."""
+        return Layout(((rank * batch_size, batch_size),), batch_size * world_size)
 
 
 class StreamPlan:

@@ -6,10 +6,13 @@
 
 Staleness.  The iterator prefetches batches from the cursor position it was
 started at.  :meth:`WorkerPipeline.next_batch` is told where the loop is
-(cursor, rank, world size); when that is not where the iterator stands (a
-``load_state_dict``, a ``bind`` to another world size, a failed batch, any
-change of ``consumed``) the iterator is restarted from the new position and
-every prefetched batch is dropped:
+(the step's cursor, which of this rank's batches of the step, the rank and
+the :class:`~resilient.data.plan.Layout`: one batch per step for
+``next(loader)``, the batch plan's micro-batches for ``micro_batches()``);
+when that is not where the iterator stands (a ``load_state_dict``, a
+``rewind``, a ``bind`` to another world size, a switch between the two ways
+of taking batches, a failed batch, any change of ``consumed``) the iterator
+is restarted from the new position and every prefetched batch is dropped:
 
 - without persistent workers, the old iterator is dropped (torch shuts its
   workers down) and a new one starts;
@@ -40,7 +43,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import ConfigError
 from .fetch import Batch, CarryingCollate, CursorBatchSampler, Failure, PositionedDataset
-from .plan import StreamPlan, batch_start
+from .plan import Layout, StreamPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,17 +117,16 @@ class WorkerPipeline:
         self._collate = CarryingCollate(collate_fn)
         self._loader: DataLoader[Any] | None = None
         self._iterator: Any = None
-        self._expect: tuple[int, int, int] | None = None
-        """(next position, rank, world size) the running iterator will deliver next; None: none running."""
+        self._expect: tuple[int, int, int, Layout] | None = None
+        """(step cursor, batch of the step, rank, layout) the running iterator delivers next; None: none running."""
         self.restarts = 0
         """Times the iterator was (re)started: the first start, then every change of position."""
 
-    def next_batch(self, consumed: int, rank: int, world_size: int) -> Batch:
-        """This rank's batch at cursor ``consumed``; raises DataFetchError if reading or collating it failed."""
-        size = self._sampler.batch_size
-        start = batch_start(consumed, rank, size)
-        if self._iterator is None or self._expect != (start, rank, world_size):
-            self._restart(consumed, rank, world_size)
+    def next_batch(self, consumed: int, k: int, rank: int, layout: Layout) -> Batch:
+        """Batch ``k`` of the step at cursor ``consumed`` laid out by ``layout``; DataFetchError if reading it failed."""
+        start = consumed + layout.slots[k][0]
+        if self._iterator is None or self._expect != (consumed, k, rank, layout):
+            self._restart(consumed, k, rank, layout)
         try:
             item = next(self._iterator)
         except BaseException:
@@ -137,7 +139,8 @@ class WorkerPipeline:
         if isinstance(item, Failure):
             self._expect = None  # the iterator has moved past the failed batch: a retry restarts it here
             raise item.error()
-        self._expect = (start + size * world_size, rank, world_size)
+        last = k + 1 == len(layout.slots)
+        self._expect = (consumed + layout.stride, 0, rank, layout) if last else (consumed, k + 1, rank, layout)
         return item
 
     def _build(self) -> DataLoader[Any]:
@@ -149,16 +152,16 @@ class WorkerPipeline:
             multiprocessing_context=o.multiprocessing_context, timeout=o.timeout, generator=self._generator,
         )
 
-    def _restart(self, consumed: int, rank: int, world_size: int) -> None:
+    def _restart(self, consumed: int, k: int, rank: int, layout: Layout) -> None:
         if not self._options.persistent_workers:
             self._iterator = None  # drop the old one first: its workers shut down before new ones start
         if self._loader is None:
             self._loader = self._build()
-        self._sampler.reset(consumed, rank, world_size)
-        seed = hash((self._plan.seed, rank, consumed)) % (2**63)
-        self._generator.manual_seed(seed)
+        self._sampler.reset(consumed, layout, k)
+        key = (self._plan.seed, rank, consumed) if k == 0 else (self._plan.seed, rank, consumed, k)
+        self._generator.manual_seed(hash(key) % (2**63))
         self._iterator = iter(self._loader)
-        self._expect = (batch_start(consumed, rank, self._sampler.batch_size), rank, world_size)
+        self._expect = (consumed, k, rank, layout)
         self.restarts += 1
 
     def _drop(self) -> None:

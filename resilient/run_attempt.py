@@ -1,0 +1,231 @@
+"""The script's side of recovery: ``Run(ddp=True)``, ``run.micro_batches()`` and ``with run.attempt():``.
+
+A script opts into in-process recovery by letting the :class:`~resilient.run.Run`
+own three things (DESIGN.md, "The script's side of recovery"):
+
+- **the DDP wrapper** (``ddp=True``): the Run wraps the model itself once the
+  process group exists, so it can wrap it again on a re-formed group
+  (:func:`wrap_ddp`; ``Run._rebuild_ddp``);
+- **the split of the step** (``run.micro_batches()``): this rank's
+  micro-batches of the run's fixed global batch under the batch plan
+  (:mod:`resilient.elastic.batch`), with DDP's gradient sync only on the last
+  (:func:`micro_batches`);
+- **the attempt** (``with run.attempt():`` around the step body): what a retry
+  of the step needs is recorded at entry (:class:`AttemptStart`), a failure
+  that a re-formed group can survive is told apart from the rest
+  (:func:`is_recoverable`), and the step's cursor, counters, gradients and
+  random streams are put back for the retry (:func:`rewind`).
+
+**Random numbers.**  A replacement rank cannot have the dead rank's RNG
+state, so under the new API the torch RNG (CPU, and CUDA through
+``torch.manual_seed``) is a function of the step, not of history:
+``attempt()`` seeds it at entry from ``(seed, step, rank)`` and
+``micro_batches()`` seeds it before each micro-batch from ``(seed, step,
+slot)``, the slot being the micro-batch's place in the step's global batch
+(``rank * accumulation + k``; at full size ``slot == rank``, the same seed as
+the attempt's).  An uninterrupted run, a retried attempt and a replacement
+therefore draw the same numbers, and a run shrunk to fewer ranks draws, for
+each micro-batch, what the full-size rank that held those samples drew.
+Python's ``random`` and numpy's global generator are not re-seeded: a retry
+on the same process puts them back as they were at the attempt's start, a
+replacement continues from its own.  A resumed run is still the same run:
+the seeds depend only on the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .agent.consequences import is_collective_error  # torch-free: the agent's own classification of peer failures
+from .elastic.batch import BatchPlan
+from .errors import ConfigError, ResilientError
+from .events import EventKind
+from .state import unwrap
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+def step_seed(seed: int, step: int, slot: int) -> int:
+    """The torch seed of ``slot`` (a rank at attempt entry, a micro-batch's slot) at ``step`` of a run seeded ``seed``."""
+    digest = hashlib.blake2b(f"resilient/{seed}/{step}/{slot}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def ddp_options(ddp: bool | Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any] | None:
+    """``Run(ddp=...)`` as the keyword arguments of ``DistributedDataParallel`` (None: the Run does not wrap)."""
+    if ddp is False:
+        return None
+    if ddp is not True and not (isinstance(ddp, Mapping) and all(isinstance(key, str) for key in ddp)):
+        raise ConfigError(f"Run(ddp={ddp!r}): pass True, False, or a dict of DistributedDataParallel keyword arguments")
+    # The Run wraps: a model wrapped already could not be rebuilt on a new group.
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            "Run(ddp=True) wraps the model in DistributedDataParallel itself (so that it can rebuild the wrapper "
+            "on a re-formed process group), but this model is wrapped already: pass the plain module "
+            "(model.module), or leave ddp=False to keep your own wrapper"
+        )
+    return {} if ddp is True else dict(ddp)
+
+
+def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any]) -> torch.nn.Module:
+    """``model`` (unwrapped first) in a new DDP wrapper on the current default group; the plain module without one."""
+    import torch.distributed as dist
+
+    module = unwrap(model)
+    if not (dist.is_available() and dist.is_initialized()):
+        return module
+    return DistributedDataParallel(module, **options)
+
+
+def regroup(run: Run) -> None:
+    """The Run's rank and world size from the default process group (if any), and the loader's binding."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    run.rank = dist.get_rank() if distributed else 0
+    run.world_size = dist.get_world_size() if distributed else 1
+    if run.data is not None:
+        run.data.bind(run.rank, run.world_size)
+
+
+@dataclass(frozen=True)
+class AttemptStart:
+    """What a retry of the step needs, recorded when ``run.attempt()`` is entered."""
+
+    step: int
+    consumed: int | None
+    """The loader's cursor at the step's start (None: no loader)."""
+    samples: int
+    tokens: int
+    python_rng: Any
+    numpy_rng: Any
+    """numpy's global generator state; None when numpy is not imported."""
+
+
+def begin(run: Run) -> AttemptStart:
+    """Record the attempt's start and seed the torch RNG from ``(seed, step, rank)``."""
+    numpy = sys.modules.get("numpy")
+    start = AttemptStart(
+        step=run.step, consumed=run.data.consumed if run.data is not None else None, samples=run.samples,
+        tokens=run.tokens, python_rng=random.getstate(),
+        numpy_rng=numpy.random.get_state() if numpy is not None else None,
+    )
+    torch.manual_seed(step_seed(run.seed, run.step, run.rank))
+    return start
+
+
+def rewind(run: Run, start: AttemptStart) -> None:
+    """Put back what the failed attempt moved: cursor, counters, gradients and every RNG stream."""
+    assert run.step == start.step, f"the step moved during the attempt: {start.step} -> {run.step}"
+    run._close_micro_batches()
+    run._micro_samples = None
+    if run.data is not None and start.consumed is not None:
+        run.data.rewind(start.consumed)
+    run.samples, run.tokens = start.samples, start.tokens
+    # A step body starts with no gradient (the previous step ended with zero_grad): drop the partial sums.
+    for p in unwrap(run.model).parameters():
+        p.grad = None
+    random.setstate(start.python_rng)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and start.numpy_rng is not None:
+        numpy.random.set_state(start.numpy_rng)
+    torch.manual_seed(step_seed(run.seed, run.step, run.rank))
+
+
+def is_recoverable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a peer or collective failure that re-forming the group can survive.
+
+    The same classification the agent uses for consequences
+    (:func:`resilient.agent.consequences.is_collective_error`): gloo's
+    "Connection closed/reset by peer", an aborted NCCL communicator, a
+    ``DistBackendError`` and its kin, a collective timeout, anywhere in the
+    exception's chain.  Interrupts, exits and resilient's own errors are not.
+    """
+    if not isinstance(exc, Exception) or isinstance(exc, ResilientError):
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 16:
+        seen.add(id(current))
+        if is_collective_error({"exc_type": type(current).__qualname__, "message": str(current)}):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def micro_batches(run: Run, weighted: bool) -> Generator[Any, None, None]:
+    """This rank's micro-batches of the step: seeded per slot, DDP's sync only on the last one."""
+    if run.data is None:
+        raise ConfigError("Run.micro_batches() needs data=ElasticLoader(...) when the Run is created")
+    plan = run.data.plan
+    if plan != run._announced_plan:  # the first step, and the first after a change of world size
+        run._announced_plan = plan
+        run.events.emit(EventKind.BATCH_PLANNED, step=run.step, rank=run.rank, **plan.to_event())
+    items = run.data.micro_batches(weighted=weighted)  # checks the plan and the weights before anything is read
+    model = run.model
+    ddp = model if isinstance(model, DistributedDataParallel) else None
+    return _micro_batches(run, plan, items, ddp)
+
+
+def _micro_batches(run: Run, plan: BatchPlan, items: Iterator[Any],
+                   ddp: DistributedDataParallel | None) -> Generator[Any, None, None]:
+    a = plan.accumulation
+    samples = 0
+    for k in range(a):
+        torch.manual_seed(step_seed(run.seed, run.step, run.rank * a + k))  # before reading: augmentations draw too
+        item = next(items)
+        samples += plan.slot(run.rank, k)[1]
+        run._micro_samples = samples  # what report() counts for this step
+        if ddp is not None and k + 1 < a:
+            with ddp.no_sync():  # gradients accumulate locally; the last micro-batch's backward all-reduces them
+                yield item
+        else:
+            yield item
+
+
+class Attempt:
+    """``with run.attempt():``: one try of the step body; a recoverable failure is retried when recovery is wired.
+
+    Without in-process recovery (plain python, torchrun, an agent that
+    offers none: ``Run._recovery`` is None) every error passes through
+    unchanged and recovery is by restart.  With it, a failure that
+    :func:`is_recoverable` accepts is handed to ``Run._recovery(exc)`` (the
+    re-formation of the group); when that returns True the step is rewound,
+    the error is swallowed and ``run.steps()`` yields the same step again.
+    """
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: Run) -> None:
+        self._run = run
+
+    def __enter__(self) -> None:
+        run = self._run
+        if run._attempt_start is not None:
+            raise ConfigError("run.attempt() is already active: attempts do not nest (one per step body)")
+        run._attempt_start = begin(run)
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        run = self._run
+        try:
+            run._close_micro_batches()  # leaves DDP's no_sync if the body failed between micro-batches
+            if exc is None or run._recovery is None or not run._attempt_failed(exc):
+                return False
+            if not run._recovery(exc):
+                return False
+            run._rewind_attempt()
+            run._retry = True
+            run.events.emit(EventKind.ATTEMPT_RETRIED, step=run.step, rank=run.rank, world_size=run.world_size,
+                            error=f"{type(exc).__qualname__}: {exc}"[:500])
+            return True
+        finally:
+            run._attempt_start = None

@@ -1,0 +1,48 @@
+"""``Run.section(name)``: the part of the loop a rank is in, as the agent sees it in heartbeats.
+
+Entering a section sends a heartbeat naming it (under an agent), so a hang
+there is attributed to it and timed with that section's timeout; leaving
+re-enters the enclosing one.  Between two updates a rank is in no section.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .run import Run
+
+
+BETWEEN = ""
+"""The section between two updates (at a step boundary): not reported."""
+
+
+class Section:
+    """``Run.section(name)``: enter ``name``, re-enter the enclosing section on the way out."""
+
+    __slots__ = ("_name", "_outer", "_run")
+
+    def __init__(self, run: Run, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"Run.section({name!r}): a section needs a non-empty name")
+        self._run = run
+        self._name = name
+        self._outer: str | None = None
+
+    def __enter__(self) -> None:
+        outer = self._run._section
+        if outer != self._name:  # already inside it (e.g. save() around _save()): nothing to report
+            self._outer = outer
+            self._run._enter(self._name)
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        hooks = self._run._hooks
+        if exc is not None and hooks is not None:
+            hooks.raised_in(exc, self._name)  # the error file names where it was raised, not where it surfaced
+        if self._outer is not None:
+            if self._outer == BETWEEN:
+                self._run._section = BETWEEN  # nothing to re-enter: the next step reports itself
+            else:
+                self._run._enter(self._outer)
