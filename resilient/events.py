@@ -80,6 +80,15 @@ class EventKind(str, Enum):
     STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last
     RESTORED = "restored"  # a generation's ranks on this node reported what they restored (or a fresh start)
 
+    # -- in-process recovery (the recovery ladder's rungs above a restart)
+    RECOVERY_DECIDED = "recovery_decided"  # the ladder's answer to a failure: its rung, reason and numbers
+    GENERATION_CONTINUED = "generation_continued"  # a new generation formed in process (promotion or shrink)
+    RECOVERED_IN_PROCESS = "recovered_in_process"  # every member rejoined the new generation: where they resume
+    RECOVERY_ABANDONED = "recovery_abandoned"  # a worker could not recover in process (it exits: a restart follows)
+    SPARE_STARTED = "spare_started"  # a spare process started (it runs the script up to resilient.Run())
+    SPARE_READY = "spare_ready"  # a spare is warm (model built, checkpoint read) and waits for a rank
+    SPARE_LOST = "spare_lost"  # a spare exited before it was promoted
+
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on
     STORE_OUTAGE_START = "store_outage_start"  # the etcd client started retrying an unreachable cluster

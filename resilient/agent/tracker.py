@@ -135,11 +135,18 @@ class RankTracker:
 class HeartbeatIntake:
     """The receivers' callback: the tracker decides whether a heartbeat counts, the ledger gets only those."""
 
-    def __init__(self, tracker: RankTracker, accounting: NodeAccounting) -> None:
+    def __init__(self, tracker: RankTracker, accounting: NodeAccounting,
+                 on_recovery: Callable[[Heartbeat, float], None] | None = None) -> None:
         self.tracker = tracker
         self.accounting = accounting
+        self.on_recovery = on_recovery
+        """Takes ``recovery`` messages (in-process recovery's reports); they never reach the tracker or ledger."""
 
     def __call__(self, hb: Heartbeat, received_at: float) -> None:
+        if hb.kind == "recovery":  # from a spare (no rank yet) as much as from a member: not a section entry
+            if self.on_recovery is not None:
+                self.on_recovery(hb, received_at)
+            return
         if self.tracker.on_heartbeat(hb, received_at) and hb.kind != "restored":
             self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
                                       hb.committed_step, hb.save)
