@@ -51,6 +51,15 @@ class Hold:
     detected_at: float
     last_progress_at: float
     since: float
+    """When the hold began (the ladder's ``waiting_since`` once it said wait for repair)."""
+    settling: bool = False
+    """Not decided yet: waiting for every live member to report that it left the failed group, so that
+    members lost together (two ranks killed at once) are decided together."""
+
+
+def settle_s(ctx: GenerationContext) -> float:
+    """Longest wait for every survivor to say it left the failed group before the ladder decides anyway."""
+    return min(5.0, ctx.config.recovery_timeout_s / 4)
 
 
 def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, worker_id: str) -> WorkerSpec:
@@ -114,6 +123,15 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
         return None
     if inp.recovering is not None:  # a failure while the previous recovery was under way: that one failed
         inp.abandon_recovery()
+    now = ctx.clock()
+    live = [w.worker_id for r, w in group.workers.items() if r not in lost and w.exit is None]
+    if (hold is None or hold.settling) and not inp.waiting(a.generation, live):
+        started = hold.since if hold is not None else now
+        if now - started < settle_s(ctx):
+            return hold or Hold(lost, kind, failure.step or 0, exit_codes, failure, incident, detected_at,
+                                last_progress_at, now, settling=True)
+    if hold is not None and hold.settling:
+        hold = None  # settled: the ladder's own hold (wait for repair) starts from its first decision
     ranks = ctx.tracker.ranks()
     survivors = {r: ranks[r].step for r in group.workers if r not in lost and r in ranks}
     step = failure.step if failure.step is not None else max(survivors.values(), default=0)
@@ -123,8 +141,7 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     if decision.action is Action.WAIT_FOR_REPAIR:
         if hold is None:
             print(f"resilient: holding for a spare: {decision.reason}", file=sys.stderr, flush=True)
-        return hold or Hold(lost, kind, step, exit_codes, failure, incident, detected_at, last_progress_at,
-                            ctx.clock())
+        return hold or Hold(lost, kind, step, exit_codes, failure, incident, detected_at, last_progress_at, now)
     if decision.action not in ACTING:
         return decision
     generation = next_generation()

@@ -198,6 +198,8 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     finally:
         peers.close()
         group.stop(ctx.config.stop_grace_s)
+        if ctx.inproc is not None:
+            ctx.inproc.group_stopped()
         report_restores(True)
         ctx.status.detach()
         ctx.workers_stopped(a.generation, group.stuck)

@@ -78,6 +78,8 @@ class Reports:
     """Worker ``recovery`` messages, by worker id (written on receiver threads, read under the lock)."""
 
     ready: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    waiting: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+    """(generation that failed, worker) -> the survivor's report that it left the group and waits."""
     rejoined: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
     gave_up: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -142,6 +144,8 @@ class InProcess:
                 if spare is not None and spare.ready_at is None:
                     spare.ready_at = received_at
                     self._measured["warm_s"].append(received_at - spare.started_at)
+            elif event == "waiting":
+                self._reports.waiting[(int(report.get("generation") or 0), worker)] = report
             elif event == "rejoined":
                 self._reports.rejoined[(int(report.get("generation") or 0), worker)] = (received_at, report)
             elif event == "gave_up":
@@ -151,6 +155,11 @@ class InProcess:
         elif event == "gave_up":
             self._emit(EventKind.RECOVERY_ABANDONED, worker=worker, generation=report.get("generation"),
                        error=report.get("error"))
+
+    def waiting(self, generation: int, worker_ids: Sequence[str]) -> bool:
+        """Every one of these members said it left generation ``generation``'s group and waits for the next."""
+        with self._lock:
+            return all((generation, w) in self._reports.waiting for w in worker_ids)
 
     def ready_spares(self) -> int:
         """Spares that reported ready and were not promoted: the spares gauge."""
@@ -279,6 +288,13 @@ class InProcess:
             if r is not None:
                 self._failed_at_step[r.step] += 1
             return r
+
+    def group_stopped(self) -> None:
+        """The generation's processes are gone (the group stopped): no spare, no recovery under way."""
+        with self._lock:
+            self.spares.clear()
+            self._reports = Reports()
+            self.recovering = None
 
     def view(self) -> dict[str, Any]:
         """What ``resilient status`` shows of in-process recovery."""

@@ -244,6 +244,7 @@ class Agent:
                 restart = self.last_outcome is not None and self.last_outcome.restarts_workers
                 outcome = gen_mod.run_generation(self.generation_context(), assignment,
                                                  self.coordination.restarts_used(), restart=restart)
+                generation = self._generation  # an in-process recovery may have moved it on
                 result = self._after(outcome, generation)
                 if result is not None:
                     return result

@@ -81,7 +81,11 @@ class RankTracker:
         with self._lock:
             if hb.generation is None or hb.generation != self._generation or self._pids.get(hb.rank) != hb.pid:
                 self.stale_heartbeats += 1
-                first = (hb.pid, hb.generation) not in self._stale_seen
+                # A member of this generation carried over from the previous one by an in-process recovery
+                # may still have that generation's heartbeats queued: counted, not reported.
+                carried = hb.pid in self._pids.values() and hb.generation is not None \
+                    and self._generation is not None and hb.generation < self._generation
+                first = (hb.pid, hb.generation) not in self._stale_seen and not carried
                 self._stale_seen.add((hb.pid, hb.generation))
                 current = self._generation
             else:
