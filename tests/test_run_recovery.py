@@ -243,7 +243,7 @@ def test_a_spare_replaces_a_killed_rank_and_the_run_is_bitwise_the_uninterrupted
         manifest = json.loads((tmp_path / "ckpt" / f"step_{STEPS:010d}" / "manifest.json").read_text())
         assert manifest["world_size"] == 2 and len([f for f in manifest["files"] if f["rank"] == 1]) == 1
         kill_to_done = retried_done(tmp_path, "w0", KILL_AT) - survivor["failed_at"]
-        print(f"\n{where}: kill -> assignments published {published - survivor['failed_at']:.3f} s, "
+        print(f"\n{where}: failure -> assignments published {published - survivor['failed_at']:.3f} s, "
               f"-> retried step done {kill_to_done:.3f} s, rejoined seconds {survivor['seconds']}")
     finally:
         agent.close()
@@ -267,6 +267,8 @@ def test_without_a_spare_the_survivors_shrink_keeping_the_global_batch(tmp_path)
         for w in ("w0", "w1"):
             report = agent.wait_for_report(w, "rejoined")
             assert (report["world_size"], report["completed"], report["replacement"]) == (2, KILL_AT, False)
+            print(f"\nshrink, {w}: failure -> retried step done "
+                  f"{retried_done(out, w, KILL_AT) - report['failed_at']:.3f} s, rejoined seconds {report['seconds']}")
         ref = by_rank_and_step(ref_out, "r0", "r1", "r2")
         got = by_rank_and_step(out, "w0", "w1", "w2")
         for step in range(STEPS):
