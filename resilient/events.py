@@ -37,6 +37,8 @@ class EventKind(str, Enum):
     FAULT_INJECTED = "fault_injected"  # a planned chaos fault fires in this worker
     BATCH_PLANNED = "batch_planned"  # run.micro_batches() split the global batch for this world size (or could not)
     ATTEMPT_RETRIED = "attempt_retried"  # a step's attempt failed with a peer error, was recovered and is retried
+    GROUP_REJOINED = "group_rejoined"  # this worker is in a re-formed group (survivor or promoted spare), state synced
+    RECOVERY_GAVE_UP = "recovery_gave_up"  # in-process recovery failed here: the error propagates, the agent restarts
 
     # -- checkpoints
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint

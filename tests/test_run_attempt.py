@@ -217,7 +217,8 @@ def test_a_recovered_attempt_is_retried_and_the_run_is_the_run_that_never_failed
     reference = train(make_run(global_batch=8), None)
     run = make_run(global_batch=8)
     calls: list = []
-    run._recovery = lambda exc: calls.append(exc) or True  # what in-process recovery plugs in: re-formed, retry
+    # What in-process recovery plugs in: it rewinds the attempt itself (first), re-forms the group, and says retry.
+    run._recovery = lambda exc: calls.append(exc) or run._rewind_attempt() or True
     seen, got = train(run, 2)
     assert seen == [0, 1, 2, 2, 3], "steps() yields the failed step again"
     assert len(calls) == 1 and isinstance(calls[0], RuntimeError)
