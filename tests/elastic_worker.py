@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -53,6 +54,17 @@ def hexes(t: torch.Tensor) -> list[str]:
     return [v.hex() for v in t.detach().double().reshape(-1).tolist()]
 
 
+def wait_for_spares(count: int) -> None:
+    """Block until the agent's event log shows ``count`` warm spares (so the fault meets a ready pool)."""
+    log = Path(os.environ["RESILIENT_RUN_DIR"]) / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if log.read_text().count('"kind": "spare_ready"') >= count:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"no {count} spare(s) ready within 120 s")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, required=True)
@@ -65,6 +77,8 @@ def main() -> int:
     p.add_argument("--die-step", type=int, default=None)
     p.add_argument("--die-how", choices=["kill", "start", "hang"], default="kill")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--spares-ready", type=int, default=0,
+                   help="the doomed worker first waits until the agent logged this many spare_ready events")
     args = p.parse_args()
     me = os.environ.get("RESILIENT_WORKER_ID", "")
     doomed = args.die_worker is not None and me == args.die_worker
@@ -81,6 +95,8 @@ def main() -> int:
                         ddp=True, seed=SEED)
     fd = os.open(args.out / "trace.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     for step in run.steps(args.steps):
+        if doomed and step == args.die_step and args.spares_ready:
+            wait_for_spares(args.spares_ready)
         with run.attempt():
             if doomed and step == args.die_step and args.die_how == "start":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -101,8 +117,6 @@ def main() -> int:
                     "accumulation": run.accumulation, "indices": indices, "losses": losses}
             os.write(fd, (json.dumps(line) + "\n").encode())
         if args.step_sleep:
-            import time
-
             time.sleep(args.step_sleep)
     run.close()
     if run.rank == 0:

@@ -81,7 +81,8 @@ def assert_bitwise_equal(out: Path, reference: Path) -> None:
 
 @pytest.mark.parametrize("how", ["kill", "start"])
 def test_a_spare_replaces_a_killed_rank_with_nothing_redone(tmp_path: Path, reference2: Path, how: str) -> None:
-    out, proc = elastic_run(tmp_path, how, "--nproc-per-node", "2", "--spares", "1", die=("w1", how))
+    out, proc = elastic_run(tmp_path, how, "--nproc-per-node", "2", "--spares", "1", die=("w1", how),
+                            extra=("--spares-ready", "1"))
     assert proc.returncode == 0, explain(proc)
     run = out / "run"
     assert not events(run, "restart"), "recovered by a restart, not in process"

@@ -57,6 +57,10 @@ class Hold:
     members lost together (two ranks killed at once) are decided together."""
 
 
+SPARE_FAILURES_TO_GIVE_UP = 2
+"""Spares that exit before they are ready, in a row, after which the agent stops starting them."""
+
+
 def settle_s(ctx: GenerationContext) -> float:
     """Longest wait for every survivor to say it left the failed group before the ladder decides anyway."""
     return min(5.0, ctx.config.recovery_timeout_s / 4)
@@ -93,7 +97,7 @@ def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, wor
 def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> None:
     """Start spares until ``--spares`` of them live, each on a free heartbeat socket slot."""
     inp = ctx.inproc
-    if inp is None:
+    if inp is None or inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
         return
     slots = set(range(ctx.config.nproc_per_node + ctx.config.spares))
     while len(group.spares) < ctx.config.spares:
@@ -173,12 +177,16 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
     for worker_id, exit in group.spare_exits():
         group.spares.pop(worker_id)
         inp.spare_gone(worker_id, exit.returncode)
+        log = gdir / f"{worker_id}.log"
+        if inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
+            print(f"resilient: spare {worker_id} exited with code {exit.returncode} before it was ready, the "
+                  f"{inp.spare_failures}th in a row: no more spares in this generation (its log: {log}). A spare "
+                  "runs the script up to resilient.Run() and waits there; a script that calls "
+                  "init_process_group itself cannot (let Run(ddp=True) create the group)", file=sys.stderr,
+                  flush=True)
+            continue
         print(f"resilient: spare {worker_id} exited with code {exit.returncode} before it was needed (its log: "
-              f"{gdir / (worker_id + '.log')}); a spare runs the script up to resilient.Run(), so let "
-              "Run(ddp=True) create the process group instead of calling init_process_group yourself",
-              file=sys.stderr, flush=True)
-        if exit.returncode == 0:
-            continue  # the script ended without ever building its Run: starting another would loop
+              f"{log}); starting another", file=sys.stderr, flush=True)
         start_spares(ctx, group, a, gdir)
     progress = inp.progress()
     if progress is None:

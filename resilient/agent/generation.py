@@ -216,6 +216,9 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         now = ctx.clock()
         report_restores(False)
         failed = [e for e in group.exits() if e.returncode != 0]
+        problem = follow(ctx, group, a, gdir, now) if stop_deadline is None else None
+        if problem is not None:
+            return recovery_failed(ctx, group, a, problem, now)
         if failed and stop_deadline is None:
             if hold is not None and {e.rank for e in failed} <= set(hold.lost):
                 again = continue_after(ctx, group, a, gdir, lost=hold.lost, kind=hold.kind, failure=hold.failure,
@@ -226,6 +229,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                     a, hold = again, None
                 elif isinstance(again, Hold):
                     hold = again
+                    time.sleep(c.monitor_interval_s)
                 else:
                     return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), again)
                 continue
@@ -234,9 +238,6 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 return ended
             a, hold = (ended, None) if isinstance(ended, Assignment) else (a, ended)
             continue
-        problem = follow(ctx, group, a, gdir, now) if stop_deadline is None else None
-        if problem is not None:
-            return recovery_failed(ctx, group, a, problem, now)
         if group.all_exited():
             if stop_deadline is not None:
                 note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""

@@ -105,6 +105,8 @@ class InProcess:
         self.ladder = LadderConfig(in_process=config.in_process,
                                    max_wait_s=min(300.0, config.recovery_timeout_s / 2))
         self._measured: dict[str, list[float]] = {"spare_s": [], "shrink_s": [], "warm_s": []}
+        self.spare_failures = 0
+        """Spares in a row that exited before they were ready (a script that cannot run as a spare)."""
         self._failed_at_step: Counter[int] = Counter()
         """In-process recoveries per fault step that a new fault interrupted before they completed."""
         self.last_decision: str | None = None
@@ -129,8 +131,10 @@ class InProcess:
     def spare_gone(self, worker_id: str, returncode: int) -> None:
         """A spare exited before it was promoted: out of the pool (the caller starts another)."""
         with self._lock:
-            self.spares.pop(worker_id, None)
+            spare = self.spares.pop(worker_id, None)
             self._reports.ready.pop(worker_id, None)
+            if spare is not None and spare.ready_at is None:
+                self.spare_failures += 1
         self._emit(EventKind.SPARE_LOST, worker=worker_id, returncode=returncode)
 
     def on_message(self, hb: Heartbeat, received_at: float) -> None:
@@ -143,6 +147,7 @@ class InProcess:
                 spare = self.spares.get(worker)
                 if spare is not None and spare.ready_at is None:
                     spare.ready_at = received_at
+                    self.spare_failures = 0
                     self._measured["warm_s"].append(received_at - spare.started_at)
             elif event == "waiting":
                 self._reports.waiting[(int(report.get("generation") or 0), worker)] = report
@@ -215,8 +220,10 @@ class InProcess:
             inproc_failures=failures, waiting_since=waiting_since,
         )
         decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
-        self.last_decision = f"{decision.action.value}: {decision.reason}"
-        self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
+        if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
+            # A hold is decided again on every tick: its event and status line once, then only what ends it.
+            self.last_decision = f"{decision.action.value}: {decision.reason}"
+            self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
         return decision
 
     # ------------------------------------------------------------- carry
@@ -295,6 +302,7 @@ class InProcess:
             self.spares.clear()
             self._reports = Reports()
             self.recovering = None
+            self.spare_failures = 0
 
     def view(self) -> dict[str, Any]:
         """What ``resilient status`` shows of in-process recovery."""
