@@ -77,11 +77,13 @@ def main() -> int:
     p.add_argument("--die-step", type=int, default=None)
     p.add_argument("--die-how", choices=["kill", "start", "hang"], default="kill")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--spares-at-end", type=int, default=0,
+                   help="rank 0 waits at the end until the agent logged this many spare_ready events")
     p.add_argument("--spares-ready", type=int, default=0,
                    help="the doomed worker first waits until the agent logged this many spare_ready events")
     args = p.parse_args()
     me = os.environ.get("RESILIENT_WORKER_ID", "")
-    doomed = args.die_worker is not None and me == args.die_worker
+    doomed = args.die_worker is not None and me in args.die_worker.split(",")
 
     torch.set_num_threads(1)
     torch.manual_seed(1234)
@@ -118,6 +120,8 @@ def main() -> int:
             os.write(fd, (json.dumps(line) + "\n").encode())
         if args.step_sleep:
             time.sleep(args.step_sleep)
+    if args.spares_at_end and run.rank == 0:
+        wait_for_spares(args.spares_at_end)  # the refilled pool comes up warm while this run still holds it
     run.close()
     if run.rank == 0:
         state = optimizer.state_dict()["state"]

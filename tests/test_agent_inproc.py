@@ -100,3 +100,83 @@ def test_a_spare_replaces_a_killed_rank_with_nothing_redone(tmp_path: Path, refe
     started = [e["worker"] for e in events(run, "spare_started")]
     assert started[:1] == ["s2"] and len(started) == 2, started
     assert {e["worker"] for e in events(run, "spare_ready")} >= set(started[:1])
+
+
+def test_a_hung_rank_is_killed_and_replaced_by_the_spare(tmp_path: Path, reference2: Path) -> None:
+    out, proc = elastic_run(tmp_path, "hang", "--nproc-per-node", "2", "--spares", "1",
+                            "--section-timeout", "step=4", die=("w1", "hang"), extra=("--spares-ready", "1"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    [hang] = events(run, "hang_detected")
+    [incident] = incidents(run)
+    assert incident["failure"] == "hang" and incident["rank"] == 1, incident
+    assert incident["decision"]["action"] == "promote_spare" and incident["recovered"]["resumed_after_step"] == DIE_STEP
+    assert_bitwise_equal(out, reference2)
+
+
+def global_sets(lines: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Each step's global sample ids, sorted (every rank's micro-batches together)."""
+    found: dict[int, list[int]] = defaultdict(list)
+    for line in lines:
+        for ids in line["indices"]:
+            found[line["step"]].extend(ids)
+    return {step: sorted(ids) for step, ids in found.items()}
+
+
+def assert_close(got: list[list[str]], want: list[list[str]], rtol: float, atol: float) -> None:
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(map(float.fromhex, a), map(float.fromhex, b), strict=True):
+            assert abs(x - y) <= atol + rtol * abs(y), (x, y)
+
+
+SHRINK_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+"""Parameters of a run shrunk 3 -> 2 against the uninterrupted 3-rank run: the same samples and random numbers
+per step, the gradient summed in another order (3 ranks x 1 micro-batch, then 2 ranks x 3)."""
+
+
+def test_without_a_spare_the_run_shrinks_and_keeps_the_global_batch(tmp_path: Path, reference3: Path) -> None:
+    out, proc = elastic_run(tmp_path, "shrink", "--nproc-per-node", "2:3", die=("w2", "kill"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    assert [d["action"] for d in events(run, "recovery_decided")] == ["shrink"]
+    [done] = events(run, "recovered_in_process")
+    assert done["rung"] == "shrink" and done["world_size"] == 2 and done["resumed_after_step"] == DIE_STEP
+    lines, ref = trace(out), trace(reference3)
+    got, want = global_sets(lines), global_sets(ref)
+    assert got == want, "a step's global sample set differs from the uninterrupted run's"
+    everything = sorted(i for ids in got.values() for i in ids)
+    assert everything == list(range(48)), "the epoch's samples were not each consumed exactly once"
+    after = [line for line in lines if line["step"] > DIE_STEP]
+    assert {(line["world"], line["accumulation"]) for line in after} == {(2, 3)}, after[:2]
+    final, want_final = json.loads((out / "final.json").read_text()), json.loads((reference3 / "final.json").read_text())
+    assert final["params"] != want_final["params"], "bitwise equal: the reduction order did not change?"
+    assert_close(final["params"], want_final["params"], **SHRINK_TOLERANCE)
+    assert final["samples"] * 1 == final["samples"] and final["step"] == STEPS
+
+
+def test_two_ranks_lost_at_once_with_one_spare_promote_one_and_shrink(tmp_path: Path, reference3: Path) -> None:
+    out, proc = elastic_run(tmp_path, "two", "--nproc-per-node", "2:3", "--spares", "1",
+                            die=("w1,w2", "start"), extra=("--spares-ready", "1", "--spares-at-end", "2"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    [decided] = events(run, "recovery_decided")
+    assert decided["action"] == "shrink" and decided["dropped_ranks"] == [2], decided
+    assert [p["rank"] for p in decided["promotions"]] == [1]
+    assert global_sets(trace(out)) == global_sets(trace(reference3))
+    # The pool: one spare ready, none once it is promoted, one again when its replacement is warm.
+    kinds = [e["kind"] for e in events(run) if e["kind"] in ("spare_ready", "generation_continued", "spare_started")]
+    assert kinds == ["spare_started", "spare_ready", "generation_continued", "spare_started", "spare_ready"], kinds
+
+
+def test_losing_every_rank_falls_back_to_a_restart_and_stays_bitwise_equal(tmp_path: Path,
+                                                                          reference2: Path) -> None:
+    out, proc = elastic_run(tmp_path, "all", "--nproc-per-node", "2", "--spares", "1", die=("w0,w1", "start"),
+                            extra=("--spares-ready", "1"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert len(events(run, "restart")) == 1
+    final, ref = json.loads((out / "final.json").read_text()), json.loads((reference2 / "final.json").read_text())
+    assert final["params"] == ref["params"] and final["optimizer"] == ref["optimizer"]
