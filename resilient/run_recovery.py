@@ -218,6 +218,7 @@ class InProcessRecovery:
         data = self.run.data
         return {"event": "ready", "worker": self.worker_id, "role": role, "step": self.run.step,
                 "world_size": self.run.world_size, "global_batch": data.global_batch if data is not None else None,
+                "micro_batch": data.batch_size if data is not None else None,
                 "batch_rule": data.batch_rule if data is not None else None}
 
     def _give_up(self, err: BaseException) -> None:

@@ -38,16 +38,17 @@ SEED = 0
 
 
 class Noisy(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, noise: float) -> None:
         g = torch.Generator().manual_seed(7)
         self.x = torch.randn(n, 8, generator=g)
         self.y = torch.randn(n, 1, generator=g)
+        self.noise = noise
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i] + 0.01 * torch.randn(8), self.y[i]
+        return (self.x[i] + self.noise * torch.randn(8) if self.noise else self.x[i]), self.y[i]
 
 
 def hexes(t: torch.Tensor) -> list[str]:
@@ -77,6 +78,11 @@ def main() -> int:
     p.add_argument("--die-step", type=int, default=None)
     p.add_argument("--die-how", choices=["kill", "start", "hang"], default="kill")
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--plain", action="store_true",
+                   help="no dropout and no random augmentation: a shrunk run then differs from the full-size one "
+                   "only by the order of the gradient sums (its micro-batches, and so its random draws, are "
+                   "smaller than the full-size ranks' when the new world times the batch size does not divide "
+                   "the global batch)")
     p.add_argument("--spares-at-end", type=int, default=0,
                    help="rank 0 waits at the end until the agent logged this many spare_ready events")
     p.add_argument("--spares-ready", type=int, default=0,
@@ -87,10 +93,10 @@ def main() -> int:
 
     torch.set_num_threads(1)
     torch.manual_seed(1234)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.0 if args.plain else 0.2), torch.nn.Linear(16, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
-    data = resilient.ElasticLoader(Noisy(args.samples), batch_size=args.batch, seed=11)
+    data = resilient.ElasticLoader(Noisy(args.samples, 0.0 if args.plain else 0.01), batch_size=args.batch, seed=11)
     ckpt = resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every, async_save=False, when_busy="wait",
                                       timeout_s=60)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,

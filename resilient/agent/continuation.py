@@ -138,7 +138,9 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
         hold = None  # settled: the ladder's own hold (wait for repair) starts from its first decision
     ranks = ctx.tracker.ranks()
     survivors = {r: ranks[r].step for r in group.workers if r not in lost and r in ranks}
-    step = failure.step if failure.step is not None else max(survivors.values(), default=0)
+    # The survivors' view of the step is the fresher one: the lost rank's last heartbeat may still have been
+    # queued in its sender when it died or was stopped.
+    step = max([*survivors.values(), *([failure.step] if failure.step is not None else [])], default=0)
     outlook = outlook_of(failure)
     decision = inp.decide(group, lost, kind, step, exit_codes, outlook, survivors, failure.describe(),
                           waiting_since=hold.since if hold is not None else None)
