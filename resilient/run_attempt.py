@@ -94,14 +94,48 @@ def init_default_group(wanted: bool) -> None:
     dist.init_process_group("gloo" if not torch.cuda.is_available() else None, init_method="env://")
 
 
-def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any]) -> torch.nn.Module:
-    """``model`` (unwrapped first) in a new DDP wrapper on the current default group; the plain module without one."""
+def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any],
+             layout: list[list[int]] | None = None) -> torch.nn.Module:
+    """``model`` (unwrapped first) in a new DDP wrapper on the current default group; the plain module without one.
+
+    ``layout`` (:func:`ddp_layout` of the wrapper this one replaces, the
+    same on every rank): start with that bucket layout instead of DDP's
+    first-iteration one.  DDP rebuilds its buckets once, after its first
+    iteration, in the order gradients became ready, and gloo's ring sums
+    each chunk starting at a different rank, so with more than two ranks a
+    fresh wrapper would sum the retried step in another order than the run
+    that never failed (last-bit differences).  Carried over, the retried
+    step sums exactly as the uninterrupted run did.
+    """
     import torch.distributed as dist
 
     module = unwrap(model)
     if not (dist.is_available() and dist.is_initialized()):
         return module
-    return DistributedDataParallel(module, **options)
+    if layout is None:
+        return DistributedDataParallel(module, **options)
+    compute = dist._compute_bucket_assignment_by_size  # what DDP's constructor asks for its first layout
+
+    def carried(tensors: list[torch.Tensor], bucket_size_limits: list[int], *rest: Any,
+                **more: Any) -> tuple[list[list[int]], list[int]]:
+        if sorted(i for bucket in layout for i in bucket) != list(range(len(tensors))):
+            return compute(tensors, bucket_size_limits, *rest, **more)  # not this model's layout: DDP's own
+        return list(reversed(layout)), [max(bucket_size_limits)] * len(layout)  # DDP reverses what it is given
+
+    dist._compute_bucket_assignment_by_size = carried
+    try:
+        return DistributedDataParallel(module, **options)
+    finally:
+        dist._compute_bucket_assignment_by_size = compute
+
+
+def ddp_layout(model: torch.nn.Module) -> list[list[int]] | None:
+    """A DDP wrapper's current gradient buckets as indices of its parameters, in order; None for a plain module."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    params, _ = model._build_params_for_reducer()
+    index = {id(p): i for i, p in enumerate(params)}
+    return [[index[id(p)] for p in bucket.parameters()] for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
 def regroup(run: Run) -> None:

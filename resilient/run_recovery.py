@@ -51,7 +51,7 @@ from .elastic.reform import (
 )
 from .elastic.state_sync import StateSyncError, agree_step, sync_from
 from .events import EventKind
-from .run_attempt import regroup, wrap_ddp
+from .run_attempt import ddp_layout, regroup, wrap_ddp
 from .state import unwrap
 
 if TYPE_CHECKING:
@@ -100,9 +100,10 @@ class InProcessRecovery:
         step, applied = run.step, self.applied
         try:
             # The attempt's end state, before the rewind: what this rank holds if its update was applied.
-            ended = self._extra(step + 1)
+            layout = ddp_layout(run.model)
+            ended = self._extra(step + 1, layout)
             run._rewind_attempt()
-            mine = ended if applied else self._extra(step)
+            mine = ended if applied else self._extra(step, layout)
             self._release(exc)
             abandon_s = time.monotonic() - failed_at
             store = self._connect()
@@ -149,7 +150,7 @@ class InProcessRecovery:
                     break
                 except AssignmentTimeoutError:
                     continue  # no bound of its own: the agent ends a spare it no longer needs
-            self._join(assignment, None, False, self._extra(None), failed_at=None, abandon_s=0.0, wait_s=0.0)
+            self._join(assignment, None, False, self._extra(None, None), failed_at=None, abandon_s=0.0, wait_s=0.0)
         except Exception as err:
             self._give_up(err)
             raise
@@ -183,8 +184,9 @@ class InProcessRecovery:
         run._last_saved_step = run.step  # nothing to save at once: the state came from a peer, not a new update
         regroup(run)  # rank, world size, and the loader's share of the kept global batch
         if run._ddp is not None:
-            # The ranks hold the same state: DDP's own broadcast of it would only send the model again.
-            run.model = wrap_ddp(module, {**run._ddp, "init_sync": False})
+            # The ranks hold the same state: DDP's own broadcast of it would only send the model again.  The
+            # source's bucket layout keeps the retried step's sums in the uninterrupted run's order.
+            run.model = wrap_ddp(module, {**run._ddp, "init_sync": False}, extra["ddp_layout"])
         synced = time.monotonic()
         if self.hooks is not None:
             self.hooks.rejoin(assignment.generation, run.rank)
@@ -200,10 +202,12 @@ class InProcessRecovery:
                         rank=run.rank, world_size=run.world_size, step=run.step, source=agreement.source_rank,
                         replacement=assignment.is_replacement, reason=agreement.reason, seconds=seconds)
 
-    def _extra(self, step: int | None) -> dict[str, Any]:
-        """What travels with the state besides model and optimizer: counters, the loader's cursor, ``state=``."""
+    def _extra(self, step: int | None, layout: list[list[int]] | None) -> dict[str, Any]:
+        """What travels with the state besides model and optimizer: counters, the loader's cursor, ``state=``,
+        and the DDP bucket layout."""
         run = self.run
         return {"step": step if step is not None else run.step, "samples": run.samples, "tokens": run.tokens,
+                "ddp_layout": layout,
                 "data": run.data.state_dict() if run.data is not None else None,
                 "user": {name: obj.state_dict() for name, obj in run.user_state.items()}}
 

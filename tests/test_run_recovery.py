@@ -189,6 +189,9 @@ def run_uninterrupted(out: Path, world: int, *args: str) -> Path:
         agent.close()
 
 
+QUIET = ("--quiet", "--samples", "48")  # no dropout or augmentation; 4 steps of 12 samples an epoch on 3 ranks
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """Two ranks, never interrupted, checkpoints every 2 steps."""
@@ -196,23 +199,48 @@ def reference(tmp_path_factory) -> Path:
     return run_uninterrupted(out, 2, "--dir", str(out / "ckpt"))
 
 
-def spare_scenario(out: Path, where: str) -> tuple[Agent, float]:
-    """Ranks w0, w1 and spare s0; w1 dies at KILL_AT; generation 1 puts s0 in rank 1."""
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory) -> Path:
+    """Three ranks, never interrupted, without randomness in the model or the data."""
+    return run_uninterrupted(tmp_path_factory.mktemp("reference3"), 3, *QUIET)
+
+
+def spare_scenario(out: Path, world: int, where: str, *args: str) -> tuple[Agent, float]:
+    """Ranks w0.. and spare s0; w1 dies at KILL_AT; generation 1 puts s0 in rank 1."""
     agent = Agent(out)
-    agent.start("s0", "--dir", str(out / "ckpt"))
+    agent.start("s0", *args)
     agent.wait_for_report("s0", "ready")  # pre-warmed: imports done, model built, newest checkpoint restored
-    for r in range(2):
-        agent.start(f"w{r}", "--dir", str(out / "ckpt"),
-                    *(["--kill-step", str(KILL_AT), "--kill-where", where] if r == 1 else []), rank=r, world=2)
+    for r in range(world):
+        agent.start(f"w{r}", *args, *(["--kill-step", str(KILL_AT), "--kill-where", where] if r == 1 else []),
+                    rank=r, world=world)
     assert agent.wait("w1") == -signal.SIGKILL, agent.log("w1")
-    published = agent.publish(1, [("w0", 0), ("s0", None)], source=0)
-    agent.finish("w0", "s0")
+    members: list[tuple[str, int | None]] = [(f"w{r}", r) for r in range(world)]
+    members[1] = ("s0", None)
+    published = agent.publish(1, members, source=0)
+    agent.finish(*(w for w, _ in members))
     return agent, published
 
 
-@pytest.mark.parametrize("where", ["backward", "between"])
-def test_a_spare_replaces_a_killed_rank_and_the_run_is_bitwise_the_uninterrupted_one(reference, tmp_path, where):
-    agent, published = spare_scenario(tmp_path, where)
+def test_a_spare_replaces_a_rank_killed_between_steps_of_three_bitwise_with_the_carried_bucket_layout(
+        reference3, tmp_path):
+    # With three ranks the order of gloo's sums depends on DDP's bucket layout; a fresh wrapper would start in
+    # its first-iteration layout and the retried step would differ in the last bits (3.7e-9 here).
+    agent, _ = spare_scenario(tmp_path, 3, "between", *QUIET)
+    try:
+        got = by_rank_and_step(tmp_path, "w0", "w1", "w2", "s0")
+        assert got == by_rank_and_step(reference3, "r0", "r1", "r2")
+        assert [r["step"] for r in steps_of(tmp_path, "s0")] == list(range(KILL_AT, STEPS))
+        for w in ("w0", "w2", "s0"):
+            same(final(tmp_path, w), final(reference3, "r0"))
+            assert agent.wait_for_report(w, "rejoined")["completed"] == KILL_AT
+    finally:
+        agent.close()
+
+
+def test_a_spare_replaces_a_rank_killed_in_backward_and_the_run_is_bitwise_the_uninterrupted_one(
+        reference, tmp_path):
+    where = "backward"
+    agent, published = spare_scenario(tmp_path, 2, where, "--dir", str(tmp_path / "ckpt"))
     try:
         ref = by_rank_and_step(reference, "r0", "r1")
         got = by_rank_and_step(tmp_path, "w0", "w1", "s0")  # each (rank, step) once: nothing re-done
@@ -253,14 +281,13 @@ def retried_done(out: Path, worker: str, step: int) -> float:
     return next(rec["t"] for rec in steps_of(out, worker) if rec["step"] == step)
 
 
-def test_without_a_spare_the_survivors_shrink_keeping_the_global_batch(tmp_path):
-    ref_out = run_uninterrupted(tmp_path / "reference", 3, "--quiet", "--samples", "48")
+def test_without_a_spare_the_survivors_shrink_keeping_the_global_batch(reference3, tmp_path):
+    ref_out = reference3
     out = tmp_path / "shrink"
     agent = Agent(out)
     try:
         for r in range(3):
-            agent.start(f"w{r}", "--quiet", "--samples", "48",
-                        *(["--kill-step", str(KILL_AT)] if r == 2 else []), rank=r, world=3)
+            agent.start(f"w{r}", *QUIET, *(["--kill-step", str(KILL_AT)] if r == 2 else []), rank=r, world=3)
         assert agent.wait("w2") == -signal.SIGKILL, agent.log("w2")
         agent.publish(1, [("w0", 0), ("w1", 1)], source=0)
         agent.finish("w0", "w1")
