@@ -20,6 +20,7 @@ A script opts into in-process recovery with ``ddp=True`` (``run.model``),
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -155,6 +156,8 @@ class Run:
                 # The agent's generation and launch fence this job's writes (none without an agent).
                 fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
                 # A spare neither claims the location nor sweeps it: the members are saving there.
+                if self._recovery is not None:  # the world can change in process: restore at any size
+                    checkpoint = dataclasses.replace(checkpoint, elastic=True)
                 self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events, fence=fence, claim=not spare)
                 restored = self.checkpoints.restore()
                 if restored is not None:

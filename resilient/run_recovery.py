@@ -106,6 +106,10 @@ class InProcessRecovery:
             mine = ended if applied else self._extra(step, layout)
             self._release(exc)
             abandon_s = time.monotonic() - failed_at
+            # The agent decides once every live member said this (or a short settle time passed), so ranks
+            # lost together are decided together.
+            self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                          "step": step, "applied": applied, "error": f"{type(exc).__qualname__}: {exc}"[:500]})
             store = self._connect()
             waited = time.monotonic()
             assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)

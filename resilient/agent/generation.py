@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,6 +179,8 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
                                       restart=restart, lead_rank=min(pids))
     ctx.status.attach(group, a)
     ctx.emit(EventKind.WORKERS_STARTED, generation=a.generation, attempt=attempt, pids=pids)
+    if ctx.inproc is not None:
+        ctx.inproc.changed = group.changed  # a worker's recovery report wakes the watch loop too
     start_spares(ctx, group, a, gdir)
     peers = PeerWatch(ctx)
     reported = False
@@ -229,7 +230,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                     a, hold = again, None
                 elif isinstance(again, Hold):
                     hold = again
-                    time.sleep(c.monitor_interval_s)
+                    group.pause(c.monitor_interval_s)
                 else:
                     return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), again)
                 continue
@@ -274,7 +275,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 ctx.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
                 return Outcome(OutcomeKind.UNHEALTHY, health.reason, incident=unhealthy_incident(
                     c.node_id, a.generation, health.problems, when="while running"))
-        time.sleep(c.monitor_interval_s)
+        group.pause(c.monitor_interval_s)
 
 
 def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared: dict[str, Any] | None,

@@ -102,6 +102,8 @@ class InProcess:
         self._ids = itertools.count()
         self.spares: dict[str, SpareState] = {}
         self.recovering: Recovering | None = None
+        self.changed: threading.Event | None = None
+        """Set on every worker report: the watch loop acts on it at once instead of at its next tick."""
         self.ladder = LadderConfig(in_process=config.in_process,
                                    max_wait_s=min(300.0, config.recovery_timeout_s / 2))
         self._measured: dict[str, list[float]] = {"spare_s": [], "shrink_s": [], "warm_s": []}
@@ -155,6 +157,8 @@ class InProcess:
                 self._reports.rejoined[(int(report.get("generation") or 0), worker)] = (received_at, report)
             elif event == "gave_up":
                 self._reports.gave_up[worker] = report
+        if self.changed is not None:
+            self.changed.set()
         if event == "ready" and report.get("role") == "spare":
             self._emit(EventKind.SPARE_READY, worker=worker, step=report.get("step"))
         elif event == "gave_up":

@@ -112,11 +112,13 @@ class Worker:
     """One running worker process."""
 
     def __init__(self, spec: WorkerSpec, clock: Callable[[], float], echo_to: IO[str],
-                 preexec: Callable[[], None] | None = None) -> None:
+                 preexec: Callable[[], None] | None = None, changed: threading.Event | None = None) -> None:
         self.spec = spec
         self.rank = spec.rank
         """Its rank now: in-process recovery promotes a spare (-1) and renumbers the ranks of a shrunk world."""
         self.worker_id = spec.worker_id
+        self.changed: threading.Event | None = changed
+        """Set when this worker exits, to wake the watch loop at once."""
         self._clock = clock
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(spec.log_file, "ab", buffering=0)
@@ -142,6 +144,8 @@ class Worker:
     def _wait(self) -> None:
         code = self.proc.wait()
         self.exit = Exit(self.rank, self.spec.local_rank, self.pid, code, self._clock())
+        if self.changed is not None:
+            self.changed.set()
 
     def _copy_output(self) -> None:
         assert self.proc.stdout is not None
@@ -199,18 +203,20 @@ class WorkerGroup:
         """Members lost to a failure that the group went on without."""
         self.stuck: tuple[Stuck, ...] = ()
         """Workers that SIGKILL did not end within ``kill_wait_s`` (set by :meth:`stop`)."""
+        self.changed = threading.Event()
+        """Set when a worker exits (and by whoever else has news for the watch loop): wait on it, not a sleep."""
         self._out = echo_to if echo_to is not None else sys.stdout
         self._preexec = parent_death_signal()
         try:
             for spec in specs:
-                self.workers[spec.rank] = Worker(spec, clock, self._out, self._preexec)
+                self.workers[spec.rank] = Worker(spec, clock, self._out, self._preexec, self.changed)
         except BaseException:
             self.stop(grace_s=0)
             raise
 
     def start_spare(self, spec: WorkerSpec) -> Worker:
         """Start a spare process (``spec.rank`` is -1); it waits in ``resilient.Run()`` to be promoted."""
-        worker = self.spares[spec.worker_id] = Worker(spec, self._clock, self._out, self._preexec)
+        worker = self.spares[spec.worker_id] = Worker(spec, self._clock, self._out, self._preexec, self.changed)
         return worker
 
     def retire(self, rank: int) -> Worker:
@@ -245,6 +251,11 @@ class WorkerGroup:
     def everyone(self) -> list[Worker]:
         """Members, spares and retired members: every process this group started."""
         return [*self.workers.values(), *self.spares.values(), *self.retired]
+
+    def pause(self, seconds: float) -> None:
+        """Wait up to ``seconds``, less when a worker exits or news arrives (see :attr:`changed`)."""
+        self.changed.wait(seconds)
+        self.changed.clear()
 
     def exits(self) -> list[Exit]:
         """Exits observed so far, earliest first."""

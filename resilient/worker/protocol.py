@@ -53,7 +53,8 @@ clock on one host).
 also always alone) carries ``recovery``: an object whose string
 ``event`` says what happened: ``ready`` (this worker can recover in
 process: a member at its first ``run.attempt()``, a spare once it waits
-for an assignment), ``rejoined`` (it is in a re-formed group with the
+for an assignment), ``waiting`` (a survivor left the failed group and
+waits for its next generation), ``rejoined`` (it is in a re-formed group with the
 state synced, about to retry the step) or ``gave_up`` (it cannot recover
 in process and is about to exit).  The other fields depend on the event;
 see ``docs/architecture.md``.  A spare sends nothing else until it is
@@ -76,7 +77,7 @@ PROTOCOL_VERSION = 2
 """2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""
 VERSIONS = (1, 2)
 KINDS = ("hello", "section", "restored", "bye", "recovery")
-RECOVERY_EVENTS = ("ready", "rejoined", "gave_up")
+RECOVERY_EVENTS = ("ready", "waiting", "rejoined", "gave_up")
 """The ``event`` of a ``recovery`` message this version sends (a receiver should tolerate others)."""
 MAX_DATAGRAM = 65536
 ROWS_PER_DATAGRAM = 150
