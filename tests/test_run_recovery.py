@@ -183,7 +183,7 @@ def run_uninterrupted(out: Path, world: int, *args: str) -> Path:
         for r in range(world):
             [ready] = agent.reports(f"r{r}", "ready")  # sent once, at the first attempt
             assert ready == {"event": "ready", "worker": f"r{r}", "role": "worker", "step": 0, "world_size": world,
-                             "global_batch": 4 * world, "batch_rule": "refuse"}
+                             "global_batch": 4 * world, "micro_batch": 4, "batch_rule": "refuse"}
         return out
     finally:
         agent.close()

@@ -157,7 +157,7 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     ctx.accounting.failure(detected_at, last_progress_at, incident.id, incident.kind)
     pids = inp.carry_out(group, decision, lost, generation, detected_at, incident.id)
     moved = replace(a, generation=generation)
-    ctx.tracker.start_generation(pids, ctx.clock(), generation)
+    ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
     ctx.workers_started(generation, pids)
     ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=True,
                                       lead_rank=min(pids))
