@@ -11,13 +11,17 @@ from typing import Any
 
 from _agent_report import cell, fmt, key_lines, ratio_ci, row, stats
 
-MODES = ("spare", "shrink", "restart", "torchrun", "torchft")
+MODES = ("spare", "shrink", "restart", "torchrun", "torchft", "torchrun_noshare")
+INFO_MODES = ("torchrun_noshare",)  # not a target's peer: torchrun with its workaround, for comparison
+PEERS = ("torchrun", "torchrun_noshare")  # the ratios' denominators
+RUNGS = {"spare": "promote_spare", "shrink": "shrink"}  # how each in-process mode must recover
 NAMES = {
     "spare": "spare + in-process (`resilient run --spares 1`)",
     "shrink": "shrink (`resilient run --nproc-per-node 1:2`)",
     "restart": "restart (`resilient run`)",
     "torchrun": "torchrun --max-restarts 1",
     "torchft": "torchft 0.2.0 (2 replica groups)",
+    "torchrun_noshare": "torchrun, no shared store (info)",
 }
 METRICS = {  # key: what it measures (seconds after the SIGKILL unless a count)
     "t_first_new_step": "kill -> next newly completed step",
@@ -138,15 +142,27 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         s["phases"] = {k: stats([p.get(k) for p in phases]) for k in PHASES}
         side = [t.get("breakdown", {}).get("worker") or {} for t in ok]
         s["worker"] = {k: stats([p.get(k) for p in side]) for k in WORKER_SIDE}
+        rungs: dict[str, int] = defaultdict(int)
+        for t in trials:
+            rungs[(t.get("breakdown") or {}).get("rung") or "-"] += 1
+        s["rungs"] = dict(rungs)
+        s["in_process"] = sum(1 for t in ok if in_process(t))
         out["modes"][mode] = s
-    if "torchrun" in out["modes"]:
-        peer = [t["t_first_new_step"] for t in res["trials"] if t["mode"] == "torchrun" and t["success"]]
-        for mode in (m for m in modes(res) if m != "torchrun"):
-            o, t = out["modes"][mode]["t_first_new_step"], out["modes"]["torchrun"]["t_first_new_step"]
-            out["ratio"][mode] = o["median"] / t["median"] if o and t and t["median"] else None
+    for p in (p for p in PEERS if p in out["modes"]):
+        peer = [t["t_first_new_step"] for t in res["trials"] if t["mode"] == p and t["success"]]
+        out["ratio"][p], out["ratio_ci"][p] = {}, {}
+        for mode in (m for m in modes(res) if m not in PEERS):
+            o, t = out["modes"][mode]["t_first_new_step"], out["modes"][p]["t_first_new_step"]
+            out["ratio"][p][mode] = o["median"] / t["median"] if o and t and t["median"] else None
             mine = [x["t_first_new_step"] for x in res["trials"] if x["mode"] == mode and x["success"]]
-            out["ratio_ci"][mode] = ratio_ci(mine, peer)
+            out["ratio_ci"][p][mode] = ratio_ci(mine, peer)
     return out
+
+
+def in_process(t: dict[str, Any]) -> bool:
+    """The trial recovered on the rung its mode is about (a spare promoted, the world shrunk), no restart."""
+    b = t.get("breakdown") or {}
+    return t["mode"] in RUNGS and b.get("rung") == RUNGS[t["mode"]] and b.get("agent_seconds") is not None
 
 
 def verdicts(res: dict[str, Any]) -> dict[str, Any]:
@@ -155,13 +171,16 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
     for mode, limit in TARGETS.items():
         if mode not in sm["modes"]:
             continue
-        s, r = sm["modes"][mode], sm["ratio"].get(mode)
-        ci = sm["ratio_ci"].get(mode)
+        s, r = sm["modes"][mode], sm["ratio"].get("torchrun", {}).get(mode)
+        ci = sm["ratio_ci"].get("torchrun", {}).get(mode)
         text = (f"median kill -> next new step {fmt((s['t_first_new_step'] or {}).get('median'))} / torchrun "
                 f"{fmt((sm['modes'].get('torchrun', {}).get('t_first_new_step') or {}).get('median'))} = "
                 + ("-" if r is None else f"{r:.3f}") + (f" (95% bootstrap {ci[0]:.3f} .. {ci[1]:.3f})" if ci else "")
                 + f"; limit <= {limit:g}")  # fmt: skip
-        ok = r is not None and r <= limit
+        text += f"; recovered in process ({RUNGS[mode]}) in {s['in_process']}/{s['trials']} trials"
+        ok = r is not None and r <= limit and s["trials"] > 0 and s["in_process"] == s["trials"]
+        if (n := sm["ratio"].get("torchrun_noshare", {}).get(mode)) is not None:
+            text += f" (information: / torchrun without its shared store = {n:.3f})"
         if mode == "spare":
             redone = s["steps_redone"]
             zero = redone is not None and redone["max"] == 0 and redone["n"] == s["trials"]
@@ -209,11 +228,16 @@ def render_markdown(res: dict[str, Any]) -> str:
            "before the kill, completed by every rank of the world after it. *Re-done*: steps completed before "
            "the kill that a process began again after it. Success: the job finished every step, exit 0 "
            "(torchft: the surviving replica group did).\n"),
-          row("mode", "succeeded", *METRICS.values(), "/ torchrun (median)"), row(*["---"] * 6)]  # fmt: skip
+          row("mode", "succeeded", "recovered by (trials)", *METRICS.values(),
+              *(f"/ {NAMES[p]} (medians)" for p in PEERS if p in ms)),
+          row(*["---"] * (6 + sum(p in ms for p in PEERS)))]  # fmt: skip
     for m in ms:
-        s, r = sm["modes"][m], sm["ratio"].get(m)
-        L.append(row(NAMES[m], f"{s['succeeded']}/{s['trials']}", *(cell(s[k], 1 if k == "steps_redone" else 2,
-                     "" if k == "steps_redone" else " s") for k in METRICS), "-" if r is None else f"{r:.3f}"))
+        s = sm["modes"][m]
+        ratios = [sm["ratio"].get(p, {}).get(m) for p in PEERS if p in ms]
+        rungs = ", ".join(f"{k} {n}" for k, n in sorted(s.get("rungs", {}).items())) if m in RUNGS else "-"
+        L.append(row(NAMES[m], f"{s['succeeded']}/{s['trials']}", rungs, *(cell(s[k], 1 if k == "steps_redone" else 2,
+                     "" if k == "steps_redone" else " s") for k in METRICS),
+                     *("-" if r is None else f"{r:.3f}" for r in ratios)))  # fmt: skip
     for m in (x for x in ("spare", "shrink") if x in ms):
         s = sm["modes"][m]
         L += [f"\n### Where the milliseconds go: {m}\n",

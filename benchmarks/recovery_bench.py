@@ -11,7 +11,10 @@ interleaved in a rotating order, one trial at a time:
 * ``restart``: ``resilient run --nproc-per-node 2``: the group restarts from the newest commit;
 * ``torchrun``: ``torchrun --standalone --nproc-per-node 2 --max-restarts 1``, the same script;
 * ``torchft``: torchft 0.2.0, two replica groups of one rank (_torchft_worker.py) and a lighthouse
-  (``torchft_lighthouse --min_replicas 1``); replica 1 dies and replica 0 continues alone.
+  (``torchft_lighthouse --min_replicas 1``); replica 1 dies and replica 0 continues alone;
+* ``torchrun_noshare`` (information, as in agent_bench.py): torchrun with
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, the workaround for its restarted gloo workers reading the
+  previous attempt's addresses, so that there is a torchrun whose restarts succeed to compare with.
 
 Per trial: kill -> next newly completed step, steps re-done, success; for the in-process modes where the
 time went (_recovery_report.breakdown).  Every launch is bounded and killed as a process tree.  Results:
@@ -37,7 +40,7 @@ from typing import Any
 
 import psutil
 from _agent_report import where
-from _recovery_report import MODES, breakdown, finished_all, measure, render_markdown, summarize, verdicts
+from _recovery_report import INFO_MODES, MODES, breakdown, finished_all, measure, render_markdown, summarize, verdicts
 from agent_bench import _cmd, find_py_spy, kill_tree, read_jsonl, snapshot, tree
 
 HERE = Path(__file__).resolve().parent
@@ -51,6 +54,7 @@ STEPS, EVERY, STEP_MS, FAULT_STEP, FAULT_RANK = 60, 10, 45.0, 37, 1
 TRIAL_TIMEOUT_S = 240.0  # a healthy trial takes ~15-40 s here
 STALL_S = 60.0  # no trace line from any process for this long: the recovery is stuck
 SPARE_WAIT_S = 60.0  # how long the doomed worker waits for a warm spare before the fault
+MODE_ENV = {"torchrun_noshare": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
 LAUNCHER = {
     "spare": ["--nproc-per-node", "2", "--spares", "1"],
     "shrink": ["--nproc-per-node", "1:2"],
@@ -68,8 +72,8 @@ def log(msg: str) -> None:
 class Proc:
     """One launched process tree: its output (to ``<name>.log``, lines stamped as they arrive), how it ended."""
 
-    def __init__(self, cmd: list[str], trial_dir: Path, name: str) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    def __init__(self, cmd: list[str], trial_dir: Path, name: str, extra_env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, **(extra_env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE), os.environ.get("PYTHONPATH")]))}  # fmt: skip
         self.name, self.t_start = name, time.time()
         self.lines: list[tuple[float, str]] = []
@@ -145,7 +149,7 @@ def script(trial_dir: Path, mode: str, fault_at: str) -> list[str]:
 
 
 def command(mode: str, trial_dir: Path, fault_at: str) -> list[str]:
-    if mode == "torchrun":
+    if mode.startswith("torchrun"):
         return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                 *script(trial_dir, mode, fault_at)]  # fmt: skip
     return [PY, "-m", "resilient", "run", *LAUNCHER[mode], "--quiet", "--run-dir", str(trial_dir / "run"),
@@ -202,7 +206,7 @@ def trial(mode: str, idx: int, root: Path, fault_at: str) -> dict[str, Any]:
         res["rc"] = survivor.rc if survivor is not None else None
         res["rcs"] = {p.name: p.rc for p in procs}
     else:
-        procs = [Proc(command(mode, d, fault_at), d, "launcher")]
+        procs = [Proc(command(mode, d, fault_at), d, "launcher", MODE_ENV.get(mode))]
         why = watch(procs, d, procs[0].poll)
         res["rc"] = procs[0].rc
     res["leftover_pids"] = {p.name: p.finish() for p in procs}
@@ -259,7 +263,9 @@ def environment(rev: str | None, ms: list[str], fault_at: str) -> dict[str, Any]
     with open("/proc/cpuinfo") as f:
         cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     ft_version = _cmd(PY, "-c", "import importlib.metadata as m; print(m.version('torchft'))") or None
-    cmds = {m: shown(command(m, Path("<trial>"), fault_at)) for m in ms if m != "torchft"}
+    cmds = {m: " ".join([*(f"{k}={v}" for k, v in MODE_ENV.get(m, {}).items()), shown(command(m, Path("<trial>"),
+                                                                                              fault_at))])
+            for m in ms if m != "torchft"}  # fmt: skip
     if "torchft" in ms:
         lh, reps = ft_commands(Path("<trial>"), "http://127.0.0.1:<port>")
         cmds["torchft"] = f"{shown(lh)} & {shown(reps[0])} & (the same with --replica 1)"
@@ -278,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trials", type=int, default=20, help="trials per mode (default 20)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    ap.add_argument("--no-workaround-peer", action="store_true",
+                    help="skip the informational torchrun_noshare mode (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)")
     ap.add_argument("--fault-at", choices=["top", "backward"], default="top",
                     help="where in step 37 rank 1 dies: at the top of its attempt, or inside its backward")
     ap.add_argument("--code", default="HEAD", metavar="REV", help="git revision of resilient/ to measure, exported "
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             out.write(render_markdown(old))
         return 0
     ms = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.no_workaround_peer:
+        ms = [m for m in ms if m not in INFO_MODES]
     if bad := [m for m in ms if m not in MODES]:
         raise SystemExit(f"--modes: unknown {bad}; choose from {', '.join(MODES)}")
     res: dict[str, Any] = {}
