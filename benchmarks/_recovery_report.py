@@ -30,7 +30,8 @@ METRICS = {  # key: what it measures (seconds after the SIGKILL unless a count)
 }
 PHASES = {  # in-process modes: where the time from the kill to the next new step goes
     "notice": "agent notices the death (kill -> the agent's detection time)",
-    "decide": "the agent's decision (detection -> recovery_decided)",
+    "decide": "the agent's decision (detection -> recovery_decided; includes its wait for every survivor's "
+              "`waiting` report, at most min(5 s, recovery timeout / 4))",
     "reform": "re-formation (decision -> the last member's group formed)",
     "sync": "state sync (the last member's broadcast of the state, DDP rebuilt)",
     "retry": "the retried step (last member rejoined -> the next new step completed)",
@@ -246,6 +247,11 @@ def render_markdown(res: dict[str, Any]) -> str:
                "`seconds`: abandon, wait, form, sync; the slowest member's are the agent's `slowest`). The phases "
                "add up to kill -> next new step.\n"),
               row("phase", "median (min .. max, n)"), row("---", "---")]  # fmt: skip
+        if not s.get("in_process"):
+            why = next((t["breakdown"].get("decision") for t in res["trials"] if t["mode"] == m and t.get("breakdown")
+                        and t["breakdown"].get("decision")), None)  # fmt: skip
+            L.append(f"No trial recovered in process. The agent decided: {why or '(no recovery_decided event)'}\n")
+            continue
         L += [row(what, cell(s["phases"][k], 3)) for k, what in PHASES.items()]
         L += [row(f"*{what}*", cell(s["worker"][k], 3)) for k, what in WORKER_SIDE.items()]
     fails = [t for t in res["trials"] if not t["success"]]
