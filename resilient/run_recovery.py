@@ -193,7 +193,7 @@ class InProcessRecovery:
             run.model = wrap_ddp(module, {**run._ddp, "init_sync": False}, extra["ddp_layout"])
         synced = time.monotonic()
         if self.hooks is not None:
-            self.hooks.rejoin(assignment.generation, run.rank)
+            self.hooks.rejoin(assignment.generation, run.rank, resume_step=run.step)
         seconds = {"abandon": abandon_s, "wait": wait_s, "form": formed - started, "sync": synced - formed,
                    "total": synced - (failed_at if failed_at is not None else started)}
         seconds = {k: round(v, 6) for k, v in seconds.items()}

@@ -181,3 +181,23 @@ def test_losing_every_rank_falls_back_to_a_restart_and_stays_bitwise_equal(tmp_p
     assert len(events(run, "restart")) == 1
     final, ref = json.loads((out / "final.json").read_text()), json.loads((reference2 / "final.json").read_text())
     assert final["params"] == ref["params"] and final["optimizer"] == ref["optimizer"]
+
+
+def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_struck_again(
+        tmp_path: Path, reference2: Path) -> None:
+    """A chaos plan targets a rank at a step: the process holding it then, not every later holder."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "step"},
+        {"kind": "kill", "rank": 1, "step": 6, "attempt": 0, "section": "step"}]}))
+    out, proc = elastic_run(tmp_path, "plan", "--nproc-per-node", "2", "--spares", "2", "--fault-plan", str(plan),
+                            extra=("--spares-ready", "0"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    done = events(run, "recovered_in_process")
+    assert [d["resumed_after_step"] for d in done] == [DIE_STEP, 6], done
+    holders = [(line["step"], line["worker"]) for line in trace(out) if line["rank"] == 1]
+    assert [w for s, w in holders if s < DIE_STEP] == ["w1"] * DIE_STEP
+    assert len({w for s, w in holders if DIE_STEP <= s < 6}) == 1 and len({w for s, w in holders if s >= 6}) == 1
+    assert_bitwise_equal(out, reference2)

@@ -108,6 +108,7 @@ class WorkerHooks:
         self._prev_stop_handler: Any = None
         self._said_bye = False
         self.standby = env.role == "spare"
+        self._fault_plan: Any = None
         """A spare not yet promoted: nothing but ``recovery`` reports goes out."""
         self.rank, self.generation = env.rank, env.generation
         self._checkpoint_location: str | None = None
@@ -131,7 +132,9 @@ class WorkerHooks:
             from ..chaos.plan import FaultPlan
 
             plan = FaultPlan.load(env.fault_plan)
-            self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events)
+            self._fault_plan = plan
+            if not self.standby:  # a spare has no rank to be struck as until it is promoted (rejoin)
+                self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events)
 
     def uninstall(self) -> None:
         """Undo :meth:`install` (for tests and for processes that outlive their Run)."""
@@ -182,10 +185,20 @@ class WorkerHooks:
         self.sender.send_single("recovery", self.section, self.step, committed_step=self.committed_step,
                                 recovery=report)
 
-    def rejoin(self, generation: int, rank: int) -> None:
-        """Report as ``rank`` of ``generation`` from now on; a promoted spare leaves standby and says hello."""
+    def rejoin(self, generation: int, rank: int, resume_step: int | None = None) -> None:
+        """Report as ``rank`` of ``generation`` from now on; a promoted spare leaves standby and says hello.
+
+        Planned faults follow the rank: this process is now struck by ``rank``'s faults, except those at
+        or before ``resume_step`` (the step the re-formed group resumes at): the run has been there
+        already, and a replacement must not repeat the fault that took the rank it replaces.
+        """
         self.rank, self.generation = rank, generation
         self.sender.rejoin(generation, rank)
+        if self._fault_plan is not None:
+            from ..chaos.inject import FaultInjector
+
+            self.injector = FaultInjector(self._fault_plan, self.env.node_id, rank, self.env.attempt,
+                                          events=self.events, after_step=resume_step)
         if self.standby:
             self.standby = False
             self.hello(self._checkpoint_location)
