@@ -37,6 +37,8 @@ class EventKind(str, Enum):
     FAULT_INJECTED = "fault_injected"  # a planned chaos fault fires in this worker
     BATCH_PLANNED = "batch_planned"  # run.micro_batches() split the global batch for this world size (or could not)
     ATTEMPT_RETRIED = "attempt_retried"  # a step's attempt failed with a peer error, was recovered and is retried
+    GROUP_REJOINED = "group_rejoined"  # this worker is in a re-formed group (survivor or promoted spare), state synced
+    RECOVERY_GAVE_UP = "recovery_gave_up"  # in-process recovery failed here: the error propagates, the agent restarts
 
     # -- checkpoints
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint
@@ -79,6 +81,15 @@ class EventKind(str, Enum):
     NODE_UNHEALTHY = "node_unhealthy"  # a health check failed, or workers SIGKILL did not end
     STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last
     RESTORED = "restored"  # a generation's ranks on this node reported what they restored (or a fresh start)
+
+    # -- in-process recovery (the recovery ladder's rungs above a restart)
+    RECOVERY_DECIDED = "recovery_decided"  # the ladder's answer to a failure: its rung, reason and numbers
+    GENERATION_CONTINUED = "generation_continued"  # a new generation formed in process (promotion or shrink)
+    RECOVERED_IN_PROCESS = "recovered_in_process"  # every member rejoined the new generation: where they resume
+    RECOVERY_ABANDONED = "recovery_abandoned"  # a worker could not recover in process (it exits: a restart follows)
+    SPARE_STARTED = "spare_started"  # a spare process started (it runs the script up to resilient.Run())
+    SPARE_READY = "spare_ready"  # a spare is warm (model built, checkpoint read) and waits for a rank
+    SPARE_LOST = "spare_lost"  # a spare exited before it was promoted
 
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on

@@ -20,6 +20,7 @@ A script opts into in-process recovery with ``ddp=True`` (``run.model``),
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from . import __version__
+from . import run_attempt as _attempt
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
 from .checkpoint.fence import Fence
@@ -37,15 +39,10 @@ from .data.loader import ElasticLoader
 from .elastic.batch import BatchPlan
 from .errors import ConfigError
 from .events import EventKind, EventLog
-from .run_attempt import Attempt, AttemptStart, ddp_options, is_recoverable, regroup, rewind, wrap_ddp
-from .run_attempt import micro_batches as _micro_batches
-from .run_payloads import apply_restored, capture_payloads, digest_config, refuse_sharded
+from .run_payloads import apply_restored, capture_payloads, digest_config, new_save_report, refuse_sharded
+from .run_recovery import InProcessRecovery
 from .run_sections import BETWEEN, Section
-from .state import (
-    Stateful,
-    check_stateful,
-    model_fingerprint,
-)
+from .state import Stateful, check_stateful, model_fingerprint
 from .worker.env import WorkerEnv
 from .worker.heartbeat import HeartbeatCounts
 
@@ -107,7 +104,8 @@ class Run:
             if obj is not None:
                 check_stateful(name, obj)
         refuse_sharded(model)
-        self._ddp = ddp_options(ddp, model)
+        self._ddp = _attempt.ddp_options(ddp, model)
+        _attempt.init_default_group(self._ddp is not None)  # torchrun or the agent, and the script made no group
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"Run(seed={seed!r}) must be an int")
         self.seed = seed
@@ -130,16 +128,19 @@ class Run:
         self._prepared = False
         self._step_started: float | None = None
         self.last_step_s: float | None = None
-        self._attempt_start: AttemptStart | None = None
+        self._attempt_start: _attempt.AttemptStart | None = None
         self._recovery: Callable[[BaseException], bool] | None = None
         """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
+        spare = env is not None and env.role == "spare"
+        if env is not None and env.recovery_store is not None:
+            self._recovery = recovery = InProcessRecovery(self, env, self._hooks)
         self._retry = False
         self._micro: Generator[Any, None, None] | None = None
         self._micro_samples: int | None = None
         self._announced_plan: BatchPlan | None = None
         """The batch plan last announced in a ``batch_planned`` event."""
         self.rank, self.world_size = 0, 1
-        regroup(self)  # rank and world size of the process group (if any), the loader's share of it
+        _attempt.regroup(self)  # rank and world size of the process group (if any), the loader's share of it
         if data is not None and self._hooks is not None:
             data.report_section = self.section
         self._fingerprint = {
@@ -154,15 +155,20 @@ class Run:
                 coordinator = Coordinator.from_environment(checkpoint.timeout_s)
                 # The agent's generation and launch fence this job's writes (none without an agent).
                 fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
-                self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events, fence=fence)
+                # A spare neither claims the location nor sweeps it: the members are saving there.
+                if self._recovery is not None:  # the world can change in process: restore at any size
+                    checkpoint = dataclasses.replace(checkpoint, elastic=True)
+                self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events, fence=fence, claim=not spare)
                 restored = self.checkpoints.restore()
                 if restored is not None:
                     self._apply(restored)
-        if self._ddp is not None:  # after the restore: DDP's first broadcast then carries the restored state
-            self.model = wrap_ddp(self.model, self._ddp)
         if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
                                  time.perf_counter() - restore_started)
+        if spare:  # blocks until promoted; returns a member of the new group with its state (run_recovery.py)
+            recovery.wait_as_spare()
+        elif self._ddp is not None:  # after the restore: DDP's first broadcast then carries the restored state
+            self.model = _attempt.wrap_ddp(self.model, self._ddp)
         self.events.emit(EventKind.RUN_STARTED, rank=self.rank, world_size=self.world_size, step=self.step,
                          restored_from=self.restored_from)
 
@@ -213,7 +219,7 @@ class Run:
         self.samples += int(samples)
         self.tokens += int(tokens)
 
-    def attempt(self) -> Attempt:
+    def attempt(self) -> _attempt.Attempt:
         """``with run.attempt():`` around the step body: a peer failure inside is survived and the step retried.
 
         Only where in-process recovery is available; under plain python or
@@ -222,7 +228,7 @@ class Run:
         so a retry reads the same batches and draws the same numbers.  Keep
         the whole step body inside: code after the block runs once per attempt.
         """
-        return Attempt(self)
+        return _attempt.Attempt(self)
 
     def micro_batches(self, *, weighted: bool = False) -> Generator[Any, None, None]:
         """This rank's share of the step's global batch: :attr:`accumulation` micro-batches, at any world size.
@@ -234,7 +240,7 @@ class Run:
         loader's ``batch_rule="uneven"``) iterate ``weighted=True`` pairs
         ``(batch, weight)`` and multiply by ``weight`` instead.
         """
-        self._micro = _micro_batches(self, weighted)
+        self._micro = _attempt.micro_batches(self, weighted)
         return self._micro
 
     @property
@@ -298,13 +304,13 @@ class Run:
     # ------------------------------------------- in-process recovery (internal)
     def _attempt_failed(self, exc: BaseException) -> bool:
         """Whether ``exc`` (raised inside :meth:`attempt`) is a peer failure the group can be re-formed after."""
-        return is_recoverable(exc)
+        return _attempt.is_recoverable(exc)
 
     def _rewind_attempt(self) -> None:
         """Back to the current attempt's start: cursor, counters, gradients (none) and RNG, for a retry."""
         if self._attempt_start is None:
             raise ConfigError("Run._rewind_attempt() outside run.attempt(): there is no attempt to rewind")
-        rewind(self, self._attempt_start)
+        _attempt.rewind(self, self._attempt_start)
 
     def _rebuild_ddp(self) -> None:
         """Follow a re-formed default process group: rank, world size, the loader's share, the DDP wrapper.
@@ -312,9 +318,9 @@ class Run:
         Call it once every member's state is the same (DDP's construction
         broadcasts rank 0's parameters and buffers).
         """
-        regroup(self)
+        _attempt.regroup(self)
         if self._ddp is not None:
-            self.model = wrap_ddp(self.model, self._ddp)
+            self.model = _attempt.wrap_ddp(self.model, self._ddp)
 
     def _close_micro_batches(self) -> None:
         micro, self._micro = self._micro, None
@@ -330,13 +336,8 @@ class Run:
 
     def _new_save_report(self) -> dict[str, Any] | None:
         """The newest finished save, once: what the agent exports as checkpoint duration and bytes."""
-        results = self.checkpoints.results if self.checkpoints is not None else None
-        if not results or results[-1] is self._reported_save:
-            return None
-        result = self._reported_save = results[-1]
-        size = result.manifest.total_bytes if result.manifest is not None else 0
-        return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
-                "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}
+        report, self._reported_save = new_save_report(self.checkpoints, self._reported_save)
+        return report
 
     def _committed_step(self) -> int | None:
         manifest = self.checkpoints.last_committed if self.checkpoints is not None else None

@@ -76,14 +76,66 @@ def ddp_options(ddp: bool | Mapping[str, Any], model: torch.nn.Module) -> dict[s
     return {} if ddp is True else dict(ddp)
 
 
-def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any]) -> torch.nn.Module:
-    """``model`` (unwrapped first) in a new DDP wrapper on the current default group; the plain module without one."""
+def init_default_group(wanted: bool) -> None:
+    """Create the default process group from torch's variables when ``wanted`` and none exists yet.
+
+    ``Run(ddp=True)`` does this so that a script needs no
+    ``init_process_group`` call under ``torchrun`` or the agent (``env://``:
+    ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``); gloo on a
+    machine without CUDA, torch's default pair (gloo for CPU tensors, NCCL
+    for CUDA ones) otherwise.  A script that creates the group itself keeps it.
+    """
+    import torch.distributed as dist
+
+    from .worker.env import launched_distributed
+
+    if not wanted or not dist.is_available() or dist.is_initialized() or not launched_distributed():
+        return
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else None, init_method="env://")
+
+
+def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any],
+             layout: list[list[int]] | None = None) -> torch.nn.Module:
+    """``model`` (unwrapped first) in a new DDP wrapper on the current default group; the plain module without one.
+
+    ``layout`` (:func:`ddp_layout` of the wrapper this one replaces, the
+    same on every rank): start with that bucket layout instead of DDP's
+    first-iteration one.  DDP rebuilds its buckets once, after its first
+    iteration, in the order gradients became ready, and gloo's ring sums
+    each chunk starting at a different rank, so with more than two ranks a
+    fresh wrapper would sum the retried step in another order than the run
+    that never failed (last-bit differences).  Carried over, the retried
+    step sums exactly as the uninterrupted run did.
+    """
     import torch.distributed as dist
 
     module = unwrap(model)
     if not (dist.is_available() and dist.is_initialized()):
         return module
-    return DistributedDataParallel(module, **options)
+    if layout is None:
+        return DistributedDataParallel(module, **options)
+    compute = dist._compute_bucket_assignment_by_size  # what DDP's constructor asks for its first layout
+
+    def carried(tensors: list[torch.Tensor], bucket_size_limits: list[int], *rest: Any,
+                **more: Any) -> tuple[list[list[int]], list[int]]:
+        if sorted(i for bucket in layout for i in bucket) != list(range(len(tensors))):
+            return compute(tensors, bucket_size_limits, *rest, **more)  # not this model's layout: DDP's own
+        return list(reversed(layout)), [max(bucket_size_limits)] * len(layout)  # DDP reverses what it is given
+
+    dist._compute_bucket_assignment_by_size = carried
+    try:
+        return DistributedDataParallel(module, **options)
+    finally:
+        dist._compute_bucket_assignment_by_size = compute
+
+
+def ddp_layout(model: torch.nn.Module) -> list[list[int]] | None:
+    """A DDP wrapper's current gradient buckets as indices of its parameters, in order; None for a plain module."""
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    params, _ = model._build_params_for_reducer()
+    index = {id(p): i for i, p in enumerate(params)}
+    return [[index[id(p)] for p in bucket.parameters()] for bucket in model.reducer._get_zeros_like_grad_buckets()]
 
 
 def regroup(run: Run) -> None:
@@ -199,8 +251,10 @@ class Attempt:
     offers none: ``Run._recovery`` is None) every error passes through
     unchanged and recovery is by restart.  With it, a failure that
     :func:`is_recoverable` accepts is handed to ``Run._recovery(exc)`` (the
-    re-formation of the group); when that returns True the step is rewound,
-    the error is swallowed and ``run.steps()`` yields the same step again.
+    re-formation of the group, :mod:`resilient.run_recovery`), which rewinds
+    the attempt itself before anything else and may move ``run.step`` (past
+    an update the state's source had applied); when it returns True the
+    error is swallowed and ``run.steps()`` yields ``run.step`` again.
     """
 
     __slots__ = ("_run",)
@@ -212,6 +266,9 @@ class Attempt:
         run = self._run
         if run._attempt_start is not None:
             raise ConfigError("run.attempt() is already active: attempts do not nest (one per step body)")
+        entered = getattr(run._recovery, "attempt_entered", None)  # in-process recovery's bookkeeping, if wired
+        if entered is not None:
+            entered()
         run._attempt_start = begin(run)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
@@ -220,9 +277,8 @@ class Attempt:
             run._close_micro_batches()  # leaves DDP's no_sync if the body failed between micro-batches
             if exc is None or run._recovery is None or not run._attempt_failed(exc):
                 return False
-            if not run._recovery(exc):
+            if not run._recovery(exc):  # it raises instead when it tried and failed
                 return False
-            run._rewind_attempt()
             run._retry = True
             run.events.emit(EventKind.ATTEMPT_RETRIED, step=run.step, rank=run.rank, world_size=run.world_size,
                             error=f"{type(exc).__qualname__}: {exc}"[:500])

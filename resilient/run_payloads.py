@@ -22,6 +22,7 @@ from .events import EventKind
 from .state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
 
 if TYPE_CHECKING:
+    from .checkpoint.manager import CheckpointManager, SaveResult
     from .run import Run
 
 
@@ -103,3 +104,16 @@ def refuse_sharded(model: torch.nn.Module) -> None:
                 "checkpoints hold replicated (DDP) or single-process state only. Use DDP, or save sharded state "
                 "with torch.distributed.checkpoint"
             )
+
+
+def new_save_report(checkpoints: CheckpointManager | None,
+                    reported: SaveResult | None) -> tuple[dict[str, Any] | None, SaveResult | None]:
+    """The newest finished save if not ``reported`` yet (what the agent exports as checkpoint duration and
+    bytes), and the save reported now."""
+    results = checkpoints.results if checkpoints is not None else None
+    if not results or results[-1] is reported:
+        return None, reported
+    result = results[-1]
+    size = result.manifest.total_bytes if result.manifest is not None else 0
+    return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
+            "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}, result

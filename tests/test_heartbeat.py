@@ -16,7 +16,7 @@ import pytest
 from resilient.agent.heartbeat import HeartbeatReceiver
 from resilient.errors import ConfigError
 from resilient.worker.heartbeat import RECONNECT_INTERVAL_S, HeartbeatSender
-from resilient.worker.protocol import Heartbeat, HeartbeatError, decode, encode
+from resilient.worker.protocol import Heartbeat, HeartbeatError, decode, decode_datagram, encode
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -401,3 +401,41 @@ def test_a_malformed_restore_report_is_refused_saying_what_is_wrong(restored, pr
     with pytest.raises(HeartbeatError, match="belongs to kind 'restored' only"):
         decode(encode(Heartbeat(rank=0, local_rank=0, pid=1, section="s", step=0, seq=1, kind="section",
                                 generation=1, restored={"checkpoint": None, "step": None, "seconds": 0})))
+
+
+def test_a_recovery_report_travels_alone_and_a_rejoined_sender_speaks_for_its_new_generation_and_rank():
+    from resilient.worker.heartbeat import BatchingSender
+
+    datagrams: list[bytes] = []
+    inner = HeartbeatSender("/nonexistent/hb.sock", rank=1, local_rank=1, generation=3, pid=9)
+    inner.send_raw = lambda text, count: datagrams.append(text.encode()) is None  # type: ignore[method-assign]
+    sender = BatchingSender(inner, interval_s=10)  # nothing leaves on the timer during the test
+    sender.send("hello", "init", 0)
+    sender.send("section", "step", 4)  # queued: the hello just left
+    sender.rejoin(4, 0)  # what was queued goes under the old header first
+    assert sender.send_single("recovery", "step", 4, recovery={"event": "rejoined", "worker": "w1", "rank": 0})
+    sender.send("section", "step", 5)
+    sender.close()
+    got = [(hb.kind, hb.step, hb.generation, hb.rank, hb.recovery) for d in datagrams for hb in decode_datagram(d)]
+    assert got == [("hello", 0, 3, 1, None), ("section", 4, 3, 1, None),
+                   ("recovery", 4, 4, 0, {"event": "rejoined", "worker": "w1", "rank": 0}),
+                   ("section", 5, 4, 0, None)]
+    assert b'"rows"' not in datagrams[2], "a recovery report is a datagram of its own (an older agent drops it alone)"
+
+
+def test_datagrams_of_older_senders_still_decode_and_a_malformed_recovery_report_is_refused():
+    older = b'{"v":2,"g":1,"rank":0,"local_rank":0,"pid":7,"section":"step","step":3,"seq":1,"kind":"restored",' \
+            b'"restored":{"checkpoint":null,"step":null,"seconds":0.5}}'
+    assert decode(older).recovery is None and decode(older).restored is not None
+    batch = b'{"v":2,"g":1,"rank":0,"local_rank":0,"pid":7,"rows":[["section","step",3,1,0.5,null,0,0,null,null]]}'
+    assert [hb.recovery for hb in decode_datagram(batch)] == [None]
+    hb = Heartbeat(rank=0, local_rank=0, pid=1, section="init", step=0, seq=1, kind="recovery", generation=0,
+                   recovery={"event": "ready", "worker": "s0", "role": "spare"})
+    assert decode(encode(hb)) == hb
+    for bad in (None, {"worker": "s0"}, {"event": 3}, ["ready"]):
+        with pytest.raises(HeartbeatError, match="kind 'recovery' needs an object 'recovery' with a string 'event'"):
+            decode(encode(Heartbeat(rank=0, local_rank=0, pid=1, section="s", step=0, seq=1, kind="recovery",
+                                    generation=0, recovery=bad)))
+    with pytest.raises(HeartbeatError, match="belongs to kind 'recovery' only"):
+        decode(encode(Heartbeat(rank=0, local_rank=0, pid=1, section="s", step=0, seq=1, kind="section",
+                                generation=0, recovery={"event": "ready"})))

@@ -217,7 +217,8 @@ def test_a_recovered_attempt_is_retried_and_the_run_is_the_run_that_never_failed
     reference = train(make_run(global_batch=8), None)
     run = make_run(global_batch=8)
     calls: list = []
-    run._recovery = lambda exc: calls.append(exc) or True  # what in-process recovery plugs in: re-formed, retry
+    # What in-process recovery plugs in: it rewinds the attempt itself (first), re-forms the group, and says retry.
+    run._recovery = lambda exc: calls.append(exc) or run._rewind_attempt() or True
     seen, got = train(run, 2)
     assert seen == [0, 1, 2, 2, 3], "steps() yields the failed step again"
     assert len(calls) == 1 and isinstance(calls[0], RuntimeError)
@@ -287,3 +288,22 @@ def test_readme_recovery_example_runs_under_plain_python(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("step 1000, accumulation 1, restored from None")
     assert (tmp_path / "ckpt" / "step_0000001000" / "manifest.json").exists()
+
+
+def test_a_rebuilt_ddp_wrapper_can_start_in_the_bucket_layout_of_the_one_it_replaces():
+    from resilient.run_attempt import ddp_layout, wrap_ddp
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+        old = wrap_ddp(module, {})
+        assert ddp_layout(old) == [[0, 1, 2, 3]], "DDP's first-iteration layout: parameter order"
+        for _ in range(2):  # DDP rebuilds its buckets at the forward after its first backward
+            old(torch.randn(2, 8)).sum().backward()
+        assert ddp_layout(old) == [[3, 2, 1, 0]], "rebuilt in the order gradients became ready"
+        assert ddp_layout(wrap_ddp(module, {})) == [[0, 1, 2, 3]], "a fresh wrapper starts over"
+        assert ddp_layout(wrap_ddp(module, {}, ddp_layout(old))) == [[3, 2, 1, 0]], "carried over"
+        assert ddp_layout(wrap_ddp(module, {}, [[1, 0]])) == [[0, 1, 2, 3]], "another model's layout is ignored"
+        assert ddp_layout(module) is None
+    finally:
+        dist.destroy_process_group()

@@ -23,8 +23,8 @@ import torch
 import resilient
 from resilient.agent.heartbeat import HeartbeatReceiver
 from resilient.errors import ConfigError
-from resilient.worker.env import WorkerEnv
-from resilient.worker.hooks import StopRequest, read_stop_request
+from resilient.worker.env import WorkerEnv, launched_distributed
+from resilient.worker.hooks import StopRequest, WorkerHooks, read_stop_request
 from resilient.worker.protocol import Heartbeat
 
 REPO = Path(__file__).resolve().parent.parent
@@ -183,6 +183,61 @@ def test_environment_round_trip_and_absence():
 def test_invalid_environment_names_the_variable(environ, message):
     with pytest.raises(ConfigError, match=message):
         WorkerEnv.from_environ({"RESILIENT_AGENT_SOCKET": "/s", **environ})
+
+
+def test_the_recovery_variables_round_trip_and_torch_says_when_a_group_is_wanted():
+    env = WorkerEnv(agent_socket="/s", recovery_store=("10.0.0.2", 29400), worker_id="s0", role="spare",
+                    recovery_timeout_s=12.5)
+    assert WorkerEnv.from_environ(env.to_environ()) == env
+    assert env.to_environ()["RESILIENT_RECOVERY_STORE"] == "10.0.0.2:29400"
+    ipv6 = WorkerEnv.from_environ({"RESILIENT_AGENT_SOCKET": "/s", "RESILIENT_RECOVERY_STORE": "[::1]:5",
+                                   "RESILIENT_WORKER_ID": "w0"})
+    assert ipv6 is not None and (ipv6.recovery_store, ipv6.role, ipv6.recovery_timeout_s) == (("::1", 5), "worker", 60)
+    plain = WorkerEnv.from_environ({"RESILIENT_AGENT_SOCKET": "/s"})
+    assert plain is not None and (plain.recovery_store, plain.worker_id) == (None, None)  # restart-only recovery
+    assert launched_distributed({"WORLD_SIZE": "2"}) and not launched_distributed({"WORLD_SIZE": "1"})
+    assert not launched_distributed({})
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        launched_distributed({"WORLD_SIZE": "two"})
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"RESILIENT_RECOVERY_STORE": "localhost"}, "RESILIENT_RECOVERY_STORE='localhost' is not host:port"),
+        ({"RESILIENT_RECOVERY_STORE": "h:0"}, "RESILIENT_RECOVERY_STORE='h:0' is not host:port"),
+        ({"RESILIENT_RECOVERY_STORE": ":29400"}, "is not host:port"),
+        ({"RESILIENT_RECOVERY_STORE": "h:1"}, "RESILIENT_RECOVERY_STORE is set but RESILIENT_WORKER_ID is not"),
+        ({"RESILIENT_ROLE": "boss"}, "RESILIENT_ROLE='boss' is not a role: use one of worker, spare"),
+        ({"RESILIENT_ROLE": "spare"}, "RESILIENT_ROLE=spare needs RESILIENT_RECOVERY_STORE"),
+        ({"RESILIENT_RECOVERY_TIMEOUT": "0"}, "RESILIENT_RECOVERY_TIMEOUT=0.0 must be a number of seconds > 0"),
+        ({"RESILIENT_RECOVERY_TIMEOUT": "soon"}, "RESILIENT_RECOVERY_TIMEOUT='soon' is not a number"),
+    ],
+)
+def test_invalid_recovery_environment_names_the_variable(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        WorkerEnv.from_environ({"RESILIENT_AGENT_SOCKET": "/s", **environ})
+
+
+def test_a_spare_sends_only_recovery_reports_until_promoted_then_says_hello_as_a_member(agent):
+    from dataclasses import replace
+
+    hooks = WorkerHooks(replace(agent.env, recovery_store=("127.0.0.1", 1), worker_id="s0", role="spare"))
+    try:
+        hooks.hello("/ckpt")
+        hooks.enter("restore", 0, None)
+        hooks.restored(None, None, 0.1)
+        hooks.recovery({"event": "ready", "worker": "s0", "role": "spare"})
+        wait_for(lambda: len(agent.seen()) == 1, what="the ready report")
+        hooks.rejoin(2, 1)
+        hooks.enter("step", 4, None)
+        hooks.bye(5, None)
+        wait_for(lambda: len(agent.seen()) == 4, what="hello, a section and bye from the promoted spare")
+    finally:
+        hooks.uninstall()
+    got = [(m.kind, m.generation, m.rank, m.checkpoint) for m in agent.seen()]
+    assert got == [("recovery", 0, 0, None), ("hello", 2, 1, "/ckpt"), ("section", 2, 1, None), ("bye", 2, 1, None)]
+    assert hooks.rank == 1 and not hooks.standby
 
 
 def test_stop_requests(tmp_path):

@@ -36,6 +36,7 @@ class NodeAccounting:
         self.ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger(config)
         extra = (saved or {}).get("agent", {})
         self.restarts_by_reason: Counter[str] = Counter(extra.get("restarts_by_reason", {}))
+        self.recoveries_by_rung: Counter[str] = Counter(extra.get("recoveries_by_rung", {}))
         self.incidents_by_kind: Counter[str] = Counter(extra.get("incidents_by_kind", {}))
         self.hangs = int(extra.get("hangs", 0))
         self.checkpoint_failures = int(extra.get("checkpoint_failures", 0))
@@ -102,6 +103,11 @@ class NodeAccounting:
         with self._lock:
             self.restarts_by_reason[reason] += 1
 
+    def recovered_in_process(self, rung: str) -> None:
+        """A failure answered without a restart, by ``rung`` (``promote_spare``, ``shrink``)."""
+        with self._lock:
+            self.recoveries_by_rung[rung] += 1
+
     # ------------------------------------------------------------ reading
     def account(self) -> Any:
         with self._lock:
@@ -113,6 +119,7 @@ class NodeAccounting:
                 "ledger": self.ledger.to_dict(),
                 "agent": {
                     "restarts_by_reason": dict(self.restarts_by_reason),
+                    "recoveries_by_rung": dict(self.recoveries_by_rung),
                     "incidents_by_kind": dict(self.incidents_by_kind), "hangs": self.hangs,
                     "checkpoint_failures": self.checkpoint_failures,
                     "checkpoint_duration_s": self.checkpoint_duration_s, "checkpoint_bytes": self.checkpoint_bytes,

@@ -34,7 +34,17 @@ class AgentConfig:
     token_file: Path | None = None
     """The run token to use instead of <run_dir>/token (every node of a run needs the same token)."""
     nproc_per_node: int = 1
-    """Worker processes on this node."""
+    """Worker processes on this node (with ``--nproc-per-node MIN:MAX``, the MAX it starts with)."""
+    min_nproc_per_node: int | None = None
+    """Fewest ranks this node may continue with after losing some (MIN of ``--nproc-per-node MIN:MAX``);
+    None: ``nproc_per_node`` (no shrink on this node)."""
+    spares: int = 0
+    """Extra worker processes kept warm on this node to take a failed rank's place (``--spares``)."""
+    in_process: bool = True
+    """Offer in-process recovery to scripts that opt in (``run.attempt()``); False: restarts only."""
+    recovery_timeout_s: float = 60.0
+    """How long a survivor waits for its new generation and the new group takes to form before the agent
+    falls back to a restart."""
     min_nodes: int = 1
     """Fewest nodes the run continues with."""
     max_nodes: int = 1
@@ -100,6 +110,19 @@ class AgentConfig:
                               "that started the run")
         if self.nproc_per_node < 1:
             raise ConfigError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.min_nproc_per_node is not None and not 1 <= self.min_nproc_per_node <= self.nproc_per_node:
+            raise ConfigError(f"--nproc-per-node {self.min_nproc_per_node}:{self.nproc_per_node} needs "
+                              "1 <= MIN <= MAX")
+        if self.spares < 0:
+            raise ConfigError(f"--spares must be >= 0, got {self.spares}")
+        if (self.spares or self.shrinkable) and self.max_nodes > 1:
+            raise ConfigError("--spares and --nproc-per-node MIN:MAX work on one machine so far; with --nnodes "
+                              "above 1 the run recovers by restarting the group")
+        if (self.spares or self.shrinkable) and not self.in_process:
+            raise ConfigError("--spares and --nproc-per-node MIN:MAX act through in-process recovery; drop "
+                              "--no-in-process, or drop them")
+        if self.recovery_timeout_s <= 0:
+            raise ConfigError(f"--recovery-timeout must be > 0, got {self.recovery_timeout_s}")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise ConfigError(f"--nnodes {self.min_nodes}:{self.max_nodes} needs 1 <= MIN <= MAX")
         if self.max_nodes > 1 and self.store_url is None:
@@ -117,3 +140,20 @@ class AgentConfig:
                 raise ConfigError(f"AgentConfig.{name} must be > 0, got {value}")
         if self.preempt_margin_steps < 1:
             raise ConfigError("AgentConfig.preempt_margin_steps must be >= 1")
+
+    @property
+    def min_ranks(self) -> int:
+        """Fewest ranks this node continues with."""
+        return self.min_nproc_per_node if self.min_nproc_per_node is not None else self.nproc_per_node
+
+    @property
+    def shrinkable(self) -> bool:
+        """``--nproc-per-node MIN:MAX`` with MIN < MAX: this node may continue on fewer ranks."""
+        return self.min_ranks < self.nproc_per_node
+
+    @property
+    def offers_in_process(self) -> bool:
+        """In-process recovery is offered to the workers: there is a spare or room to shrink, on one machine
+        for now (the agent hosts the store the workers re-form on).  Without either the ladder could only
+        restart, so the workers are not asked to wait for a new generation and exit as they always have."""
+        return self.in_process and self.max_nodes == 1 and (self.spares > 0 or self.shrinkable)

@@ -9,10 +9,8 @@ so a store outage cannot delay hang detection.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,22 +18,26 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
-from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.sections import decide_hang
-from ..watchdog.stacks import StackCapture, capture, find_py_spy
-from .consequences import describe_others, is_collective_error
+from .continuation import Hold, continue_after, follow, start_spares
+from .failures import (
+    STACK_SIGNAL,
+    STOP_SIGNAL,
+    Outcome,
+    end_on_failure,
+    end_on_hang,
+    recovery_failed,
+    stop_on_failure,
+)
 from .health import assess, probe
 from .incidents import (
     Incident,
-    describe_failure,
     format_incident,
     publish_incident,
-    read_error_file,
-    stacks_record,
     unhealthy_incident,
 )
-from .launcher import Exit, WorkerGroup, WorkerSpec
-from .policy import Failure, first_failure
+from .launcher import WorkerGroup, WorkerSpec
+from .policy import Failure
 from .rendezvous import Assignment
 from .restores import RestoreSummary, summarise_restores
 from .rundir import RunDir, heartbeat_socket
@@ -43,28 +45,14 @@ from .sweep import Stuck
 
 if TYPE_CHECKING:
     from ..coord.store import ControlStore
+    from ..elastic.observe import RestartOutlook
     from .accounting import NodeAccounting
     from .config import AgentConfig
+    from .inproc import InProcess
     from .shared import SharedFacts
     from .status import StatusPublisher
     from .tracker import RankTracker
 
-STACK_SIGNAL = signal.SIGUSR2
-STOP_SIGNAL = signal.SIGUSR1
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a generation ended on this node."""
-
-    kind: OutcomeKind
-    reason: str
-    failure: Failure | None = None
-    incident: Incident | None = None
-    detected_at: float = 0.0
-    """Agent clock when the failure was detected."""
-    last_progress_at: float = 0.0
-    """Agent clock of the failing rank's last sign of progress (its last heartbeat)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +82,16 @@ class GenerationContext:
     """Report workers of a generation that SIGKILL did not end."""
     restored: Callable[[RestoreSummary], None]
     """Report what this node's ranks of a generation restored (once per generation)."""
+    inproc: InProcess | None = None
+    """In-process recovery on offer (None: every failure ends the generation)."""
+    restart_outlook: Callable[[Failure], RestartOutlook] | None = None
+    """What the restart policy would say about ``failure`` now (the ladder's lower rungs)."""
+    next_generation: Callable[[], int] | None = None
+    """Take the run's next generation number (an in-process recovery starts one without a rendezvous)."""
+    record_incident: Callable[[Incident], None] | None = None
+    """Record an incident now (in-process recovery: the generation goes on, the supervisor never sees it)."""
+    recovered: Callable[[str, dict[str, Any]], None] | None = None
+    """An in-process recovery completed: append its record to the incident that started it."""
 
 
 class PeerWatch:
@@ -129,7 +127,7 @@ class PeerWatch:
 
 
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
-                 gdir: Path) -> list[WorkerSpec]:
+                 gdir: Path, inproc: InProcess | None = None) -> list[WorkerSpec]:
     c = config
     world = a.num_nodes * c.nproc_per_node
     base = dict(c.worker_env)
@@ -158,8 +156,12 @@ def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assign
         }
         if c.fault_plan is not None:
             env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
+        worker_id = inproc.new_worker_id("worker") if inproc is not None else f"r{rank}"
+        if inproc is not None:
+            env.update(inproc.worker_env(worker_id, "worker"))
         specs.append(WorkerSpec(local_rank=local, rank=rank, argv=tuple(c.entrypoint), env=env,
-                                log_file=gdir / f"rank{rank}.log", echo=c.echo_output))
+                                log_file=gdir / f"rank{rank}.log", echo=c.echo_output, worker_id=worker_id,
+                                slot=local))
     return specs
 
 
@@ -167,7 +169,8 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     """Start this node's workers of generation ``a`` and watch them to the end; ``restart``: after a failure."""
     gdir = ctx.run_dir.generation_dir(a.generation)
     gdir.mkdir(parents=True, exist_ok=True)
-    group = WorkerGroup(worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir), ctx.clock, ctx.echo_to)
+    specs = worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir, ctx.inproc)
+    group = WorkerGroup(specs, ctx.clock, ctx.echo_to)
     pids = {rank: w.pid for rank, w in group.workers.items()}
     ctx.tracker.start_generation(pids, ctx.clock(), a.generation)
     ctx.workers_started(a.generation, pids)
@@ -176,6 +179,9 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
                                       restart=restart, lead_rank=min(pids))
     ctx.status.attach(group, a)
     ctx.emit(EventKind.WORKERS_STARTED, generation=a.generation, attempt=attempt, pids=pids)
+    if ctx.inproc is not None:
+        ctx.inproc.changed = group.changed  # a worker's recovery report wakes the watch loop too
+    start_spares(ctx, group, a, gdir)
     peers = PeerWatch(ctx)
     reported = False
 
@@ -193,6 +199,8 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     finally:
         peers.close()
         group.stop(ctx.config.stop_grace_s)
+        if ctx.inproc is not None:
+            ctx.inproc.group_stopped()
         report_restores(True)
         ctx.status.detach()
         ctx.workers_stopped(a.generation, group.stuck)
@@ -203,13 +211,34 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
     c = ctx.config
     stop_deadline: float | None = None
     stop_at: int | None = None
+    hold: Hold | None = None
     next_health = ctx.clock() + c.health_interval_s
     while True:
         now = ctx.clock()
         report_restores(False)
         failed = [e for e in group.exits() if e.returncode != 0]
+        problem = follow(ctx, group, a, gdir, now) if stop_deadline is None else None
+        if problem is not None:
+            return recovery_failed(ctx, group, a, problem, now)
         if failed and stop_deadline is None:
-            return _failure(ctx, group, a, gdir, now)
+            if hold is not None and {e.rank for e in failed} <= set(hold.lost):
+                again = continue_after(ctx, group, a, gdir, lost=hold.lost, kind=hold.kind, failure=hold.failure,
+                                       exit_codes=hold.exit_codes, incident=hold.incident,
+                                       detected_at=hold.detected_at, last_progress_at=hold.last_progress_at,
+                                       hold=hold)
+                if isinstance(again, Assignment):
+                    a, hold = again, None
+                elif isinstance(again, Hold):
+                    hold = again
+                    group.pause(c.monitor_interval_s)
+                else:
+                    return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), again)
+                continue
+            ended = end_on_failure(ctx, group, a, gdir, now)
+            if isinstance(ended, Outcome):
+                return ended
+            a, hold = (ended, None) if isinstance(ended, Assignment) else (a, ended)
+            continue
         if group.all_exited():
             if stop_deadline is not None:
                 note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
@@ -229,10 +258,14 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 return Outcome(OutcomeKind.PREEMPTED, f"workers did not stop within {c.preempt_grace_s:.0f} s; killed")
         else:
             # A rank that already exited (0: failures were handled above) cannot hang.
-            views = {r: v for r, v in ctx.tracker.views().items() if group.workers[r].exit is None}
+            views = {r: v for r, v in ctx.tracker.views().items() if r in group.workers and group.workers[r].exit is None}
             hang = decide_hang(views, ctx.tracker.stats, c.sections, now)
-            if hang is not None:
-                return _hang(ctx, group, a, gdir, hang, now)
+            if hang is not None and hold is None:
+                ended = end_on_hang(ctx, group, a, gdir, hang, now)
+                if isinstance(ended, Outcome):
+                    return ended
+                a, hold = (ended, None) if isinstance(ended, Assignment) else (a, ended)
+                continue
             if peers.waiting > 0:
                 return Outcome(OutcomeKind.MEMBERSHIP, f"{peers.waiting} node(s) waiting to join the run")
         if now >= next_health:
@@ -242,7 +275,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 ctx.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
                 return Outcome(OutcomeKind.UNHEALTHY, health.reason, incident=unhealthy_incident(
                     c.node_id, a.generation, health.problems, when="while running"))
-        time.sleep(c.monitor_interval_s)
+        group.pause(c.monitor_interval_s)
 
 
 def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared: dict[str, Any] | None,
@@ -267,92 +300,6 @@ def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared
             pass
     ctx.emit(EventKind.STOP_REQUESTED, stop_at_step=stop_at, reason=reason, grace_s=ctx.config.preempt_grace_s)
     return stop_at
-
-
-def _failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, now: float) -> Outcome:
-    ranks = ctx.tracker.ranks()
-    stop_started = ctx.clock()
-    group.stop(ctx.config.stop_grace_s)
-    exits = [e for e in group.exits() if e.returncode != 0]
-    errors = {e.rank: read_error_file(gdir / f"rank{e.rank}.error.json") for e in exits}
-    failures = [_as_failure(ctx, e, ranks, caused_by_agent=e.at >= stop_started,
-                            consequence=is_collective_error(errors[e.rank])) for e in exits]
-    first = first_failure(failures)
-    assert first.rank is not None
-    info = ranks.get(first.rank)
-    returncode = first.exit_code if first.exit_code is not None else -(first.signal or 0)
-    # Only collective errors failed here: the death that caused them was elsewhere (another node, the store).
-    hint = "a collective error, as a lost peer causes: the cause is on another node" if first.consequence else ""
-    summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step,
-                               hint)
-    incident = Incident(
-        id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
-        kind=first.kind, rank=first.rank, pid=info.pid if info else None, section=first.section, step=first.step,
-        summary=summary, exit_code=first.exit_code, signal=first.signal, error=errors[first.rank],
-        other_failures=describe_others(failures, errors, first),
-    )
-    ctx.emit(EventKind.WORKER_FAILED, generation=a.generation, rank=first.rank, summary=summary)
-    last_progress = info.last_seen if info is not None else first.time
-    return Outcome(OutcomeKind.FAILED, summary, first, incident, detected_at=first.time, last_progress_at=last_progress)
-
-
-def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool,
-                consequence: bool) -> Failure:
-    info = ranks.get(e.rank)
-    return Failure(
-        kind="signal" if e.signal else "exit", rank=e.rank, node=ctx.config.node_id,
-        exit_code=None if e.signal else e.returncode, signal=e.signal,
-        section=info.section if info else None, step=info.step if info else None, time=e.at,
-        caused_by_agent=caused_by_agent, consequence=consequence,
-    )
-
-
-def _casualties(ctx: GenerationContext, group: WorkerGroup, gdir: Path, ranks: dict[int, Any],
-                first: Failure) -> tuple[str, ...]:
-    """One line for each other rank that ended non-zero once the agent stopped the group after ``first``."""
-    exits = [e for e in group.exits() if e.returncode != 0 and e.rank != first.rank]
-    errors = {e.rank: read_error_file(gdir / f"rank{e.rank}.error.json") for e in exits}
-    return describe_others([_as_failure(ctx, e, ranks, caused_by_agent=True,
-                                        consequence=is_collective_error(errors[e.rank])) for e in exits],
-                           errors, first)
-
-
-def _hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, hang: Any, now: float) -> Outcome:
-    ranks = ctx.tracker.ranks()
-    ctx.emit(EventKind.HANG_DETECTED, generation=a.generation, rank=hang.rank, section=hang.section, step=hang.step,
-               timeout_s=hang.timeout_s, source=hang.source, overrun_s=hang.overrun_s, reason=hang.reason)
-    py_spy = find_py_spy()
-    # The rank the policy flagged first (its stacks matter most), then its peers.
-    order = [hang.rank] + [r for r in sorted(group.workers) if r != hang.rank]
-    captures: dict[int, StackCapture] = {}
-    for rank in order:
-        w = group.workers[rank]
-        if w.exit is None:
-            captures[rank] = capture(w.pid, gdir / f"rank{rank}.stacks.txt", STACK_SIGNAL, py_spy)
-    suspects = [Suspect(rank, ranks[rank].section, ranks[rank].step, now - ranks[rank].entered_at,
-                        captures[rank].state, captures[rank].text) for rank in captures if rank in ranks]
-    culprit = attribute_hang(suspects) if suspects else None
-    rank = culprit.rank if culprit else hang.rank
-    info = ranks.get(rank)
-    section = info.section if info else hang.section
-    step = info.step if info else hang.step
-    group.stop(ctx.config.stop_grace_s)
-    summary = describe_failure("hang", rank, ctx.config.node_id, None, section, step,
-                               f"no progress for {hang.overrun_s + hang.timeout_s:.1f} s "
-                               f"(timeout {hang.timeout_s:.1f} s, {hang.source})")
-    failure = Failure(kind="hang", rank=rank, node=ctx.config.node_id, exit_code=None, signal=None,
-                      section=section, step=step, time=now, caused_by_agent=False)
-    incident = Incident(
-        id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
-        kind="hang", rank=rank, pid=info.pid if info else None, section=section, step=step, summary=summary,
-        hang={"timeout_s": hang.timeout_s, "source": hang.source, "overrun_s": hang.overrun_s,
-              "policy_reason": hang.reason, "attribution": culprit.reason if culprit else "only rank overrunning",
-              "stack_tool": py_spy or "faulthandler only"},
-        stacks=stacks_record(captures),
-        other_failures=_casualties(ctx, group, gdir, ranks, failure),
-    )
-    last_progress = info.entered_at if info is not None else now
-    return Outcome(OutcomeKind.FAILED, summary, failure, incident, detected_at=now, last_progress_at=last_progress)
 
 
 def record_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Emit) -> None:

@@ -63,6 +63,11 @@ class Incident:
     """The restart decision: action, reason, verdict, delay."""
     restored: Mapping[str, Any] | None = None
     """After a restart: what the next generation's ranks restored (:meth:`RestoreSummary.record`)."""
+    ladder: Mapping[str, Any] | None = None
+    """The recovery ladder's decision when in-process recovery was on offer (``RecoveryDecision.to_event()``):
+    why the run did, or did not, recover without a restart."""
+    recovered: Mapping[str, Any] | None = None
+    """After an in-process recovery: the rung, the new generation, its seconds and where the ranks resumed."""
     wall_time: float = field(default_factory=time.time)
 
     def with_decision(self, decision: Any) -> Incident:
@@ -74,10 +79,15 @@ class Incident:
         """This incident with what the restart restored appended."""
         return replace(self, restored=dict(restored))
 
+    def with_recovery(self, recovered: Mapping[str, Any]) -> Incident:
+        """This incident with how the in-process recovery it started completed."""
+        return replace(self, recovered=dict(recovered))
+
     def store_record(self) -> dict[str, Any]:
         """The run-wide copy kept in the store (readable with ``resilient status --store``)."""
         return {**self.event_fields(), "node": self.node, "wall_time": self.wall_time,
-                **({"restored": dict(self.restored)} if self.restored else {})}
+                **({"restored": dict(self.restored)} if self.restored else {}),
+                **({"recovered": dict(self.recovered)} if self.recovered else {})}
 
     def event_fields(self) -> dict[str, Any]:
         """The compact form that goes into the event log."""
@@ -88,6 +98,8 @@ class Incident:
             "exit_code": self.exit_code, "signal": self.signal,
             "error": f"{error.get('exc_type')}: {error.get('message')}" if error else None,
             "decision": dict(self.decision) if self.decision else None,
+            **({"ladder": {k: self.ladder[k] for k in ("action", "reason") if k in self.ladder}}
+               if self.ladder else {}),
             **({"problems": list(self.problems)} if self.problems else {}),
         }
 
@@ -172,6 +184,8 @@ def format_incident(incident: Incident, path: Path | None = None) -> str:
         out.append(f"resilient:   rank {incident.rank} raised{' (last lines)' if cut else ''}:")
         out.extend(f"resilient:   | {line}" for line in trace[-TRACEBACK_LINES:])
     out.extend(f"resilient:   {line}" for line in incident.other_failures)
+    if incident.ladder and incident.ladder.get("action") not in ("promote_spare", "shrink"):
+        out.append(f"resilient:   not recovered in process: {incident.ladder.get('reason')}")
     if incident.decision:
         out.append(f"resilient:   decision: {incident.decision.get('reason')}")
     if path is not None:

@@ -79,11 +79,16 @@ class WorkerSpec:
 
     local_rank: int
     rank: int
+    """The global rank; -1 for a spare, which has none until it is promoted."""
     argv: tuple[str, ...]
     env: Mapping[str, str]
     log_file: Path
     echo: bool = True
-    """Copy the worker's output to the agent's stdout, prefixed ``[rank N]``."""
+    """Copy the worker's output to the agent's stdout, prefixed ``[rank N]`` (``[spare ID]``)."""
+    worker_id: str = ""
+    """The process's name across generations of in-process recovery (``RESILIENT_WORKER_ID``)."""
+    slot: int = 0
+    """Its heartbeat socket's index on this node (a replacement takes the slot the dead process left)."""
 
 
 @dataclass(frozen=True)
@@ -107,8 +112,13 @@ class Worker:
     """One running worker process."""
 
     def __init__(self, spec: WorkerSpec, clock: Callable[[], float], echo_to: IO[str],
-                 preexec: Callable[[], None] | None = None) -> None:
+                 preexec: Callable[[], None] | None = None, changed: threading.Event | None = None) -> None:
         self.spec = spec
+        self.rank = spec.rank
+        """Its rank now: in-process recovery promotes a spare (-1) and renumbers the ranks of a shrunk world."""
+        self.worker_id = spec.worker_id
+        self.changed: threading.Event | None = changed
+        """Set when this worker exits, to wake the watch loop at once."""
         self._clock = clock
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(spec.log_file, "ab", buffering=0)
@@ -133,13 +143,15 @@ class Worker:
 
     def _wait(self) -> None:
         code = self.proc.wait()
-        self.exit = Exit(self.spec.rank, self.spec.local_rank, self.pid, code, self._clock())
+        self.exit = Exit(self.rank, self.spec.local_rank, self.pid, code, self._clock())
+        if self.changed is not None:
+            self.changed.set()
 
     def _copy_output(self) -> None:
         assert self.proc.stdout is not None
-        prefix = f"[rank {self.spec.rank}] ".encode()
         marker = UNCAUGHT_PREFIX.encode()
         for line in iter(self.proc.stdout.readline, b""):
+            prefix = (f"[rank {self.rank}] " if self.rank >= 0 else f"[spare {self.worker_id}] ").encode()
             self._log.write(line)
             if self.held_lines or line.startswith(marker):
                 # The worker raised and is exiting: its traceback (and whatever follows) stays in the log, and
@@ -170,10 +182,14 @@ class Worker:
 
 
 class WorkerGroup:
-    """The workers of one generation on this node.
+    """The workers of one generation on this node, and its spares.
 
     Create it on the thread that supervises the workers for their whole
-    life (see :func:`parent_death_signal`).
+    life (see :func:`parent_death_signal`): spares started later must be
+    started from that thread too.  ``workers`` holds the members by rank;
+    in-process recovery moves a spare into a lost rank's place
+    (:meth:`promote`), renumbers a shrunk world (:meth:`renumber`) and keeps
+    the lost processes in ``retired`` until the group stops.
     """
 
     def __init__(self, specs: Sequence[WorkerSpec], clock: Callable[[], float] = time.monotonic,
@@ -181,16 +197,65 @@ class WorkerGroup:
         self._clock = clock
         self._kill_wait_s = kill_wait_s
         self.workers: dict[int, Worker] = {}
+        self.spares: dict[str, Worker] = {}
+        """Spare processes by worker id, not members of the current generation."""
+        self.retired: list[Worker] = []
+        """Members lost to a failure that the group went on without."""
         self.stuck: tuple[Stuck, ...] = ()
         """Workers that SIGKILL did not end within ``kill_wait_s`` (set by :meth:`stop`)."""
-        out = echo_to if echo_to is not None else sys.stdout
-        preexec = parent_death_signal()
+        self.changed = threading.Event()
+        """Set when a worker exits (and by whoever else has news for the watch loop): wait on it, not a sleep."""
+        self._out = echo_to if echo_to is not None else sys.stdout
+        self._preexec = parent_death_signal()
         try:
             for spec in specs:
-                self.workers[spec.rank] = Worker(spec, clock, out, preexec)
+                self.workers[spec.rank] = Worker(spec, clock, self._out, self._preexec, self.changed)
         except BaseException:
             self.stop(grace_s=0)
             raise
+
+    def start_spare(self, spec: WorkerSpec) -> Worker:
+        """Start a spare process (``spec.rank`` is -1); it waits in ``resilient.Run()`` to be promoted."""
+        worker = self.spares[spec.worker_id] = Worker(spec, self._clock, self._out, self._preexec, self.changed)
+        return worker
+
+    def retire(self, rank: int) -> Worker:
+        """Take lost member ``rank`` out of the members (it has exited or been killed)."""
+        worker = self.workers.pop(rank)
+        self.retired.append(worker)
+        return worker
+
+    def promote(self, worker_id: str, rank: int) -> Worker:
+        """Make spare ``worker_id`` the member of ``rank`` (a free rank: retire the lost one first)."""
+        if rank in self.workers:
+            raise ValueError(f"rank {rank} still has a member (pid {self.workers[rank].pid}); retire it first")
+        worker = self.spares.pop(worker_id)
+        worker.rank = rank
+        self.workers[rank] = worker
+        return worker
+
+    def renumber(self, rank_map: Mapping[int, int]) -> None:
+        """Give the members new ranks (old -> new, every member listed), as a shrink closes up the ranks."""
+        if sorted(rank_map) != sorted(self.workers) or len(set(rank_map.values())) != len(rank_map):
+            raise ValueError(f"renumber needs a one-to-one map of the members {sorted(self.workers)}, got {rank_map}")
+        moved = {rank_map[old]: w for old, w in self.workers.items()}
+        for rank, w in moved.items():
+            w.rank = rank
+        self.workers = moved
+
+    def spare_exits(self) -> list[tuple[str, Exit]]:
+        """Spares that exited (a spare is never expected to), earliest first."""
+        found = [(i, w.exit) for i, w in self.spares.items() if w.exit is not None]
+        return sorted(found, key=lambda pair: pair[1].at)
+
+    def everyone(self) -> list[Worker]:
+        """Members, spares and retired members: every process this group started."""
+        return [*self.workers.values(), *self.spares.values(), *self.retired]
+
+    def pause(self, seconds: float) -> None:
+        """Wait up to ``seconds``, less when a worker exits or news arrives (see :attr:`changed`)."""
+        self.changed.wait(seconds)
+        self.changed.clear()
 
     def exits(self) -> list[Exit]:
         """Exits observed so far, earliest first."""
@@ -204,7 +269,7 @@ class WorkerGroup:
         return all(w.exit is not None for w in self.workers.values())
 
     def signal(self, signum: int) -> None:
-        for w in self.workers.values():
+        for w in self.everyone():
             w.signal(signum)
 
     def stop(self, grace_s: float) -> tuple[Stuck, ...]:
@@ -219,17 +284,21 @@ class WorkerGroup:
         self.signal(signal.SIGTERM)
         self.signal(signal.SIGCONT)
         deadline = self._clock() + grace_s
-        while self.running() and self._clock() < deadline:
+
+        def alive() -> bool:
+            return any(w.exit is None for w in self.everyone())
+
+        while alive() and self._clock() < deadline:
             time.sleep(0.02)
-        if self.running():
+        if alive():
             self.signal(signal.SIGKILL)
         kill_deadline = time.monotonic() + self._kill_wait_s
         stuck = []
-        for w in self.workers.values():
+        for w in self.everyone():
             try:
                 w.proc.wait(timeout=max(0.0, kill_deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                found = stuck_state(w.pid, w.spec.rank)
+                found = stuck_state(w.pid, w.rank)
                 if found is not None:
                     stuck.append(found)
                     continue  # its waiter thread reaps it if it ever ends; the log stays open until then

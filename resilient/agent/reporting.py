@@ -35,6 +35,8 @@ class NodeReporting:
         self._emit = emit
         self._peak_flops: float | None = None
         self.metrics: Any = None
+        self.spares_ready: Callable[[], int] | None = None
+        """Warm spares now (set by the agent when in-process recovery is on offer)."""
         self.status = StatusPublisher(
             config, status_file=run_dir.status_file, control_socket=run_dir.socket_path("control.sock"),
             tracker=tracker, accounting=accounting, restarts_used=lambda: coordination.restarts_used_cached,
@@ -72,6 +74,8 @@ class NodeReporting:
         return NodeView(
             run_id=c.run_id, node=c.node_id, now=acc.now(), account=a,
             restarts_by_reason=dict(acc.restarts_by_reason), hangs=acc.hangs,
+            recoveries_by_rung=dict(acc.recoveries_by_rung),
+            spares_ready=self.spares_ready() if self.spares_ready is not None else 0,
             incidents_by_kind=dict(acc.incidents_by_kind), restarts_used=self._coordination.restarts_used_cached,
             restart_budget=c.restart.max_restarts, generation=a.generation or 0, world_size=a.world_size or 0,
             full_world_size=c.max_nodes * c.nproc_per_node, checkpoint_duration_s=acc.checkpoint_duration_s,

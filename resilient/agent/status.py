@@ -77,6 +77,9 @@ class StatusPublisher:
         self.metrics_url: str | None = None
         self.restore: dict[str, Any] | None = None
         """What the newest generation's ranks restored (:meth:`RestoreSummary.record`), once they all reported."""
+        self.recovery: Callable[[], dict[str, Any]] | None = None
+        """In-process recovery's view: the ladder's newest decision, how the newest recovery completed, spares
+        ready (set by the agent when it offers in-process recovery)."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -138,6 +141,7 @@ class StatusPublisher:
                           "observations": s.count, "max_seen_s": round(s.max_s, 3)}
                          for s in calibration_summary(tracker.stats, c.sections)],
             "checkpoint": tracker.checkpoint_location, "restore": self.restore,
+            "recovery": self.recovery() if self.recovery is not None else None,
             "store_published_at": self._store_published_at,
         }
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..elastic.observe import RestartOutlook
 from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
@@ -37,13 +38,15 @@ from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .bookkeeping import ProcessBookkeeping
 from .config import AgentConfig
+from .continuation import outlook_from
 from .control import ControlServer
 from .coordination import Coordination
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .incidents import Incident, node_lost_incident, publish_incident, unhealthy_incident
-from .policy import Action, decide_restart
+from .inproc import InProcess
+from .policy import Action, Failure, decide_restart
 from .reporting import NodeReporting
 from .restores import RestoreSummary
 from .rundir import RunDir, heartbeat_socket, read_token
@@ -101,6 +104,14 @@ class Agent:
         """The incident of the failure that the next generation restarts after (it gets the restore appended)."""
         self.reporting = NodeReporting(config, self.run_dir, tracker=self.tracker, accounting=self.accounting,
                                        coordination=self.coordination, emit=self.emit, clock=clock)
+        self.inproc: InProcess | None = None
+        """In-process recovery (``--spares``, ``--nproc-per-node MIN:MAX``); None: restarts only."""
+        if config.offers_in_process:
+            self.inproc = InProcess(config, self.emit, clock)
+            self.reporting.spares_ready = self.inproc.ready_spares
+            self.reporting.status.recovery = self.inproc.view
+        self._open_incidents: dict[str, Incident] = {}
+        """Incidents an in-process recovery is answering: the record of its completion is appended."""
 
     # ------------------------------------------------------------ plumbing
     def emit(self, kind: EventKind, **fields: Any) -> None:
@@ -150,8 +161,29 @@ class Agent:
             waiting=(lambda: rendezvous.num_nodes_waiting()) if rendezvous is not None else (lambda: 0),
             stop_requested=lambda: self.stop_requested, interrupted=lambda: self.interrupted,
             workers_started=self.bookkeeping.workers_started, workers_stopped=self.bookkeeping.workers_stopped,
-            restored=self._on_restored,
+            restored=self._on_restored, inproc=self.inproc, restart_outlook=self._restart_outlook,
+            next_generation=self._next_generation, record_incident=self._record_open_incident,
+            recovered=self._on_recovered,
         )
+
+    def _restart_outlook(self, failure: Failure) -> RestartOutlook:
+        """What the restart policy would decide about ``failure`` now, for the ladder's lower rungs."""
+        history = self.coordination.history(self.tracker.committed_step, exclude_generation=self._generation)
+        return outlook_from(decide_restart(failure, history, self.config.restart, self.clock()))
+
+    def _next_generation(self) -> int:
+        """The run's next generation number, for a generation formed in process (no rendezvous round)."""
+        self._generation = self.coordination.control.add("generation", 1)
+        return self._generation
+
+    def _record_open_incident(self, incident: Incident) -> None:
+        self._open_incidents[incident.id] = incident
+        self.record_incident(incident)
+
+    def _on_recovered(self, incident_id: str, record: dict[str, Any]) -> None:
+        incident = self._open_incidents.pop(incident_id, None)
+        if incident is not None:
+            publish_incident(incident.with_recovery(record), self.run_dir, self.coordination.control, self.emit)
 
     def _on_restored(self, summary: RestoreSummary) -> None:
         """Say what a generation restored: console, event, status, and the incident whose restart it was."""
@@ -171,9 +203,12 @@ class Agent:
                   nnodes=[c.min_nodes, c.max_nodes], store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
         # One socket per local rank: a unix datagram queue holds only a few messages
         # (net.unix.max_dgram_qlen, 10 here), so ranks sharing one would lose heartbeats.
-        intake = HeartbeatIntake(self.tracker, self.accounting)
-        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, local), intake, clock=self.clock)
-                           for local in range(c.nproc_per_node)]
+        intake = HeartbeatIntake(self.tracker, self.accounting,
+                                 on_recovery=self.inproc.on_message if self.inproc is not None else None)
+        # Spares have sockets of their own (slots after the ranks'); a replacement takes a dead process's slot.
+        slots = c.nproc_per_node + (c.spares if self.inproc is not None else 0)
+        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, slot), intake, clock=self.clock)
+                           for slot in range(slots)]
         self.accounting.apply("agent_started")
         self.reporting.start()
         self.bookkeeping.report_swept(self.accounting.ledger.generation or 0)
@@ -209,6 +244,7 @@ class Agent:
                 restart = self.last_outcome is not None and self.last_outcome.restarts_workers
                 outcome = gen_mod.run_generation(self.generation_context(), assignment,
                                                  self.coordination.restarts_used(), restart=restart)
+                generation = self._generation  # an in-process recovery may have moved it on
                 result = self._after(outcome, generation)
                 if result is not None:
                     return result
@@ -218,6 +254,8 @@ class Agent:
             self.reporting.stop()
             for receiver in self._receivers:
                 receiver.close()
+            if self.inproc is not None:
+                self.inproc.close()
             self.coordination.close()
             self.bookkeeping.release()
 

@@ -53,6 +53,7 @@ class RankTracker:
         self._lock = threading.Lock()
         self._ranks: dict[int, RankInfo] = {}
         self._pids: dict[int, int] = {}
+        self._carried: frozenset[int] = frozenset()
         self._generation: int | None = None
         self._on_stale = on_stale
         self._stale_seen: set[tuple[int, int | None]] = set()
@@ -68,9 +69,15 @@ class RankTracker:
     def generation(self) -> int | None:
         return self._generation
 
-    def start_generation(self, pids: Mapping[int, int], now: float, generation: int) -> None:
-        """Forget the old ranks; the new ones (rank -> pid of ``generation``) are in "init" since ``now``."""
+    def start_generation(self, pids: Mapping[int, int], now: float, generation: int,
+                         carried: frozenset[int] = frozenset()) -> None:
+        """Forget the old ranks; the new ones (rank -> pid of ``generation``) are in "init" since ``now``.
+
+        ``carried``: pids an in-process recovery kept from the previous generation; their heartbeats of an
+        earlier generation (still queued when it failed) are counted as stale but not reported.
+        """
         with self._lock:
+            self._carried = carried
             self._generation = generation
             self._pids = dict(pids)
             self._ranks = {r: RankInfo(r, pid, "init", 0, now, now) for r, pid in pids.items()}
@@ -81,7 +88,11 @@ class RankTracker:
         with self._lock:
             if hb.generation is None or hb.generation != self._generation or self._pids.get(hb.rank) != hb.pid:
                 self.stale_heartbeats += 1
-                first = (hb.pid, hb.generation) not in self._stale_seen
+                # A member of this generation carried over from the previous one by an in-process recovery
+                # may still have that generation's heartbeats queued: counted, not reported.
+                carried = hb.pid in self._carried and hb.generation is not None \
+                    and self._generation is not None and hb.generation < self._generation
+                first = (hb.pid, hb.generation) not in self._stale_seen and not carried
                 self._stale_seen.add((hb.pid, hb.generation))
                 current = self._generation
             else:
@@ -135,11 +146,18 @@ class RankTracker:
 class HeartbeatIntake:
     """The receivers' callback: the tracker decides whether a heartbeat counts, the ledger gets only those."""
 
-    def __init__(self, tracker: RankTracker, accounting: NodeAccounting) -> None:
+    def __init__(self, tracker: RankTracker, accounting: NodeAccounting,
+                 on_recovery: Callable[[Heartbeat, float], None] | None = None) -> None:
         self.tracker = tracker
         self.accounting = accounting
+        self.on_recovery = on_recovery
+        """Takes ``recovery`` messages (in-process recovery's reports); they never reach the tracker or ledger."""
 
     def __call__(self, hb: Heartbeat, received_at: float) -> None:
+        if hb.kind == "recovery":  # from a spare (no rank yet) as much as from a member: not a section entry
+            if self.on_recovery is not None:
+                self.on_recovery(hb, received_at)
+            return
         if self.tracker.on_heartbeat(hb, received_at) and hb.kind != "restored":
             self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,
                                       hb.committed_step, hb.save)

@@ -44,7 +44,9 @@ class FaultInjector:
         *,
         events: EventLog | None = None,
         log: TextIO | None = None,
+        after_step: int | None = None,
     ) -> None:
+        """``after_step``: only faults at later steps (a rank taken over in a re-formed group)."""
         self.plan = plan
         self.node = node
         self.rank = rank
@@ -55,7 +57,8 @@ class FaultInjector:
         """Faults fired so far in this process (the ones that returned: hangs with a duration)."""
         self._index: dict[tuple[str, int], list[Fault]] = {}
         for fault in plan.for_worker(node, rank, attempt):
-            self._index.setdefault((fault.section, fault.step), []).append(fault)
+            if after_step is None or fault.step > after_step:
+                self._index.setdefault((fault.section, fault.step), []).append(fault)
 
     @property
     def armed(self) -> bool:

@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CommitConflictError, FencedError, ResilientError
+from ..errors import CheckpointError, CommitConflictError, FencedError, ResilientError
 from ..events import EventKind, EventLog
 from .config import CheckpointConfig
 from .coordinator import Coordinator
@@ -59,8 +59,15 @@ class CheckpointManager:
         events: EventLog,
         storage: Storage | None = None,
         fence: Fence | None = None,
+        *,
+        claim: bool = True,
     ) -> None:
-        """``fence``: this job's launch and generation (default: no agent, generation 0)."""
+        """``fence``: this job's launch and generation (default: no agent, generation 0).
+
+        ``claim=False``: neither claim the fence nor sweep leftovers (a spare
+        restores while the members train: it must not remove their staged
+        files); such a manager saves only after :meth:`regroup`.
+        """
         self.config = config
         self.coord = coordinator
         self.events = events
@@ -75,7 +82,30 @@ class CheckpointManager:
         # Rank 0 checks the store, claims the fence and then sweeps leftovers
         # of crashed (or stale) saves; every rank gets the save token, or the
         # same error (a refused claim is a FencedError everywhere).
-        self.token: str = self.coord.on_root(self._start).decode()
+        self.token: str = self.coord.on_root(self._start).decode() if claim else ""
+
+    def regroup(self, coordinator: Coordinator) -> None:
+        """Save with ``coordinator`` (a re-formed group's) from now on; collective on its ranks.
+
+        Call it with no save in flight (:meth:`wait`).  The ranks take the
+        save token and fence of the lowest rank that holds a claim, so a
+        promoted spare (which claimed nothing) stages where its peers do.
+        """
+        assert not self._writer.in_flight(), "regroup() with a save in flight"
+        self.coord = coordinator
+        mine = json.dumps({"token": self.token, "fence": self.fence.to_json()}).encode()
+        gathered = coordinator.gather(mine)
+
+        def first_holder() -> bytes:  # on rank 0, which holds every rank's claim
+            assert gathered is not None
+            for raw in gathered:
+                if json.loads(raw)["token"]:
+                    return raw
+            raise CheckpointError("no rank of the re-formed group holds a checkpoint claim (all are spares): "
+                                  "restart the group so that rank 0 claims the location")
+
+        agreed = json.loads(coordinator.on_root(first_holder))  # an error there is the same error on every rank
+        self.token, self.fence = agreed["token"], Fence(**agreed["fence"])
 
     def _start(self) -> bytes:
         token = uuid.uuid4().hex[:12]

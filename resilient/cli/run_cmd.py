@@ -43,8 +43,16 @@ def add_parser(commands: Any) -> None:
         "checkpoint when one fails or hangs, and stop with a verdict when restarting cannot help.",
     )
     p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes in the run (default 1)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, metavar="N",
-                   help="worker processes on this node (default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|MIN:MAX",
+                   help="worker processes on this node (default 1); MIN:MAX starts MAX and may continue on as "
+                   "few as MIN after losing some, keeping the global batch (scripts that use run.attempt())")
+    p.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="extra workers kept warm (script run up to resilient.Run) to take a failed rank's "
+                   "place in process (default 0)")
+    p.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="recover by restarting the group only, even for scripts that use run.attempt()")
+    p.add_argument("--recovery-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds an in-process recovery may take before the agent restarts the group (default 60)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
                    help="restarts allowed per launch (see --restart-budget-scope), all nodes together (default 3)")
     p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID",
@@ -118,14 +126,15 @@ def add_parser(commands: Any) -> None:
     p.set_defaults(handler=cmd_run)
 
 
-def parse_nnodes(text: str) -> tuple[int, int]:
+def parse_nnodes(text: str, flag: str = "--nnodes") -> tuple[int, int]:
+    """``N`` or ``MIN:MAX`` as (min, max)."""
     try:
         if ":" in text:
             lo, hi = text.split(":", 1)
             return int(lo), int(hi)
         return int(text), int(text)
     except ValueError:
-        raise ConfigError(f"--nnodes {text!r}: give N or MIN:MAX, e.g. --nnodes 2:3") from None
+        raise ConfigError(f"{flag} {text!r}: give N or MIN:MAX, e.g. {flag} 2:3") from None
 
 
 def parse_sections(items: list[str]) -> dict[str, float]:
@@ -149,6 +158,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     from ..watchdog.sections import SectionTimeouts
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    min_nproc, nproc = parse_nnodes(args.nproc_per_node, "--nproc-per-node")
     store = args.store or (f"etcd://{args.rdzv_endpoint}" if args.rdzv_endpoint else None)
     if args.rdzv_backend in ("etcd", "etcd-v3") and store is None:
         raise ConfigError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (or --store etcd://...)")
@@ -191,7 +201,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         entrypoint=entry, run_id=run_id, node_id=node_id, launch_id=launch_id_from(args.launch_id, environ),
         token_file=args.token_file.absolute() if args.token_file else None,
         run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
-        nproc_per_node=args.nproc_per_node, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
+        nproc_per_node=nproc, min_nproc_per_node=min_nproc if min_nproc != nproc else None, spares=args.spares,
+        in_process=args.in_process, recovery_timeout_s=args.recovery_timeout, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
         etcd_options=etcd if store else {}, local_addr=local_addr,
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
                               backoff_initial_s=args.restart_backoff, budget_scope=args.restart_budget_scope),

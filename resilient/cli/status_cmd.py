@@ -162,6 +162,14 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
         restore = n.get("restore")
         if isinstance(restore, dict) and restore.get("summary"):
             out.append(f"  restore: {restore['summary']}")
+        recovery = n.get("recovery")
+        if isinstance(recovery, dict):
+            if recovery.get("decision"):
+                out.append(f"  recovery decision: {recovery['decision']}")
+            if recovery.get("completed"):
+                out.append(f"  recovered: {recovery['completed']}")
+            if recovery.get("spares") is not None:
+                out.append(f"  spares ready: {recovery['spares']}")
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
                              if t["source"] != "initial")
         if timeouts:

@@ -7,7 +7,7 @@ the latest) and from the defaults below before it has any.  The defaults are
 deliberately pessimistic for the in-process rungs, so that a run that has
 measured nothing yet does not over-promise them:
 
-- ``restart_s`` = 7 s: issue 10 measured 6.97 s from a kill to the next new
+- ``restart_s`` = 7 s: the agent benchmark once measured 6.97 s from a kill to the next new
   step under ``resilient run`` (two ranks, CPU, gloo), most of it workers
   starting again and replaying steps since the last commit;
 - ``inproc_s`` = 0.5 s: a spike re-formed a gloo group among survivors in
@@ -53,7 +53,7 @@ class RecoveryCosts:
     grow_s: float = 2.0
     """d_grow: grow back at a step boundary (re-form, broadcast state to the joiners, re-plan)."""
     restart_s: float = 7.0
-    """d_restart: group restart from the newest commit, replay included (issue 10's measure: 6.97 s)."""
+    """d_restart: group restart from the newest commit, replay included (the agent benchmark's measure: 6.97 s)."""
     repair_s: float | None = None
     """R: expected seconds until a lost member (node or spare) is back; None when unknown (treated as long)."""
     throughput_fraction: float | None = None

@@ -32,6 +32,8 @@ CATEGORIES = (
 BADPUT_CATEGORIES = CATEGORIES[1:]
 INCIDENT_KINDS: tuple[str, ...] = FAILURE_KINDS
 RESTART_REASONS: tuple[str, ...] = (*FAILURE_KINDS, OutcomeKind.MEMBERSHIP.value)
+RECOVERY_RUNGS: tuple[str, ...] = ("promote_spare", "shrink")
+"""The in-process rungs of the recovery ladder (resilient.elastic.decide.Action values) the agent carries out."""
 SCOPES = ("run", "window")
 """``run``: since the run started; ``window``: the rolling window (default one hour)."""
 
@@ -84,6 +86,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_step_duration_seconds", "histogram", "Duration of each step, per rank", (*_NODE, "rank")),
     Metric("resilient_restarts_total", "counter", "Group restarts, by reason", (*_NODE, "reason")),
     Metric("resilient_hangs_total", "counter", "Hangs detected", _NODE),
+    Metric("resilient_recoveries_total", "counter",
+           "Failures recovered in process (no restart), by rung: promote_spare, shrink", (*_NODE, "rung")),
+    Metric("resilient_spares_ready", "gauge", "Spare workers warm and waiting to take a failed rank's place", _NODE),
     Metric("resilient_incidents_total", "counter", "Incidents, by kind", (*_NODE, "kind")),
     Metric("resilient_restarts_used", "gauge", "Restarts counted against the run's budget", _NODE),
     Metric("resilient_restart_budget", "gauge", "The run's restart budget (--max-restarts)", _NODE),

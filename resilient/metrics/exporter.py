@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError
-from .catalogue import BADPUT_CATEGORIES, BY_NAME, INCIDENT_KINDS, RESTART_REASONS, STEP_BUCKETS
+from .catalogue import BADPUT_CATEGORIES, BY_NAME, INCIDENT_KINDS, RECOVERY_RUNGS, RESTART_REASONS, STEP_BUCKETS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +30,8 @@ class NodeView:
     account: Any
     """The ledger's :class:`~resilient.metrics.ledger.Account` at ``now``."""
     restarts_by_reason: Mapping[str, int] = field(default_factory=dict)
+    recoveries_by_rung: Mapping[str, int] = field(default_factory=dict)
+    spares_ready: int = 0
     hangs: int = 0
     incidents_by_kind: Mapping[str, int] = field(default_factory=dict)
     restarts_used: int = 0
@@ -115,6 +117,11 @@ def families(view: NodeView) -> Iterator[Any]:
         f.add_metric([*base, reason], view.restarts_by_reason.get(reason, 0))
     yield f
     yield one("resilient_hangs_total", view.hangs)
+    f = fam("resilient_recoveries_total")
+    for rung in RECOVERY_RUNGS:
+        f.add_metric([*base, rung], view.recoveries_by_rung.get(rung, 0))
+    yield f
+    yield one("resilient_spares_ready", view.spares_ready)
     f = fam("resilient_incidents_total")
     for kind in INCIDENT_KINDS:
         f.add_metric([*base, kind], view.incidents_by_kind.get(kind, 0))

@@ -8,6 +8,14 @@ outside :mod:`resilient.cli` that reads environment variables, and it reads
 only these.  It returns None when ``RESILIENT_AGENT_SOCKET`` is unset: the
 worker is not under an agent and :class:`resilient.Run` behaves as it
 would without one.
+
+In-process recovery adds ``RESILIENT_RECOVERY_STORE`` (the agent's
+TCPStore that re-formed groups rendezvous on; unset: no in-process
+recovery), ``RESILIENT_WORKER_ID``, ``RESILIENT_ROLE`` (``worker`` or
+``spare``) and ``RESILIENT_RECOVERY_TIMEOUT``.  A spare gets no ``RANK``,
+``WORLD_SIZE`` or ``MASTER_*``: it is rank 0 of a world of 1 until promoted.
+:func:`launched_distributed` tells whether torch's own variables ask for a
+process group (plain ``torchrun`` sets them without any agent).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from typing import Any
 from ..errors import ConfigError
 
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+ROLES = ("worker", "spare")
+"""``RESILIENT_ROLE``: a member of the current generation, or a pre-warmed spare waiting to be promoted."""
+DEFAULT_RECOVERY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +80,14 @@ class WorkerEnv:
     """RESILIENT_STOP_SIGNAL: signal sent after the control file was written."""
     fault_plan: str | None = None
     """RESILIENT_FAULT_PLAN: a chaos plan (JSON) to inject faults from; None: no faults."""
+    recovery_store: tuple[str, int] | None = None
+    """RESILIENT_RECOVERY_STORE=host:port: the agent's TCPStore for in-process recovery; None: restart only."""
+    worker_id: str | None = None
+    """RESILIENT_WORKER_ID: this process's identity across generations (its assignments' key)."""
+    role: str = "worker"
+    """RESILIENT_ROLE: ``worker`` (a member) or ``spare`` (waits for an assignment before training)."""
+    recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
+    """RESILIENT_RECOVERY_TIMEOUT: seconds a survivor waits for its assignment, and for the new group, before giving up."""
 
     def __post_init__(self) -> None:
         if not self.agent_socket:
@@ -92,6 +111,20 @@ class WorkerEnv:
                 raise ConfigError(f"{var}={signum} is not a signal number on this platform") from None
             if sig in _UNCATCHABLE:
                 raise ConfigError(f"{var}={signum} ({sig.name}) cannot be caught; use e.g. SIGUSR1 (10) or SIGUSR2 (12)")
+        if self.role not in ROLES:
+            raise ConfigError(f"RESILIENT_ROLE={self.role!r} is not a role: use one of {', '.join(ROLES)}")
+        if not self.recovery_timeout_s > 0:  # also refuses NaN
+            raise ConfigError(f"RESILIENT_RECOVERY_TIMEOUT={self.recovery_timeout_s!r} must be a number of seconds > 0")
+        if self.recovery_store is not None:
+            host, port = self.recovery_store
+            if not host or not 0 < port < 65536:
+                raise ConfigError(f"RESILIENT_RECOVERY_STORE={host}:{port} is not host:port with a port in 1..65535")
+            if not self.worker_id:
+                raise ConfigError("RESILIENT_RECOVERY_STORE is set but RESILIENT_WORKER_ID is not: the agent names "
+                                  "each worker (e.g. w0, s0) so that it can address its assignments")
+        if self.role == "spare" and self.recovery_store is None:
+            raise ConfigError("RESILIENT_ROLE=spare needs RESILIENT_RECOVERY_STORE: a spare waits there for the "
+                              "assignment that promotes it")
         if self.stack_signal == self.stop_signal:
             raise ConfigError(
                 f"RESILIENT_STACK_SIGNAL and RESILIENT_STOP_SIGNAL are both {self.stop_signal}; they must differ"
@@ -135,6 +168,10 @@ class WorkerEnv:
             "control_file": _str(environ, "RESILIENT_CONTROL_FILE"),
             "stop_signal": _int(environ, "RESILIENT_STOP_SIGNAL"),
             "fault_plan": _str(environ, "RESILIENT_FAULT_PLAN"),
+            "recovery_store": _address(environ, "RESILIENT_RECOVERY_STORE"),
+            "worker_id": _str(environ, "RESILIENT_WORKER_ID"),
+            "role": _str(environ, "RESILIENT_ROLE"),
+            "recovery_timeout_s": _float(environ, "RESILIENT_RECOVERY_TIMEOUT"),
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -143,7 +180,9 @@ class WorkerEnv:
         out: dict[str, str] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value is not None:
+            if f.name == "recovery_store" and value is not None:
+                out[_VARS[f.name]] = f"{value[0]}:{value[1]}"
+            elif value is not None:
                 out[_VARS[f.name]] = str(value)
         if self.run_id is not None:
             out["TORCHELASTIC_RUN_ID"] = self.run_id
@@ -159,8 +198,15 @@ _VARS = {
     "generation": "RESILIENT_GENERATION", "launch_id": "RESILIENT_LAUNCH_ID", "attempt": "RESILIENT_ATTEMPT", "stack_file": "RESILIENT_STACK_FILE",
     "stack_signal": "RESILIENT_STACK_SIGNAL", "error_file": "RESILIENT_ERROR_FILE",
     "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
-    "fault_plan": "RESILIENT_FAULT_PLAN",
+    "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
+    "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
 }
+
+
+def launched_distributed(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether torch's launcher variables ask for a process group (``WORLD_SIZE`` > 1), agent or not."""
+    world = _int(environ, "WORLD_SIZE")
+    return world is not None and world > 1
 
 
 def _str(environ: Mapping[str, str], var: str) -> str | None:
@@ -176,3 +222,28 @@ def _int(environ: Mapping[str, str], var: str) -> int | None:
         return int(value.strip())
     except ValueError:
         raise ConfigError(f"{var}={value!r} is not an integer") from None
+
+
+def _float(environ: Mapping[str, str], var: str) -> float | None:
+    value = _str(environ, var)
+    if value is None:
+        return None
+    try:
+        return float(value.strip())
+    except ValueError:
+        raise ConfigError(f"{var}={value!r} is not a number of seconds") from None
+
+
+def _address(environ: Mapping[str, str], var: str) -> tuple[str, int] | None:
+    value = _str(environ, var)
+    if value is None:
+        return None
+    host, sep, port = value.strip().rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29500
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not sep or not host or not 0 < number < 65536:
+        raise ConfigError(f"{var}={value!r} is not host:port (e.g. 127.0.0.1:29400): the agent's recovery store")
+    return host, number

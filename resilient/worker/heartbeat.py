@@ -65,16 +65,21 @@ class HeartbeatSender:
         self._sock.setblocking(False)
         self._connected = False
         self._retry_at = 0.0
-        # Everything but section, step, seq and committed step is fixed: format it once.
-        self._head = (f'{{"v":{PROTOCOL_VERSION},"g":{int(generation)},"rank":{int(rank)},'
-                      f'"local_rank":{int(local_rank)},"pid":{self.pid},')
-
+        self._head = ""
         self._sections: dict[str, str] = {}
+        self.rejoin(generation, rank)
+
+    def rejoin(self, generation: int, rank: int) -> None:
+        """Send as ``rank`` of ``generation`` from now on (after an in-process re-formation)."""
+        self.generation, self.rank = generation, rank
+        # Everything but section, step, seq and committed step is fixed between re-formations: format it once.
+        self._head = (f'{{"v":{PROTOCOL_VERSION},"g":{int(generation)},"rank":{int(rank)},'
+                      f'"local_rank":{int(self.local_rank)},"pid":{self.pid},')
 
     def format(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
                checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
                save: dict[str, Any] | None = None, t: float | None = None,
-               restored: dict[str, Any] | None = None) -> str:
+               restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None) -> str:
         """One heartbeat as a JSON line (takes the next sequence number)."""
         self.seq += 1
         quoted = self._sections.get(section)
@@ -85,17 +90,19 @@ class HeartbeatSender:
         saved = "" if save is None else f',"save":{json.dumps(save)}'
         when = "" if t is None else f',"t":{t!r}'
         report = "" if restored is None else f',"restored":{json.dumps(restored)}'
+        report += "" if recovery is None else f',"recovery":{json.dumps(recovery)}'
         return (f'{self._head}"section":{quoted},"step":{int(step)},"seq":{self.seq},"kind":"{kind}",'
                 f'"checkpoint":{where},"committed_step":{committed},"tokens":{int(tokens)},'
                 f'"samples":{int(samples)}{saved}{when}{report}}}')
 
     def send(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
              checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
-             save: dict[str, Any] | None = None, restored: dict[str, Any] | None = None) -> bool:
+             save: dict[str, Any] | None = None, restored: dict[str, Any] | None = None,
+             recovery: dict[str, Any] | None = None) -> bool:
         """Send one heartbeat; True when the agent's socket took it."""
         try:
             text = self.format(kind, section, step, committed_step=committed_step, checkpoint=checkpoint,
-                               tokens=tokens, samples=samples, save=save, restored=restored)
+                               tokens=tokens, samples=samples, save=save, restored=restored, recovery=recovery)
         except Exception as e:  # noqa: BLE001  e.g. a save report that is not JSON: drop, never raise
             self.dropped += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -150,9 +157,20 @@ class BatchingSender:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_flush = float("-inf")
-        s = sender
+        self._head = ""
+        self._format_head()
+
+    def _format_head(self) -> None:
+        s = self.sender
         self._head = (f'{{"v":{PROTOCOL_VERSION},"g":{int(s.generation)},"rank":{int(s.rank)},'
                       f'"local_rank":{int(s.local_rank)},"pid":{s.pid},"rows":')
+
+    def rejoin(self, generation: int, rank: int) -> None:
+        """Send what is queued under the old header, then send as ``rank`` of ``generation``."""
+        with self._lock:
+            self._flush_locked()
+            self.sender.rejoin(generation, rank)
+            self._format_head()
 
     @property
     def sent(self) -> int:
@@ -186,8 +204,8 @@ class BatchingSender:
         return True
 
     def send_single(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
-                    restored: dict[str, Any] | None = None) -> bool:
-        """Send what is queued, then one heartbeat in a datagram of its own (a ``restored`` report); never raises.
+                    restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None) -> bool:
+        """Send what is queued, then one heartbeat in a datagram of its own (``restored``, ``recovery``); never raises.
 
         A report that older agents do not know travels alone, so an older
         agent drops that datagram only, never a batch of heartbeats with it.
@@ -199,7 +217,8 @@ class BatchingSender:
         with self._lock:
             self._flush_locked()
             self._last_flush = self._clock()
-            return self.sender.send(kind, section, step, committed_step=committed_step, restored=restored)
+            return self.sender.send(kind, section, step, committed_step=committed_step, restored=restored,
+                                    recovery=recovery)
 
     def _loop(self) -> None:
         while not self._closed.wait(self.interval_s):

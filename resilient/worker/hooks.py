@@ -18,7 +18,12 @@
 - graceful stop: ``RESILIENT_STOP_SIGNAL`` only sets a flag; the Run reads
   the control file at its next step boundary (:meth:`take_stop_request`);
 - chaos: a fault plan (``RESILIENT_FAULT_PLAN``) is loaded lazily and its
-  faults fire on section entry.
+  faults fire on section entry;
+- in-process recovery: ``recovery`` reports (:meth:`recovery`), and
+  :meth:`rejoin` after a re-formation.  A spare (``RESILIENT_ROLE=spare``)
+  starts in *standby*: it sends only ``recovery`` reports until it is
+  promoted, so the agent never counts it as a member of a generation it is
+  not in; on promotion it says ``hello`` like any new member.
 
 Only the main thread can install signal handlers; a Run created elsewhere
 gets heartbeats and stack dumps but no graceful stop, and says so in
@@ -102,6 +107,11 @@ class WorkerHooks:
         self._prev_excepthook: Any = None
         self._prev_stop_handler: Any = None
         self._said_bye = False
+        self.standby = env.role == "spare"
+        self._fault_plan: Any = None
+        """A spare not yet promoted: nothing but ``recovery`` reports goes out."""
+        self.rank, self.generation = env.rank, env.generation
+        self._checkpoint_location: str | None = None
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -122,7 +132,9 @@ class WorkerHooks:
             from ..chaos.plan import FaultPlan
 
             plan = FaultPlan.load(env.fault_plan)
-            self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events)
+            self._fault_plan = plan
+            if not self.standby:  # a spare has no rank to be struck as until it is promoted (rejoin)
+                self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events)
 
     def uninstall(self) -> None:
         """Undo :meth:`install` (for tests and for processes that outlive their Run)."""
@@ -139,6 +151,9 @@ class WorkerHooks:
 
     # ---------------------------------------------------------- heartbeats
     def hello(self, checkpoint: str | None) -> None:
+        self._checkpoint_location = checkpoint
+        if self.standby:  # a spare says hello when it is promoted (rejoin)
+            return
         self.sender.send("hello", self.section, self.step, committed_step=self.committed_step, checkpoint=checkpoint)
         if self.injector is not None:  # hello went out at once: nothing queued to flush
             self.injector.at(self.section, self.step)
@@ -149,7 +164,7 @@ class WorkerHooks:
         self.section = section
         self.step = step
         self.committed_step = committed_step
-        if not self._said_bye:  # after bye (e.g. Run.close() after a graceful stop) the agent expects silence
+        if not (self._said_bye or self.standby):  # after bye (e.g. Run.close() after a graceful stop): silence
             self.sender.send("section", section, step, committed_step=committed_step, tokens=tokens, samples=samples,
                              save=save)
         if self.injector is not None:
@@ -159,9 +174,34 @@ class WorkerHooks:
 
     def restored(self, checkpoint: str | None, step: int | None, seconds: float) -> None:
         """Tell the agent what this process restored (``checkpoint`` None: a fresh start) and how long it took."""
+        if self.standby:
+            return
         report = {"checkpoint": checkpoint, "step": step, "seconds": round(max(0.0, seconds), 6)}
         self.sender.send_single("restored", self.section, self.step, committed_step=self.committed_step,
                                 restored=report)
+
+    def recovery(self, report: dict[str, Any]) -> None:
+        """Send an in-process recovery report (``{"event": ...}``) in a datagram of its own, standby or not."""
+        self.sender.send_single("recovery", self.section, self.step, committed_step=self.committed_step,
+                                recovery=report)
+
+    def rejoin(self, generation: int, rank: int, resume_step: int | None = None) -> None:
+        """Report as ``rank`` of ``generation`` from now on; a promoted spare leaves standby and says hello.
+
+        Planned faults follow the rank: this process is now struck by ``rank``'s faults, except those at
+        or before ``resume_step`` (the step the re-formed group resumes at): the run has been there
+        already, and a replacement must not repeat the fault that took the rank it replaces.
+        """
+        self.rank, self.generation = rank, generation
+        self.sender.rejoin(generation, rank)
+        if self._fault_plan is not None:
+            from ..chaos.inject import FaultInjector
+
+            self.injector = FaultInjector(self._fault_plan, self.env.node_id, rank, self.env.attempt,
+                                          events=self.events, after_step=resume_step)
+        if self.standby:
+            self.standby = False
+            self.hello(self._checkpoint_location)
 
     def bye(self, step: int, committed_step: int | None) -> None:
         """Tell the agent that no more heartbeats will come from this process."""
@@ -169,7 +209,8 @@ class WorkerHooks:
             return
         self._said_bye = True
         self.step, self.committed_step = step, committed_step
-        self.sender.send("bye", self.section, step, committed_step=committed_step)
+        if not self.standby:
+            self.sender.send("bye", self.section, step, committed_step=committed_step)
         self.sender.close()  # nothing follows a bye: stop the sending thread and release the socket
 
     def raised_in(self, exc: BaseException, section: str) -> None:
@@ -201,7 +242,7 @@ class WorkerHooks:
             code = exit_code_for(exc)
             self.write_error(exc_type, exc, tb, code)
             if self.env.error_file is not None:
-                print(f"{UNCAUGHT_PREFIX}{exc_type.__qualname__} in rank {self.env.rank}, written to "
+                print(f"{UNCAUGHT_PREFIX}{exc_type.__qualname__} in rank {self.rank}, written to "
                       f"{self.env.error_file}; traceback follows", file=sys.stderr, flush=True)
         except Exception as e:  # noqa: BLE001  the hook must still print the original error
             print(f"resilient: could not write the error file: {e}", file=sys.stderr)
@@ -223,7 +264,7 @@ class WorkerHooks:
         section = self._raised_in[1] if self._raised_in and self._raised_in[0] is exc else self.section
         module = exc_type.__module__
         record = {
-            "rank": self.env.rank,
+            "rank": self.rank,
             "pid": os.getpid(),
             "time": time.time(),
             # The host's CLOCK_MONOTONIC, which the agent's clock is: it tells an error raised after a peer's death

@@ -49,6 +49,18 @@ as it is entered.  The receiver hands each heartbeat over with its own
 event time (the worker's and the agent's monotonic clocks are the same
 clock on one host).
 
+``recovery`` (in-process recovery, also without a version change and
+also always alone) carries ``recovery``: an object whose string
+``event`` says what happened: ``ready`` (this worker can recover in
+process: a member at its first ``run.attempt()``, a spare once it waits
+for an assignment), ``waiting`` (a survivor left the failed group and
+waits for its next generation), ``rejoined`` (it is in a re-formed group with the
+state synced, about to retry the step) or ``gave_up`` (it cannot recover
+in process and is about to exit).  The other fields depend on the event;
+see ``docs/architecture.md``.  A spare sends nothing else until it is
+promoted; after a re-formation ``g`` and ``rank`` are the new
+generation's.
+
 The sender lives in :mod:`resilient.worker.heartbeat`, the receiver in
 :mod:`resilient.agent.heartbeat`.
 """
@@ -64,7 +76,9 @@ from ..errors import ResilientError
 PROTOCOL_VERSION = 2
 """2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""
 VERSIONS = (1, 2)
-KINDS = ("hello", "section", "restored", "bye")
+KINDS = ("hello", "section", "restored", "bye", "recovery")
+RECOVERY_EVENTS = ("ready", "waiting", "rejoined", "gave_up")
+"""The ``event`` of a ``recovery`` message this version sends (a receiver should tolerate others)."""
 MAX_DATAGRAM = 65536
 ROWS_PER_DATAGRAM = 150
 """Rows per batch datagram: about 100 bytes each, well inside MAX_DATAGRAM."""
@@ -101,6 +115,8 @@ class Heartbeat:
     """The worker's generation (``g`` on the wire); None from a version 1 sender."""
     restored: dict[str, Any] | None = None
     """``restored`` only: the checkpoint name (None: fresh start), its step and the restore's seconds."""
+    recovery: dict[str, Any] | None = None
+    """``recovery`` only: ``{"event": "ready" | "rejoined" | "gave_up", ...}`` (see the module docstring)."""
     v: int = PROTOCOL_VERSION
 
 
@@ -189,12 +205,18 @@ def _validate(obj: Any) -> Heartbeat:
         _check_restored(restored)
     elif restored is not None:
         raise HeartbeatError(f"field 'restored' belongs to kind 'restored' only, got it with {obj['kind']!r}")
+    recovery = obj.get("recovery")
+    if obj["kind"] == "recovery":
+        if not (isinstance(recovery, dict) and isinstance(recovery.get("event"), str) and recovery["event"]):
+            raise HeartbeatError(f"kind 'recovery' needs an object 'recovery' with a string 'event', got {recovery!r:.80}")
+    elif recovery is not None:
+        raise HeartbeatError(f"field 'recovery' belongs to kind 'recovery' only, got it with {obj['kind']!r}")
     return Heartbeat(
         rank=obj["rank"], local_rank=obj["local_rank"], pid=obj["pid"], section=section, step=obj["step"],
         seq=obj["seq"], kind=obj["kind"], checkpoint=checkpoint, committed_step=committed,
         tokens=obj.get("tokens", 0), samples=obj.get("samples", 0), save=save,
         t=float(t) if t is not None else None, generation=generation if version >= 2 else None, v=version,
-        restored=restored,
+        restored=restored, recovery=recovery,
     )
 
 

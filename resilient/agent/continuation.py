@@ -1,0 +1,222 @@
+"""A generation that goes on after a failure: the watch loop's side of in-process recovery.
+
+:mod:`resilient.agent.generation` calls in here at three points:
+
+* :func:`start_spares` when it starts a generation, and after each
+  promotion, to keep ``--spares`` warm processes (each on a heartbeat socket
+  slot no live process uses);
+* :func:`continue_after` when members were lost (exited, or a hung rank the
+  agent killed): it asks the ladder (:class:`~resilient.agent.inproc.InProcess`)
+  and either carries out a promotion or a shrink, records the incident with
+  that decision and returns the generation's new :class:`Assignment`, or
+  returns None: the generation ends as a failure and the restart path runs
+  as it always has;
+* :func:`follow` on every tick: spares that exited, the members' progress
+  through a recovery under way (every member ``rejoined``: the recovery is
+  complete; a deadline passed: a failure), a hold for a spare
+  (``wait_for_repair``) that must be decided again.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..elastic.decide import Action, RecoveryDecision
+from ..elastic.observe import FaultKind, RestartOutlook
+from ..events import EventKind
+from .inproc import ACTING
+from .launcher import WorkerGroup, WorkerSpec
+from .policy import Failure
+from .rendezvous import Assignment
+from .rundir import heartbeat_socket
+
+if TYPE_CHECKING:
+    from .generation import GenerationContext
+    from .incidents import Incident
+
+
+@dataclass
+class Hold:
+    """Members lost with no rung to act on yet: the ladder said wait for a spare; decided again each tick."""
+
+    lost: dict[int, str]
+    kind: FaultKind
+    step: int
+    exit_codes: tuple[int, ...]
+    failure: Failure
+    incident: Incident
+    detected_at: float
+    last_progress_at: float
+    since: float
+    """When the hold began (the ladder's ``waiting_since`` once it said wait for repair)."""
+    settling: bool = False
+    """Not decided yet: waiting for every live member to report that it left the failed group, so that
+    members lost together (two ranks killed at once) are decided together."""
+
+
+SPARE_FAILURES_TO_GIVE_UP = 2
+"""Spares that exit before they are ready, in a row, after which the agent stops starting them."""
+
+
+def settle_s(ctx: GenerationContext) -> float:
+    """Longest wait for every survivor to say it left the failed group before the ladder decides anyway."""
+    return min(5.0, ctx.config.recovery_timeout_s / 4)
+
+
+def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, worker_id: str) -> WorkerSpec:
+    """A spare's process: the script with no rank (it waits in ``resilient.Run()``), on its own socket slot."""
+    c = ctx.config
+    assert ctx.inproc is not None
+    from .failures import STACK_SIGNAL, STOP_SIGNAL  # not at the top: failures imports this module
+
+    base = {k: v for k, v in c.worker_env.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    if c.nproc_per_node > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")
+    env = {
+        **base, **ctx.inproc.worker_env(worker_id, "spare"),
+        "TORCHELASTIC_RUN_ID": c.run_id, "RESILIENT_RUN_ID": c.run_id, "RESILIENT_LAUNCH_ID": ctx.launch_id,
+        "RESILIENT_RUN_DIR": str(c.run_dir), "RESILIENT_NODE_ID": c.node_id,
+        "RESILIENT_GENERATION": str(a.generation), "RESILIENT_ATTEMPT": "0", "TORCHELASTIC_RESTART_COUNT": "0",
+        "RESILIENT_AGENT_SOCKET": heartbeat_socket(ctx.run_dir, slot),
+        "RESILIENT_STACK_FILE": str(gdir / f"{worker_id}.stacks.txt"),
+        "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
+        "RESILIENT_ERROR_FILE": str(gdir / f"{worker_id}.error.json"),
+        "RESILIENT_CONTROL_FILE": str(gdir / "control.json"),
+        "RESILIENT_STOP_SIGNAL": str(int(STOP_SIGNAL)),
+    }
+    if c.fault_plan is not None:
+        env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
+    return WorkerSpec(local_rank=0, rank=-1, argv=tuple(c.entrypoint), env=env, log_file=gdir / f"{worker_id}.log",
+                      echo=c.echo_output, worker_id=worker_id, slot=slot)
+
+
+def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> None:
+    """Start spares until ``--spares`` of them live, each on a free heartbeat socket slot."""
+    inp = ctx.inproc
+    if inp is None or inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
+        return
+    slots = set(range(ctx.config.nproc_per_node + ctx.config.spares))
+    while len(group.spares) < ctx.config.spares:
+        free = sorted(slots - {w.spec.slot for w in group.workers.values()} - {w.spec.slot for w in group.spares.values()})
+        if not free:
+            return
+        worker_id = inp.new_worker_id("spare")
+        worker = group.start_spare(spare_spec(ctx, a, gdir, free[0], worker_id))
+        inp.spare_started(worker_id, worker.pid, a.generation)
+
+
+def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, *,
+                   lost: dict[int, str], kind: FaultKind, failure: Failure, exit_codes: tuple[int, ...],
+                   incident: Incident, detected_at: float, last_progress_at: float,
+                   hold: Hold | None = None) -> Assignment | Hold | RecoveryDecision | None:
+    """Recover in process from losing ``lost`` (rank -> worker id) if the ladder can; see the module doc.
+
+    Returns the new assignment (the generation goes on), a :class:`Hold`
+    (decide again on a later tick), the ladder's decision to restart or stop
+    (end the generation as a failure; the incident records it), or None when
+    in-process recovery is not on offer.
+    """
+    inp, outlook_of, next_generation, record = ctx.inproc, ctx.restart_outlook, ctx.next_generation, ctx.record_incident
+    if inp is None or outlook_of is None or next_generation is None or record is None:
+        return None
+    if not any(r not in lost for r in group.workers):
+        return None
+    if inp.recovering is not None:  # a failure while the previous recovery was under way: that one failed
+        inp.abandon_recovery()
+    now = ctx.clock()
+    live = [w.worker_id for r, w in group.workers.items() if r not in lost and w.exit is None]
+    if (hold is None or hold.settling) and not inp.waiting(a.generation, live):
+        started = hold.since if hold is not None else now
+        if now - started < settle_s(ctx):
+            return hold or Hold(lost, kind, failure.step or 0, exit_codes, failure, incident, detected_at,
+                                last_progress_at, now, settling=True)
+    if hold is not None and hold.settling:
+        hold = None  # settled: the ladder's own hold (wait for repair) starts from its first decision
+    ranks = ctx.tracker.ranks()
+    survivors = {r: ranks[r].step for r in group.workers if r not in lost and r in ranks}
+    # The survivors' view of the step is the fresher one: the lost rank's last heartbeat may still have been
+    # queued in its sender when it died or was stopped.
+    step = max([*survivors.values(), *([failure.step] if failure.step is not None else [])], default=0)
+    outlook = outlook_of(failure)
+    decision = inp.decide(group, lost, kind, step, exit_codes, outlook, survivors, failure.describe(),
+                          waiting_since=hold.since if hold is not None else None)
+    if decision.action is Action.WAIT_FOR_REPAIR:
+        if hold is None:
+            print(f"resilient: holding for a spare: {decision.reason}", file=sys.stderr, flush=True)
+        return hold or Hold(lost, kind, step, exit_codes, failure, incident, detected_at, last_progress_at, now)
+    if decision.action not in ACTING:
+        return decision
+    generation = next_generation()
+    incident = replace(incident, decision={"action": decision.action.value, "reason": decision.reason,
+                                           "verdict": None, "delay_s": 0.0, "generation": generation})
+    record(incident)
+    ctx.accounting.failure(detected_at, last_progress_at, incident.id, incident.kind)
+    pids = inp.carry_out(group, decision, lost, generation, detected_at, incident.id)
+    moved = replace(a, generation=generation)
+    ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
+    ctx.workers_started(generation, pids)
+    ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=True,
+                                      lead_rank=min(pids))
+    ctx.accounting.recovered_in_process(decision.action.value)
+    ctx.status.attach(group, moved)
+    ctx.emit(EventKind.GENERATION_CONTINUED, generation=generation, previous=a.generation,
+             action=decision.action.value, world_size=len(pids), pids=pids,
+             members={str(r): w.worker_id for r, w in group.workers.items()})
+    print(f"resilient: generation {generation}: {decision.reason}", file=sys.stderr, flush=True)
+    start_spares(ctx, group, moved, gdir)
+    return moved
+
+
+def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, now: float) -> str | None:
+    """One tick of in-process bookkeeping; returns why the generation must end as a failure, or None."""
+    inp = ctx.inproc
+    if inp is None:
+        return None
+    for worker_id, exit in group.spare_exits():
+        group.spares.pop(worker_id)
+        inp.spare_gone(worker_id, exit.returncode)
+        log = gdir / f"{worker_id}.log"
+        if inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
+            print(f"resilient: spare {worker_id} exited with code {exit.returncode} before it was ready, the "
+                  f"{inp.spare_failures}th in a row: no more spares in this generation (its log: {log}). A spare "
+                  "runs the script up to resilient.Run() and waits there; a script that calls "
+                  "init_process_group itself cannot (let Run(ddp=True) create the group)", file=sys.stderr,
+                  flush=True)
+            continue
+        print(f"resilient: spare {worker_id} exited with code {exit.returncode} before it was needed (its log: "
+              f"{log}); starting another", file=sys.stderr, flush=True)
+        start_spares(ctx, group, a, gdir)
+    progress = inp.progress()
+    if progress is None:
+        return None
+    recovering, rejoined = progress
+    if set(rejoined) >= set(recovering.members):
+        record = inp.completed(now, rejoined)
+        ctx.emit(EventKind.RECOVERED_IN_PROCESS, **record)
+        redone = max(0, recovering.step - int(record["resumed_after_step"])) \
+            if isinstance(record["resumed_after_step"], int) else None
+        line = (f"generation {recovering.generation}: recovered in process ({record['rung']}) "
+                f"{record['seconds']:.2f} s after the failure; {record['world_size']} ranks resume after step "
+                f"{record['resumed_after_step']}, {redone} step(s) re-done")
+        inp.last_completed = line
+        print(f"resilient: {line}", file=sys.stderr, flush=True)
+        if ctx.recovered is not None:
+            ctx.recovered(recovering.incident_id, record)
+        return None
+    if now > recovering.deadline:
+        inp.abandon_recovery()
+        missing = sorted(set(recovering.members) - set(rejoined))
+        return (f"in-process recovery to generation {recovering.generation} did not complete: workers "
+                f"{missing} never rejoined")
+    return None
+
+
+def outlook_from(decision: Any) -> RestartOutlook:
+    """The restart policy's decision as the ladder's :class:`RestartOutlook`."""
+    if decision.verdict is not None:
+        return RestartOutlook(allowed=False, reason=decision.reason, verdict=str(decision.verdict))
+    return RestartOutlook(allowed=True, reason=decision.reason, delay_s=decision.delay_s)

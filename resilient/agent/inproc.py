@@ -1,0 +1,316 @@
+"""In-process recovery on one machine: the agent's side of the recovery ladder's cheapest rungs.
+
+When a member of the running generation dies (or hangs, and the agent kills
+it), the survivors of a script that opted in (``run.attempt()``) keep their
+processes: they leave the failed collective and wait on the agent's store
+for their next generation (:mod:`resilient.elastic.reform`).  This module
+decides what that generation is (:func:`resilient.elastic.decide.decide_recovery`
+over the fault, the membership, the spare pool and the measured costs),
+publishes one assignment per live worker, moves the processes in the
+:class:`~resilient.agent.launcher.WorkerGroup` to their new ranks, starts a
+spare to refill the pool, and watches the members report ``rejoined``.
+
+It never stops the survivors itself: when the ladder says restart (or stop),
+or the chosen rung does not complete, the generation ends as a failure and
+the supervisor's restart path takes over, unchanged.
+
+Worker messages (the heartbeat kind ``recovery``) arrive on the receivers'
+threads; the watch loop reads them on its own, under :attr:`InProcess._lock`.
+The agent imports torch already (its embedded rendezvous hosts a TCPStore);
+this module does so only when an :class:`InProcess` is created.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ..elastic.batch import feasible_world_sizes
+from ..elastic.costs import RecoveryCosts
+from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
+from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
+from ..elastic.reform import Member, plan_assignments, publish_assignments
+from ..events import Emit, EventKind
+
+if TYPE_CHECKING:
+    from ..worker.protocol import Heartbeat
+    from .config import AgentConfig
+    from .launcher import WorkerGroup
+
+ACTING = (Action.PROMOTE_SPARE, Action.SHRINK)
+"""The rungs this agent carries out in process; the others end the generation (restart or stop)."""
+_DEFAULT_SPARE_WARM_S = 10.0
+"""Expected seconds from a spare's start to its "ready" before one was measured (imports, model, restore)."""
+
+
+@dataclass
+class Recovering:
+    """An in-process recovery under way: a generation published, its members not all rejoined yet."""
+
+    generation: int
+    decision: RecoveryDecision
+    members: Mapping[str, int]
+    """Worker id -> new rank."""
+    detected_at: float
+    """Agent clock when the failure was seen."""
+    deadline: float
+    incident_id: str
+    step: int
+
+
+@dataclass
+class SpareState:
+    """What the agent knows about one spare process."""
+
+    worker_id: str
+    started_at: float
+    ready_at: float | None = None
+
+
+@dataclass
+class Reports:
+    """Worker ``recovery`` messages, by worker id (written on receiver threads, read under the lock)."""
+
+    ready: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    waiting: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+    """(generation that failed, worker) -> the survivor's report that it left the group and waits."""
+    rejoined: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    gave_up: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class InProcess:
+    """This node's in-process recovery: the store workers re-form on, their reports, and the ladder."""
+
+    def __init__(self, config: AgentConfig, emit: Emit, clock: Callable[[], float]) -> None:
+        from torch.distributed import TCPStore
+
+        self.config = config
+        self._emit = emit
+        self._clock = clock
+        self.host = config.local_addr
+        self._store = TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=config.recovery_timeout_s))
+        self.port = int(self._store.port)
+        self._lock = threading.Lock()
+        self._reports = Reports()
+        self._ids = itertools.count()
+        self.spares: dict[str, SpareState] = {}
+        self.recovering: Recovering | None = None
+        self.changed: threading.Event | None = None
+        """Set on every worker report: the watch loop acts on it at once instead of at its next tick."""
+        self.ladder = LadderConfig(in_process=config.in_process,
+                                   max_wait_s=min(300.0, config.recovery_timeout_s / 2))
+        self._measured: dict[str, list[float]] = {"spare_s": [], "shrink_s": [], "warm_s": []}
+        self.spare_failures = 0
+        """Spares in a row that exited before they were ready (a script that cannot run as a spare)."""
+        self._failed_at_step: Counter[int] = Counter()
+        """In-process recoveries per fault step that a new fault interrupted before they completed."""
+        self.last_decision: str | None = None
+        """The ladder's newest reason, for ``resilient status``."""
+        self.last_completed: str | None = None
+        """How the newest in-process recovery completed, in one line, for ``resilient status``."""
+
+    # ----------------------------------------------------------- workers
+    def new_worker_id(self, role: str) -> str:
+        return f"{'s' if role == 'spare' else 'w'}{next(self._ids)}"
+
+    def worker_env(self, worker_id: str, role: str) -> dict[str, str]:
+        """The variables that offer in-process recovery to one worker (see resilient/worker/env.py)."""
+        return {"RESILIENT_RECOVERY_STORE": f"{self.host}:{self.port}", "RESILIENT_WORKER_ID": worker_id,
+                "RESILIENT_ROLE": role, "RESILIENT_RECOVERY_TIMEOUT": f"{self.config.recovery_timeout_s:g}"}
+
+    def spare_started(self, worker_id: str, pid: int, generation: int) -> None:
+        with self._lock:
+            self.spares[worker_id] = SpareState(worker_id, self._clock())
+        self._emit(EventKind.SPARE_STARTED, worker=worker_id, pid=pid, generation=generation)
+
+    def spare_gone(self, worker_id: str, returncode: int) -> None:
+        """A spare exited before it was promoted: out of the pool (the caller starts another)."""
+        with self._lock:
+            spare = self.spares.pop(worker_id, None)
+            self._reports.ready.pop(worker_id, None)
+            if spare is not None and spare.ready_at is None:
+                self.spare_failures += 1
+        self._emit(EventKind.SPARE_LOST, worker=worker_id, returncode=returncode)
+
+    def on_message(self, hb: Heartbeat, received_at: float) -> None:
+        """A worker's ``recovery`` message (receiver thread)."""
+        report = dict(hb.recovery or {})
+        event, worker = report.get("event"), str(report.get("worker") or "")
+        with self._lock:
+            if event == "ready":
+                self._reports.ready[worker] = (received_at, report)
+                spare = self.spares.get(worker)
+                if spare is not None and spare.ready_at is None:
+                    spare.ready_at = received_at
+                    self.spare_failures = 0
+                    self._measured["warm_s"].append(received_at - spare.started_at)
+            elif event == "waiting":
+                self._reports.waiting[(int(report.get("generation") or 0), worker)] = report
+            elif event == "rejoined":
+                self._reports.rejoined[(int(report.get("generation") or 0), worker)] = (received_at, report)
+            elif event == "gave_up":
+                self._reports.gave_up[worker] = report
+        if self.changed is not None:
+            self.changed.set()
+        if event == "ready" and report.get("role") == "spare":
+            self._emit(EventKind.SPARE_READY, worker=worker, step=report.get("step"))
+        elif event == "gave_up":
+            self._emit(EventKind.RECOVERY_ABANDONED, worker=worker, generation=report.get("generation"),
+                       error=report.get("error"))
+
+    def waiting(self, generation: int, worker_ids: Sequence[str]) -> bool:
+        """Every one of these members said it left generation ``generation``'s group and waits for the next."""
+        with self._lock:
+            return all((generation, w) in self._reports.waiting for w in worker_ids)
+
+    def ready_spares(self) -> int:
+        """Spares that reported ready and were not promoted: the spares gauge."""
+        with self._lock:
+            return sum(1 for i, s in self.spares.items() if s.ready_at is not None and i in self._reports.ready)
+
+    def opted_in(self, worker_ids: Sequence[str]) -> bool:
+        """Every one of these members said ``ready`` (its script runs its steps under ``run.attempt()``)."""
+        with self._lock:
+            return all(w in self._reports.ready and self._reports.ready[w][1].get("role") == "worker"
+                       for w in worker_ids)
+
+    # ------------------------------------------------------------ decide
+    def costs(self) -> RecoveryCosts:
+        """The ladder's costs: measured medians where this agent has timed a rung, defaults otherwise."""
+        with self._lock:
+            measured = {k: statistics.median(v) for k, v in self._measured.items() if v and k != "warm_s"}
+            warming = [s for s in self.spares.values() if s.ready_at is None]
+            warm = statistics.median(self._measured["warm_s"]) if self._measured["warm_s"] else _DEFAULT_SPARE_WARM_S
+        repair = None
+        if warming:  # the soonest a warming spare is expected ready: the "repair" a hold would wait for
+            now = self._clock()
+            repair = max(0.0, min(s.started_at + warm - now for s in warming))
+        return RecoveryCosts(**measured, repair_s=repair)
+
+    def decide(self, group: WorkerGroup, lost: Mapping[int, str], kind: FaultKind, step: int,
+               exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
+               detail: str, waiting_since: float | None = None) -> RecoveryDecision:
+        """The ladder's answer to losing ``lost`` (old rank -> worker id) of the current members."""
+        c = self.config
+        old_world = len(group.workers)
+        survivors = [r for r in group.workers if r not in lost]
+        with self._lock:
+            ready = dict(self._reports.ready)
+            spares = [Spare(id=i, node=c.node_id, warm=s.ready_at is not None and i in ready,
+                            ready_since=s.ready_at)
+                      for i, s in self.spares.items() if i in group.spares]
+            failures = self._failed_at_step[step]
+        batch = next((r for _, r in ready.values() if r.get("global_batch") and r.get("micro_batch")), None)
+        if batch is not None:
+            feasible = feasible_world_sizes(int(batch["global_batch"]), int(batch["micro_batch"]), 1,
+                                            c.nproc_per_node, batch.get("batch_rule") or "refuse")
+        else:
+            feasible = frozenset({c.nproc_per_node})  # no loader to re-plan: only a replacement keeps the step
+        obs = Observation(
+            fault=Fault(kind=kind, step=step, ranks=frozenset(lost), exit_codes=frozenset(exit_codes), detail=detail),
+            membership=Membership(rank_nodes=(c.node_id,) * old_world, min_size=min(c.min_ranks, old_world),
+                                  max_size=c.nproc_per_node, full_size=c.nproc_per_node,
+                                  feasible_world_sizes=feasible),
+            restart=restart, spares=spares,
+            survivor_steps={r: survivor_steps[r] for r in survivors if r in survivor_steps},
+            opted_in=self.opted_in([group.workers[r].worker_id for r in survivors]) and self.config.in_process,
+            inproc_failures=failures, waiting_since=waiting_since,
+        )
+        decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
+        if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
+            # A hold is decided again on every tick: its event and status line once, then only what ends it.
+            self.last_decision = f"{decision.action.value}: {decision.reason}"
+            self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
+        return decision
+
+    # ------------------------------------------------------------- carry
+    def carry_out(self, group: WorkerGroup, decision: RecoveryDecision, lost: Mapping[int, str], generation: int,
+                  detected_at: float, incident_id: str) -> dict[int, int]:
+        """Publish ``generation`` as ``decision`` says and move the processes; return rank -> pid."""
+        old_world = len(group.workers)
+        rank_map = decision.rank_map(old_world)
+        promoted = {p.rank: p.spare for p in decision.promotions}
+        members = []
+        for old, new in sorted(rank_map.items(), key=lambda kv: kv[1]):
+            if old in lost:
+                members.append(Member(worker_id=promoted[old], new_rank=new, old_rank=None))
+            else:
+                members.append(Member(worker_id=group.workers[old].worker_id, new_rank=new, old_rank=old))
+        source = min(m.new_rank for m in members if m.old_rank is not None)
+        standby = [i for i in group.spares if i not in promoted.values()]
+        publish_assignments(self._store, plan_assignments(generation, members, source, self.host, self.port,
+                                                          standby))
+        for rank in lost:
+            group.retire(rank)
+        for rank, spare in promoted.items():
+            group.promote(spare, rank)
+            with self._lock:
+                self.spares.pop(spare, None)
+                self._reports.ready.pop(spare, None)
+        group.renumber(rank_map)
+        with self._lock:
+            self.recovering = Recovering(
+                generation=generation, decision=decision, members={m.worker_id: m.new_rank for m in members},
+                detected_at=detected_at, deadline=self._clock() + 2 * self.config.recovery_timeout_s + 10,
+                incident_id=incident_id, step=decision.step)
+        return {r: w.pid for r, w in group.workers.items()}
+
+    def progress(self) -> tuple[Recovering, dict[str, dict[str, Any]]] | None:
+        """The recovery under way and the members that rejoined it so far (None when none is under way)."""
+        with self._lock:
+            r = self.recovering
+            if r is None:
+                return None
+            done = {w: rep for (g, w), (_, rep) in self._reports.rejoined.items() if g == r.generation}
+            return r, done
+
+    def completed(self, at: float, reports: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """Close the recovery under way (every member rejoined); its record for the event and the incident."""
+        with self._lock:
+            r = self.recovering
+            assert r is not None
+            self.recovering = None
+            rung = r.decision.action.value
+            took = max(0.0, at - r.detected_at)
+            self._measured["spare_s" if r.decision.action is Action.PROMOTE_SPARE else "shrink_s"].append(took)
+        completed = sorted({int(rep.get("completed", -1)) for rep in reports.values()})
+        slowest = max(reports.values(), key=lambda rep: float((rep.get("seconds") or {}).get("total") or 0.0))
+        return {
+            "rung": rung, "generation": r.generation, "world_size": r.decision.world_size,
+            "promotions": [{"rank": p.rank, "spare": p.spare} for p in r.decision.promotions],
+            "dropped_ranks": list(r.decision.dropped_ranks), "failed_step": r.step,
+            "resumed_after_step": completed[0] if len(completed) == 1 else completed,
+            "seconds": round(took, 6), "slowest": {"worker": slowest.get("worker"), "rank": slowest.get("rank"),
+                                                    "seconds": slowest.get("seconds")},
+            "incident": r.incident_id,
+        }
+
+    def abandon_recovery(self) -> Recovering | None:
+        """The recovery under way will not complete (a member failed or the deadline passed): forget it."""
+        with self._lock:
+            r, self.recovering = self.recovering, None
+            if r is not None:
+                self._failed_at_step[r.step] += 1
+            return r
+
+    def group_stopped(self) -> None:
+        """The generation's processes are gone (the group stopped): no spare, no recovery under way."""
+        with self._lock:
+            self.spares.clear()
+            self._reports = Reports()
+            self.recovering = None
+            self.spare_failures = 0
+
+    def view(self) -> dict[str, Any]:
+        """What ``resilient status`` shows of in-process recovery."""
+        return {"decision": self.last_decision, "completed": self.last_completed, "spares": self.ready_spares()}
+
+    def close(self) -> None:
+        self._store = None  # type: ignore[assignment]  # the server thread ends with the object

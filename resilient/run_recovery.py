@@ -1,0 +1,244 @@
+"""In-process recovery of a :class:`~resilient.run.Run` under the agent: the worker's side of rung 1.
+
+Wired when the agent gives ``RESILIENT_RECOVERY_STORE`` (``Run._recovery``
+is then an :class:`InProcessRecovery`).  Two ways into a re-formed group:
+
+- **a survivor**: a peer failure inside ``with run.attempt():`` reaches
+  :meth:`InProcessRecovery.__call__` with the error alive.  It rewinds the
+  attempt first (cursor, counters, gradients, RNG), then releases every
+  reference to the old groups (the DDP wrapper, the finished frames of the
+  error's traceback, the checkpoint Coordinator's sub-groups once an
+  in-flight save has its outcome) and destroys them at once: that is what
+  makes every other survivor's collective fail promptly
+  (:func:`resilient.elastic.reform.abandon`).  It waits for its
+  assignment, forms the new group, agrees with the others on which rank's
+  state wins (:func:`~resilient.elastic.state_sync.agree_step`) and takes
+  it; ``run.step`` becomes the number of updates that state has completed,
+  so an update the source had applied is not redone;
+- **a spare** (``RESILIENT_ROLE=spare``): ``Run.__init__`` builds and
+  restores as usual, then blocks in :meth:`InProcessRecovery.wait_as_spare`
+  until an assignment makes it a member, joins the same way (without state
+  of its own) and returns, so the script's ``for step in run.steps(n)``
+  continues at the synced step.
+
+Either way the state comes from the source rank (model, optimizer,
+scheduler, scaler, and counters, the loader's cursor and the ``state=``
+objects), the loader is bound to the new rank and world size (its global
+batch kept: :mod:`resilient.elastic.batch`), DDP is rebuilt on the new
+group, the heartbeats switch to the new generation and rank, and the agent
+gets ``ready`` / ``rejoined`` / ``gave_up`` reports
+(:mod:`resilient.worker.protocol`).  Any failure inside recovery sends
+``gave_up`` and re-raises the original error (chained to the failure), so
+the process exits non-zero and the agent falls back to a restart.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .checkpoint.coordinator import Coordinator
+from .elastic.reform import (
+    Assignment,
+    AssignmentTimeoutError,
+    abandon,
+    connect_store,
+    reform,
+    wait_for_assignment,
+)
+from .elastic.state_sync import StateSyncError, agree_step, sync_from
+from .events import EventKind
+from .run_attempt import ddp_layout, regroup, wrap_ddp
+from .state import unwrap
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from .run import Run
+    from .worker.env import WorkerEnv
+    from .worker.hooks import WorkerHooks
+
+
+class InProcessRecovery:
+    """``Run._recovery`` under an agent that offers in-process recovery; True from a call: retry the step."""
+
+    def __init__(self, run: Run, env: WorkerEnv, hooks: WorkerHooks | None) -> None:
+        assert env.recovery_store is not None and env.worker_id is not None
+        self.run = run
+        self.env = env
+        self.hooks = hooks
+        self.worker_id: str = env.worker_id
+        self.generation = env.generation
+        """The generation this worker is a member of (or, for a spare, was started in)."""
+        self.timeout_s = env.recovery_timeout_s
+        self.applied = False
+        """Whether this rank's optimizer stepped inside the current attempt (its update is then applied)."""
+        self._store: Store | None = None
+        self._ready_sent = False
+        register = getattr(run.optimizer, "register_step_post_hook", None)  # every torch.optim.Optimizer has it
+        if register is not None:
+            register(self._stepped)
+
+    def _stepped(self, *_: Any) -> None:
+        self.applied = True
+
+    # ------------------------------------------------------------------ members
+    def attempt_entered(self) -> None:
+        """At each ``run.attempt()`` entry: nothing applied yet; the first one tells the agent this rank opted in."""
+        self.applied = False
+        if not self._ready_sent:
+            self._ready_sent = True
+            self._report(self._ready("worker"))
+
+    def __call__(self, exc: BaseException) -> bool:
+        """Survive ``exc`` (a peer failure inside the attempt) in a re-formed group; raise it if that fails."""
+        failed_at = time.monotonic()
+        run = self.run
+        step, applied = run.step, self.applied
+        try:
+            # The attempt's end state, before the rewind: what this rank holds if its update was applied.
+            layout = ddp_layout(run.model)
+            ended = self._extra(step + 1, layout)
+            run._rewind_attempt()
+            mine = ended if applied else self._extra(step, layout)
+            self._release(exc)
+            abandon_s = time.monotonic() - failed_at
+            # The agent decides once every live member said this (or a short settle time passed), so ranks
+            # lost together are decided together.
+            self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                          "step": step, "applied": applied, "error": f"{type(exc).__qualname__}: {exc}"[:500]})
+            store = self._connect()
+            waited = time.monotonic()
+            assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+            self._join(assignment, step + 1, applied, mine, failed_at=failed_at, abandon_s=abandon_s,
+                       wait_s=time.monotonic() - waited)
+        except Exception as err:  # whatever failed, the agent must hear of it and restart
+            self._give_up(err)
+            raise exc from err
+        return True
+
+    def _release(self, exc: BaseException) -> None:
+        """Drop every reference to the old groups, then destroy them (see ``abandon()``)."""
+        run = self.run
+        wrapper = run.model
+        run.model = unwrap(wrapper)  # DDP first: a group destroyed by its reducer can deadlock (architecture.md)
+        held = weakref.ref(wrapper) if wrapper is not run.model else None
+        del wrapper
+        seen: set[int] = set()
+        current: BaseException | None = exc
+        while current is not None and id(current) not in seen:  # the error's finished frames hold tensors, DDP
+            seen.add(id(current))
+            traceback.clear_frames(current.__traceback__)
+            current = current.__cause__ or current.__context__
+        if run.checkpoints is not None:
+            run.checkpoints.wait()  # a save in flight fails on the broken group; the manager records it
+            run.checkpoints.coord = Coordinator()  # its sub-groups go with the old group
+        if held is not None and held() is not None:
+            # Something still holds the wrapper (a reference cycle): only a collection frees it, and with it the
+            # group and its connections.  Not unconditional: a collection costs ~90 ms with torch loaded.
+            gc.collect()
+        abandon()
+
+    # ------------------------------------------------------------------- spares
+    def wait_as_spare(self) -> None:
+        """Block until an assignment makes this spare a member; join it.  Raises when the agent's store is gone."""
+        self._report(self._ready("spare"))
+        try:
+            store = self._connect()
+            while True:
+                try:
+                    assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+                    break
+                except AssignmentTimeoutError:
+                    continue  # no bound of its own: the agent ends a spare it no longer needs
+            self._join(assignment, None, False, self._extra(None, None), failed_at=None, abandon_s=0.0, wait_s=0.0)
+        except Exception as err:
+            self._give_up(err)
+            raise
+
+    # ------------------------------------------------------------------- shared
+    def _join(self, assignment: Assignment, step: int | None, applied: bool, mine: dict[str, Any], *,
+              failed_at: float | None, abandon_s: float, wait_s: float) -> None:
+        """Form ``assignment``'s group, take the source's state, rebuild DDP; report ``rejoined``."""
+        run = self.run
+        started = time.monotonic()
+        ckpt = run.checkpoints
+        makers = [lambda: Coordinator.from_environment(ckpt.config.timeout_s)] if ckpt is not None else []
+        reformed = reform(assignment, timeout_s=self.timeout_s, store=self._connect(), subgroups=makers)
+        self.generation = assignment.generation
+        if ckpt is not None:
+            ckpt.regroup(reformed.subgroups[0])
+        formed = time.monotonic()
+        agreement = agree_step(step, applied, preferred_source=assignment.source_rank)
+        module = unwrap(run.model)
+        extra = sync_from(agreement.source_rank, module, run.optimizer, run.scheduler, run.scaler, mine)
+        if extra["step"] != agreement.completed:
+            raise StateSyncError(f"the source (rank {agreement.source_rank}) sent counters of step {extra['step']} "
+                                 f"with the state of step {agreement.completed}")
+        source = agreement.source_rank == assignment.rank
+        run.step, run.samples, run.tokens = agreement.completed, int(extra["samples"]), int(extra["tokens"])
+        if run.data is not None:
+            run.data.load_state_dict(extra["data"])
+        if not source:
+            for name, obj in run.user_state.items():
+                obj.load_state_dict(extra["user"][name])
+        run._last_saved_step = run.step  # nothing to save at once: the state came from a peer, not a new update
+        regroup(run)  # rank, world size, and the loader's share of the kept global batch
+        if run._ddp is not None:
+            # The ranks hold the same state: DDP's own broadcast of it would only send the model again.  The
+            # source's bucket layout keeps the retried step's sums in the uninterrupted run's order.
+            run.model = wrap_ddp(module, {**run._ddp, "init_sync": False}, extra["ddp_layout"])
+        synced = time.monotonic()
+        if self.hooks is not None:
+            self.hooks.rejoin(assignment.generation, run.rank, resume_step=run.step)
+        seconds = {"abandon": abandon_s, "wait": wait_s, "form": formed - started, "sync": synced - formed,
+                   "total": synced - (failed_at if failed_at is not None else started)}
+        seconds = {k: round(v, 6) for k, v in seconds.items()}
+        report = {"event": "rejoined", "worker": self.worker_id, "generation": assignment.generation,
+                  "rank": run.rank, "world_size": run.world_size, "completed": agreement.completed,
+                  "source": agreement.source_rank, "replacement": assignment.is_replacement,
+                  "reason": agreement.reason, "seconds": seconds, "failed_at": failed_at}
+        self._report(report)
+        run.events.emit(EventKind.GROUP_REJOINED, worker=self.worker_id, generation=assignment.generation,
+                        rank=run.rank, world_size=run.world_size, step=run.step, source=agreement.source_rank,
+                        replacement=assignment.is_replacement, reason=agreement.reason, seconds=seconds)
+
+    def _extra(self, step: int | None, layout: list[list[int]] | None) -> dict[str, Any]:
+        """What travels with the state besides model and optimizer: counters, the loader's cursor, ``state=``,
+        and the DDP bucket layout."""
+        run = self.run
+        return {"step": step if step is not None else run.step, "samples": run.samples, "tokens": run.tokens,
+                "ddp_layout": layout,
+                "data": run.data.state_dict() if run.data is not None else None,
+                "user": {name: obj.state_dict() for name, obj in run.user_state.items()}}
+
+    def _connect(self) -> Store:
+        if self._store is None:
+            assert self.env.recovery_store is not None
+            host, port = self.env.recovery_store
+            self._store = connect_store(host, port, self.timeout_s)
+        return self._store
+
+    def _ready(self, role: str) -> dict[str, Any]:
+        data = self.run.data
+        return {"event": "ready", "worker": self.worker_id, "role": role, "step": self.run.step,
+                "world_size": self.run.world_size, "global_batch": data.global_batch if data is not None else None,
+                "micro_batch": data.batch_size if data is not None else None,
+                "batch_rule": data.batch_rule if data is not None else None}
+
+    def _give_up(self, err: BaseException) -> None:
+        error = f"{type(err).__qualname__}: {err}"[:1000]
+        self._report({"event": "gave_up", "worker": self.worker_id, "generation": self.generation, "error": error})
+        self.run.events.emit(EventKind.RECOVERY_GAVE_UP, worker=self.worker_id, generation=self.generation,
+                             step=self.run.step, error=error)
+        self.run.model = unwrap(self.run.model)
+        if self.run.checkpoints is not None:
+            self.run.checkpoints.coord = Coordinator()
+        abandon()  # groups left alive at interpreter exit can abort the process instead of a clean exit code
+
+    def _report(self, report: dict[str, Any]) -> None:
+        if self.hooks is not None:
+            self.hooks.recovery(report)

@@ -1,0 +1,144 @@
+"""The script's side of in-process recovery, as a user writes it, for tests/test_agent_inproc.py.
+
+No ``init_process_group``: ``Run(ddp=True)`` creates the group (and a spare
+never joins one until it is promoted).  The step body is under
+``run.attempt()`` and reads ``run.micro_batches()``; the model has dropout
+and every sample draws a random augmentation, so the random streams matter.
+
+Each rank appends one JSON line per completed attempt to
+``<out>/trace.jsonl`` (``O_APPEND``, one write per line): the step, rank,
+world size, worker id, accumulation, each micro-batch's sample indices and
+unscaled loss as hex floats.  Rank 0 writes ``<out>/final.json`` at the end:
+every parameter and every optimizer state tensor as hex floats, the
+scheduler's state and the counters.
+
+Faults strike only in the worker named by ``--die-worker`` (its
+``RESILIENT_WORKER_ID``), so a replacement at the same rank does not repeat
+them: ``--die-how kill`` SIGKILLs it inside step ``--die-step``'s backward
+(from a gradient hook, before its gradients are all-reduced), ``start``
+SIGKILLs it at the top of that step (its peers are already in the
+all-reduce), ``hang`` SIGSTOPs it inside the backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import resilient
+
+SEED = 0
+
+
+class Noisy(torch.utils.data.Dataset):
+    def __init__(self, n: int, noise: float) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.randn(n, 1, generator=g)
+        self.noise = noise
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return (self.x[i] + self.noise * torch.randn(8) if self.noise else self.x[i]), self.y[i]
+
+
+def hexes(t: torch.Tensor) -> list[str]:
+    return [v.hex() for v in t.detach().double().reshape(-1).tolist()]
+
+
+def wait_for_spares(count: int) -> None:
+    """Block until the agent's event log shows ``count`` warm spares (so the fault meets a ready pool)."""
+    log = Path(os.environ["RESILIENT_RUN_DIR"]) / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if log.read_text().count('"kind": "spare_ready"') >= count:
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"no {count} spare(s) ready within 120 s")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--die-worker", default=None)
+    p.add_argument("--die-step", type=int, default=None)
+    p.add_argument("--die-how", choices=["kill", "start", "hang"], default="kill")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--plain", action="store_true",
+                   help="no dropout and no random augmentation: a shrunk run then differs from the full-size one "
+                   "only by the order of the gradient sums (its micro-batches, and so its random draws, are "
+                   "smaller than the full-size ranks' when the new world times the batch size does not divide "
+                   "the global batch)")
+    p.add_argument("--spares-at-end", type=int, default=0,
+                   help="rank 0 waits at the end until the agent logged this many spare_ready events")
+    p.add_argument("--spares-ready", type=int, default=0,
+                   help="the doomed worker first waits until the agent logged this many spare_ready events")
+    args = p.parse_args()
+    me = os.environ.get("RESILIENT_WORKER_ID", "")
+    doomed = args.die_worker is not None and me in args.die_worker.split(",")
+
+    torch.set_num_threads(1)
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.0 if args.plain else 0.2), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
+    data = resilient.ElasticLoader(Noisy(args.samples, 0.0 if args.plain else 0.01), batch_size=args.batch, seed=11)
+    ckpt = resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every, async_save=False, when_busy="wait",
+                                      timeout_s=60)
+    run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
+                        ddp=True, seed=SEED)
+    fd = os.open(args.out / "trace.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    for step in run.steps(args.steps):
+        if doomed and step == args.die_step and args.spares_ready:
+            wait_for_spares(args.spares_ready)
+        with run.attempt():
+            if doomed and step == args.die_step and args.die_how == "start":
+                os.kill(os.getpid(), signal.SIGKILL)
+            indices, losses = [], []
+            for k, (x, y) in enumerate(run.micro_batches()):
+                loss = torch.nn.functional.mse_loss(run.model(x), y)
+                if doomed and step == args.die_step and k == 0 and args.die_how in ("kill", "hang"):
+                    sig = signal.SIGKILL if args.die_how == "kill" else signal.SIGSTOP
+                    model[0].weight.register_hook(lambda grad, sig=sig: os.kill(os.getpid(), sig))
+                (loss / run.accumulation).backward()
+                indices.append(run.data.last_indices)
+                losses.append(loss.item().hex())
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            run.report(loss=loss)
+            line = {"step": step, "rank": run.rank, "world": run.world_size, "worker": me,
+                    "accumulation": run.accumulation, "indices": indices, "losses": losses}
+            os.write(fd, (json.dumps(line) + "\n").encode())
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+    if args.spares_at_end and run.rank == 0:
+        wait_for_spares(args.spares_at_end)  # the refilled pool comes up warm while this run still holds it
+    run.close()
+    if run.rank == 0:
+        state = optimizer.state_dict()["state"]
+        final = {"step": run.step, "samples": run.samples, "world": run.world_size,
+                 "params": [hexes(t) for t in model.parameters()],
+                 "optimizer": {str(k): {n: hexes(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+                               for k, s in sorted(state.items())},
+                 "scheduler": scheduler.state_dict()["last_epoch"], "lr": scheduler.get_last_lr()}
+        (args.out / "final.json").write_text(json.dumps(final))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

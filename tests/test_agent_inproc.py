@@ -1,0 +1,203 @@
+"""In-process recovery under ``resilient run``: spares, shrink, and the fall back to a restart.
+
+Real agents, real worker processes on gloo, the script a user writes
+(``tests/elastic_worker.py``: ``Run(ddp=True)``, ``run.attempt()``,
+``run.micro_batches()``).  An uninterrupted run of the same script is the
+reference: with a spare the recovered run must equal it bitwise (every
+step's losses and sample ids, the final parameters and optimizer state)
+with no step done twice; shrunk, it must consume every sample of the epoch
+exactly once, each step's global sample set must equal the reference's,
+and its parameters must stay within a stated tolerance of the reference's
+(the sums run in another order on fewer ranks).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .agent_helpers import events, explain, incidents, run_agent
+
+WORKER = Path(__file__).with_name("elastic_worker.py")
+STEPS = 8
+DIE_STEP = 4
+
+
+def trace(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "trace.jsonl").read_text().splitlines() if line.strip()]
+
+
+def by_step(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    found: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for line in lines:
+        found[line["step"]].append(line)
+    return found
+
+
+def elastic_run(tmp: Path, name: str, *flags: str, die: tuple[str, str] | None = None,
+                extra: tuple[str, ...] = ()) -> tuple[Path, Any]:
+    """Run the worker script under the agent; ``die``: (worker id, how) strikes at DIE_STEP."""
+    out = tmp / name
+    out.mkdir()
+    args = ["--steps", str(STEPS), "--out", str(out), "--ckpt", str(out / "ckpt"), *extra]
+    if die is not None:
+        args += ["--die-worker", die[0], "--die-step", str(DIE_STEP), "--die-how", die[1]]
+    proc = run_agent(out / "run", "--max-restarts", "2", *flags, script=WORKER, script_args=tuple(args),
+                     timeout=240)
+    return out, proc
+
+
+@pytest.fixture(scope="module")
+def reference2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out, proc = elastic_run(tmp_path_factory.mktemp("ref2"), "ref", "--nproc-per-node", "2")
+    assert proc.returncode == 0, explain(proc)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out, proc = elastic_run(tmp_path_factory.mktemp("ref3"), "ref", "--nproc-per-node", "3", extra=("--plain",))
+    assert proc.returncode == 0, explain(proc)
+    return out
+
+
+def assert_bitwise_equal(out: Path, reference: Path) -> None:
+    got, want = by_step(trace(out)), by_step(trace(reference))
+    assert sorted(got) == list(range(STEPS)) == sorted(want)
+    for step in range(STEPS):
+        assert len(got[step]) == 2, f"step {step} was completed {len(got[step])} times, not once per rank: {got[step]}"
+        mine = {line["rank"]: (line["indices"], line["losses"]) for line in got[step]}
+        theirs = {line["rank"]: (line["indices"], line["losses"]) for line in want[step]}
+        assert mine == theirs, f"step {step} differs from the uninterrupted run"
+    final, ref = json.loads((out / "final.json").read_text()), json.loads((reference / "final.json").read_text())
+    assert final["params"] == ref["params"]
+    assert final["optimizer"] == ref["optimizer"]
+    assert (final["scheduler"], final["lr"], final["samples"]) == (ref["scheduler"], ref["lr"], ref["samples"])
+
+
+@pytest.mark.parametrize("how", ["kill", "start"])
+def test_a_spare_replaces_a_killed_rank_with_nothing_redone(tmp_path: Path, reference2: Path, how: str) -> None:
+    out, proc = elastic_run(tmp_path, how, "--nproc-per-node", "2", "--spares", "1", die=("w1", how),
+                            extra=("--spares-ready", "1"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart"), "recovered by a restart, not in process"
+    decided = events(run, "recovery_decided")
+    assert [d["action"] for d in decided] == ["promote_spare"], decided
+    assert decided[0]["promotions"] == [{"rank": 1, "spare": "s2", "node": decided[0]["promotions"][0]["node"]}]
+    done = events(run, "recovered_in_process")
+    assert len(done) == 1 and done[0]["rung"] == "promote_spare" and done[0]["resumed_after_step"] == DIE_STEP, done
+    workers = {line["worker"] for line in trace(out) if line["step"] > DIE_STEP and line["rank"] == 1}
+    assert workers == {"s2"}, f"rank 1 after the failure was {workers}, not the spare"
+    [incident] = incidents(run)
+    assert incident["decision"]["action"] == "promote_spare" and incident["recovered"]["rung"] == "promote_spare"
+    assert_bitwise_equal(out, reference2)
+    # The pool was refilled: a second spare started after the promotion and came up warm.
+    started = [e["worker"] for e in events(run, "spare_started")]
+    assert started[:1] == ["s2"] and len(started) == 2, started
+    assert {e["worker"] for e in events(run, "spare_ready")} >= set(started[:1])
+
+
+def test_a_hung_rank_is_killed_and_replaced_by_the_spare(tmp_path: Path, reference2: Path) -> None:
+    out, proc = elastic_run(tmp_path, "hang", "--nproc-per-node", "2", "--spares", "1",
+                            "--section-timeout", "step=4", die=("w1", "hang"), extra=("--spares-ready", "1"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    assert len(events(run, "hang_detected")) == 1
+    [incident] = incidents(run)
+    assert incident["kind"] == "hang" and incident["rank"] == 1, incident
+    assert incident["decision"]["action"] == "promote_spare" and incident["recovered"]["resumed_after_step"] == DIE_STEP
+    assert_bitwise_equal(out, reference2)
+
+
+def global_sets(lines: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """Each step's global sample ids, sorted (every rank's micro-batches together)."""
+    found: dict[int, list[int]] = defaultdict(list)
+    for line in lines:
+        for ids in line["indices"]:
+            found[line["step"]].extend(ids)
+    return {step: sorted(ids) for step, ids in found.items()}
+
+
+def assert_close(got: list[list[str]], want: list[list[str]], rtol: float, atol: float) -> None:
+    for a, b in zip(got, want, strict=True):
+        for x, y in zip(map(float.fromhex, a), map(float.fromhex, b), strict=True):
+            assert abs(x - y) <= atol + rtol * abs(y), (x, y)
+
+
+SHRINK_TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+"""Parameters of a run shrunk 3 -> 2 against the uninterrupted 3-rank run (``--plain``: no dropout, no random
+augmentation, so nothing random depends on how a step is cut into micro-batches): the same samples per step,
+the gradient summed in another order (3 ranks x 1 micro-batch of 2, then 2 ranks x 3 of 1)."""
+
+
+def test_without_a_spare_the_run_shrinks_and_keeps_the_global_batch(tmp_path: Path, reference3: Path) -> None:
+    out, proc = elastic_run(tmp_path, "shrink", "--nproc-per-node", "2:3", die=("w2", "kill"), extra=("--plain",))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    assert [d["action"] for d in events(run, "recovery_decided")] == ["shrink"]
+    [done] = events(run, "recovered_in_process")
+    assert done["rung"] == "shrink" and done["world_size"] == 2 and done["resumed_after_step"] == DIE_STEP
+    lines, ref = trace(out), trace(reference3)
+    got, want = global_sets(lines), global_sets(ref)
+    assert got == want, "a step's global sample set differs from the uninterrupted run's"
+    everything = sorted(i for ids in got.values() for i in ids)
+    assert everything == list(range(48)), "the epoch's samples were not each consumed exactly once"
+    after = [line for line in lines if line["step"] > DIE_STEP]
+    assert {(line["world"], line["accumulation"]) for line in after} == {(2, 3)}, after[:2]
+    final, want_final = json.loads((out / "final.json").read_text()), json.loads((reference3 / "final.json").read_text())
+    assert final["params"] != want_final["params"], "bitwise equal: the reduction order did not change?"
+    assert_close(final["params"], want_final["params"], **SHRINK_TOLERANCE)
+    assert final["samples"] * 1 == final["samples"] and final["step"] == STEPS
+
+
+def test_two_ranks_lost_at_once_with_one_spare_promote_one_and_shrink(tmp_path: Path, reference3: Path) -> None:
+    out, proc = elastic_run(tmp_path, "two", "--nproc-per-node", "2:3", "--spares", "1",
+                            die=("w1,w2", "start"), extra=("--spares-ready", "1", "--spares-at-end", "2", "--plain"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    [decided] = events(run, "recovery_decided")
+    assert decided["action"] == "shrink" and decided["dropped_ranks"] == [2], decided
+    assert [p["rank"] for p in decided["promotions"]] == [1]
+    assert global_sets(trace(out)) == global_sets(trace(reference3))
+    # The pool: one spare ready, none once it is promoted, one again when its replacement is warm.
+    kinds = [e["kind"] for e in events(run) if e["kind"] in ("spare_ready", "generation_continued", "spare_started")]
+    assert kinds == ["spare_started", "spare_ready", "generation_continued", "spare_started", "spare_ready"], kinds
+
+
+def test_losing_every_rank_falls_back_to_a_restart_and_stays_bitwise_equal(tmp_path: Path,
+                                                                          reference2: Path) -> None:
+    out, proc = elastic_run(tmp_path, "all", "--nproc-per-node", "2", "--spares", "1", die=("w0,w1", "start"),
+                            extra=("--spares-ready", "1"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert len(events(run, "restart")) == 1
+    final, ref = json.loads((out / "final.json").read_text()), json.loads((reference2 / "final.json").read_text())
+    assert final["params"] == ref["params"] and final["optimizer"] == ref["optimizer"]
+
+
+def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_struck_again(
+        tmp_path: Path, reference2: Path) -> None:
+    """A chaos plan targets a rank at a step: the process holding it then, not every later holder."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "step"},
+        {"kind": "kill", "rank": 1, "step": 6, "attempt": 0, "section": "step"}]}))
+    out, proc = elastic_run(tmp_path, "plan", "--nproc-per-node", "2", "--spares", "2", "--fault-plan", str(plan),
+                            extra=("--spares-ready", "0"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    done = events(run, "recovered_in_process")
+    assert [d["resumed_after_step"] for d in done] == [DIE_STEP, 6], done
+    holders = [(line["step"], line["worker"]) for line in trace(out) if line["rank"] == 1]
+    assert [w for s, w in holders if s < DIE_STEP] == ["w1"] * DIE_STEP
+    assert len({w for s, w in holders if DIE_STEP <= s < 6}) == 1 and len({w for s, w in holders if s >= 6}) == 1
+    assert_bitwise_equal(out, reference2)
