@@ -106,6 +106,7 @@ def main() -> int:
         trace.rec("step", step=step)
     run.close()
     trace.rec("end", step=run.step)
+    ddp = run = None  # the wrapper before the group (see examples/train_gpt.py)
     dist.destroy_process_group()
     return 0
 

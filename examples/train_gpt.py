@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     if distributed:
         import torch.distributed as dist
 
+        # Drop the DDP wrapper before the group: a gloo group whose last reference is in DDP's reducer is
+        # destroyed by the reducer's destructor, which can hang or abort the process at exit.
+        model = run = None
         dist.destroy_process_group()
     return 0
 

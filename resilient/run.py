@@ -5,17 +5,13 @@ loop (``for step in run.steps(n)``), takes checkpoints at completed-update
 boundaries on the configured cadence, and counts progress.  A script changes
 in about five lines; see the README.
 
-Under the node agent (``resilient run`` sets ``RESILIENT_AGENT_SOCKET``) a
-Run also reports the section it is in (``init``, ``restore``, ``step``,
-``data``, ``checkpoint`` and the user's own, see :meth:`Run.section`) with
-each heartbeat, dumps its stacks on request, writes an error file on an
-uncaught exception, injects planned faults, and stops gracefully when
-asked: see :mod:`resilient.worker.hooks`.  Without an agent none of
-this is installed and the Run behaves exactly as it would otherwise.
-
-A script opts into in-process recovery with ``ddp=True`` (``run.model``),
-``run.micro_batches()`` (the run's fixed global batch at any world size) and
-``with run.attempt():`` around its step body: see :mod:`resilient.run_attempt`.
+Under the node agent (``resilient run``) a Run also reports the section it
+is in with each heartbeat (:meth:`Run.section`), dumps its stacks on request,
+writes an error file on an uncaught exception, injects planned faults, and
+stops gracefully when asked (:mod:`resilient.worker.hooks`); without an
+agent none of this is installed.  A script opts into in-process recovery
+with ``ddp=True``, ``run.micro_batches()`` and ``with run.attempt():``
+(:mod:`resilient.run_attempt`, :mod:`resilient.run_recovery`).
 """
 
 from __future__ import annotations
@@ -132,8 +128,10 @@ class Run:
         self._recovery: Callable[[BaseException], bool] | None = None
         """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
         spare = env is not None and env.role == "spare"
-        if env is not None and env.recovery_store is not None:
-            self._recovery = recovery = InProcessRecovery(self, env, self._hooks)
+        self._inproc = InProcessRecovery(self, env, self._hooks) if env and env.recovery_store else None
+        """The agent's in-process recovery: the survivor's side (``_recovery``), the spare's, growing back."""
+        if self._inproc is not None:
+            self._recovery = self._inproc
         self._retry = False
         self._micro: Generator[Any, None, None] | None = None
         self._micro_samples: int | None = None
@@ -165,8 +163,8 @@ class Run:
         if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
                                  time.perf_counter() - restore_started)
-        if spare:  # blocks until promoted; returns a member of the new group with its state (run_recovery.py)
-            recovery.wait_as_spare()
+        if spare and self._inproc is not None:  # blocks until promoted, then a member with its state
+            self._inproc.wait_as_spare()
         elif self._ddp is not None:  # after the restore: DDP's first broadcast then carries the restored state
             self.model = _attempt.wrap_ddp(self.model, self._ddp)
         self.events.emit(EventKind.RUN_STARTED, rank=self.rank, world_size=self.world_size, step=self.step,
@@ -191,6 +189,8 @@ class Run:
         while self.step < total:
             if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):
                 self._maybe_stop(hooks)
+            if self._inproc is not None:
+                self._inproc.at_boundary()  # a shrunk world grows back here when the agent says so
             self._maybe_checkpoint()
             self._step_started = time.perf_counter()
             if hooks is not None:
@@ -273,6 +273,8 @@ class Run:
                 result = self.checkpoints.wait()
         if self.data is not None:
             self.data.close()  # stop its worker processes now, not whenever the loader is collected
+        if self._ddp is not None:  # the wrapper Run made must not outlive the group (docs/architecture.md)
+            self.model = _attempt.unwrap(self.model)
         self.events.emit(EventKind.RUN_CLOSED, step=self.step)
         if self._hooks is not None:
             self._hooks.bye(self.step, self._committed_step())
@@ -288,10 +290,8 @@ class Run:
     def section(self, name: str) -> Section:
         """Context manager marking a part of the loop, e.g. ``with run.section("eval"): ...``.
 
-        Under the agent, entering it sends a heartbeat naming ``name`` (so a
-        hang there is attributed, and timed with that section's timeout) and
-        leaving it re-enters the enclosing section.  Without an agent it only
-        records the name.
+        Under the agent, entering it sends a heartbeat naming ``name`` (a hang there is attributed to it and
+        timed with its timeout); leaving it re-enters the enclosing section.
         """
         return Section(self, name)
 

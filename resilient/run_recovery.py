@@ -35,6 +35,7 @@ the process exits non-zero and the agent falls back to a restart.
 from __future__ import annotations
 
 import gc
+import json
 import time
 import traceback
 import weakref
@@ -46,6 +47,7 @@ from .elastic.reform import (
     AssignmentTimeoutError,
     abandon,
     connect_store,
+    grow_key,
     reform,
     wait_for_assignment,
 )
@@ -120,7 +122,37 @@ class InProcessRecovery:
             raise exc from err
         return True
 
-    def _release(self, exc: BaseException) -> None:
+    # ------------------------------------------------------------------- growing
+    def at_boundary(self) -> None:
+        """Before each step: join the larger generation the agent scheduled at this boundary, if any.
+
+        Only a world below its full size (the global batch's first world size) can grow, so only then is
+        the agent's store asked (one small request per step).  Every member polls at every boundary and the
+        agent schedules the boundary a few steps ahead of the furthest rank, so all of them leave together.
+        """
+        run, data = self.run, self.run.data
+        if data is None or not data.global_batch or run.world_size * data.batch_size >= data.global_batch:
+            return
+        store = self._connect()
+        key = grow_key(self.generation)
+        if not store.check([key]):
+            return
+        plan = json.loads(store.get(key))
+        if run.step < int(plan["at_step"]):
+            return
+        started = time.monotonic()
+        try:
+            with run.section("restore"):  # the agent books the re-formation as recovery, and times it
+                mine = self._extra(run.step, ddp_layout(run.model))
+                self._release(None)
+                assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+                self._join(assignment, run.step, True, mine, failed_at=None, abandon_s=time.monotonic() - started,
+                           wait_s=0.0)
+        except Exception as err:
+            self._give_up(err)
+            raise
+
+    def _release(self, exc: BaseException | None) -> None:
         """Drop every reference to the old groups, then destroy them (see ``abandon()``)."""
         run = self.run
         wrapper = run.model
@@ -128,7 +160,7 @@ class InProcessRecovery:
         held = weakref.ref(wrapper) if wrapper is not run.model else None
         del wrapper
         seen: set[int] = set()
-        current: BaseException | None = exc
+        current = exc
         while current is not None and id(current) not in seen:  # the error's finished frames hold tensors, DDP
             seen.add(id(current))
             traceback.clear_frames(current.__traceback__)

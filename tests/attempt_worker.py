@@ -127,12 +127,14 @@ def main() -> int:
             trace.write(json.dumps({"event": "error", "type": type(exc).__qualname__, "message": str(exc)[:300],
                                     "recoverable": run._attempt_failed(exc), "asked_recovery": len(asked),
                                     "step": run.step}) + "\n")
+            model = run = None  # the DDP wrapper before the group (see tests/worker_train.py)
             dist.destroy_process_group()
             return 0
         run.close()
         params = [v.hex() for t in inner.parameters() for v in t.detach().reshape(-1).tolist()]
         trace.write(json.dumps({"event": "end", "step": run.step, "params": params}) + "\n")
     if world > 1:
+        model = run = None
         dist.destroy_process_group()
     return 0
 

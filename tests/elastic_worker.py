@@ -57,13 +57,18 @@ def hexes(t: torch.Tensor) -> list[str]:
 
 def wait_for_spares(count: int) -> None:
     """Block until the agent's event log shows ``count`` warm spares (so the fault meets a ready pool)."""
+    wait_for_event('"kind": "spare_ready"', count)
+
+
+def wait_for_event(text: str, count: int = 1) -> None:
+    """Block until ``text`` occurs ``count`` times in the agent's event log (bounded)."""
     log = Path(os.environ["RESILIENT_RUN_DIR"]) / "events.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        if log.read_text().count('"kind": "spare_ready"') >= count:
+        if log.read_text().count(text) >= count:
             return
         time.sleep(0.05)
-    raise SystemExit(f"no {count} spare(s) ready within 120 s")
+    raise SystemExit(f"{text} did not occur {count} time(s) in {log} within 120 s")
 
 
 def main() -> int:
@@ -83,6 +88,8 @@ def main() -> int:
                    "only by the order of the gradient sums (its micro-batches, and so its random draws, are "
                    "smaller than the full-size ranks' when the new world times the batch size does not divide "
                    "the global batch)")
+    p.add_argument("--hold-at", type=int, default=None,
+                   help="rank 0 waits at this step until the agent decided to grow (a boundary ahead of it)")
     p.add_argument("--spares-at-end", type=int, default=0,
                    help="rank 0 waits at the end until the agent logged this many spare_ready events")
     p.add_argument("--spares-ready", type=int, default=0,
@@ -105,6 +112,8 @@ def main() -> int:
     for step in run.steps(args.steps):
         if doomed and step == args.die_step and args.spares_ready:
             wait_for_spares(args.spares_ready)
+        if args.hold_at == step and run.rank == 0:
+            wait_for_event('"action": "grow"')
         with run.attempt():
             if doomed and step == args.die_step and args.die_how == "start":
                 os.kill(os.getpid(), signal.SIGKILL)

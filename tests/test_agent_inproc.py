@@ -39,11 +39,11 @@ def by_step(lines: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
 
 
 def elastic_run(tmp: Path, name: str, *flags: str, die: tuple[str, str] | None = None,
-                extra: tuple[str, ...] = ()) -> tuple[Path, Any]:
+                extra: tuple[str, ...] = (), steps: int = STEPS) -> tuple[Path, Any]:
     """Run the worker script under the agent; ``die``: (worker id, how) strikes at DIE_STEP."""
     out = tmp / name
     out.mkdir()
-    args = ["--steps", str(STEPS), "--out", str(out), "--ckpt", str(out / "ckpt"), *extra]
+    args = ["--steps", str(steps), "--out", str(out), "--ckpt", str(out / "ckpt"), *extra]
     if die is not None:
         args += ["--die-worker", die[0], "--die-step", str(DIE_STEP), "--die-how", die[1]]
     proc = run_agent(out / "run", "--max-restarts", "2", *flags, script=WORKER, script_args=tuple(args),
@@ -201,3 +201,33 @@ def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_s
     assert [w for s, w in holders if s < DIE_STEP] == ["w1"] * DIE_STEP
     assert len({w for s, w in holders if DIE_STEP <= s < 6}) == 1 and len({w for s, w in holders if s >= 6}) == 1
     assert_bitwise_equal(out, reference2)
+
+
+def test_a_shrunk_run_grows_back_when_its_replacement_is_warm(tmp_path: Path) -> None:
+    """2:3 without a spare: one rank lost, the run shrinks, the agent starts a replacement, the run grows back.
+
+    Rank 0 holds at step 6 until the agent decided to grow (so the replacement's warm-up cannot outlast the
+    run); the agent places the boundary a few steps ahead of every rank.
+    """
+    steps, samples = 12, ("--samples", "72", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
+    assert proc.returncode == 0, explain(proc)
+    out, proc = elastic_run(tmp_path, "grow", "--nproc-per-node", "2:3", "--grow-settle", "0.5", die=("w2", "kill"),
+                            extra=(*samples, "--hold-at", "6"), steps=steps)
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart")
+    assert [d["action"] for d in events(run, "recovery_decided")] == ["shrink", "grow"]
+    done = events(run, "recovered_in_process")
+    assert [d["rung"] for d in done] == ["shrink", "grow"], done
+    at = done[1]["at_step"]
+    assert at > 6
+    lines = trace(out)
+    worlds = {line["step"]: line["world"] for line in lines}
+    assert [worlds[s] for s in range(steps)] == [3] * DIE_STEP + [2] * (at - DIE_STEP) + [3] * (steps - at), worlds
+    assert {line["worker"] for line in lines if line["step"] >= at and line["rank"] == 2} == {"s3"}
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(72))
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps and final["world"] == 3

@@ -215,6 +215,9 @@ def main() -> int:
     trace.write(json.dumps({"event": "end", "step": run.step, **state_digests(inner, optimizer)}) + "\n")
     trace.close()
     if world > 1:
+        # The DDP wrapper goes first: a gloo group whose last reference is in DDP's reducer is destroyed in the
+        # reducer's destructor, which can deadlock or abort the process at exit (docs/architecture.md).
+        model = run = None
         dist.destroy_process_group()
     return 0
 

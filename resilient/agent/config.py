@@ -42,6 +42,8 @@ class AgentConfig:
     """Extra worker processes kept warm on this node to take a failed rank's place (``--spares``)."""
     in_process: bool = True
     """Offer in-process recovery to scripts that opt in (``run.attempt()``); False: restarts only."""
+    grow_settle_s: float = 5.0
+    """A shrunk world grows back onto a spare once it has been ready this long (``--grow-settle``)."""
     recovery_timeout_s: float = 60.0
     """How long a survivor waits for its new generation and the new group takes to form before the agent
     falls back to a restart."""
@@ -121,6 +123,8 @@ class AgentConfig:
         if (self.spares or self.shrinkable) and not self.in_process:
             raise ConfigError("--spares and --nproc-per-node MIN:MAX act through in-process recovery; drop "
                               "--no-in-process, or drop them")
+        if self.grow_settle_s < 0:
+            raise ConfigError(f"--grow-settle must be >= 0 seconds, got {self.grow_settle_s}")
         if self.recovery_timeout_s <= 0:
             raise ConfigError(f"--recovery-timeout must be > 0, got {self.recovery_timeout_s}")
         if not 1 <= self.min_nodes <= self.max_nodes:

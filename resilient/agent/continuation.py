@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -99,8 +100,12 @@ def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir
     inp = ctx.inproc
     if inp is None or inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
         return
-    slots = set(range(ctx.config.nproc_per_node + ctx.config.spares))
-    while len(group.spares) < ctx.config.spares:
+    c = ctx.config
+    # A shrunk world's missing ranks are refilled too (a replacement process, warm like a spare), so that it
+    # can grow back; their slots are the ones the lost processes left.
+    want = c.spares + (c.nproc_per_node - len(group.workers) if c.shrinkable else 0)
+    slots = set(range(c.nproc_per_node + c.spares))
+    while len(group.spares) < want:
         free = sorted(slots - {w.spec.slot for w in group.workers.values()} - {w.spec.slot for w in group.spares.values()})
         if not free:
             return
@@ -171,8 +176,10 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     return moved
 
 
-def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, now: float) -> str | None:
-    """One tick of in-process bookkeeping; returns why the generation must end as a failure, or None."""
+def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
+           now: float) -> str | Assignment | None:
+    """One tick of in-process bookkeeping: why the generation must end as a failure, its new assignment
+    (it grew back), or None."""
     inp = ctx.inproc
     if inp is None:
         return None
@@ -192,19 +199,23 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         start_spares(ctx, group, a, gdir)
     progress = inp.progress()
     if progress is None:
-        return None
+        return _maybe_grow(ctx, group, a, gdir, now)
     recovering, rejoined = progress
     if set(rejoined) >= set(recovering.members):
         record = inp.completed(now, rejoined)
         ctx.emit(EventKind.RECOVERED_IN_PROCESS, **record)
         redone = max(0, recovering.step - int(record["resumed_after_step"])) \
             if isinstance(record["resumed_after_step"], int) else None
-        line = (f"generation {recovering.generation}: recovered in process ({record['rung']}) "
-                f"{record['seconds']:.2f} s after the failure; {record['world_size']} ranks resume after step "
-                f"{record['resumed_after_step']}, {redone} step(s) re-done")
+        if recovering.rung == "grow":
+            line = (f"generation {recovering.generation}: grew back to {record['world_size']} ranks at step "
+                    f"{recovering.step} in {record['seconds']:.2f} s")
+        else:
+            line = (f"generation {recovering.generation}: recovered in process ({record['rung']}) "
+                    f"{record['seconds']:.2f} s after the failure; {record['world_size']} ranks resume after step "
+                    f"{record['resumed_after_step']}, {redone} step(s) re-done")
         inp.last_completed = line
         print(f"resilient: {line}", file=sys.stderr, flush=True)
-        if ctx.recovered is not None:
+        if ctx.recovered is not None and recovering.incident_id is not None:
             ctx.recovered(recovering.incident_id, record)
         return None
     if now > recovering.deadline:
@@ -213,6 +224,46 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         return (f"in-process recovery to generation {recovering.generation} did not complete: workers "
                 f"{missing} never rejoined")
     return None
+
+
+GROW_LEAD_S = 0.5
+"""A grow is scheduled this far ahead of the furthest rank (at its measured step rate), plus GROW_LEAD_STEPS:
+every member must see the request at a boundary before the one it names."""
+GROW_LEAD_STEPS = 3
+
+
+def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
+                now: float) -> Assignment | None:
+    """A world below full size grows onto a settled spare at a boundary a little ahead of every rank."""
+    inp, next_generation = ctx.inproc, ctx.next_generation
+    if inp is None or next_generation is None or len(group.workers) >= ctx.config.nproc_per_node or not group.spares:
+        return None
+    views = ctx.tracker.views()
+    if len(views) < len(group.workers):
+        return None
+    furthest = max(v.step for v in views.values())
+    rate = inp.step_rate(now, furthest, a.generation)
+    if rate is None:
+        return None  # not measured yet in this generation: a boundary cannot be placed safely
+    at_step = furthest + GROW_LEAD_STEPS + math.ceil(rate * GROW_LEAD_S)
+    decision = inp.consider_grow(group, at_step)
+    if decision is None:
+        return None
+    generation = next_generation()
+    pids = inp.carry_out_grow(group, decision, generation, a.generation, at_step)
+    moved = replace(a, generation=generation)
+    ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
+    ctx.workers_started(generation, pids)
+    ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=False,
+                                      lead_rank=min(pids))
+    ctx.accounting.recovered_in_process("grow")
+    ctx.status.attach(group, moved)
+    ctx.emit(EventKind.GENERATION_CONTINUED, generation=generation, previous=a.generation, action="grow",
+             world_size=len(pids), pids=pids, at_step=at_step,
+             members={str(r): w.worker_id for r, w in group.workers.items()})
+    print(f"resilient: generation {generation}: {decision.reason} (at step {at_step})", file=sys.stderr, flush=True)
+    start_spares(ctx, group, moved, gdir)
+    return moved
 
 
 def outlook_from(decision: Any) -> RestartOutlook:

@@ -218,6 +218,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         report_restores(False)
         failed = [e for e in group.exits() if e.returncode != 0]
         problem = follow(ctx, group, a, gdir, now) if stop_deadline is None else None
+        if isinstance(problem, Assignment):  # grew back onto a spare
+            a, problem = problem, None
         if problem is not None:
             return recovery_failed(ctx, group, a, problem, now)
         if failed and stop_deadline is None:

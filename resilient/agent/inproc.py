@@ -23,6 +23,7 @@ this module does so only when an :class:`InProcess` is created.
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
 import threading
 from collections import Counter
@@ -34,8 +35,9 @@ from typing import TYPE_CHECKING, Any
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.costs import RecoveryCosts
 from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
+from ..elastic.grow import GrowAction, GrowDecision, decide_grow
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
-from ..elastic.reform import Member, plan_assignments, publish_assignments
+from ..elastic.reform import Member, grow_key, plan_assignments, publish_assignments
 from ..events import Emit, EventKind
 
 if TYPE_CHECKING:
@@ -54,14 +56,20 @@ class Recovering:
     """An in-process recovery under way: a generation published, its members not all rejoined yet."""
 
     generation: int
-    decision: RecoveryDecision
+    rung: str
+    """``promote_spare``, ``shrink`` (after a failure) or ``grow`` (at a step boundary)."""
+    world_size: int
+    promotions: tuple[tuple[int, str], ...]
+    """(rank, spare id) of each spare that takes a rank."""
+    dropped: tuple[int, ...]
     members: Mapping[str, int]
     """Worker id -> new rank."""
     detected_at: float
-    """Agent clock when the failure was seen."""
+    """Agent clock when the failure was seen (for a grow: when it was decided)."""
     deadline: float
-    incident_id: str
+    incident_id: str | None
     step: int
+    """The step whose attempt failed (for a grow: the boundary's step)."""
 
 
 @dataclass
@@ -104,13 +112,15 @@ class InProcess:
         self.recovering: Recovering | None = None
         self.changed: threading.Event | None = None
         """Set on every worker report: the watch loop acts on it at once instead of at its next tick."""
-        self.ladder = LadderConfig(in_process=config.in_process,
+        self.ladder = LadderConfig(in_process=config.in_process, grow_settle_s=config.grow_settle_s,
                                    max_wait_s=min(300.0, config.recovery_timeout_s / 2))
-        self._measured: dict[str, list[float]] = {"spare_s": [], "shrink_s": [], "warm_s": []}
+        self._measured: dict[str, list[float]] = {"spare_s": [], "shrink_s": [], "grow_s": [], "warm_s": []}
         self.spare_failures = 0
         """Spares in a row that exited before they were ready (a script that cannot run as a spare)."""
         self._failed_at_step: Counter[int] = Counter()
         """In-process recoveries per fault step that a new fault interrupted before they completed."""
+        self._rate_mark: tuple[int, float, int] | None = None
+        """(generation, agent clock, furthest step) at the start of the step-rate measure."""
         self.last_decision: str | None = None
         """The ladder's newest reason, for ``resilient status``."""
         self.last_completed: str | None = None
@@ -207,12 +217,7 @@ class InProcess:
                             ready_since=s.ready_at)
                       for i, s in self.spares.items() if i in group.spares]
             failures = self._failed_at_step[step]
-        batch = next((r for _, r in ready.values() if r.get("global_batch") and r.get("micro_batch")), None)
-        if batch is not None:
-            feasible = feasible_world_sizes(int(batch["global_batch"]), int(batch["micro_batch"]), 1,
-                                            c.nproc_per_node, batch.get("batch_rule") or "refuse")
-        else:
-            feasible = frozenset({c.nproc_per_node})  # no loader to re-plan: only a replacement keeps the step
+        feasible = self._feasible(ready)
         obs = Observation(
             fault=Fault(kind=kind, step=step, ranks=frozenset(lost), exit_codes=frozenset(exit_codes), detail=detail),
             membership=Membership(rank_nodes=(c.node_id,) * old_world, min_size=min(c.min_ranks, old_world),
@@ -229,6 +234,15 @@ class InProcess:
             self.last_decision = f"{decision.action.value}: {decision.reason}"
             self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
         return decision
+
+    def _feasible(self, ready: Mapping[str, tuple[float, dict[str, Any]]]) -> frozenset[int]:
+        """World sizes (up to this node's MAX) at which the workers' batch plan keeps the global batch."""
+        c = self.config
+        batch = next((r for _, r in ready.values() if r.get("global_batch") and r.get("micro_batch")), None)
+        if batch is None:
+            return frozenset({c.nproc_per_node})  # no loader to re-plan: only a replacement keeps the step
+        return feasible_world_sizes(int(batch["global_batch"]), int(batch["micro_batch"]), 1, c.nproc_per_node,
+                                    batch.get("batch_rule") or "refuse")
 
     # ------------------------------------------------------------- carry
     def carry_out(self, group: WorkerGroup, decision: RecoveryDecision, lost: Mapping[int, str], generation: int,
@@ -255,11 +269,68 @@ class InProcess:
                 self.spares.pop(spare, None)
                 self._reports.ready.pop(spare, None)
         group.renumber(rank_map)
+        self._under_way(Recovering(
+            generation=generation, rung=decision.action.value, world_size=decision.world_size,
+            promotions=tuple((p.rank, p.spare) for p in decision.promotions), dropped=tuple(decision.dropped_ranks),
+            members={m.worker_id: m.new_rank for m in members}, detected_at=detected_at,
+            deadline=self._clock() + 2 * self.config.recovery_timeout_s + 10, incident_id=incident_id,
+            step=decision.step))
+        return {r: w.pid for r, w in group.workers.items()}
+
+    def step_rate(self, now: float, furthest: int, generation: int) -> float | None:
+        """Steps per second of this generation's furthest rank, from the agent's own ticks; None until 0.3 s."""
+        mark = self._rate_mark
+        if mark is None or mark[0] != generation or furthest < mark[2]:
+            self._rate_mark = (generation, now, furthest)
+            return None
+        _, since, first = mark
+        if now - since < 0.3:
+            return None
+        return (furthest - first) / (now - since)
+
+    def _under_way(self, recovering: Recovering) -> None:
         with self._lock:
-            self.recovering = Recovering(
-                generation=generation, decision=decision, members={m.worker_id: m.new_rank for m in members},
-                detected_at=detected_at, deadline=self._clock() + 2 * self.config.recovery_timeout_s + 10,
-                incident_id=incident_id, step=decision.step)
+            self.recovering = recovering
+
+    # -------------------------------------------------------------- growing
+    def consider_grow(self, group: WorkerGroup, step: int) -> GrowDecision | None:
+        """Whether a world below full size grows onto settled spares at the boundary before ``step``."""
+        c = self.config
+        with self._lock:
+            ready = dict(self._reports.ready)
+            spares = [Spare(id=i, node=c.node_id, warm=s.ready_at is not None and i in ready, ready_since=s.ready_at)
+                      for i, s in self.spares.items() if i in group.spares]
+        feasible = self._feasible(ready)
+        members = Membership(rank_nodes=(c.node_id,) * len(group.workers), min_size=min(c.min_ranks, len(group.workers)),
+                             max_size=c.nproc_per_node, full_size=c.nproc_per_node, feasible_world_sizes=feasible)
+        decision = decide_grow(members, spares, step=step, costs=self.costs(), cfg=self.ladder, now=self._clock())
+        if decision.action is GrowAction.GROW:
+            self.last_decision = f"grow: {decision.reason}"
+            self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
+            return decision
+        return None
+
+    def carry_out_grow(self, group: WorkerGroup, decision: GrowDecision, generation: int, previous: int,
+                       at_step: int) -> dict[int, int]:
+        """Publish ``generation`` (the members plus the joiners), then ask the members to join it before ``at_step``."""
+        members = [Member(worker_id=w.worker_id, new_rank=r, old_rank=r) for r, w in sorted(group.workers.items())]
+        members += [Member(worker_id=p.spare, new_rank=p.rank, old_rank=None) for p in decision.joiners]
+        joining = {p.spare for p in decision.joiners}
+        standby = [i for i in group.spares if i not in joining]
+        publish_assignments(self._store, plan_assignments(generation, members, 0, self.host, self.port, standby))
+        # After the assignments: a member that sees the key finds its assignment waiting.
+        self._store.set(grow_key(previous), json.dumps({"generation": generation, "at_step": at_step}))
+        for p in decision.joiners:
+            group.promote(p.spare, p.rank)
+            with self._lock:
+                self.spares.pop(p.spare, None)
+                self._reports.ready.pop(p.spare, None)
+        now = self._clock()
+        self._under_way(Recovering(
+            generation=generation, rung="grow", world_size=decision.world_size,
+            promotions=tuple((p.rank, p.spare) for p in decision.joiners), dropped=(),
+            members={m.worker_id: m.new_rank for m in members}, detected_at=now,
+            deadline=now + 2 * self.config.recovery_timeout_s + 10, incident_id=None, step=at_step))
         return {r: w.pid for r, w in group.workers.items()}
 
     def progress(self) -> tuple[Recovering, dict[str, dict[str, Any]]] | None:
@@ -277,15 +348,15 @@ class InProcess:
             r = self.recovering
             assert r is not None
             self.recovering = None
-            rung = r.decision.action.value
+            rung = r.rung
             took = max(0.0, at - r.detected_at)
-            self._measured["spare_s" if r.decision.action is Action.PROMOTE_SPARE else "shrink_s"].append(took)
+            self._measured[{"promote_spare": "spare_s", "shrink": "shrink_s", "grow": "grow_s"}[rung]].append(took)
         completed = sorted({int(rep.get("completed", -1)) for rep in reports.values()})
         slowest = max(reports.values(), key=lambda rep: float((rep.get("seconds") or {}).get("total") or 0.0))
         return {
-            "rung": rung, "generation": r.generation, "world_size": r.decision.world_size,
-            "promotions": [{"rank": p.rank, "spare": p.spare} for p in r.decision.promotions],
-            "dropped_ranks": list(r.decision.dropped_ranks), "failed_step": r.step,
+            "rung": rung, "generation": r.generation, "world_size": r.world_size,
+            "promotions": [{"rank": rank, "spare": spare} for rank, spare in r.promotions],
+            "dropped_ranks": list(r.dropped), ("at_step" if rung == "grow" else "failed_step"): r.step,
             "resumed_after_step": completed[0] if len(completed) == 1 else completed,
             "seconds": round(took, 6), "slowest": {"worker": slowest.get("worker"), "rank": slowest.get("rank"),
                                                     "seconds": slowest.get("seconds")},

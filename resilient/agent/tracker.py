@@ -54,6 +54,7 @@ class RankTracker:
         self._ranks: dict[int, RankInfo] = {}
         self._pids: dict[int, int] = {}
         self._carried: frozenset[int] = frozenset()
+        self._previous: int | None = None
         self._generation: int | None = None
         self._on_stale = on_stale
         self._stale_seen: set[tuple[int, int | None]] = set()
@@ -73,11 +74,14 @@ class RankTracker:
                          carried: frozenset[int] = frozenset()) -> None:
         """Forget the old ranks; the new ones (rank -> pid of ``generation``) are in "init" since ``now``.
 
-        ``carried``: pids an in-process recovery kept from the previous generation; their heartbeats of an
-        earlier generation (still queued when it failed) are counted as stale but not reported.
+        ``carried``: pids an in-process change kept from the previous generation.  Their heartbeats of the
+        previous generation still count when they keep their rank (members of a world that grows go on
+        training until the boundary where they join the new generation); other old heartbeats of theirs
+        (still queued when a failure struck, or from a rank since renumbered) are stale but not reported.
         """
         with self._lock:
             self._carried = carried
+            self._previous = self._generation
             self._generation = generation
             self._pids = dict(pids)
             self._ranks = {r: RankInfo(r, pid, "init", 0, now, now) for r, pid in pids.items()}
@@ -86,7 +90,9 @@ class RankTracker:
     def on_heartbeat(self, hb: Heartbeat, received_at: float) -> bool:
         """Take one heartbeat; False (and nothing changes) when it is stale (see the module docstring)."""
         with self._lock:
-            if hb.generation is None or hb.generation != self._generation or self._pids.get(hb.rank) != hb.pid:
+            counts = hb.generation == self._generation or (
+                hb.pid in self._carried and hb.generation is not None and hb.generation == self._previous)
+            if hb.generation is None or not counts or self._pids.get(hb.rank) != hb.pid:
                 self.stale_heartbeats += 1
                 # A member of this generation carried over from the previous one by an in-process recovery
                 # may still have that generation's heartbeats queued: counted, not reported.

@@ -51,6 +51,9 @@ def add_parser(commands: Any) -> None:
                    "place in process (default 0)")
     p.add_argument("--no-in-process", dest="in_process", action="store_false",
                    help="recover by restarting the group only, even for scripts that use run.attempt()")
+    p.add_argument("--grow-settle", type=float, default=5.0, metavar="S",
+                   help="a run shrunk below MAX of --nproc-per-node grows back onto a spare (or a replacement the "
+                   "agent starts) once it has been ready S seconds (default 5)")
     p.add_argument("--recovery-timeout", type=float, default=60.0, metavar="S",
                    help="seconds an in-process recovery may take before the agent restarts the group (default 60)")
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
@@ -202,7 +205,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         token_file=args.token_file.absolute() if args.token_file else None,
         run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
         nproc_per_node=nproc, min_nproc_per_node=min_nproc if min_nproc != nproc else None, spares=args.spares,
-        in_process=args.in_process, recovery_timeout_s=args.recovery_timeout, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
+        in_process=args.in_process, recovery_timeout_s=args.recovery_timeout, grow_settle_s=args.grow_settle, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
         etcd_options=etcd if store else {}, local_addr=local_addr,
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
                               backoff_initial_s=args.restart_backoff, budget_scope=args.restart_budget_scope),

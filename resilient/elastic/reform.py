@@ -63,6 +63,16 @@ def assignment_key(generation: int, worker_id: str) -> str:
     return f"assign/{generation}/{worker_id}"
 
 
+def grow_key(generation: int) -> str:
+    """The store key under which the agent asks generation ``generation``'s members to grow at a step boundary.
+
+    Its value is JSON ``{"generation": next, "at_step": S}``: every member leaves the group at the boundary
+    before step ``S`` (having completed ``S`` updates) and joins generation ``next``, whose assignments the
+    agent published first.
+    """
+    return f"grow/{generation}"
+
+
 def group_prefix(generation: int) -> str:
     """The key prefix of the process group of ``generation``: fresh per generation, so no stale key is read."""
     return f"reform/g{generation}/"
