@@ -472,24 +472,30 @@ def main(argv: list[str] | None = None) -> int:
                 if (r.get("recovered") and r.get("detected")) or (r["launcher"] != "ours" and "t_stop" in r):
                     shutil.rmtree(root / f"stop_{config}_{i:02d}", ignore_errors=True)
     finally:
-        res["environment"] |= {"loadavg_end": list(os.getloadavg()), "total_s": time.time() - t0,
-                               "kept": str(root) if any(p.name != "code" for p in root.iterdir()) else None}
-        res["summary"] = summarize(res)
-        res["verdicts"] = verdicts(res)
-        os.makedirs(args.out_dir, exist_ok=True)
-        base = os.path.join(args.out_dir, "agent_bench")
-        with open(base + ".json", "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        with open(base + ".md", "w") as f:
-            f.write(render_markdown(res))
-        log(f"wrote {base}.json and .md")
-        if res["environment"]["kept"]:
-            log(f"kept the directories of failed trials under {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        save_results(res, root, t0, args.out_dir, "agent_bench", summarize, verdicts, render_markdown)
     for k, v in res["verdicts"].items():
         print(f"{v['verdict']}  {k}: {v['text']}")
     return 0
+
+
+def save_results(res: dict[str, Any], root: Path, t0: float, out_dir: str, name: str, summarize: Any,
+                 verdicts: Any, render: Any) -> None:
+    """Close a run's results (load at the end, what was kept), summarise, write ``<name>.json``/``.md``."""
+    res["environment"] |= {"loadavg_end": list(os.getloadavg()), "total_s": time.time() - t0,
+                           "kept": str(root) if any(p.name != "code" for p in root.iterdir()) else None}
+    res["summary"] = summarize(res)
+    res["verdicts"] = verdicts(res)
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, name)
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(base + ".md", "w") as f:
+        f.write(render(res))
+    log(f"wrote {base}.json and .md")
+    if res["environment"]["kept"]:
+        log(f"kept the directories of failed trials under {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _f(x: float | None) -> str:

@@ -41,7 +41,7 @@ from typing import Any
 import psutil
 from _agent_report import where
 from _recovery_report import INFO_MODES, MODES, breakdown, finished_all, measure, render_markdown, summarize, verdicts
-from agent_bench import _cmd, find_py_spy, kill_tree, read_jsonl, snapshot, tree
+from agent_bench import _cmd, find_py_spy, kill_tree, log, read_jsonl, save_results, snapshot, tree
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -63,10 +63,6 @@ LAUNCHER = {
 # torchft: the lighthouse's defaults (printed by `torchft_lighthouse --help`) and train_ddp.py's timeouts
 FT_LIGHTHOUSE = {"min_replicas": 1, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 60000, "quorum_tick_ms": 100}
 FT_WORKER_ARGS = {"pg-timeout-s": 5.0, "timeout-s": 30.0, "quorum-timeout-s": 60.0, "heartbeat-ms": 100.0}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class Proc:
@@ -339,21 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 if r["success"]:
                     shutil.rmtree(root / f"{mode}_{i:02d}", ignore_errors=True)
     finally:
-        res["environment"] |= {"loadavg_end": list(os.getloadavg()), "total_s": time.time() - t0,
-                               "kept": str(root) if any(p.name != "code" for p in root.iterdir()) else None}
-        res["summary"] = summarize(res)
-        res["verdicts"] = verdicts(res)
-        os.makedirs(args.out_dir, exist_ok=True)
-        base = os.path.join(args.out_dir, "recovery_bench")
-        with open(base + ".json", "w") as f:
-            json.dump(res, f, indent=1, default=str)
-        with open(base + ".md", "w") as f:
-            f.write(render_markdown(res))
-        log(f"wrote {base}.json and .md")
-        if res["environment"]["kept"]:
-            log(f"kept the directories of failed trials under {root}")
-        else:
-            shutil.rmtree(root, ignore_errors=True)
+        save_results(res, root, t0, args.out_dir, "recovery_bench", summarize, verdicts, render_markdown)
     for k, v in res["verdicts"].items():
         print(f"{v['verdict']}  {k}: {v['text']}")
     return 0

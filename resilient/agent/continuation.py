@@ -32,7 +32,6 @@ from .inproc import ACTING
 from .launcher import WorkerGroup, WorkerSpec
 from .policy import Failure
 from .rendezvous import Assignment
-from .rundir import heartbeat_socket
 
 if TYPE_CHECKING:
     from .generation import GenerationContext
@@ -67,30 +66,19 @@ def settle_s(ctx: GenerationContext) -> float:
     return min(5.0, ctx.config.recovery_timeout_s / 4)
 
 
-def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, worker_id: str) -> WorkerSpec:
+def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, worker_id: str,
+               attempt: int) -> WorkerSpec:
     """A spare's process: the script with no rank (it waits in ``resilient.Run()``), on its own socket slot."""
+    from .generation import worker_env  # not at the top: generation imports this module
+
     c = ctx.config
     assert ctx.inproc is not None
-    from .failures import STACK_SIGNAL, STOP_SIGNAL  # not at the top: failures imports this module
-
     base = {k: v for k, v in c.worker_env.items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     if c.nproc_per_node > 1:
         base.setdefault("OMP_NUM_THREADS", "1")
-    env = {
-        **base, **ctx.inproc.worker_env(worker_id, "spare"),
-        "TORCHELASTIC_RUN_ID": c.run_id, "RESILIENT_RUN_ID": c.run_id, "RESILIENT_LAUNCH_ID": ctx.launch_id,
-        "RESILIENT_RUN_DIR": str(c.run_dir), "RESILIENT_NODE_ID": c.node_id,
-        "RESILIENT_GENERATION": str(a.generation), "RESILIENT_ATTEMPT": "0", "TORCHELASTIC_RESTART_COUNT": "0",
-        "RESILIENT_AGENT_SOCKET": heartbeat_socket(ctx.run_dir, slot),
-        "RESILIENT_STACK_FILE": str(gdir / f"{worker_id}.stacks.txt"),
-        "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
-        "RESILIENT_ERROR_FILE": str(gdir / f"{worker_id}.error.json"),
-        "RESILIENT_CONTROL_FILE": str(gdir / "control.json"),
-        "RESILIENT_STOP_SIGNAL": str(int(STOP_SIGNAL)),
-    }
-    if c.fault_plan is not None:
-        env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
+    env = {**base, **worker_env(c, ctx.run_dir, ctx.launch_id, a.generation, attempt, slot, gdir, worker_id),
+           **ctx.inproc.worker_env(worker_id, "spare")}
     return WorkerSpec(local_rank=0, rank=-1, argv=tuple(c.entrypoint), env=env, log_file=gdir / f"{worker_id}.log",
                       echo=c.echo_output, worker_id=worker_id, slot=slot)
 
@@ -110,7 +98,7 @@ def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir
         if not free:
             return
         worker_id = inp.new_worker_id("spare")
-        worker = group.start_spare(spare_spec(ctx, a, gdir, free[0], worker_id))
+        worker = group.start_spare(spare_spec(ctx, a, gdir, free[0], worker_id, group.attempt))
         inp.spare_started(worker_id, worker.pid, a.generation)
 
 

@@ -126,6 +126,27 @@ class PeerWatch:
         self._thread.join(timeout=30)
 
 
+def worker_env(c: AgentConfig, run_dir: RunDir, launch_id: str, generation: int, attempt: int, slot: int,
+               gdir: Path, name: str) -> dict[str, str]:
+    """The variables every process of the agent gets (a rank or a spare): run, launch, generation, its
+    heartbeat socket ``slot``, and its files in ``gdir`` named after ``name`` (``rank<N>``, a spare's id)."""
+    env = {
+        "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": c.run_id,
+        "RESILIENT_RUN_ID": c.run_id, "RESILIENT_LAUNCH_ID": launch_id, "RESILIENT_RUN_DIR": str(c.run_dir),
+        "RESILIENT_NODE_ID": c.node_id,
+        "RESILIENT_GENERATION": str(generation), "RESILIENT_ATTEMPT": str(attempt),
+        "RESILIENT_AGENT_SOCKET": heartbeat_socket(run_dir, slot),
+        "RESILIENT_STACK_FILE": str(gdir / f"{name}.stacks.txt"),
+        "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
+        "RESILIENT_ERROR_FILE": str(gdir / f"{name}.error.json"),
+        "RESILIENT_CONTROL_FILE": str(gdir / "control.json"),
+        "RESILIENT_STOP_SIGNAL": str(int(STOP_SIGNAL)),
+    }
+    if c.fault_plan is not None:
+        env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
+    return env
+
+
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
                  gdir: Path, inproc: InProcess | None = None) -> list[WorkerSpec]:
     c = config
@@ -142,20 +163,9 @@ def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assign
             "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(a.node_rank),
             "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default", "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_MAX_RESTARTS": str(c.restart.max_restarts),
-            "TORCHELASTIC_RUN_ID": c.run_id,
-            "RESILIENT_RUN_ID": c.run_id, "RESILIENT_LAUNCH_ID": launch_id, "RESILIENT_RUN_DIR": str(c.run_dir),
-            "RESILIENT_NODE_ID": c.node_id,
-            "RESILIENT_GENERATION": str(a.generation), "RESILIENT_ATTEMPT": str(attempt),
-            "RESILIENT_AGENT_SOCKET": heartbeat_socket(run_dir, local),
-            "RESILIENT_STACK_FILE": str(gdir / f"rank{rank}.stacks.txt"),
-            "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
-            "RESILIENT_ERROR_FILE": str(gdir / f"rank{rank}.error.json"),
-            "RESILIENT_CONTROL_FILE": str(gdir / "control.json"),
-            "RESILIENT_STOP_SIGNAL": str(int(STOP_SIGNAL)),
+            "TORCHELASTIC_MAX_RESTARTS": str(c.restart.max_restarts),
+            **worker_env(c, run_dir, launch_id, a.generation, attempt, local, gdir, f"rank{rank}"),
         }
-        if c.fault_plan is not None:
-            env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
         worker_id = inproc.new_worker_id("worker") if inproc is not None else f"r{rank}"
         if inproc is not None:
             env.update(inproc.worker_env(worker_id, "worker"))
@@ -171,6 +181,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     gdir.mkdir(parents=True, exist_ok=True)
     specs = worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir, ctx.inproc)
     group = WorkerGroup(specs, ctx.clock, ctx.echo_to)
+    group.attempt = attempt
     pids = {rank: w.pid for rank, w in group.workers.items()}
     ctx.tracker.start_generation(pids, ctx.clock(), a.generation)
     ctx.workers_started(a.generation, pids)

@@ -201,6 +201,8 @@ class WorkerGroup:
         """Spare processes by worker id, not members of the current generation."""
         self.retired: list[Worker] = []
         """Members lost to a failure that the group went on without."""
+        self.attempt = 0
+        """The restart count its processes run under (spares started later get it too)."""
         self.stuck: tuple[Stuck, ...] = ()
         """Workers that SIGKILL did not end within ``kill_wait_s`` (set by :meth:`stop`)."""
         self.changed = threading.Event()
