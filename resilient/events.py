@@ -122,7 +122,7 @@ class OutcomeKind(Enum):
         return self in (OutcomeKind.FAILED, OutcomeKind.MEMBERSHIP)
 
 
-FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy"]
+FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy", "collective"]
 """What an incident was: a non-zero exit, a death by signal, a hang, a lost peer node, an unhealthy node."""
 FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
 

@@ -106,12 +106,15 @@ class InProcessRecovery:
             ended = self._extra(step + 1, layout)
             run._rewind_attempt()
             mine = ended if applied else self._extra(step, layout)
+            # Before the release: the agent decides once every live member said this (or a short settle time
+            # passed), so ranks lost together are decided together, and it decides while this rank releases.
+            # ``failed_at`` (this host's monotonic clock, the agent's too) orders the ranks' errors: the first is
+            # the cause, the others fail when it releases its connections.
+            self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                          "step": step, "applied": applied, "failed_at": failed_at,
+                          "error": f"{type(exc).__qualname__}: {exc}"[:500]})
             self._release(exc)
             abandon_s = time.monotonic() - failed_at
-            # The agent decides once every live member said this (or a short settle time passed), so ranks
-            # lost together are decided together.
-            self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
-                          "step": step, "applied": applied, "error": f"{type(exc).__qualname__}: {exc}"[:500]})
             store = self._connect()
             waited = time.monotonic()
             assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)

@@ -17,7 +17,9 @@ Faults strike only in the worker named by ``--die-worker`` (its
 them: ``--die-how kill`` SIGKILLs it inside step ``--die-step``'s backward
 (from a gradient hook, before its gradients are all-reduced), ``start``
 SIGKILLs it at the top of that step (its peers are already in the
-all-reduce), ``hang`` SIGSTOPs it inside the backward.
+all-reduce), ``hang`` SIGSTOPs it inside the backward, ``raise`` raises a
+``DistBackendError`` at the top of that step once (a network error: every
+process lives).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--die-worker", default=None)
     p.add_argument("--die-step", type=int, default=None)
-    p.add_argument("--die-how", choices=["kill", "start", "hang"], default="kill")
+    p.add_argument("--die-how", choices=["kill", "start", "hang", "raise"], default="kill")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--plain", action="store_true",
                    help="no dropout and no random augmentation: a shrunk run then differs from the full-size one "
@@ -117,6 +119,10 @@ def main() -> int:
         with run.attempt():
             if doomed and step == args.die_step and args.die_how == "start":
                 os.kill(os.getpid(), signal.SIGKILL)
+            marker = args.out / "raised"
+            if doomed and step == args.die_step and args.die_how == "raise" and not marker.exists():
+                marker.touch()  # once: the retried step goes through
+                raise torch.distributed.DistBackendError("injected: Connection reset by peer (a network error)")
             indices, losses = [], []
             for k, (x, y) in enumerate(run.micro_batches()):
                 loss = torch.nn.functional.mse_loss(run.model(x), y)

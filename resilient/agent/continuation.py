@@ -187,7 +187,7 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         start_spares(ctx, group, a, gdir)
     progress = inp.progress()
     if progress is None:
-        return _maybe_grow(ctx, group, a, gdir, now)
+        return _maybe_retry(ctx, group, a, gdir) or _maybe_grow(ctx, group, a, gdir, now)
     recovering, rejoined = progress
     if set(rejoined) >= set(recovering.members):
         record = inp.completed(now, rejoined)
@@ -212,6 +212,35 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         return (f"in-process recovery to generation {recovering.generation} did not complete: workers "
                 f"{missing} never rejoined")
     return None
+
+
+def _maybe_retry(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> Assignment | str | None:
+    """Every member left the group and waits, none died: a collective failed (a network error); the ladder
+    answers it, in place when it can (the same members in a new generation)."""
+    from .incidents import Incident  # not at the top: incidents is heavier than this module needs otherwise
+
+    inp = ctx.inproc
+    if inp is None or not group.workers or any(w.exit is not None for w in group.workers.values()):
+        return None
+    reports = inp.waiting_reports(a.generation, [w.worker_id for w in group.workers.values()])
+    if reports is None:
+        return None
+    ranks = ctx.tracker.ranks()
+    step = max((int(r.get("step") or 0) for r in reports), default=0)
+    error = str(reports[0].get("error") or "")
+    now = ctx.clock()
+    failure = Failure(kind="collective", time=now, node=ctx.config.node_id, step=step, detail=error[:300])
+    summary = f"node {ctx.config.node_id}: every rank's collective failed at step {step}, none died: {error[:300]}"
+    incident = Incident(id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id,
+                        generation=a.generation, kind="collective", rank=None, pid=None, section="step", step=step,
+                        summary=summary)
+    last = max((i.last_seen for i in ranks.values()), default=now)
+    ended = continue_after(ctx, group, a, gdir, lost={}, kind=FaultKind.COLLECTIVE_ERROR, failure=failure,
+                           exit_codes=(), incident=incident, detected_at=now, last_progress_at=last)
+    if isinstance(ended, Assignment):
+        return ended
+    why = ended.reason if isinstance(ended, RecoveryDecision) else "in-process recovery is not on offer"
+    return f"every rank's collective failed at step {step} with none dead, and it was not retried in place: {why}"
 
 
 GROW_LEAD_S = 0.5

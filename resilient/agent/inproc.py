@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .config import AgentConfig
     from .launcher import WorkerGroup
 
-ACTING = (Action.PROMOTE_SPARE, Action.SHRINK)
+ACTING = (Action.RETRY_IN_PLACE, Action.PROMOTE_SPARE, Action.SHRINK)
 """The rungs this agent carries out in process; the others end the generation (restart or stop)."""
 _DEFAULT_SPARE_WARM_S = 10.0
 """Expected seconds from a spare's start to its "ready" before one was measured (imports, model, restore)."""
@@ -86,7 +86,7 @@ class Reports:
     """Worker ``recovery`` messages, by worker id (written on receiver threads, read under the lock)."""
 
     ready: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    waiting: dict[tuple[int, str], dict[str, Any]] = field(default_factory=dict)
+    waiting: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """(generation that failed, worker) -> the survivor's report that it left the group and waits."""
     rejoined: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
     gave_up: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -114,7 +114,8 @@ class InProcess:
         """Set on every worker report: the watch loop acts on it at once instead of at its next tick."""
         self.ladder = LadderConfig(in_process=config.in_process, grow_settle_s=config.grow_settle_s,
                                    max_wait_s=min(300.0, config.recovery_timeout_s / 2))
-        self._measured: dict[str, list[float]] = {"spare_s": [], "shrink_s": [], "grow_s": [], "warm_s": []}
+        self._measured: dict[str, list[float]] = {"inproc_s": [], "spare_s": [], "shrink_s": [], "grow_s": [],
+                                                  "warm_s": []}
         self.spare_failures = 0
         """Spares in a row that exited before they were ready (a script that cannot run as a spare)."""
         self._failed_at_step: Counter[int] = Counter()
@@ -162,7 +163,7 @@ class InProcess:
                     self.spare_failures = 0
                     self._measured["warm_s"].append(received_at - spare.started_at)
             elif event == "waiting":
-                self._reports.waiting[(int(report.get("generation") or 0), worker)] = report
+                self._reports.waiting[(int(report.get("generation") or 0), worker)] = (received_at, report)
             elif event == "rejoined":
                 self._reports.rejoined[(int(report.get("generation") or 0), worker)] = (received_at, report)
             elif event == "gave_up":
@@ -174,6 +175,19 @@ class InProcess:
         elif event == "gave_up":
             self._emit(EventKind.RECOVERY_ABANDONED, worker=worker, generation=report.get("generation"),
                        error=report.get("error"))
+
+    def waiting_reports(self, generation: int, worker_ids: Sequence[str]) -> list[dict[str, Any]] | None:
+        """The ``waiting`` reports of these members for ``generation``, earliest first, when every one of them
+        sent one (the earliest names the first error; the others are usually its consequences)."""
+        with self._lock:
+            found = [self._reports.waiting.get((generation, w)) for w in worker_ids]
+        if any(r is None for r in found):
+            return None
+        def when(pair: tuple[float, dict[str, Any]]) -> float:
+            at = pair[1].get("failed_at")  # when the worker caught its error (one host: the agent's clock)
+            return float(at) if isinstance(at, (int, float)) else pair[0]
+
+        return [report for _, report in sorted((r for r in found if r is not None), key=when)]
 
     def waiting(self, generation: int, worker_ids: Sequence[str]) -> bool:
         """Every one of these members said it left generation ``generation``'s group and waits for the next."""
@@ -350,7 +364,8 @@ class InProcess:
             self.recovering = None
             rung = r.rung
             took = max(0.0, at - r.detected_at)
-            self._measured[{"promote_spare": "spare_s", "shrink": "shrink_s", "grow": "grow_s"}[rung]].append(took)
+            self._measured[{"retry_in_place": "inproc_s", "promote_spare": "spare_s", "shrink": "shrink_s",
+                            "grow": "grow_s"}[rung]].append(took)
         completed = sorted({int(rep.get("completed", -1)) for rep in reports.values()})
         slowest = max(reports.values(), key=lambda rep: float((rep.get("seconds") or {}).get("total") or 0.0))
         return {

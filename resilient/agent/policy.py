@@ -112,6 +112,8 @@ class Failure:
             what = "hung"
         elif self.kind == "node_lost":
             what = "was lost"
+        elif self.kind == "collective":
+            what = "had a collective fail with every rank alive"
         else:
             what = "became unhealthy"
         text = f"{who} {what}"

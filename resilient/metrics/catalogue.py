@@ -32,7 +32,7 @@ CATEGORIES = (
 BADPUT_CATEGORIES = CATEGORIES[1:]
 INCIDENT_KINDS: tuple[str, ...] = FAILURE_KINDS
 RESTART_REASONS: tuple[str, ...] = (*FAILURE_KINDS, OutcomeKind.MEMBERSHIP.value)
-RECOVERY_RUNGS: tuple[str, ...] = ("promote_spare", "shrink", "grow")
+RECOVERY_RUNGS: tuple[str, ...] = ("retry_in_place", "promote_spare", "shrink", "grow")
 """The in-process rungs of the recovery ladder the agent carries out (resilient.elastic.decide.Action values),
 and growing back onto a spare."""
 SCOPES = ("run", "window")
@@ -88,8 +88,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_restarts_total", "counter", "Group restarts, by reason", (*_NODE, "reason")),
     Metric("resilient_hangs_total", "counter", "Hangs detected", _NODE),
     Metric("resilient_recoveries_total", "counter",
-           "World changes in process (no restart), by rung: promote_spare and shrink after a failure, grow back "
-           "onto a spare", (*_NODE, "rung")),
+           "Failures answered in process (no restart) and growths, by rung: retry_in_place, promote_spare, shrink "
+           "after a failure, grow back onto a spare", (*_NODE, "rung")),
     Metric("resilient_spares_ready", "gauge", "Spare workers warm and waiting to take a failed rank's place", _NODE),
     Metric("resilient_incidents_total", "counter", "Incidents, by kind", (*_NODE, "kind")),
     Metric("resilient_restarts_used", "gauge", "Restarts counted against the run's budget", _NODE),
