@@ -149,17 +149,23 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     record(incident)
     ctx.accounting.failure(detected_at, last_progress_at, incident.id, incident.kind)
     pids = inp.carry_out(group, decision, lost, generation, detected_at, incident.id)
+    return _continue_as(ctx, group, a, gdir, generation, pids, decision.action.value, decision.reason)
+
+
+def _continue_as(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, generation: int,
+                 pids: dict[int, int], action: str, reason: str, **fields: Any) -> Assignment:
+    """The bookkeeping of a generation formed in process (its members published, the group moved)."""
     moved = replace(a, generation=generation)
     ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
     ctx.workers_started(generation, pids)
-    ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=True,
+    ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=action != "grow",
                                       lead_rank=min(pids))
-    ctx.accounting.recovered_in_process(decision.action.value)
+    ctx.accounting.recovered_in_process(action)
     ctx.status.attach(group, moved)
-    ctx.emit(EventKind.GENERATION_CONTINUED, generation=generation, previous=a.generation,
-             action=decision.action.value, world_size=len(pids), pids=pids,
-             members={str(r): w.worker_id for r, w in group.workers.items()})
-    print(f"resilient: generation {generation}: {decision.reason}", file=sys.stderr, flush=True)
+    ctx.emit(EventKind.GENERATION_CONTINUED, generation=generation, previous=a.generation, action=action,
+             world_size=len(pids), pids=pids, members={str(r): w.worker_id for r, w in group.workers.items()},
+             **fields)
+    print(f"resilient: generation {generation}: {reason}", file=sys.stderr, flush=True)
     start_spares(ctx, group, moved, gdir)
     return moved
 
@@ -268,19 +274,8 @@ def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
         return None
     generation = next_generation()
     pids = inp.carry_out_grow(group, decision, generation, a.generation, at_step)
-    moved = replace(a, generation=generation)
-    ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
-    ctx.workers_started(generation, pids)
-    ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=False,
-                                      lead_rank=min(pids))
-    ctx.accounting.recovered_in_process("grow")
-    ctx.status.attach(group, moved)
-    ctx.emit(EventKind.GENERATION_CONTINUED, generation=generation, previous=a.generation, action="grow",
-             world_size=len(pids), pids=pids, at_step=at_step,
-             members={str(r): w.worker_id for r, w in group.workers.items()})
-    print(f"resilient: generation {generation}: {decision.reason} (at step {at_step})", file=sys.stderr, flush=True)
-    start_spares(ctx, group, moved, gdir)
-    return moved
+    return _continue_as(ctx, group, a, gdir, generation, pids, "grow", f"{decision.reason} (at step {at_step})",
+                        at_step=at_step)
 
 
 def outlook_from(decision: Any) -> RestartOutlook:

@@ -57,7 +57,7 @@ class Recovering:
 
     generation: int
     rung: str
-    """``promote_spare``, ``shrink`` (after a failure) or ``grow`` (at a step boundary)."""
+    """``retry_in_place``, ``promote_spare``, ``shrink`` (after a failure) or ``grow`` (at a step boundary)."""
     world_size: int
     promotions: tuple[tuple[int, str], ...]
     """(rank, spare id) of each spare that takes a rank."""
@@ -89,7 +89,6 @@ class Reports:
     waiting: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """(generation that failed, worker) -> the survivor's report that it left the group and waits."""
     rejoined: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    gave_up: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class InProcess:
@@ -166,8 +165,6 @@ class InProcess:
                 self._reports.waiting[(int(report.get("generation") or 0), worker)] = (received_at, report)
             elif event == "rejoined":
                 self._reports.rejoined[(int(report.get("generation") or 0), worker)] = (received_at, report)
-            elif event == "gave_up":
-                self._reports.gave_up[worker] = report
         if self.changed is not None:
             self.changed.set()
         if event == "ready" and report.get("role") == "spare":
@@ -183,6 +180,7 @@ class InProcess:
             found = [self._reports.waiting.get((generation, w)) for w in worker_ids]
         if any(r is None for r in found):
             return None
+
         def when(pair: tuple[float, dict[str, Any]]) -> float:
             at = pair[1].get("failed_at")  # when the worker caught its error (one host: the agent's clock)
             return float(at) if isinstance(at, (int, float)) else pair[0]
@@ -191,8 +189,7 @@ class InProcess:
 
     def waiting(self, generation: int, worker_ids: Sequence[str]) -> bool:
         """Every one of these members said it left generation ``generation``'s group and waits for the next."""
-        with self._lock:
-            return all((generation, w) in self._reports.waiting for w in worker_ids)
+        return self.waiting_reports(generation, worker_ids) is not None
 
     def ready_spares(self) -> int:
         """Spares that reported ready and were not promoted: the spares gauge."""
@@ -278,10 +275,7 @@ class InProcess:
         for rank in lost:
             group.retire(rank)
         for rank, spare in promoted.items():
-            group.promote(spare, rank)
-            with self._lock:
-                self.spares.pop(spare, None)
-                self._reports.ready.pop(spare, None)
+            self._promote(group, spare, rank)
         group.renumber(rank_map)
         self._under_way(Recovering(
             generation=generation, rung=decision.action.value, world_size=decision.world_size,
@@ -301,6 +295,13 @@ class InProcess:
         if now - since < 0.3:
             return None
         return (furthest - first) / (now - since)
+
+    def _promote(self, group: WorkerGroup, spare: str, rank: int) -> None:
+        """Spare ``spare`` becomes the member of ``rank``, out of the pool (its next ``ready`` is a member's)."""
+        group.promote(spare, rank)
+        with self._lock:
+            self.spares.pop(spare, None)
+            self._reports.ready.pop(spare, None)
 
     def _under_way(self, recovering: Recovering) -> None:
         with self._lock:
@@ -335,10 +336,7 @@ class InProcess:
         # After the assignments: a member that sees the key finds its assignment waiting.
         self._store.set(grow_key(previous), json.dumps({"generation": generation, "at_step": at_step}))
         for p in decision.joiners:
-            group.promote(p.spare, p.rank)
-            with self._lock:
-                self.spares.pop(p.spare, None)
-                self._reports.ready.pop(p.spare, None)
+            self._promote(group, p.spare, p.rank)
         now = self._clock()
         self._under_way(Recovering(
             generation=generation, rung="grow", world_size=decision.world_size,
