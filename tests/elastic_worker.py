@@ -33,24 +33,11 @@ import time
 from pathlib import Path
 
 import torch
+from recovery_worker import Noisy  # this script's directory is on sys.path
 
 import resilient
 
 SEED = 0
-
-
-class Noisy(torch.utils.data.Dataset):
-    def __init__(self, n: int, noise: float) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = torch.randn(n, 1, generator=g)
-        self.noise = noise
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return (self.x[i] + self.noise * torch.randn(8) if self.noise else self.x[i]), self.y[i]
 
 
 def hexes(t: torch.Tensor) -> list[str]:

@@ -68,3 +68,21 @@ def assert_same_run(reference: Trace, resumed: Trace, from_step: int = 0) -> Non
         assert got["loss"] == ref["loss"], f"step {step}: loss differs {got['loss']} != {ref['loss']}"
     for key in ("step", "params", "optimizer", "torch_rng", "python_rng", "numpy_rng"):
         assert resumed.end[key] == reference.end[key], f"final {key} differs"
+
+
+def assert_same_tree(x: object, y: object, where: str = "state") -> None:
+    """Bitwise equal trees (dicts, lists, tuples) of tensors and plain values; ``where`` names a difference."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
+    elif isinstance(x, dict):
+        assert isinstance(y, dict) and x.keys() == y.keys(), where
+        for k in x:
+            assert_same_tree(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, (list, tuple)):
+        assert isinstance(y, (list, tuple)) and len(x) == len(y), where
+        for i, (u, v) in enumerate(zip(x, y)):
+            assert_same_tree(u, v, f"{where}[{i}]")
+    else:
+        assert x == y, f"{where}: {x!r} != {y!r}"

@@ -46,7 +46,8 @@ class Noisy(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i] + self.noise * torch.randn(8), self.y[i]  # the augmentation draws from torch's RNG
+        # The augmentation draws from torch's RNG (none when there is no noise: nothing random then).
+        return (self.x[i] + self.noise * torch.randn(8) if self.noise else self.x[i]), self.y[i]
 
 
 def _die(*_: object) -> None:

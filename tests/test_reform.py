@@ -39,6 +39,8 @@ from resilient.elastic.reform import (
 )
 from resilient.elastic.state_sync import StateSyncError, decide_source
 
+from .helpers import assert_same_tree
+
 WORKER = Path(__file__).with_name("reform_worker.py")
 REPO = WORKER.parent.parent
 STEPS = 8
@@ -115,22 +117,7 @@ def losses(trace: list[dict]) -> dict[tuple[int, int, int], str]:
 def assert_same_state(a: dict, b: dict) -> None:
     """Model, optimizer and scheduler state bitwise equal."""
     for part in ("model", "optimizer", "scheduler"):
-        _same(a[part], b[part], part)
-
-
-def _same(x: object, y: object, where: str) -> None:
-    if isinstance(x, torch.Tensor):
-        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
-    elif isinstance(x, dict):
-        assert isinstance(y, dict) and x.keys() == y.keys(), where
-        for k in x:
-            _same(x[k], y[k], f"{where}.{k}")
-    elif isinstance(x, (list, tuple)):
-        assert isinstance(y, (list, tuple)) and len(x) == len(y), where
-        for i, (u, v) in enumerate(zip(x, y)):
-            _same(u, v, f"{where}[{i}]")
-    else:
-        assert x == y, f"{where}: {x!r} != {y!r}"
+        assert_same_tree(a[part], b[part], part)
 
 
 @pytest.fixture(scope="module")

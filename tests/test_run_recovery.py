@@ -30,6 +30,8 @@ import torch.distributed as dist
 from resilient.elastic.reform import Member, plan_assignments, publish_assignments
 from resilient.worker.protocol import Heartbeat, decode_datagram
 
+from .helpers import assert_same_tree
+
 WORKER = Path(__file__).with_name("recovery_worker.py")
 REPO = WORKER.parent.parent
 STEPS = 8
@@ -158,22 +160,6 @@ def final(out: Path, worker: str) -> dict:
     return torch.load(out / f"trace.{worker}.final.pt", weights_only=True)
 
 
-def same(x: object, y: object, where: str = "state") -> None:
-    """Bitwise equal trees of tensors."""
-    if isinstance(x, torch.Tensor):
-        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y), where
-    elif isinstance(x, dict):
-        assert isinstance(y, dict) and x.keys() == y.keys(), where
-        for k in x:
-            same(x[k], y[k], f"{where}.{k}")
-    elif isinstance(x, (list, tuple)):
-        assert isinstance(y, (list, tuple)) and len(x) == len(y), where
-        for i, (u, v) in enumerate(zip(x, y)):
-            same(u, v, f"{where}[{i}]")
-    else:
-        assert x == y, f"{where}: {x!r} != {y!r}"
-
-
 def run_uninterrupted(out: Path, world: int, *args: str) -> Path:
     agent = Agent(out)
     try:
@@ -231,7 +217,7 @@ def test_a_spare_replaces_a_rank_killed_between_steps_of_three_bitwise_with_the_
         assert got == by_rank_and_step(reference3, "r0", "r1", "r2")
         assert [r["step"] for r in steps_of(tmp_path, "s0")] == list(range(KILL_AT, STEPS))
         for w in ("w0", "w2", "s0"):
-            same(final(tmp_path, w), final(reference3, "r0"))
+            assert_same_tree(final(tmp_path, w), final(reference3, "r0"))
             assert agent.wait_for_report(w, "rejoined")["completed"] == KILL_AT
     finally:
         agent.close()
@@ -247,7 +233,7 @@ def test_a_spare_replaces_a_rank_killed_in_backward_and_the_run_is_bitwise_the_u
         assert got == ref, "every step's losses and sample ids equal the uninterrupted run's"
         assert [r["step"] for r in steps_of(tmp_path, "s0")] == list(range(KILL_AT, STEPS))
         for w in ("w0", "s0"):
-            same(final(tmp_path, w), final(reference, "r0"))
+            assert_same_tree(final(tmp_path, w), final(reference, "r0"))
         survivor = agent.wait_for_report("w0", "rejoined")
         spare = agent.wait_for_report("s0", "rejoined")
         for report, rank, replacement in ((survivor, 0, False), (spare, 1, True)):
@@ -316,7 +302,7 @@ def test_without_a_spare_the_survivors_shrink_keeping_the_global_batch(reference
             mine_state, theirs_state = final(out, w)["model"], final(ref_out, "r0")["model"]
             for name in theirs_state:
                 torch.testing.assert_close(mine_state[name], theirs_state[name], rtol=0, atol=1e-5)
-        same(final(out, "w0"), final(out, "w1"))
+        assert_same_tree(final(out, "w0"), final(out, "w1"))
     finally:
         agent.close()
 
