@@ -86,16 +86,28 @@ def heartbeat_socket(run_dir: RunDir, local_rank: int) -> str:
 
 
 def ensure_token(path: Path) -> str:
-    """Return the run's token, creating it (mode 0600, exclusively) if it does not exist yet."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    """Return the run's token, creating it (mode 0600) if it does not exist yet.
+
+    Agents started together on one run directory race to create it: the
+    token is written and fsynced under a private temporary name first and
+    then linked into place (``link`` fails if the name exists), so the name
+    never shows a partly written token, and every agent reads the winner's.
+    """
+    if path.exists():
         return read_token(path)
     token = secrets.token_hex(32)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    fd, tmp = tempfile.mkstemp(prefix=".token.", dir=path.parent)  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return read_token(path)
+    finally:
+        os.unlink(tmp)
     return token
 
 
