@@ -90,6 +90,7 @@ class EventKind(str, Enum):
     SPARE_STARTED = "spare_started"  # a spare process started (it runs the script up to resilient.Run())
     SPARE_READY = "spare_ready"  # a spare is warm (model built, checkpoint read) and waits for a rank
     SPARE_LOST = "spare_lost"  # a spare exited before it was promoted
+    SPARE_NODE_JOINED = "spare_node_joined"  # a --role spare agent starts its warm workers for a generation
 
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on

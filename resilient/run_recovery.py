@@ -79,6 +79,8 @@ class InProcessRecovery:
         self.applied = False
         """Whether this rank's optimizer stepped inside the current attempt (its update is then applied)."""
         self._store: Store | None = None
+        self._group_stores: dict[int, Store] = {}
+        """A client of the store another machine's agent formed the newest group on (only across machines)."""
         self._ready_sent = False
         register = getattr(run.optimizer, "register_step_post_hook", None)  # every torch.optim.Optimizer has it
         if register is not None:
@@ -202,7 +204,7 @@ class InProcessRecovery:
         started = time.monotonic()
         ckpt = run.checkpoints
         makers = [lambda: Coordinator.from_environment(ckpt.config.timeout_s)] if ckpt is not None else []
-        reformed = reform(assignment, timeout_s=self.timeout_s, store=self._connect(), subgroups=makers)
+        reformed = reform(assignment, timeout_s=self.timeout_s, store=self._group_store(assignment), subgroups=makers)
         self.generation = assignment.generation
         if ckpt is not None:
             ckpt.regroup(reformed.subgroups[0])
@@ -256,6 +258,15 @@ class InProcessRecovery:
             host, port = self.env.recovery_store
             self._store = connect_store(host, port, self.timeout_s)
         return self._store
+
+    def _group_store(self, assignment: Assignment) -> Store:
+        """The store the new group forms on: this agent's, or (across machines) the deciding agent's."""
+        if (assignment.store_host, assignment.store_port) == self.env.recovery_store:
+            return self._connect()
+        if self._group_stores.get(assignment.generation) is None:
+            self._group_stores = {assignment.generation: connect_store(assignment.store_host, assignment.store_port,
+                                                                       self.timeout_s)}
+        return self._group_stores[assignment.generation]
 
     def _ready(self, role: str) -> dict[str, Any]:
         data = self.run.data

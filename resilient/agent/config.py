@@ -40,6 +40,9 @@ class AgentConfig:
     None: ``nproc_per_node`` (no shrink on this node)."""
     spares: int = 0
     """Extra worker processes kept warm on this node to take a failed rank's place (``--spares``)."""
+    role: str = "worker"
+    """``worker``: a node of the run; ``spare``: a node of the launch's spare pool (``--role spare``), whose
+    warm processes wait to take a lost node's ranks or to grow a shrunk world, across machines."""
     in_process: bool = True
     """Offer in-process recovery to scripts that opt in (``run.attempt()``); False: restarts only."""
     grow_settle_s: float = 5.0
@@ -117,12 +120,17 @@ class AgentConfig:
                               "1 <= MIN <= MAX")
         if self.spares < 0:
             raise ConfigError(f"--spares must be >= 0, got {self.spares}")
-        if (self.spares or self.shrinkable) and self.max_nodes > 1:
-            raise ConfigError("--spares and --nproc-per-node MIN:MAX work on one machine so far; with --nnodes "
-                              "above 1 the run recovers by restarting the group")
-        if (self.spares or self.shrinkable) and not self.in_process:
-            raise ConfigError("--spares and --nproc-per-node MIN:MAX act through in-process recovery; drop "
-                              "--no-in-process, or drop them")
+        if self.role not in ("worker", "spare"):
+            raise ConfigError(f"--role {self.role!r} is not a role: use worker (the default) or spare")
+        if self.role == "spare" and self.store_url is None:
+            raise ConfigError("--role spare joins the spare pool of a run on many machines: pass --store "
+                              "etcd://HOST:PORT (on one machine, use --spares N instead)")
+        if self.shrinkable and self.max_nodes > 1:
+            raise ConfigError("--nproc-per-node MIN:MAX shrinks a run on one machine; on many machines give the "
+                              "bounds in nodes: --nnodes MIN:MAX")
+        if (self.spares or self.shrinkable or self.role == "spare") and not self.in_process:
+            raise ConfigError("--spares, --role spare and --nproc-per-node MIN:MAX act through in-process recovery; "
+                              "drop --no-in-process, or drop them")
         if self.grow_settle_s < 0:
             raise ConfigError(f"--grow-settle must be >= 0 seconds, got {self.grow_settle_s}")
         if self.recovery_timeout_s <= 0:
@@ -156,8 +164,16 @@ class AgentConfig:
         return self.min_ranks < self.nproc_per_node
 
     @property
+    def multi_node(self) -> bool:
+        """The run may span machines (``--nnodes`` above 1, or a spare node): recovery goes through the store."""
+        return self.max_nodes > 1 or self.role == "spare"
+
+    @property
     def offers_in_process(self) -> bool:
-        """In-process recovery is offered to the workers: there is a spare or room to shrink, on one machine
-        for now (the agent hosts the store the workers re-form on).  Without either the ladder could only
-        restart, so the workers are not asked to wait for a new generation and exit as they always have."""
-        return self.in_process and self.max_nodes == 1 and (self.spares > 0 or self.shrinkable)
+        """In-process recovery is offered to the workers.  On one machine: there is a spare or room to shrink
+        (without either the ladder could only restart, so the workers are not asked to wait for a new
+        generation and exit as they always have).  On many: always, since a spare node may join the pool at
+        any time; a script that did not opt in (``run.attempt()``) still restarts as before."""
+        if not self.in_process:
+            return False
+        return self.multi_node or self.spares > 0 or self.shrinkable

@@ -34,6 +34,7 @@ from .policy import Failure
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
+    from .failures import Outcome
     from .generation import GenerationContext
     from .incidents import Incident
 
@@ -91,7 +92,7 @@ def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir
     c = ctx.config
     # A shrunk world's missing ranks are refilled too (a replacement process, warm like a spare), so that it
     # can grow back; their slots are the ones the lost processes left.
-    want = c.spares + (c.nproc_per_node - len(group.workers) if c.shrinkable else 0)
+    want = c.spares + (c.nproc_per_node - len(group.workers) if c.shrinkable or c.multi_node else 0)
     slots = set(range(c.nproc_per_node + c.spares))
     while len(group.spares) < want:
         free = sorted(slots - {w.spec.slot for w in group.workers.values()} - {w.spec.slot for w in group.spares.values()})
@@ -116,6 +117,11 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     inp, outlook_of, next_generation, record = ctx.inproc, ctx.restart_outlook, ctx.next_generation, ctx.record_incident
     if inp is None or outlook_of is None or next_generation is None or record is None:
         return None
+    if inp.cluster is not None:  # across machines the decision goes through the store
+        from .cluster_flow import report_lost
+
+        return hold or report_lost(ctx, group, a, lost=lost, kind=kind, failure=failure, incident=incident,
+                                   exit_codes=exit_codes, detected_at=detected_at, last_progress_at=last_progress_at)
     if not any(r not in lost for r in group.workers):
         return None
     if inp.recovering is not None:  # a failure while the previous recovery was under way: that one failed
@@ -149,34 +155,46 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     record(incident)
     ctx.accounting.failure(detected_at, last_progress_at, incident.id, incident.kind)
     pids = inp.carry_out(group, decision, lost, generation, detected_at, incident.id)
-    return _continue_as(ctx, group, a, gdir, generation, pids, decision.action.value, decision.reason)
+    return continue_as(ctx, group, a, gdir, generation, pids, decision.action.value, decision.reason)
 
 
-def _continue_as(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, generation: int,
-                 pids: dict[int, int], action: str, reason: str, **fields: Any) -> Assignment:
-    """The bookkeeping of a generation formed in process (its members published, the group moved)."""
+def continue_as(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, generation: int,
+                pids: dict[int, int], action: str, reason: str, *, world_size: int | None = None,
+                **fields: Any) -> Assignment:
+    """The bookkeeping of a generation formed in process (its members published, the group moved);
+    ``world_size``: the whole world's, across machines (this node's members otherwise)."""
+    c = ctx.config
     moved = replace(a, generation=generation)
+    world = world_size if world_size is not None else len(pids)
     ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
     ctx.workers_started(generation, pids)
-    ctx.accounting.generation_started(generation, len(pids), ctx.config.nproc_per_node, restart=action != "grow",
-                                      lead_rank=min(pids))
-    ctx.accounting.recovered_in_process(action)
-    ctx.status.attach(group, moved)
+    if pids:
+        ctx.accounting.generation_started(generation, world, c.max_nodes * c.nproc_per_node,
+                                          restart=action != "grow", lead_rank=min(pids))
+        ctx.accounting.recovered_in_process(action)
+        ctx.status.attach(group, moved)
     ctx.emit(EventKind.GENERATION_CONTINUED, generation=generation, previous=a.generation, action=action,
-             world_size=len(pids), pids=pids, members={str(r): w.worker_id for r, w in group.workers.items()},
+             world_size=world, pids=pids, members={str(r): w.worker_id for r, w in group.workers.items()},
              **fields)
-    print(f"resilient: generation {generation}: {reason}", file=sys.stderr, flush=True)
+    if pids or world_size is None:
+        print(f"resilient: generation {generation}: {reason}", file=sys.stderr, flush=True)
     start_spares(ctx, group, moved, gdir)
     return moved
 
 
 def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
-           now: float) -> str | Assignment | None:
+           now: float) -> str | Assignment | Outcome | None:
     """One tick of in-process bookkeeping: why the generation must end as a failure, its new assignment
-    (it grew back), or None."""
+    (it grew back, or, across machines, a decision was carried out), how it ends otherwise, or None."""
     inp = ctx.inproc
     if inp is None:
         return None
+    if inp.cluster is not None:
+        from .cluster_flow import tick
+
+        moved = tick(ctx, group, a, gdir, now)
+        if moved is not None:
+            return moved
     for worker_id, exit in group.spare_exits():
         group.spares.pop(worker_id)
         inp.spare_gone(worker_id, exit.returncode)
@@ -193,6 +211,8 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         start_spares(ctx, group, a, gdir)
     progress = inp.progress()
     if progress is None:
+        if inp.cluster is not None:
+            return None
         return _maybe_retry(ctx, group, a, gdir) or _maybe_grow(ctx, group, a, gdir, now)
     recovering, rejoined = progress
     if set(rejoined) >= set(recovering.members):
@@ -274,7 +294,7 @@ def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
         return None
     generation = next_generation()
     pids = inp.carry_out_grow(group, decision, generation, a.generation, at_step)
-    return _continue_as(ctx, group, a, gdir, generation, pids, "grow", f"{decision.reason} (at step {at_step})",
+    return continue_as(ctx, group, a, gdir, generation, pids, "grow", f"{decision.reason} (at step {at_step})",
                         at_step=at_step)
 
 

@@ -40,6 +40,7 @@ class Coordination:
         self._on_node_lost = on_node_lost
         self.control = self._control_store()
         self.signed = SignedStore(self.control, token, on_rejected=self._on_rejected_write)
+        self._token = token
         self.shared: SharedFacts | None = None
         """This launch's shared facts; set once the agent has joined a launch."""
         self.rendezvous: Rendezvous | None = None
@@ -106,6 +107,14 @@ class Coordination:
             self.rendezvous = etcd_rendezvous(self._etcd_config, c.run_id, self.control, c.min_nodes, c.max_nodes,
                                               c.rendezvous, c.local_addr, self.shared.launch_id)
         return self.rendezvous
+
+    def cluster_store(self) -> Any:
+        """The joined launch's recovery keys (:class:`~resilient.agent.cluster.ClusterStore`), across machines."""
+        from .cluster import ClusterStore
+
+        assert self.shared is not None and self._config.store_url is not None
+        return ClusterStore(self.signed, self._etcd_client, f"/resilient/{self._config.run_id}/", self.shared.prefix,
+                            self._config.node_id, self._token)
 
     def stale_launch(self, generation: int) -> bool:
         """The joined launch's rendezvous was closed before this agent ran anything in it: the launch is over.

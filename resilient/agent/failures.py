@@ -194,7 +194,7 @@ def end_on_hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     )
     last_progress = info.entered_at if info is not None else now
     ladder = None
-    if ctx.inproc is not None and len(group.workers) > 1 and \
+    if ctx.inproc is not None and (len(group.workers) > 1 or ctx.inproc.cluster is not None) and \
             ctx.inproc.opted_in([w.worker_id for r, w in group.workers.items() if r != rank]):
         # Only the hung rank goes: its peers are blocked in a collective with it, and its death releases them.
         culprit_worker = group.workers[rank]

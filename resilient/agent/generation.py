@@ -104,13 +104,15 @@ class PeerWatch:
         self.stop: dict[str, Any] | None = None
         self.stop_request: dict[str, Any] | None = None
         self.waiting = 0
+        self.ended = False
+        """The launch ended (checked across machines only: a node without members learns so here)."""
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="peer-watch", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         ctx = self._ctx
-        multi = ctx.config.max_nodes > 1
+        multi = ctx.config.multi_node
         while not self._done.wait(self._interval):
             try:
                 self.verdict = ctx.shared.verdict()
@@ -118,6 +120,7 @@ class PeerWatch:
                 self.stop_request = ctx.shared.stop_request()
                 if multi:
                     self.waiting = ctx.waiting()
+                    self.ended = ctx.shared.ended()
             except Exception as e:  # an outage must not end a healthy generation
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
 
@@ -150,6 +153,8 @@ def worker_env(c: AgentConfig, run_dir: RunDir, launch_id: str, generation: int,
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
                  gdir: Path, inproc: InProcess | None = None) -> list[WorkerSpec]:
     c = config
+    if c.role == "spare":
+        return []  # a spare node's processes are all spares (started by start_spares)
     world = a.num_nodes * c.nproc_per_node
     base = dict(c.worker_env)
     if c.nproc_per_node > 1:
@@ -185,13 +190,18 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     pids = {rank: w.pid for rank, w in group.workers.items()}
     ctx.tracker.start_generation(pids, ctx.clock(), a.generation)
     ctx.workers_started(a.generation, pids)
-    ctx.accounting.generation_started(a.generation, a.num_nodes * ctx.config.nproc_per_node,
-                                      ctx.config.max_nodes * ctx.config.nproc_per_node,
-                                      restart=restart, lead_rank=min(pids))
-    ctx.status.attach(group, a)
-    ctx.emit(EventKind.WORKERS_STARTED, generation=a.generation, attempt=attempt, pids=pids)
+    if pids:
+        ctx.accounting.generation_started(a.generation, a.num_nodes * ctx.config.nproc_per_node,
+                                          ctx.config.max_nodes * ctx.config.nproc_per_node,
+                                          restart=restart, lead_rank=min(pids))
+        ctx.status.attach(group, a)
+        ctx.emit(EventKind.WORKERS_STARTED, generation=a.generation, attempt=attempt, pids=pids)
     if ctx.inproc is not None:
         ctx.inproc.changed = group.changed  # a worker's recovery report wakes the watch loop too
+        if ctx.inproc.cluster is not None:
+            from .cluster_flow import start
+
+            start(ctx, group, a)
     start_spares(ctx, group, a, gdir)
     peers = PeerWatch(ctx)
     reported = False
@@ -229,8 +239,11 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         report_restores(False)
         failed = [e for e in group.exits() if e.returncode != 0]
         problem = follow(ctx, group, a, gdir, now) if stop_deadline is None else None
-        if isinstance(problem, Assignment):  # grew back onto a spare
-            a, problem = problem, None
+        if isinstance(problem, Outcome):
+            return problem
+        if isinstance(problem, Assignment):  # grew back onto a spare, or carried out a decision from the store
+            a, hold = problem, None
+            continue
         if problem is not None:
             return recovery_failed(ctx, group, a, problem, now)
         if failed and stop_deadline is None:
@@ -252,7 +265,11 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 return ended
             a, hold = (ended, None) if isinstance(ended, Assignment) else (a, ended)
             continue
-        if group.all_exited():
+        cluster = ctx.inproc is not None and ctx.inproc.cluster is not None
+        if cluster and not group.workers and stop_deadline is None:  # only spares here: the run ends elsewhere
+            if peers.ended:
+                return Outcome(OutcomeKind.SUCCEEDED, "the run ended on the nodes that held its ranks")
+        elif group.all_exited():
             if stop_deadline is not None:
                 note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
                 return Outcome(OutcomeKind.PREEMPTED,

@@ -1,23 +1,21 @@
-"""In-process recovery on one machine: the agent's side of the recovery ladder's cheapest rungs.
+"""In-process recovery: the agent's side of the recovery ladder's cheapest rungs.
 
 When a member of the running generation dies (or hangs, and the agent kills
 it), the survivors of a script that opted in (``run.attempt()``) keep their
-processes: they leave the failed collective and wait on the agent's store
-for their next generation (:mod:`resilient.elastic.reform`).  This module
-decides what that generation is (:func:`resilient.elastic.decide.decide_recovery`
-over the fault, the membership, the spare pool and the measured costs),
-publishes one assignment per live worker, moves the processes in the
-:class:`~resilient.agent.launcher.WorkerGroup` to their new ranks, starts a
-spare to refill the pool, and watches the members report ``rejoined``.
+processes and wait on the agent's store for their next generation
+(:mod:`resilient.elastic.reform`).  On one machine this module decides what
+that generation is (:func:`resilient.elastic.decide.decide_recovery` over the
+fault, the membership, the spare pool and the measured costs), publishes one
+assignment per live worker, moves the processes in the
+:class:`~resilient.agent.launcher.WorkerGroup`, starts a spare to refill the
+pool and watches the members report ``rejoined``; across machines the
+decision goes through the store (:mod:`resilient.agent.cluster_flow`) and
+this module keeps this node's part.  It never stops the survivors itself:
+when the ladder says restart (or stop), or a rung does not complete, the
+generation ends as a failure and the supervisor's restart path takes over.
 
-It never stops the survivors itself: when the ladder says restart (or stop),
-or the chosen rung does not complete, the generation ends as a failure and
-the supervisor's restart path takes over, unchanged.
-
-Worker messages (the heartbeat kind ``recovery``) arrive on the receivers'
-threads; the watch loop reads them on its own, under :attr:`InProcess._lock`.
-The agent imports torch already (its embedded rendezvous hosts a TCPStore);
-this module does so only when an :class:`InProcess` is created.
+Worker messages arrive on the receivers' threads; the watch loop reads them
+under :attr:`InProcess._lock`.
 """
 
 from __future__ import annotations
@@ -26,9 +24,9 @@ import itertools
 import json
 import statistics
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +37,12 @@ from ..elastic.grow import GrowAction, GrowDecision, decide_grow
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments, publish_assignments
 from ..events import Emit, EventKind
+from .inproc_state import Recovering, Reports, SpareState
 
 if TYPE_CHECKING:
+    from ..elastic.reform import Assignment
     from ..worker.protocol import Heartbeat
+    from .cluster_flow import ClusterState
     from .config import AgentConfig
     from .launcher import WorkerGroup
 
@@ -49,46 +50,6 @@ ACTING = (Action.RETRY_IN_PLACE, Action.PROMOTE_SPARE, Action.SHRINK)
 """The rungs this agent carries out in process; the others end the generation (restart or stop)."""
 _DEFAULT_SPARE_WARM_S = 10.0
 """Expected seconds from a spare's start to its "ready" before one was measured (imports, model, restore)."""
-
-
-@dataclass
-class Recovering:
-    """An in-process recovery under way: a generation published, its members not all rejoined yet."""
-
-    generation: int
-    rung: str
-    """``retry_in_place``, ``promote_spare``, ``shrink`` (after a failure) or ``grow`` (at a step boundary)."""
-    world_size: int
-    promotions: tuple[tuple[int, str], ...]
-    """(rank, spare id) of each spare that takes a rank."""
-    dropped: tuple[int, ...]
-    members: Mapping[str, int]
-    """Worker id -> new rank."""
-    detected_at: float
-    """Agent clock when the failure was seen (for a grow: when it was decided)."""
-    deadline: float
-    incident_id: str | None
-    step: int
-    """The step whose attempt failed (for a grow: the boundary's step)."""
-
-
-@dataclass
-class SpareState:
-    """What the agent knows about one spare process."""
-
-    worker_id: str
-    started_at: float
-    ready_at: float | None = None
-
-
-@dataclass
-class Reports:
-    """Worker ``recovery`` messages, by worker id (written on receiver threads, read under the lock)."""
-
-    ready: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    waiting: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
-    """(generation that failed, worker) -> the survivor's report that it left the group and waits."""
-    rejoined: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
 
 
 class InProcess:
@@ -125,10 +86,14 @@ class InProcess:
         """The ladder's newest reason, for ``resilient status``."""
         self.last_completed: str | None = None
         """How the newest in-process recovery completed, in one line, for ``resilient status``."""
+        self.cluster: ClusterState | None = None
+        """Across machines: the launch's recovery keys in the store (:mod:`resilient.agent.cluster_flow`)."""
 
     # ----------------------------------------------------------- workers
     def new_worker_id(self, role: str) -> str:
-        return f"{'s' if role == 'spare' else 'w'}{next(self._ids)}"
+        """``w<n>`` / ``s<n>``; across machines prefixed with the node, so that ids are unique in the launch."""
+        node = f"{self.config.node_id}." if self.config.multi_node else ""
+        return f"{node}{'s' if role == 'spare' else 'w'}{next(self._ids)}"
 
     def worker_env(self, worker_id: str, role: str) -> dict[str, str]:
         """The variables that offer in-process recovery to one worker (see resilient/worker/env.py)."""
@@ -191,6 +156,26 @@ class InProcess:
         """Every one of these members said it left generation ``generation``'s group and waits for the next."""
         return self.waiting_reports(generation, worker_ids) is not None
 
+    def waiting_now(self, generation: int, worker_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The ``waiting`` reports for ``generation`` that these members sent so far."""
+        with self._lock:
+            return {w: self._reports.waiting[(generation, w)][1] for w in worker_ids
+                    if (generation, w) in self._reports.waiting}
+
+    def ready_spares_wall(self, spare_ids: Sequence[str]) -> dict[str, float]:
+        """Wall-clock time each of these spares became ready (for the pool, read on other machines)."""
+        now, wall = self._clock(), time.time()
+        with self._lock:
+            return {i: wall - (now - s.ready_at) for i, s in self.spares.items()
+                    if i in spare_ids and s.ready_at is not None and i in self._reports.ready}
+
+    def batch_plan(self) -> dict[str, Any] | None:
+        """The global batch, micro-batch and rule the workers reported (None before any did)."""
+        with self._lock:
+            found = next((r for _, r in self._reports.ready.values() if r.get("global_batch") and r.get("micro_batch")),
+                         None)
+        return None if found is None else {k: found.get(k) for k in ("global_batch", "micro_batch", "batch_rule")}
+
     def ready_spares(self) -> int:
         """Spares that reported ready and were not promoted: the spares gauge."""
         with self._lock:
@@ -242,9 +227,19 @@ class InProcess:
         decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
         if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
             # A hold is decided again on every tick: its event and status line once, then only what ends it.
-            self.last_decision = f"{decision.action.value}: {decision.reason}"
-            self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
+            self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
         return decision
+
+    def decide_cluster(self, obs: Observation) -> RecoveryDecision:
+        """The ladder over the whole launch's membership (across machines), with this agent's measured costs."""
+        decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
+        if obs.waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
+            self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
+        return decision
+
+    def note_decision(self, line: str, event: dict[str, Any]) -> None:
+        self.last_decision = line
+        self._emit(EventKind.RECOVERY_DECIDED, **event)
 
     def _feasible(self, ready: Mapping[str, tuple[float, dict[str, Any]]]) -> frozenset[int]:
         """World sizes (up to this node's MAX) at which the workers' batch plan keeps the global batch."""
@@ -275,7 +270,7 @@ class InProcess:
         for rank in lost:
             group.retire(rank)
         for rank, spare in promoted.items():
-            self._promote(group, spare, rank)
+            self.promote(group, spare, rank)
         group.renumber(rank_map)
         self._under_way(Recovering(
             generation=generation, rung=decision.action.value, world_size=decision.world_size,
@@ -296,7 +291,7 @@ class InProcess:
             return None
         return (furthest - first) / (now - since)
 
-    def _promote(self, group: WorkerGroup, spare: str, rank: int) -> None:
+    def promote(self, group: WorkerGroup, spare: str, rank: int) -> None:
         """Spare ``spare`` becomes the member of ``rank``, out of the pool (its next ``ready`` is a member's)."""
         group.promote(spare, rank)
         with self._lock:
@@ -306,6 +301,19 @@ class InProcess:
     def _under_way(self, recovering: Recovering) -> None:
         with self._lock:
             self.recovering = recovering
+
+    def under_way(self, **fields: Any) -> None:
+        """A recovery decided elsewhere (across machines) that this node's members now carry out."""
+        self._under_way(Recovering(deadline=self._clock() + 2 * self.config.recovery_timeout_s + 10, **fields))
+
+    def publish(self, assignments: Sequence[Assignment]) -> None:
+        """Put these workers' assignments on this agent's store, where they wait for them."""
+        publish_assignments(self._store, assignments)
+
+    def signal_grow(self, key: str, generation: int, at_step: int) -> None:
+        """Ask this agent's members to join ``generation`` at the boundary before ``at_step`` (after its
+        assignments were published)."""
+        self._store.set(key, json.dumps({"generation": generation, "at_step": at_step}))
 
     # -------------------------------------------------------------- growing
     def consider_grow(self, group: WorkerGroup, step: int) -> GrowDecision | None:
@@ -334,9 +342,9 @@ class InProcess:
         standby = [i for i in group.spares if i not in joining]
         publish_assignments(self._store, plan_assignments(generation, members, 0, self.host, self.port, standby))
         # After the assignments: a member that sees the key finds its assignment waiting.
-        self._store.set(grow_key(previous), json.dumps({"generation": generation, "at_step": at_step}))
+        self.signal_grow(grow_key(previous), generation, at_step)
         for p in decision.joiners:
-            self._promote(group, p.spare, p.rank)
+            self.promote(group, p.spare, p.rank)
         now = self._clock()
         self._under_way(Recovering(
             generation=generation, rung="grow", world_size=decision.world_size,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from ..coord.launch import end_launch, launch_prefix
+from ..coord.launch import current_launch, end_launch, launch_prefix
 from ..coord.proof import SignedStore
 from .policy import History
 
@@ -59,6 +59,11 @@ class SharedFacts:
     def stop_request(self) -> dict[str, Any] | None:
         """A request from ``resilient stop --store`` (verified), or ``None``."""
         return self.signed.get(self.prefix + "stop_request")
+
+    def ended(self) -> bool:
+        """This launch is over: marked ended, or another launch of the run replaced it."""
+        record = current_launch(self.signed)
+        return record is None or record.id != self.launch_id or record.state == "ended"
 
     def end(self, reason: str) -> None:
         """Mark the launch ended, so that the next submission of the run id starts a new one."""

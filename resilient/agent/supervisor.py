@@ -34,6 +34,7 @@ from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
 from ..worker.protocol import Heartbeat
+from . import cluster
 from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .bookkeeping import ProcessBookkeeping
@@ -47,6 +48,7 @@ from .heartbeat import HeartbeatReceiver
 from .incidents import Incident, node_lost_incident, publish_incident, unhealthy_incident
 from .inproc import InProcess
 from .policy import Action, Failure, decide_restart
+from .rendezvous import Assignment
 from .reporting import NodeReporting
 from .restores import RestoreSummary
 from .rundir import RunDir, heartbeat_socket, read_token
@@ -220,6 +222,8 @@ class Agent:
             if problem is not None:
                 self.emit(EventKind.TOKEN_MISMATCH, reason=problem)
                 return self._finish(EXIT_CONFIG, "token_mismatch", problem, generation)
+            if c.role == "spare":
+                return self._run_spare()
             self.coordination.make_rendezvous()
             while True:
                 result = self._before_round(generation)
@@ -242,9 +246,10 @@ class Agent:
                 self.emit(EventKind.RENDEZVOUS_JOINED, generation=generation, node_rank=assignment.node_rank,
                           num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
                 restart = self.last_outcome is not None and self.last_outcome.restarts_workers
+                self._attach_cluster()
                 outcome = gen_mod.run_generation(self.generation_context(), assignment,
                                                  self.coordination.restarts_used(), restart=restart)
-                generation = self._generation  # an in-process recovery may have moved it on
+                generation = self._followed()  # an in-process recovery may have moved it on
                 result = self._after(outcome, generation)
                 if result is not None:
                     return result
@@ -255,9 +260,56 @@ class Agent:
             for receiver in self._receivers:
                 receiver.close()
             if self.inproc is not None:
+                cluster.detach(self.inproc)
                 self.inproc.close()
             self.coordination.close()
             self.bookkeeping.release()
+
+    # ------------------------------------------------------------ across machines
+    def _attach_cluster(self) -> None:
+        """Across machines: follow the joined launch's recovery keys in the store."""
+        if self.inproc is not None and self.config.multi_node:
+            cluster.attach(self.inproc, self.coordination, self.emit)
+
+    def _followed(self) -> int:
+        """The newest generation this node took part in (across machines another node may have numbered it)."""
+        if self.inproc is not None and self.inproc.cluster is not None:
+            self._generation = max(self._generation, self.inproc.cluster.following)
+        return self._generation
+
+    def _run_spare(self) -> AgentResult:
+        """``--role spare``: keep warm workers in the launch's pool, generation after generation, until the run
+        ends; a promoted spare makes this node a member until the next restart."""
+        generation = 0
+        self._attach_cluster()
+        assert self.inproc is not None and self.inproc.cluster is not None
+        while True:
+            result = self._before_round(generation)
+            if result is not None:
+                return result
+            self.reporting.status.phase = "waiting for the run to start a generation"
+            current = None
+            while current is None or current <= generation:
+                verdict = self.coordination.verdict()
+                if verdict is not None:
+                    return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                assert self.coordination.shared is not None
+                if self.coordination.shared.ended():
+                    return self._finish(0, "succeeded", "the run ended before this spare was needed", generation)
+                if self.stop_requested or self.interrupted:
+                    return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped while waiting", generation)
+                current = self.inproc.cluster.store.current()
+                if current is None or current <= generation:
+                    time.sleep(0.2)
+            generation = self._generation = current
+            a = Assignment(node_rank=-1, num_nodes=0, generation=current, master_addr="", master_port=0)
+            self.emit(EventKind.SPARE_NODE_JOINED, generation=current)
+            outcome = gen_mod.run_generation(self.generation_context(), a, self.coordination.restarts_used(),
+                                             restart=False)
+            generation = self._followed()
+            result = self._after(outcome, generation)
+            if result is not None:
+                return result
 
     def _before_round(self, generation: int) -> AgentResult | None:
         """What may end the agent before it joins the next round: a verdict, stuck workers, health, a stop."""

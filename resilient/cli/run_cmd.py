@@ -49,6 +49,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="extra workers kept warm (script run up to resilient.Run) to take a failed rank's "
                    "place in process (default 0)")
+    p.add_argument("--role", choices=("worker", "spare"), default="worker",
+                   help="spare: join the run's spare pool (needs --store) with --nproc-per-node warm workers that "
+                   "take a lost node's ranks, or grow a run shrunk below MAX of --nnodes, in process")
     p.add_argument("--no-in-process", dest="in_process", action="store_false",
                    help="recover by restarting the group only, even for scripts that use run.attempt()")
     p.add_argument("--grow-settle", type=float, default=5.0, metavar="S",
@@ -205,7 +208,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         token_file=args.token_file.absolute() if args.token_file else None,
         run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
         nproc_per_node=nproc, min_nproc_per_node=min_nproc if min_nproc != nproc else None, spares=args.spares,
-        in_process=args.in_process, recovery_timeout_s=args.recovery_timeout, grow_settle_s=args.grow_settle, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
+        role=args.role, in_process=args.in_process, recovery_timeout_s=args.recovery_timeout, grow_settle_s=args.grow_settle, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
         etcd_options=etcd if store else {}, local_addr=local_addr,
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
                               backoff_initial_s=args.restart_backoff, budget_scope=args.restart_budget_scope),

@@ -102,6 +102,11 @@ def _read(signed: SignedStore) -> tuple[int, LaunchRecord | None]:
     return revision, LaunchRecord(value["id"], str(value.get("state", "running")), str(value.get("reason", "")))
 
 
+def current_launch(signed: SignedStore) -> LaunchRecord | None:
+    """The run's current launch record (verified), or None when there is none."""
+    return _read(signed)[1]
+
+
 def begin_launch(signed: SignedStore, requested: str | None = None, *, max_tries: int = 100) -> LaunchDecision:
     """Agree on this agent's launch through the store; compare-and-swap so concurrent starters agree."""
     for _ in range(max_tries):

@@ -1,0 +1,330 @@
+"""In-process recovery across machines: what the agents of a launch share in etcd, and how they agree.
+
+On one machine the agent sees every member and decides alone
+(:mod:`resilient.agent.inproc`).  On many, each agent sees only its own
+processes, so what the decision needs lives in the launch's key space
+under ``rec/`` (every value signed with the run token):
+
+* ``rec/current``: the generation the launch runs now;
+* ``rec/g<G>/node/<node>``: the members a node holds in generation ``G``
+  (rank -> worker id), the address of its recovery store, whether every one
+  of them opted in (``run.attempt()``), and the batch plan they reported;
+* ``rec/g<G>/lost/<worker>`` and ``rec/g<G>/waiting/<worker>``: a member
+  whose process died (written by its own agent) and a survivor that left
+  the failed group and waits (relayed by its agent from its report);
+* ``rec/g<G>/claim``: created once, by compare-and-set, by the one agent
+  that decides what follows ``G`` (after a failure, or to grow): two
+  agents never decide the same generation twice;
+* ``rec/g<G>/decision``: that decision, with the members of generation
+  ``G + 1`` (worker, node, old and new rank), the source rank and the
+  store the new group forms on;
+* ``pool/<worker>``: the spare pool, one key per warm spare on a lease its
+  agent keeps alive (a spare whose node dies leaves the pool with its
+  lease).  A decision takes a spare by compare-and-set on its key, so two
+  decisions never promote the same spare.
+
+Each agent then carries out its own part of a decision: its lost members
+retire, its spares named in it are promoted, its survivors get their new
+ranks, and it publishes their assignments on its own recovery store
+(:mod:`resilient.elastic.reform`); the group forms on the deciding
+agent's store.  :class:`ClusterWatch` polls the launch's ``rec/`` keys on
+its own thread, so the watch loop never waits on the network to learn of
+a decision; writes that decide are made on the watch loop (a failure is
+being handled there anyway).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..coord.proof import SignedStore, sign
+from ..coord.store import ControlStoreError
+from ..events import Emit, EventKind
+
+if TYPE_CHECKING:
+    from .coordination import Coordination
+    from .incidents import Incident
+    from .inproc import InProcess
+    from .policy import Failure
+
+POOL_TTL_S = 5
+"""Seconds a spare's pool key outlives its agent's last renewal."""
+
+
+@dataclass(frozen=True)
+class GenerationView:
+    """What the launch's store holds about one generation."""
+
+    generation: int
+    nodes: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    waiting: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    lost: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    claim: dict[str, Any] | None = None
+    decision: dict[str, Any] | None = None
+
+    def members(self) -> dict[int, tuple[str, str]]:
+        """rank -> (worker id, node) of every member the nodes published."""
+        found: dict[int, tuple[str, str]] = {}
+        for node, entry in self.nodes.items():
+            for rank, worker in (entry.get("ranks") or {}).items():
+                found[int(rank)] = (str(worker), node)
+        return found
+
+    def world_size(self) -> int | None:
+        """The generation's world size, as its nodes declared it (None before any did)."""
+        sizes = {int(e["world_size"]) for e in self.nodes.values() if e.get("world_size")}
+        return max(sizes) if sizes else None
+
+    def complete(self) -> bool:
+        """Every rank of the world has a published member."""
+        world = self.world_size()
+        return world is not None and sorted(self.members()) == list(range(world))
+
+
+@dataclass(frozen=True)
+class PoolEntry:
+    """One spare of the pool, with the revision a claim must compare against."""
+
+    worker: str
+    node: str
+    ready_wall: float
+    revision: int
+    claimed: int | None
+    """The generation that took it, or None while it is free."""
+
+
+class ClusterStore:
+    """The launch's recovery keys, read and written by this node's agent (synchronous etcd calls)."""
+
+    def __init__(self, signed: SignedStore, client: Any, root: str, launch_prefix: str, node: str,
+                 token: str) -> None:
+        self.signed = signed
+        self._client = client
+        self._root = root
+        """The control store's own prefix (``/resilient/<run>/``), for the writes that need a lease."""
+        self.prefix = f"{launch_prefix}rec/"
+        self._nodes = f"{launch_prefix}nodes/"
+        self.pool_prefix = f"{launch_prefix}pool/"
+        self.node = node
+        self._token = token
+        self._lease = 0
+        self._lease_lock = threading.Lock()
+
+    # ------------------------------------------------------------ generations
+    def _put(self, key: str, value: dict[str, Any]) -> None:
+        self.signed.store.put(key, sign(self._token, key, value))
+
+    def publish_node(self, generation: int, ranks: Mapping[int, str], *, world_size: int, store: str,
+                     opted_in: bool, batch: dict[str, Any] | None) -> None:
+        self._put(f"{self.prefix}g{generation}/node/{self.node}",
+                  {"ranks": {str(r): w for r, w in sorted(ranks.items())}, "world_size": world_size, "store": store,
+                   "opted_in": opted_in, "batch": batch})
+
+    def set_current(self, generation: int) -> None:
+        self._put(f"{self.prefix}current", {"generation": generation, "node": self.node})
+
+    def current(self) -> int | None:
+        found = self.signed.get(f"{self.prefix}current")
+        return int(found["generation"]) if found is not None else None
+
+    def report(self, generation: int, kind: str, worker: str, body: Mapping[str, Any]) -> None:
+        """``kind``: ``lost`` (this node's member died) or ``waiting`` (it left the failed group)."""
+        self._put(f"{self.prefix}g{generation}/{kind}/{worker}", {**body, "node": self.node})
+
+    def view(self, generation: int) -> GenerationView:
+        base = f"{self.prefix}g{generation}/"
+        nodes: dict[str, dict[str, Any]] = {}
+        waiting: dict[str, dict[str, Any]] = {}
+        lost: dict[str, dict[str, Any]] = {}
+        claim = decision = None
+        for key, value in self.signed.get_prefix(base).items():
+            rest = key[len(base):]
+            kind, _, name = rest.partition("/")
+            if kind == "node":
+                nodes[name] = value
+            elif kind == "waiting":
+                waiting[name] = value
+            elif kind == "lost":
+                lost[name] = value
+            elif rest == "claim":
+                claim = value
+            elif rest == "decision":
+                decision = value
+        return GenerationView(generation, nodes, waiting, lost, claim, decision)
+
+    def live_nodes(self) -> set[str]:
+        """Nodes whose agent keeps its presence key alive (:mod:`resilient.coord.presence`)."""
+        found = set()
+        for entry in self.signed.store.get_prefix(self._nodes):
+            try:
+                state = json.loads(entry.value).get("state")
+            except (ValueError, AttributeError):
+                continue
+            if state == "running":
+                found.add(entry.key[len(self._nodes):])
+        return found
+
+    def claim(self, generation: int, what: str) -> bool:
+        """Take the right to decide what follows ``generation``; True for exactly one caller."""
+        won, _ = self.signed.put_if_absent(f"{self.prefix}g{generation}/claim",
+                                           {"node": self.node, "what": what, "at": time.time()})
+        return won
+
+    def release_claim(self, generation: int) -> None:
+        """Give the right back (the ladder said wait): the next tick, whoever is settled decides again."""
+        self.signed.store.delete(f"{self.prefix}g{generation}/claim")
+
+    def decide(self, generation: int, decision: Mapping[str, Any]) -> None:
+        self._put(f"{self.prefix}g{generation}/decision", dict(decision))
+        if decision.get("generation"):
+            self.set_current(int(decision["generation"]))
+
+    # ------------------------------------------------------------ the pool
+    def _pool_lease(self) -> int:
+        with self._lease_lock:
+            if not self._lease:
+                self._lease = self._client.lease_grant(POOL_TTL_S)
+            return self._lease
+
+    def register_spare(self, worker: str, ready_wall: float) -> None:
+        key = f"{self.pool_prefix}{worker}"
+        value = {"worker": worker, "node": self.node, "ready_wall": ready_wall, "claimed": None}
+        self._client.put(self._root + key, sign(self._token, key, value), lease=self._pool_lease())
+
+    def unregister_spare(self, worker: str) -> None:
+        self.signed.store.delete(f"{self.pool_prefix}{worker}")
+
+    def keep_pool_alive(self) -> None:
+        with self._lease_lock:
+            lease = self._lease
+        if lease and self._client.lease_keepalive(lease) <= 0:
+            with self._lease_lock:
+                self._lease = 0  # expired in an outage: the next registration takes a new one
+
+    def pool(self) -> list[PoolEntry]:
+        found = []
+        for entry in self.signed.store.get_prefix(self.pool_prefix):
+            value = self.signed.get(entry.key)  # verified (a forged spare is never promoted)
+            if value is None:
+                continue
+            claimed = value.get("claimed")
+            found.append(PoolEntry(str(value["worker"]), str(value["node"]), float(value["ready_wall"]),
+                                   entry.mod_revision, int(claimed) if claimed is not None else None))
+        return found
+
+    def claim_spare(self, spare: PoolEntry, generation: int) -> bool:
+        """Take ``spare`` for ``generation`` by compare-and-set: False when another decision took it first."""
+        key = f"{self.pool_prefix}{spare.worker}"
+        value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall, "claimed": generation}
+        ok, _ = self.signed.compare_and_swap(key, spare.revision, value)
+        return ok
+
+    def close(self) -> None:
+        with self._lease_lock:
+            lease, self._lease = self._lease, 0
+        if lease:
+            try:
+                self._client.lease_revoke(lease)
+            except ControlStoreError:
+                pass
+
+
+class ClusterWatch:
+    """Polls the launch's recovery keys on its own thread; the watch loop reads :attr:`view` and :attr:`pool`."""
+
+    def __init__(self, store: ClusterStore, generation: Callable[[], int], wake: Callable[[], None],
+                 on_error: Callable[[str], None], interval_s: float = 0.1) -> None:
+        self._store = store
+        self._generation = generation
+        self._wake = wake
+        self._on_error = on_error
+        self._interval = interval_s
+        self.view: GenerationView | None = None
+        self.pool: list[PoolEntry] = []
+        self.current: int | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        renewed = 0.0
+        while not self._done.wait(self._interval):
+            try:
+                view = self._store.view(self._generation())
+                pool = self._store.pool()
+                current = self._store.current()
+                now = time.monotonic()
+                if now - renewed >= 1.0:
+                    renewed = now
+                    self._store.keep_pool_alive()
+            except (ControlStoreError, OSError, ValueError) as e:
+                self._on_error(f"{type(e).__name__}: {e}")
+                continue
+            changed = view != self.view or pool != self.pool or current != self.current
+            self.view, self.pool, self.current = view, pool, current
+            if changed:
+                self._wake()
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+
+
+@dataclass
+class Involvement:
+    """This node took part in a failure of one generation: a member died here, or a survivor here waits."""
+
+    since: float
+    failure: Failure | None = None
+    incident: Incident | None = None
+    detected_at: float = 0.0
+    last_progress_at: float = 0.0
+    wait_since: float | None = None
+    """When the ladder first said wait for repair (it is asked again every tick until it acts)."""
+
+
+@dataclass
+class ClusterState:
+    """What this agent keeps about the launch's recovery across machines (on :attr:`InProcess.cluster`)."""
+
+    store: ClusterStore
+    watch: ClusterWatch | None = None
+    following: int = 0
+    """The generation this node follows (members or not)."""
+    world_size: int = 0
+    full_size: int = 0
+    involved: dict[int, Involvement] = field(default_factory=dict)
+    relayed: set[tuple[int, str]] = field(default_factory=set)
+    opted_in_published: int = -1
+    registered: set[str] = field(default_factory=set)
+
+
+def attach(inp: InProcess, coordination: Coordination, emit: Emit) -> None:
+    """Follow the joined launch's recovery keys (again after another launch was joined)."""
+    store = coordination.cluster_store()
+    if inp.cluster is not None and inp.cluster.store.prefix == store.prefix:
+        return
+    detach(inp)
+    state = inp.cluster = ClusterState(store=store)
+
+    def wake() -> None:
+        if inp.changed is not None:
+            inp.changed.set()
+
+    def unreachable(error: str) -> None:
+        emit(EventKind.STORE_UNREACHABLE, error=error)
+
+    state.watch = ClusterWatch(store, lambda: state.following, wake, unreachable)
+
+
+def detach(inp: InProcess) -> None:
+    state, inp.cluster = inp.cluster, None
+    if state is not None:
+        if state.watch is not None:
+            state.watch.close()
+        state.store.close()

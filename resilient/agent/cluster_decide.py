@@ -1,0 +1,172 @@
+"""The decision across machines: what follows a generation that failed (:mod:`resilient.agent.cluster_flow`).
+
+Taken by the one agent that won the generation's claim in the store, over
+what every node published: the members, who waits, who was lost, who fell
+silent (presumed lost with their node once the settle time passed), the
+pool's spares and the batch plan.  The ladder is the same pure
+:func:`~resilient.elastic.decide.decide_recovery` as on one machine; spares
+it promotes are taken from the pool by compare-and-set before the decision
+is published, so a spare another decision took is never used twice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ..elastic.batch import feasible_world_sizes
+from ..elastic.decide import Action
+from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
+from .cluster import GenerationView, Involvement
+from .incidents import Incident
+from .policy import Failure
+
+if TYPE_CHECKING:
+    from .generation import GenerationContext
+    from .rendezvous import Assignment
+
+
+def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Involvement,
+           now: float) -> dict[str, Any] | str | None:
+    """What follows generation ``a``, once every member is accounted for (or the settle time passed): the
+    decision's body as published, a problem (restart), or None (not yet, or another agent decides)."""
+    from .continuation import settle_s
+
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
+    members = view.members()
+    accounted = set(view.waiting) | set(view.lost)
+    missing = {r: wn for r, wn in members.items() if wn[0] not in accounted}
+    if not view.complete():
+        if now - inv.since < settle_s(ctx):
+            return None
+        return f"generation {a.generation}'s membership was never published by every node"
+    if missing:
+        # A member that neither waits nor was reported lost is lost only with its node (its agent's presence
+        # lease expired): a live node's member may be outside any collective for a while (it fails in its next).
+        live = cs.store.live_nodes()
+        alive = sorted(r for r, (_, node) in missing.items() if node in live)
+        if alive:
+            if now - inv.since < ctx.config.recovery_timeout_s:
+                return None
+            return (f"ranks {alive} on live nodes neither left the failed group of generation {a.generation} nor "
+                    f"failed within {ctx.config.recovery_timeout_s:g} s")
+    if not cs.store.claim(a.generation, "recover"):
+        return None  # another agent decides; its decision arrives through the watch
+    world = len(members)
+    rank_of = {w: r for r, (w, _) in members.items()}
+    lost = {int(b["rank"]) for b in view.lost.values()} | set(missing)
+    speaking = {str(b.get("node")) for b in [*view.waiting.values(), *view.lost.values()]}
+    silent = frozenset(n for _, n in missing.values() if n not in speaking)
+    if any(b.get("kind") == "hang" for b in view.lost.values()):
+        kind = FaultKind.HANG
+    elif view.lost or (missing and not silent):
+        kind = FaultKind.CRASH
+    elif silent:
+        kind = FaultKind.NODE_LOST
+    else:
+        kind = FaultKind.COLLECTIVE_ERROR
+    steps = {rank_of[w]: int(b.get("step") or 0) for w, b in view.waiting.items() if w in rank_of}
+    step = max([*steps.values(), *(int(b.get("step") or 0) for b in view.lost.values())], default=0)
+    codes = frozenset(c for b in view.lost.values() for c in b.get("exit_codes") or () if c)
+    detail = describe(view, missing, silent, kind, step)
+    fault = Fault(kind=kind, step=step, ranks=frozenset(lost) if kind is not FaultKind.COLLECTIVE_ERROR else frozenset(),
+                  nodes=silent, exit_codes=codes, detail=detail)
+    # This node's own view when none of its members died: its collectives failed (or a node went silent).
+    failure = inv.failure or Failure(kind="node_lost" if kind is FaultKind.NODE_LOST else "collective", time=now,
+                                     node=", ".join(sorted(silent)) or ctx.config.node_id, step=step, detail=detail)
+    assert ctx.restart_outlook is not None and ctx.next_generation is not None
+    outlook = ctx.restart_outlook(failure)
+    membership = membership_of(ctx, view, members)
+    opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
+    for _ in range(3):
+        pool = cs.store.pool()
+        spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall),
+                        claimed=s.claimed is not None) for s in pool if s.worker not in rank_of]
+        obs = Observation(fault=fault, membership=membership, restart=outlook, spares=spares,
+                          survivor_steps={r: s for r, s in steps.items() if r not in lost}, opted_in=opted,
+                          waiting_since=inv.wait_since)
+        decision = inp.decide_cluster(obs)
+        by_id = {s.worker: s for s in pool}
+        if all(cs.store.claim_spare(by_id[p.spare], a.generation + 1) for p in decision.promotions):
+            break
+    else:
+        decision = None
+    if decision is None or decision.action is Action.WAIT_FOR_REPAIR:
+        if decision is not None and inv.wait_since is None:
+            inv.wait_since = now
+        cs.store.release_claim(a.generation)
+        return None
+    if decision.action not in (Action.RETRY_IN_PLACE, Action.PROMOTE_SPARE, Action.SHRINK):
+        body = {"action": decision.action.value, "reason": decision.reason, "node": ctx.config.node_id}
+        cs.store.decide(a.generation, body)
+        return body
+    generation = ctx.next_generation()
+    if generation != a.generation + 1:
+        body = {"action": "restart", "node": ctx.config.node_id,
+                "reason": f"the run's generation counter moved to {generation} while generation {a.generation} "
+                          "was being recovered in process (a restart ran meanwhile)"}
+        cs.store.decide(a.generation, body)
+        return body
+    promoted = {p.rank: p for p in decision.promotions}
+    new_members: list[dict[str, Any]] = []
+    for old, new in sorted(decision.rank_map(world).items(), key=lambda kv: kv[1]):
+        if old in promoted:
+            new_members.append({"worker_id": promoted[old].spare, "node": promoted[old].node, "new_rank": new,
+                                "old_rank": None})
+        else:
+            new_members.append({"worker_id": members[old][0], "node": members[old][1], "new_rank": new,
+                                "old_rank": old})
+    incident = incident_of(ctx, a, inv, kind, step, detail, decision, generation)
+    body = {"action": decision.action.value, "reason": decision.reason, "node": ctx.config.node_id,
+            "generation": generation, "world_size": decision.world_size, "step": step, "members": new_members,
+            "source_rank": min(m["new_rank"] for m in new_members if m["old_rank"] is not None),
+            "store": f"{inp.host}:{inp.port}", "incident": incident.id,
+            "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.promotions],
+            "dropped": list(decision.dropped_ranks)}
+    assert ctx.record_incident is not None
+    ctx.record_incident(incident)
+    cs.store.decide(a.generation, body)
+    return body
+
+
+def describe(view: GenerationView, missing: dict[int, tuple[str, str]], silent: frozenset[str], kind: FaultKind,
+              step: int) -> str:
+    parts = [str(b.get("detail")) for b in view.lost.values()]
+    if silent:
+        parts.append(f"node {', '.join(sorted(silent))} was lost with ranks {sorted(missing)} (its agent's presence "
+                     "lease expired)")
+    if kind is FaultKind.COLLECTIVE_ERROR:
+        first = next(iter(view.waiting.values()), {})
+        parts.append(f"every rank's collective failed at step {step}, none died: {str(first.get('error'))[:200]}")
+    return "; ".join(parts)[:600]
+
+
+def membership_of(ctx: GenerationContext, view: GenerationView, members: dict[int, tuple[str, str]]) -> Membership:
+    c = ctx.config
+    assert ctx.inproc is not None and ctx.inproc.cluster is not None
+    world = len(members)
+    max_size = c.max_nodes * c.nproc_per_node
+    batch = next((n["batch"] for n in view.nodes.values() if n.get("batch")), None)
+    full = max(ctx.inproc.cluster.full_size, world)
+    if batch is not None:
+        full = max(world, int(batch["global_batch"]) // int(batch["micro_batch"]))
+        feasible = feasible_world_sizes(int(batch["global_batch"]), int(batch["micro_batch"]), 1, max(max_size, full),
+                                        batch.get("batch_rule") or "refuse")
+    else:
+        feasible = frozenset({world})
+    return Membership(rank_nodes=tuple(members[r][1] for r in range(world)),
+                      min_size=min(c.min_nodes * c.nproc_per_node, world), max_size=max(max_size, full, world),
+                      full_size=full, feasible_world_sizes=feasible)
+
+
+def incident_of(ctx: GenerationContext, a: Assignment, inv: Involvement, kind: FaultKind, step: int, detail: str,
+              decision: Any, generation: int) -> Incident:
+    incident = inv.incident or Incident(
+        id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
+        kind="node_lost" if kind is FaultKind.NODE_LOST else "collective",
+        rank=None, pid=None, section="step", step=step, summary=detail)
+    return replace(incident, decision={"action": decision.action.value, "reason": decision.reason, "verdict": None,
+                                       "delay_s": 0.0, "generation": generation})

@@ -1,0 +1,275 @@
+"""The watch loop's side of in-process recovery across machines (the store's side: :mod:`resilient.agent.cluster`).
+
+Every agent of a launch follows the chain of generations through the
+store, whether it holds members, only spares (``--role spare``, or a node
+whose ranks a shrink dropped) or both:
+
+* :func:`report_lost`: a member of this node died (or hung and was killed):
+  say so in the store and hold until the generation's decision;
+* :func:`tick`, on every pass of the watch loop: relay this node's
+  survivors' ``waiting`` reports and its spares' readiness (the pool), then
+  carry out the decision of the current generation once one is in the
+  store (:func:`_apply`), or, when this node is involved and every member
+  is accounted for (waiting or lost; members still silent after the settle
+  time are presumed lost with their node), take the claim and decide
+  (:func:`~resilient.agent.cluster_decide.decide`, the same :func:`~resilient.elastic.decide.decide_recovery`
+  as on one machine, over the whole membership and the pool); the node
+  holding rank 0 grows a shrunk world onto settled pool spares
+  (:func:`_grow`).
+
+The group of the next generation forms on the deciding agent's recovery
+store; each agent publishes its own workers' assignments on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..coord.store import ControlStoreError
+from ..elastic.grow import GrowAction, decide_grow
+from ..elastic.observe import FaultKind, Spare
+from ..elastic.reform import Member, grow_key, plan_assignments
+from ..events import EventKind, OutcomeKind
+from .cluster import ClusterState, GenerationView, Involvement
+from .cluster_decide import decide, membership_of
+from .failures import Outcome
+from .policy import Failure
+from .rendezvous import Assignment
+
+if TYPE_CHECKING:
+    from .continuation import Hold
+    from .generation import GenerationContext
+    from .incidents import Incident
+    from .launcher import WorkerGroup
+
+GROW_LEAD_STEPS = 3
+GROW_LEAD_S = 1.0
+"""Across machines the members learn of a grow through the store's poll: the boundary is placed further ahead."""
+
+
+def _store_error(ctx: GenerationContext, e: Exception) -> None:
+    ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+
+
+def start(ctx: GenerationContext, group: WorkerGroup, a: Assignment) -> None:
+    """A generation formed by the rendezvous (or a spare node's first): publish this node's members."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
+    cs.following = a.generation
+    cs.world_size = a.num_nodes * ctx.config.nproc_per_node
+    cs.full_size = max(cs.full_size, cs.world_size)
+    cs.opted_in_published = -1
+    if not group.workers:
+        return
+    try:
+        _publish_node(ctx, group, cs, a.generation, opted_in=False)
+        if 0 in group.workers:
+            cs.store.set_current(a.generation)
+    except ControlStoreError as e:
+        _store_error(ctx, e)
+
+
+def _publish_node(ctx: GenerationContext, group: WorkerGroup, cs: ClusterState, generation: int, *,
+                  opted_in: bool) -> None:
+    inp = ctx.inproc
+    assert inp is not None
+    cs.store.publish_node(generation, {r: w.worker_id for r, w in group.workers.items()}, world_size=cs.world_size,
+                          store=f"{inp.host}:{inp.port}", opted_in=opted_in, batch=inp.batch_plan())
+
+
+def report_lost(ctx: GenerationContext, group: WorkerGroup, a: Assignment, *, lost: dict[int, str], kind: FaultKind,
+                failure: Failure, incident: Incident, exit_codes: tuple[int, ...], detected_at: float,
+                last_progress_at: float) -> Hold | None:
+    """Members of this node are gone: tell the others and hold for the decision (None: restart instead)."""
+    from .continuation import Hold
+
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
+    try:
+        view = cs.store.view(a.generation)
+        if not view.nodes or not all(n.get("opted_in") for n in view.nodes.values()):
+            return None  # some node's script did not opt in: every node restarts as it always has
+        for rank, worker in lost.items():
+            cs.store.report(a.generation, "lost", worker, {
+                "rank": rank, "kind": "hang" if kind is FaultKind.HANG else "crash", "exit_codes": list(exit_codes),
+                "step": failure.step, "detail": failure.describe()[:300]})
+    except ControlStoreError as e:
+        _store_error(ctx, e)
+        return None
+    now = ctx.clock()
+    inv = cs.involved.setdefault(a.generation, Involvement(since=now))
+    inv.failure, inv.incident, inv.detected_at, inv.last_progress_at = failure, incident, detected_at, last_progress_at
+    return Hold(lost, kind, failure.step or 0, exit_codes, failure, incident, detected_at, last_progress_at, now,
+                settling=True)
+
+
+def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
+         now: float) -> Assignment | Outcome | str | None:
+    """One pass: relay, then follow, decide or grow (see the module doc)."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
+    try:
+        _relay(ctx, group, a, cs, now)
+    except ControlStoreError as e:
+        _store_error(ctx, e)
+    view = cs.watch.view if cs.watch is not None else None
+    if view is None or view.generation != a.generation:
+        return None
+    if view.decision is not None:
+        return _apply(ctx, group, a, gdir, view.decision, now)
+    current = cs.watch.current if cs.watch is not None else None
+    if not group.workers and current is not None and current > a.generation:
+        return Outcome(OutcomeKind.MEMBERSHIP, f"the run went on to generation {current} by a restart; this node's "
+                                               "spares start again in it")
+    inv = cs.involved.get(a.generation)
+    if inv is not None:
+        if view.claim is None:
+            try:
+                body = decide(ctx, a, view, inv, now)
+            except ControlStoreError as e:
+                _store_error(ctx, e)
+                return f"the store failed while deciding how to recover generation {a.generation}: {e}"
+            return _apply(ctx, group, a, gdir, body, now) if isinstance(body, dict) else body
+        if now - inv.since > ctx.config.recovery_timeout_s:
+            return (f"node {view.claim.get('node')} claimed the decision after generation {a.generation} and "
+                    f"published none within {ctx.config.recovery_timeout_s:g} s")
+        return None
+    if 0 in group.workers and inp.recovering is None and cs.world_size < cs.full_size:
+        try:
+            return _grow(ctx, group, a, gdir, view, now)
+        except ControlStoreError as e:
+            _store_error(ctx, e)
+    return None
+
+
+def _relay(ctx: GenerationContext, group: WorkerGroup, a: Assignment, cs: ClusterState, now: float) -> None:
+    """This node's news for the others: survivors that wait, members that opted in, spares ready or gone."""
+    inp = ctx.inproc
+    assert inp is not None
+    for worker, report in inp.waiting_now(a.generation, [w.worker_id for w in group.workers.values()]).items():
+        if (a.generation, worker) not in cs.relayed:
+            cs.relayed.add((a.generation, worker))
+            cs.store.report(a.generation, "waiting", worker, report)
+            cs.involved.setdefault(a.generation, Involvement(since=now))
+    ids = [w.worker_id for w in group.workers.values()]
+    if ids and cs.opted_in_published != a.generation and inp.opted_in(ids):
+        _publish_node(ctx, group, cs, a.generation, opted_in=True)
+        cs.opted_in_published = a.generation
+    for worker, ready_wall in inp.ready_spares_wall(list(group.spares)).items():
+        if worker not in cs.registered:
+            cs.store.register_spare(worker, ready_wall)
+            cs.registered.add(worker)
+    for worker in sorted(cs.registered - set(group.spares)):
+        cs.registered.discard(worker)
+        if worker not in {w.worker_id for w in group.workers.values()}:
+            cs.store.unregister_spare(worker)  # it exited; a promoted spare's key stays claimed
+
+
+def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, view: GenerationView,
+          now: float) -> Assignment | None:
+    """The node holding rank 0 grows a shrunk world onto settled pool spares, a little ahead of every rank."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None and ctx.next_generation is not None
+    cs = inp.cluster
+    pool = [s for s in (cs.watch.pool if cs.watch is not None else []) if s.claimed is None]
+    if not pool or not view.complete():
+        return None
+    local = ctx.tracker.views()
+    if len(local) < len(group.workers):
+        return None
+    furthest = max(v.step for v in local.values())
+    rate = inp.step_rate(now, furthest, a.generation)
+    if rate is None:
+        return None
+    at_step = furthest + GROW_LEAD_STEPS + math.ceil(rate * GROW_LEAD_S)
+    members = view.members()
+    spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall)) for s in pool]
+    decision = decide_grow(membership_of(ctx, view, members), spares, step=at_step, costs=inp.costs(), cfg=inp.ladder,
+                           now=now)
+    if decision.action is not GrowAction.GROW or not cs.store.claim(a.generation, "grow"):
+        return None
+    by_id = {s.worker: s for s in pool}
+    if not all(cs.store.claim_spare(by_id[p.spare], a.generation + 1) for p in decision.joiners):
+        cs.store.release_claim(a.generation)
+        return None
+    generation = ctx.next_generation()
+    new_members = [{"worker_id": w, "node": n, "new_rank": r, "old_rank": r} for r, (w, n) in sorted(members.items())]
+    new_members += [{"worker_id": p.spare, "node": p.node, "new_rank": p.rank, "old_rank": None}
+                    for p in decision.joiners]
+    inp.note_decision(f"grow: {decision.reason}", decision.to_event())
+    body = {"action": "grow", "reason": f"{decision.reason} (at step {at_step})", "node": ctx.config.node_id,
+            "generation": generation, "world_size": decision.world_size, "step": at_step, "at_step": at_step,
+            "members": new_members, "source_rank": 0, "store": f"{inp.host}:{inp.port}", "incident": None,
+            "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.joiners],
+            "dropped": []}
+    if generation != a.generation + 1:
+        body = {"action": "restart", "node": ctx.config.node_id,
+                "reason": f"the run's generation counter moved to {generation} during a grow of {a.generation}"}
+    cs.store.decide(a.generation, body)
+    result = _apply(ctx, group, a, gdir, body, now)
+    return result if isinstance(result, Assignment) else None
+
+
+def _apply(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, body: dict[str, Any],
+           now: float) -> Assignment | Outcome | str:
+    """Carry out this node's part of the decision that follows generation ``a``."""
+    from .continuation import continue_as
+
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
+    action = str(body.get("action"))
+    if action not in ("retry_in_place", "promote_spare", "shrink", "grow"):
+        why = f"node {body.get('node')} decided {action} after generation {a.generation}: {body.get('reason')}"
+        if not group.workers:
+            return Outcome(OutcomeKind.MEMBERSHIP, why)
+        return why
+    generation = int(body["generation"])
+    me = ctx.config.node_id
+    members = [Member(worker_id=m["worker_id"], new_rank=int(m["new_rank"]), old_rank=m["old_rank"])
+               for m in body["members"]]
+    mine = {m["worker_id"]: int(m["new_rank"]) for m in body["members"] if m["node"] == me}
+    for rank, worker in list(group.workers.items()):
+        if worker.worker_id not in mine:
+            if worker.exit is None:  # dropped while alive (presumed lost): it must not wait for a group forever
+                worker.signal(signal.SIGKILL)
+            group.retire(rank)
+    group.renumber({r: mine[w.worker_id] for r, w in group.workers.items()})
+    for worker_id, rank in mine.items():
+        if worker_id in group.spares:
+            inp.promote(group, worker_id, rank)
+    host, port = str(body["store"]).rsplit(":", 1)
+    local = set(mine) | set(group.spares)
+    standby = [w for w in group.spares if w not in mine]
+    plans = plan_assignments(generation, members, int(body["source_rank"]), host, int(port), standby)
+    inp.publish([p for p in plans if p.worker_id in local])
+    if action == "grow":
+        inp.signal_grow(grow_key(a.generation), generation, int(body["at_step"]))
+    cs.following, cs.world_size = generation, int(body["world_size"])
+    inv = cs.involved.pop(a.generation, None)
+    pids = {r: w.pid for r, w in group.workers.items()}
+    if mine:
+        inp.under_way(generation=generation, rung=action, world_size=cs.world_size,
+                      promotions=tuple((int(p["rank"]), str(p["spare"])) for p in body["promotions"]
+                                       if p["spare"] in mine),
+                      dropped=tuple(body["dropped"]), members=mine,
+                      detected_at=inv.since if inv is not None else now,
+                      incident_id=body["incident"] if body.get("node") == me else None, step=int(body["step"]))
+        if inv is not None and action != "grow":
+            ctx.accounting.failure(inv.detected_at or inv.since, inv.last_progress_at or inv.since,
+                                   str(body.get("incident") or f"g{a.generation:04d}"),
+                                   inv.incident.kind if inv.incident is not None else "collective")
+    moved = continue_as(ctx, group, a, gdir, generation, pids, action, str(body["reason"]),
+                        world_size=cs.world_size, decided_by=body.get("node"))
+    try:
+        if group.workers:
+            _publish_node(ctx, group, cs, generation, opted_in=True)
+    except ControlStoreError as e:
+        _store_error(ctx, e)
+    return moved

@@ -1,0 +1,140 @@
+"""In-process recovery across machines: several agents meeting through a real etcd.
+
+Each "node" is an agent of its own with its own worker, on one machine; the
+script is the one a user writes (``tests/elastic_worker.py``).  The
+reference is an uninterrupted run of the same script on one agent with as
+many ranks: the same world, the same data split, the same gloo sums.
+
+- a spare node (``--role spare``) takes the place of a lost node's rank
+  from the launch's pool, in process, and the run stays bitwise equal to
+  the reference with no step done twice;
+- with no spare and ``--nnodes 2:3`` a lost node (its agent killed) is
+  dropped: the run shrinks to two ranks keeping the global batch (every
+  sample of the epoch once, each step's global sample set the
+  reference's), then grows back when the node returns as a spare.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from .agent_helpers import events, incidents, start_agent, wait_for
+from .test_agent_inproc import (
+    DIE_STEP,
+    SHRINK_TOLERANCE,
+    STEPS,
+    WORKER,
+    assert_bitwise_equal,
+    assert_close,
+    elastic_run,
+    global_sets,
+    trace,
+)
+
+
+def _node(url: str, run_id: str, node: str, nnodes: str, *extra: str) -> tuple[str, ...]:
+    return ("--nnodes", nnodes, "--nproc-per-node", "1", "--store", url, "--run-id", run_id, "--node-id", node,
+            "--local-addr", "127.0.0.1", "--rdzv-last-call", "1", "--stop-grace", "3", "--max-restarts", "2",
+            "--recovery-timeout", "30", *extra)
+
+
+def _script(out: Path, steps: int, *extra: str) -> tuple[str, ...]:
+    return ("--steps", str(steps), "--out", str(out), "--ckpt", str(out / "ckpt"), *extra)
+
+
+def _finish(agents: dict[str, object], timeout: float) -> dict[str, int]:
+    import time
+
+    deadline, codes = time.monotonic() + timeout, {}
+    try:
+        for node, agent in agents.items():
+            codes[node] = agent.wait(timeout=max(1.0, deadline - time.monotonic()))  # type: ignore[attr-defined]
+    finally:
+        for agent in agents.values():
+            if agent.poll() is None:  # type: ignore[attr-defined]
+                agent.kill()  # type: ignore[attr-defined]
+    return codes
+
+
+def _logs(tmp: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log")))
+
+
+def test_a_spare_node_takes_a_lost_ranks_place_from_the_pool_bitwise(tmp_path: Path, etcd_server,
+                                                                     etcd_run_id: str) -> None:
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    out.mkdir()
+    script = _script(out, STEPS, "--die-worker", "n1.w0", "--die-step", str(DIE_STEP), "--die-how", "kill",
+                     "--spares-ready", "1")
+    agents = {n: start_agent(out / "run", *_node(etcd_server.url, etcd_run_id, n, "2", *role), script=WORKER,
+                             script_args=script, log=tmp_path / f"{n}.log")
+              for n, role in (("n0", ()), ("n1", ()), ("spare0", ("--role", "spare")))}
+    codes = _finish(agents, 240)
+    assert codes == {"n0": 0, "n1": 0, "spare0": 0}, _logs(tmp_path)
+    run = out / "run"
+    assert not events(run, "restart"), "recovered by a restart, not in process"
+    decided = events(run, "recovery_decided")
+    assert [d["action"] for d in decided] == ["promote_spare"], decided
+    assert decided[0]["promotions"] == [{"rank": 1, "spare": "spare0.s0", "node": "spare0"}], decided
+    done = {e["node"]: e for e in events(run, "recovered_in_process")}
+    assert set(done) == {"n0", "spare0"}, done  # n1 has no member left: it only follows
+    assert all(d["rung"] == "promote_spare" and d["resumed_after_step"] == DIE_STEP for d in done.values()), done
+    after = {line["worker"] for line in trace(out) if line["step"] > DIE_STEP and line["rank"] == 1}
+    assert after == {"spare0.s0"}, f"rank 1 after the failure was {after}, not the spare node's worker"
+    [incident] = [i for i in incidents(run) if i.get("decision")]
+    assert incident["decision"]["action"] == "promote_spare", incident
+    assert_bitwise_equal(out, ref)
+    # n1 lost its rank: it starts a replacement for the pool (the run may need it later).
+    assert [e["node"] for e in events(run, "spare_started")] == ["spare0", "n1"], events(run, "spare_started")
+
+
+def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_path: Path, etcd_server,
+                                                                           etcd_run_id: str) -> None:
+    """``--nnodes 2:3``: node n2's agent is SIGKILLed (its worker dies with it); the two others shrink to two
+    ranks in process; n2 comes back as ``--role spare`` and the run grows back to three at a step boundary.
+    Rank 0 holds at step 9 until the grow is decided, so the returning node's warm-up cannot outlast the run."""
+    steps, samples = 14, ("--samples", "84", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, steps, *samples, "--hold-at", "9", "--step-sleep", "0.3")
+    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5") for n in ("n0", "n1", "n2")}
+    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
+              for n in flags}
+    try:
+        wait_for(lambda: (out / "trace.jsonl").exists() and any(
+            line["worker"] == "n2.w0" and line["step"] >= 2 for line in trace(out)),
+            timeout=180, what="node n2's rank to complete step 2")
+        agents["n2"].send_signal(signal.SIGKILL)  # the node is lost: its worker dies with its agent
+        agents["n2"].wait(timeout=30)
+        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
+        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
+                                   log=tmp_path / "n2-back.log")
+    except BaseException:
+        _finish(agents, 0)
+        raise
+    codes = _finish(agents, 240)
+    assert codes == {"n0": 0, "n1": 0, "n2": 0}, _logs(tmp_path)
+    assert not events(run, "restart"), _logs(tmp_path)
+    decided = events(run, "recovery_decided")
+    assert [d["action"] for d in decided] == ["shrink", "grow"], decided
+    assert decided[0]["dropped_ranks"] == [2] and decided[0]["world_size"] == 2, decided[0]
+    lines = trace(out)
+    worlds = {line["step"]: line["world"] for line in lines}
+    lost = min(s for s, w in worlds.items() if w == 2)
+    at = min(s for s, w in worlds.items() if s > lost and w == 3)
+    assert at > 9 and [worlds[s] for s in range(steps)] == [3] * lost + [2] * (at - lost) + [3] * (steps - at), worlds
+    assert {line["worker"] for line in lines if line["step"] >= at and line["rank"] == 2} == {"n2.s0"}
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps and final["world"] == 3
+    [shrunk] = [i for i in incidents(run) if (i.get("decision") or {}).get("action") == "shrink"]
+    assert "n2" in shrunk["summary"] and shrunk["recovered"]["world_size"] == 2, shrunk
