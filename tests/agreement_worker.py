@@ -2,7 +2,8 @@
 
 ``save DIR`` commits steps 1 and 2 (world size 2).  ``restore OUT
 SCENARIO=DIR ...`` restores each DIR in turn, with the storage of one rank
-failing as SCENARIO says (see ``FAILURES``), and writes per rank what came
+failing as SCENARIO says (see ``FAILURES``; ``count`` fails nothing and
+counts the bytes each rank read from storage), and writes per rank what came
 out (the checkpoint restored or the error) and how long it took.  The
 storage is injected through CheckpointManager's public ``storage=``.
 """
@@ -32,6 +33,17 @@ def failing(rank_to_fail: int, method: str, error: BaseException):
     if dist.get_rank() == rank_to_fail:
         setattr(Failing, method, broken)
     return Failing
+
+
+class Counting(LocalStorage):
+    """Counts the bytes each file read from storage returned (``count`` scenario)."""
+
+    reads: dict[str, int] = {}
+
+    def read_file(self, name, path, chunk_bytes):
+        buf, digest = super().read_file(name, path, chunk_bytes)
+        Counting.reads[path] = Counting.reads.get(path, 0) + len(buf)
+        return buf, digest
 
 
 FAILURES = {
@@ -64,10 +76,13 @@ def main(argv: list[str]) -> int:
         out = {}
         for item in argv[2:]:
             scenario, directory = item.split("=", 1)
-            who, method, error = FAILURES[scenario]
+            who, method, error = FAILURES.get(scenario, (0, None, None))
             storage = failing(who, method, error)(directory) if method else None
+            if scenario == "count":
+                storage = Counting(directory)
             started = time.monotonic()
             events = resilient.EventLog()
+            restored = None
             try:
                 m = manager(directory, storage, events)
                 restored = m.restore()
@@ -76,7 +91,10 @@ def main(argv: list[str]) -> int:
             except Exception as e:  # noqa: BLE001  the point of the test: which error, on which rank
                 outcome, detail = f"{type(e).__name__}: {e}", None
             out[scenario] = {"outcome": outcome, "elapsed_s": time.monotonic() - started, "state_of": detail,
-                             "quarantined": [e.fields for e in events.of_kind("checkpoint_quarantined")]}
+                             "quarantined": [e.fields for e in events.of_kind("checkpoint_quarantined")],
+                             "reads": dict(Counting.reads) if scenario == "count" else None,
+                             "restored": [e.fields for e in events.of_kind("checkpoint_restored")],
+                             "model": restored.replicated["model"].tolist() if restored else None}
         with open(f"{argv[1]}.rank{rank}", "w") as f:
             json.dump(out, f)
     dist.barrier()

@@ -101,6 +101,17 @@ class Coordinator:
         dist.broadcast(buf, src=self._global_root(), group=self._group)
         return _to_bytes(buf)
 
+    def share(self, buf: Any, size: int) -> Any:
+        """Rank 0's writable buffer of ``size`` bytes on every rank: sent as it is (no copy on rank 0), received
+        into a new ``bytearray`` elsewhere.  Every rank must call it with the same ``size``."""
+        if self.world_size == 1 or size == 0:
+            return buf if self.is_root else bytearray(size)
+        import torch.distributed as dist
+
+        target = buf if self.is_root else bytearray(size)
+        dist.broadcast(torch.frombuffer(target, dtype=torch.uint8), src=self._global_root(), group=self._group)
+        return target
+
     def on_root(self, work: Callable[[], bytes]) -> bytes:
         """Run ``work`` on rank 0 and return its bytes on every rank.
 

@@ -2,8 +2,10 @@
 
 Rank 0 lists the committed checkpoints and reads each manifest; both go out
 through :meth:`Coordinator.on_root`, so a failure there is the same error on
-every rank.  Every rank judges the same manifest bytes, reads the files it
-needs through the one verified read (:func:`.verify.read_verified`), and
+every rank.  Every rank judges the same manifest bytes.  The replicated
+state is read from storage once: rank 0 reads and verifies it and sends the
+verified bytes to the others (:meth:`Coordinator.share`); each rank reads its
+own file through the one verified read (:func:`.verify.read_verified`), and
 reports ``ok``, ``corrupt`` or ``error`` whatever went wrong (nothing a
 damaged or hostile file does escapes as an exception on one rank only).
 Rank 0 combines the reports into one verdict for all: any ``error`` stops
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import (
@@ -26,9 +29,11 @@ from ..errors import (
 )
 from ..events import EventKind, EventLog
 from .coordinator import Coordinator
-from .manifest import MANIFEST_FILE, Manifest, parse_manifest
+from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest
+from .shard import decode
 from .storage import Storage
-from .verify import read_verified
+from .tree import unflatten
+from .verify import Checked, check_file, read_verified
 
 REPLICATED = "replicated"
 RANK = "rank"
@@ -62,13 +67,15 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             problems.append(str(e))
             continue
         _check_world(storage, coord, events, manifest, elastic)
-        status, detail, restored = _load_local(storage, coord.rank, manifest)
+        status, detail, restored = _load_local(storage, coord, manifest)
         kind, why = _agree(coord, status, detail)
         if kind == "ok":
             assert restored is not None
             if problems:
                 events.emit(EventKind.CHECKPOINT_FALLBACK, restored=name, skipped=problems)
-            events.emit(EventKind.CHECKPOINT_RESTORED, name=name, step=manifest.step, location=storage.url)
+            replicated = manifest.file_for(None).size if coord.is_root else 0
+            events.emit(EventKind.CHECKPOINT_RESTORED, name=name, step=manifest.step, location=storage.url,
+                        read_bytes=replicated + manifest.file_for(coord.rank % manifest.world_size).size)
             return restored
         if kind == "error":
             raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
@@ -113,17 +120,66 @@ def _agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
     return str(kind), str(why)
 
 
-def _load_local(storage: Storage, rank: int, manifest: Manifest) -> tuple[str, str, Restored | None]:
-    """Read and verify this rank's files: ("ok"|"corrupt"|"error", detail, restored).
+def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest) -> tuple[str, str, Restored | None]:
+    """This rank's state: ("ok"|"corrupt"|"error", detail, restored).
 
     Never raises: a rank that raised here would leave its peers waiting in
-    the next collective until the group's timeout.
+    the next collective until the group's timeout.  A rank whose replicated
+    state did not arrive (rank 0 reports why) says "ok" for itself and
+    returns no state: the agreed verdict is not "ok" then.
     """
+    replicated_status, detail, replicated = _replicated(storage, coord, manifest)
+    if replicated_status not in ("ok", "peer"):
+        return replicated_status, detail, None
+    status, detail, mine = _guarded(lambda: read_verified(
+        storage, manifest, manifest.file_for(coord.rank % manifest.world_size)))  # elastic: rank r mod saved
+    if status != "ok" or replicated_status == "peer":
+        return status, detail, None
+    return "ok", "", Restored(manifest, replicated, mine)
+
+
+def _replicated(storage: Storage, coord: Coordinator, manifest: Manifest) -> tuple[str, str, Any]:
+    """The replicated state, read from storage once: rank 0 reads and verifies it (size, digest, decoding)
+    and sends the verified bytes to the others, which decode their own copy.  ("peer", "", None) on a rank
+    whose copy did not come because rank 0 could not read or verify it (rank 0 reports that)."""
+    entry = manifest.file_for(None)
+    if coord.world_size == 1:
+        return _guarded(lambda: read_verified(storage, manifest, entry))
+    buf: Any = None
+    tree: Any = None
+    if coord.is_root:
+        status, detail, checked = _guarded(lambda: _checked(storage, manifest, entry))
+        if checked is not None:
+            buf, tree = checked.buf, checked.tree
+        header = json.dumps([status, detail, len(buf) if status == "ok" else 0]).encode()
+    root_status, _, size = json.loads(coord.broadcast(header if coord.is_root else None))
+    if root_status != "ok":
+        return (status, detail, None) if coord.is_root else ("peer", "", None)
+    got = coord.share(buf, int(size))
+    if coord.is_root:
+        return "ok", "", tree
+    return _guarded(lambda: _decoded(got, manifest, entry))
+
+
+def _checked(storage: Storage, manifest: Manifest, entry: FileEntry) -> Checked:
+    checked = check_file(storage, manifest, entry)
+    if checked.check.problem is not None:
+        raise CheckpointCorruptError(manifest.name, entry.path, checked.check.problem)
+    return checked
+
+
+def _decoded(buf: bytearray, manifest: Manifest, entry: FileEntry) -> Any:
     try:
-        # Elastic restore: rank r takes the per-rank state of rank r mod the saved world size.
-        replicated = read_verified(storage, manifest, manifest.file_for(None))
-        mine = read_verified(storage, manifest, manifest.file_for(rank % manifest.world_size))
-        return "ok", "", Restored(manifest, replicated, mine)
+        skeleton, tensors = decode(buf)
+    except ValueError as e:
+        raise CheckpointCorruptError(manifest.name, entry.path, f"undecodable content as received from rank 0 ({e})")
+    return unflatten(skeleton, tensors)
+
+
+def _guarded(read: Callable[[], Any]) -> tuple[str, str, Any]:
+    """("ok", "", value), or what went wrong as ("corrupt"|"error", detail, None); never raises."""
+    try:
+        return "ok", "", read()
     except CheckpointCorruptError as e:
         return "corrupt", f"{e.file}: {e.problem}", None
     except StorageError as e:

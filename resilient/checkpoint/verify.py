@@ -51,6 +51,8 @@ class Checked:
     check: FileCheck
     tree: Any = None
     tensors: tuple[torch.Tensor, ...] = ()
+    buf: Any = None
+    """The bytes read (the tensors alias them); None when the file could not be read."""
 
 
 def check_file(storage: Storage, manifest: Manifest, entry: FileEntry, *, decode_unverified: bool = False) -> Checked:
@@ -91,7 +93,7 @@ def check_file(storage: Storage, manifest: Manifest, entry: FileEntry, *, decode
             detail = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
             problems.append(f"undecodable content ({detail})")
     check = FileCheck(entry.path, entry.rank, entry.size, len(buf), digest_ok, decode_ok, "; ".join(problems) or None)
-    return Checked(check, tree if check.ok or decode_unverified else None, tuple(tensors))
+    return Checked(check, tree if check.ok or decode_unverified else None, tuple(tensors), buf)
 
 
 def read_verified(storage: Storage, manifest: Manifest, entry: FileEntry) -> Any:
