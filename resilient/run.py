@@ -154,7 +154,8 @@ class Run:
                 # The agent's generation and launch fence this job's writes (none without an agent).
                 fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
                 # A spare neither claims the location nor sweeps it: the members are saving there.
-                if self._recovery is not None:  # the world can change in process: restore at any size
+                if self._recovery is not None and (spare or env is not None and env.resizable):
+                    # A spare restores alone; a world the agent may shrink or grow restores at any size.
                     checkpoint = dataclasses.replace(checkpoint, elastic=True)
                 self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events, fence=fence, claim=not spare)
                 restored = self.checkpoints.restore()

@@ -59,6 +59,19 @@ def test_a_spare_is_taken_by_one_decision_only(etcd_server, etcd_run_id) -> None
     assert b.claim_spare(seen_b, 9) is False
     [after] = b.pool()
     assert after.claimed == 5
+    owner.close()  # a claimed spare's key stays on its agent's lease: it leaves the pool with its agent
+    assert b.pool() == []
+
+
+def test_spares_are_taken_all_or_none(etcd_server, etcd_run_id) -> None:
+    owner, a, b = (_store(etcd_server.url, etcd_run_id, n) for n in ("spare0", "n0", "n1"))
+    owner.register_spare("spare0.s0", ready_wall=1.0)
+    owner.register_spare("spare0.s1", ready_wall=2.0)
+    first, second = sorted(a.pool(), key=lambda p: p.worker)
+    assert b.claim_spare(second, 4)  # another decision takes the second spare first
+    assert a.claim_spares([first, second], 4) is False
+    assert {p.worker: p.claimed for p in b.pool()} == {"spare0.s0": None, "spare0.s1": 4}, \
+        "the spare taken before the failed claim was not put back"
     owner.close()
 
 

@@ -36,13 +36,14 @@ being handled there anyway).
 from __future__ import annotations
 
 import json
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..coord.proof import SignedStore, sign
+from ..coord.proof import SignedStore, sign, verify
 from ..coord.store import ControlStoreError
 from ..events import Emit, EventKind
 
@@ -96,6 +97,8 @@ class PoolEntry:
     revision: int
     claimed: int | None
     """The generation that took it, or None while it is free."""
+    lease: int = 0
+    """Its agent's lease (a claim keeps the key on it)."""
 
 
 class ClusterStore:
@@ -114,6 +117,8 @@ class ClusterStore:
         self._token = token
         self._lease = 0
         self._lease_lock = threading.Lock()
+        self.registered: set[str] = set()
+        """Spares of this node in the pool under the current lease."""
 
     # ------------------------------------------------------------ generations
     def _put(self, key: str, value: dict[str, Any]) -> None:
@@ -171,12 +176,13 @@ class ClusterStore:
 
     def claim(self, generation: int, what: str) -> bool:
         """Take the right to decide what follows ``generation``; True for exactly one caller."""
-        won, _ = self.signed.put_if_absent(f"{self.prefix}g{generation}/claim",
-                                           {"node": self.node, "what": what, "at": time.time()})
-        return won
+        nonce = secrets.token_hex(8)  # a retried create that did land reads back as ours, not as a peer's
+        _, held = self.signed.put_if_absent(f"{self.prefix}g{generation}/claim",
+                                            {"node": self.node, "what": what, "at": time.time(), "nonce": nonce})
+        return held.get("nonce") == nonce
 
     def release_claim(self, generation: int) -> None:
-        """Give the right back (the ladder said wait): the next tick, whoever is settled decides again."""
+        """Give the right back (the ladder said wait, or deciding failed): whoever is settled decides again."""
         self.signed.store.delete(f"{self.prefix}g{generation}/claim")
 
     def decide(self, generation: int, decision: Mapping[str, Any]) -> None:
@@ -192,37 +198,67 @@ class ClusterStore:
             return self._lease
 
     def register_spare(self, worker: str, ready_wall: float) -> None:
+        """Put a warm spare in the pool, on this agent's lease (it leaves the pool when the agent dies)."""
         key = f"{self.pool_prefix}{worker}"
-        value = {"worker": worker, "node": self.node, "ready_wall": ready_wall, "claimed": None}
-        self._client.put(self._root + key, sign(self._token, key, value), lease=self._pool_lease())
+        lease = self._pool_lease()
+        value = {"worker": worker, "node": self.node, "ready_wall": ready_wall, "claimed": None, "lease": lease}
+        self._client.put(self._root + key, sign(self._token, key, value), lease=lease)
+        with self._lease_lock:
+            self.registered.add(worker)
 
     def unregister_spare(self, worker: str) -> None:
+        with self._lease_lock:
+            self.registered.discard(worker)
         self.signed.store.delete(f"{self.pool_prefix}{worker}")
 
     def keep_pool_alive(self) -> None:
         with self._lease_lock:
             lease = self._lease
         if lease and self._client.lease_keepalive(lease) <= 0:
-            with self._lease_lock:
-                self._lease = 0  # expired in an outage: the next registration takes a new one
+            with self._lease_lock:  # expired in an outage: its keys are gone, so register the spares again
+                self._lease = 0
+                self.registered.clear()
 
     def pool(self) -> list[PoolEntry]:
         found = []
         for entry in self.signed.store.get_prefix(self.pool_prefix):
-            value = self.signed.get(entry.key)  # verified (a forged spare is never promoted)
+            value = verify(self._token, entry.key, entry.value).value  # a forged spare is never promoted
             if value is None:
                 continue
             claimed = value.get("claimed")
             found.append(PoolEntry(str(value["worker"]), str(value["node"]), float(value["ready_wall"]),
-                                   entry.mod_revision, int(claimed) if claimed is not None else None))
+                                   entry.mod_revision, int(claimed) if claimed is not None else None,
+                                   int(value.get("lease") or 0)))
         return found
+
+    def _set_claim(self, spare: PoolEntry, revision: int, generation: int | None) -> bool:
+        key = f"{self.pool_prefix}{spare.worker}"
+        value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall, "claimed": generation,
+                 "lease": spare.lease}
+        ok, _ = self._client.compare_and_swap(self._root + key, revision, sign(self._token, key, value),
+                                              lease=spare.lease)  # the key stays on its agent's lease
+        return ok
 
     def claim_spare(self, spare: PoolEntry, generation: int) -> bool:
         """Take ``spare`` for ``generation`` by compare-and-set: False when another decision took it first."""
-        key = f"{self.pool_prefix}{spare.worker}"
-        value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall, "claimed": generation}
-        ok, _ = self.signed.compare_and_swap(key, spare.revision, value)
-        return ok
+        return self._set_claim(spare, spare.revision, generation)
+
+    def claim_spares(self, spares: list[PoolEntry], generation: int) -> bool:
+        """Take all of ``spares`` or none: a spare taken before one that fails is put back in the pool."""
+        taken: list[PoolEntry] = []
+        for spare in spares:
+            if not self.claim_spare(spare, generation):
+                self.unclaim_spares(taken, generation)
+                return False
+            taken.append(spare)
+        return True
+
+    def unclaim_spares(self, spares: list[PoolEntry], generation: int) -> None:
+        """Put spares this agent claimed for ``generation`` back (best effort: a spare gone meanwhile stays gone)."""
+        for spare in spares:
+            current = next((p for p in self.pool() if p.worker == spare.worker and p.claimed == generation), None)
+            if current is not None:
+                self._set_claim(current, current.revision, None)
 
     def close(self) -> None:
         with self._lease_lock:
@@ -234,8 +270,19 @@ class ClusterStore:
                 pass
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """One consistent read of the launch's recovery keys (``current`` read first: a decision is written before
+    it, so a snapshot that shows a newer generation also shows the decision that led there)."""
+
+    current: int | None
+    view: GenerationView
+    pool: tuple[PoolEntry, ...]
+    live: frozenset[str]
+
+
 class ClusterWatch:
-    """Polls the launch's recovery keys on its own thread; the watch loop reads :attr:`view` and :attr:`pool`."""
+    """Polls the launch's recovery keys on its own thread; the watch loop reads :attr:`snapshot`."""
 
     def __init__(self, store: ClusterStore, generation: Callable[[], int], wake: Callable[[], None],
                  on_error: Callable[[str], None], interval_s: float = 0.1) -> None:
@@ -244,29 +291,30 @@ class ClusterWatch:
         self._wake = wake
         self._on_error = on_error
         self._interval = interval_s
-        self.view: GenerationView | None = None
-        self.pool: list[PoolEntry] = []
-        self.current: int | None = None
+        self.snapshot: Snapshot | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         renewed = 0.0
+        live: frozenset[str] = frozenset()
         while not self._done.wait(self._interval):
             try:
-                view = self._store.view(self._generation())
-                pool = self._store.pool()
                 current = self._store.current()
+                view = self._store.view(self._generation())
+                pool = tuple(self._store.pool())
                 now = time.monotonic()
                 if now - renewed >= 1.0:
                     renewed = now
                     self._store.keep_pool_alive()
+                    live = frozenset(self._store.live_nodes())
             except (ControlStoreError, OSError, ValueError) as e:
                 self._on_error(f"{type(e).__name__}: {e}")
                 continue
-            changed = view != self.view or pool != self.pool or current != self.current
-            self.view, self.pool, self.current = view, pool, current
+            snapshot = Snapshot(current, view, pool, live)
+            changed = snapshot != self.snapshot
+            self.snapshot = snapshot  # one reference swapped: readers see a whole snapshot or the previous one
             if changed:
                 self._wake()
 
@@ -301,7 +349,7 @@ class ClusterState:
     involved: dict[int, Involvement] = field(default_factory=dict)
     relayed: set[tuple[int, str]] = field(default_factory=set)
     opted_in_published: int = -1
-    registered: set[str] = field(default_factory=set)
+    orphaned_since: float | None = None
 
 
 def attach(inp: InProcess, coordination: Coordination, emit: Emit) -> None:

@@ -15,10 +15,11 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ..coord.store import ControlStoreError
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.decide import Action
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
-from .cluster import GenerationView, Involvement
+from .cluster import GenerationView, Involvement, PoolEntry
 from .incidents import Incident
 from .policy import Failure
 
@@ -55,6 +56,25 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
                     f"failed within {ctx.config.recovery_timeout_s:g} s")
     if not cs.store.claim(a.generation, "recover"):
         return None  # another agent decides; its decision arrives through the watch
+    taken: list[PoolEntry] = []
+    try:
+        return _decided(ctx, a, view, inv, now, members, missing, taken)
+    except ControlStoreError:
+        try:  # give the generation's claim and the spares back, so that deciding can happen again
+            cs.store.unclaim_spares(taken, a.generation + 1)
+            cs.store.release_claim(a.generation)
+        except ControlStoreError:
+            pass  # the store is out: the members' recovery timeout ends the generation as a failure
+        raise
+
+
+def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Involvement, now: float,
+             members: dict[int, tuple[str, str]], missing: dict[int, tuple[str, str]],
+             taken: list[PoolEntry]) -> dict[str, Any] | None:
+    """The decision, once this agent holds the generation's claim; ``taken`` collects the spares it claimed."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
     world = len(members)
     rank_of = {w: r for r, (w, _) in members.items()}
     lost = {int(b["rank"]) for b in view.lost.values()} | set(missing)
@@ -81,16 +101,19 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
     outlook = ctx.restart_outlook(failure)
     membership = membership_of(ctx, view, members)
     opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
+    live = cs.store.live_nodes()
     for _ in range(3):
-        pool = cs.store.pool()
+        pool = [s for s in cs.store.pool() if s.node in live and s.worker not in rank_of]
         spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall),
-                        claimed=s.claimed is not None) for s in pool if s.worker not in rank_of]
+                        claimed=s.claimed is not None) for s in pool]
         obs = Observation(fault=fault, membership=membership, restart=outlook, spares=spares,
                           survivor_steps={r: s for r, s in steps.items() if r not in lost}, opted_in=opted,
                           waiting_since=inv.wait_since)
         decision = inp.decide_cluster(obs)
         by_id = {s.worker: s for s in pool}
-        if all(cs.store.claim_spare(by_id[p.spare], a.generation + 1) for p in decision.promotions):
+        wanted = [by_id[p.spare] for p in decision.promotions]
+        if cs.store.claim_spares(wanted, a.generation + 1):
+            taken.extend(wanted)
             break
     else:
         decision = None
@@ -105,6 +128,7 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
         return body
     generation = ctx.next_generation()
     if generation != a.generation + 1:
+        cs.store.unclaim_spares(taken, a.generation + 1)
         body = {"action": "restart", "node": ctx.config.node_id,
                 "reason": f"the run's generation counter moved to {generation} while generation {a.generation} "
                           "was being recovered in process (a restart ran meanwhile)"}

@@ -33,7 +33,7 @@ from ..elastic.grow import GrowAction, decide_grow
 from ..elastic.observe import FaultKind, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments
 from ..events import EventKind, OutcomeKind
-from .cluster import ClusterState, GenerationView, Involvement
+from .cluster import ClusterState, Involvement, PoolEntry, Snapshot
 from .cluster_decide import decide, membership_of
 from .failures import Outcome
 from .policy import Failure
@@ -118,15 +118,14 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
         _relay(ctx, group, a, cs, now)
     except ControlStoreError as e:
         _store_error(ctx, e)
-    view = cs.watch.view if cs.watch is not None else None
-    if view is None or view.generation != a.generation:
+    snap = cs.watch.snapshot if cs.watch is not None else None  # read once: one consistent view
+    if snap is None or snap.view.generation != a.generation:
         return None
+    view = snap.view
     if view.decision is not None:
         return _apply(ctx, group, a, gdir, view.decision, now)
-    current = cs.watch.current if cs.watch is not None else None
-    if not group.workers and current is not None and current > a.generation:
-        return Outcome(OutcomeKind.MEMBERSHIP, f"the run went on to generation {current} by a restart; this node's "
-                                               "spares start again in it")
+    if not group.workers:
+        return _idle(ctx, cs, a, snap, now)
     inv = cs.involved.get(a.generation)
     if inv is not None:
         if view.claim is None:
@@ -142,9 +141,29 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
         return None
     if 0 in group.workers and inp.recovering is None and cs.world_size < cs.full_size:
         try:
-            return _grow(ctx, group, a, gdir, view, now)
+            return _grow(ctx, group, a, gdir, snap, now)
         except ControlStoreError as e:
             _store_error(ctx, e)
+    return None
+
+
+ORPHANED_S = 30.0
+"""A node with only spares ends once no node holding the run's ranks has been alive for this long."""
+
+
+def _idle(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapshot, now: float) -> Outcome | None:
+    """A node with only spares: start again after a restart it took no part in; end when the run is gone."""
+    if snap.current is not None and snap.current > a.generation:
+        return Outcome(OutcomeKind.MEMBERSHIP, f"the run went on to generation {snap.current} by a restart; this "
+                                               "node's spares start again in it")
+    if snap.live and snap.view.nodes and not set(snap.view.nodes) & snap.live:
+        cs.orphaned_since = cs.orphaned_since or now
+        if now - cs.orphaned_since > ORPHANED_S:
+            return Outcome(OutcomeKind.VERDICT, f"no node holding the run's ranks (generation {a.generation}: "
+                                                f"{', '.join(sorted(snap.view.nodes))}) has been alive for "
+                                                f"{ORPHANED_S:.0f} s; this node's spares are no longer needed")
+    else:
+        cs.orphaned_since = None
     return None
 
 
@@ -162,23 +181,23 @@ def _relay(ctx: GenerationContext, group: WorkerGroup, a: Assignment, cs: Cluste
         _publish_node(ctx, group, cs, a.generation, opted_in=True)
         cs.opted_in_published = a.generation
     for worker, ready_wall in inp.ready_spares_wall(list(group.spares)).items():
-        if worker not in cs.registered:
+        if worker not in cs.store.registered:
             cs.store.register_spare(worker, ready_wall)
-            cs.registered.add(worker)
-    for worker in sorted(cs.registered - set(group.spares)):
-        cs.registered.discard(worker)
-        if worker not in {w.worker_id for w in group.workers.values()}:
-            cs.store.unregister_spare(worker)  # it exited; a promoted spare's key stays claimed
+    for worker in sorted(cs.store.registered - set(group.spares)):
+        cs.store.unregister_spare(worker)  # it exited, or it was promoted: out of the pool either way
 
 
-def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, view: GenerationView,
+def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, snap: Snapshot,
           now: float) -> Assignment | None:
     """The node holding rank 0 grows a shrunk world onto settled pool spares, a little ahead of every rank."""
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None and ctx.next_generation is not None
     cs = inp.cluster
-    pool = [s for s in (cs.watch.pool if cs.watch is not None else []) if s.claimed is None]
-    if not pool or not view.complete():
+    view = snap.view
+    pool = [s for s in snap.pool if s.claimed is None and s.node in snap.live]
+    if not pool or not view.complete() or view.lost or view.waiting or view.claim is not None:
+        return None  # nothing to grow onto, or a failure of this generation is being answered
+    if not all(n.get("opted_in") for n in view.nodes.values()):
         return None
     local = ctx.tracker.views()
     if len(local) < len(group.workers):
@@ -195,25 +214,42 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
     if decision.action is not GrowAction.GROW or not cs.store.claim(a.generation, "grow"):
         return None
     by_id = {s.worker: s for s in pool}
-    if not all(cs.store.claim_spare(by_id[p.spare], a.generation + 1) for p in decision.joiners):
-        cs.store.release_claim(a.generation)
-        return None
-    generation = ctx.next_generation()
-    new_members = [{"worker_id": w, "node": n, "new_rank": r, "old_rank": r} for r, (w, n) in sorted(members.items())]
-    new_members += [{"worker_id": p.spare, "node": p.node, "new_rank": p.rank, "old_rank": None}
-                    for p in decision.joiners]
-    inp.note_decision(f"grow: {decision.reason}", decision.to_event())
-    body = {"action": "grow", "reason": f"{decision.reason} (at step {at_step})", "node": ctx.config.node_id,
-            "generation": generation, "world_size": decision.world_size, "step": at_step, "at_step": at_step,
-            "members": new_members, "source_rank": 0, "store": f"{inp.host}:{inp.port}", "incident": None,
-            "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.joiners],
-            "dropped": []}
-    if generation != a.generation + 1:
-        body = {"action": "restart", "node": ctx.config.node_id,
-                "reason": f"the run's generation counter moved to {generation} during a grow of {a.generation}"}
-    cs.store.decide(a.generation, body)
+    joiners = [by_id[p.spare] for p in decision.joiners]
+    try:
+        if not cs.store.claim_spares(joiners, a.generation + 1):
+            cs.store.release_claim(a.generation)
+            return None
+        generation = ctx.next_generation()
+        new_members = [{"worker_id": w, "node": n, "new_rank": r, "old_rank": r}
+                       for r, (w, n) in sorted(members.items())]
+        new_members += [{"worker_id": p.spare, "node": p.node, "new_rank": p.rank, "old_rank": None}
+                        for p in decision.joiners]
+        body = {"action": "grow", "reason": f"{decision.reason} (at step {at_step})", "node": ctx.config.node_id,
+                "generation": generation, "world_size": decision.world_size, "step": at_step, "at_step": at_step,
+                "members": new_members, "source_rank": 0, "store": f"{inp.host}:{inp.port}", "incident": None,
+                "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.joiners],
+                "dropped": []}
+        if generation != a.generation + 1:
+            cs.store.unclaim_spares(joiners, a.generation + 1)
+            body = {"action": "restart", "node": ctx.config.node_id,
+                    "reason": f"the run's generation counter moved to {generation} during a grow of {a.generation}"}
+        cs.store.decide(a.generation, body)
+    except ControlStoreError:
+        _undo_claims(cs, a.generation, joiners)
+        raise
+    if body["action"] == "grow":
+        inp.note_decision(f"grow: {decision.reason}", decision.to_event())
     result = _apply(ctx, group, a, gdir, body, now)
     return result if isinstance(result, Assignment) else None
+
+
+def _undo_claims(cs: ClusterState, generation: int, spares: list[PoolEntry]) -> None:
+    """Deciding failed halfway (the store): give back the generation's claim and the spares (best effort)."""
+    try:
+        cs.store.unclaim_spares(spares, generation + 1)
+        cs.store.release_claim(generation)
+    except ControlStoreError:
+        pass  # the store is out: the members' recovery timeout ends this generation as a failure
 
 
 def _apply(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, body: dict[str, Any],
@@ -253,6 +289,8 @@ def _apply(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
         inp.signal_grow(grow_key(a.generation), generation, int(body["at_step"]))
     cs.following, cs.world_size = generation, int(body["world_size"])
     inv = cs.involved.pop(a.generation, None)
+    cs.involved = {g: v for g, v in cs.involved.items() if g > a.generation}
+    cs.relayed = {(g, w) for g, w in cs.relayed if g > a.generation}
     pids = {r: w.pid for r, w in group.workers.items()}
     if mine:
         inp.under_way(generation=generation, rung=action, world_size=cs.world_size,

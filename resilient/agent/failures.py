@@ -194,8 +194,10 @@ def end_on_hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     )
     last_progress = info.entered_at if info is not None else now
     ladder = None
-    if ctx.inproc is not None and (len(group.workers) > 1 or ctx.inproc.cluster is not None) and \
-            ctx.inproc.opted_in([w.worker_id for r, w in group.workers.items() if r != rank]):
+    others = [w.worker_id for r, w in group.workers.items() if r != rank]
+    # Across machines the peers may all be elsewhere: then the hung rank itself must have opted in.
+    if ctx.inproc is not None and (others or ctx.inproc.cluster is not None) and \
+            ctx.inproc.opted_in(others or [group.workers[rank].worker_id]):
         # Only the hung rank goes: its peers are blocked in a collective with it, and its death releases them.
         culprit_worker = group.workers[rank]
         culprit_worker.signal(signal.SIGKILL)

@@ -97,8 +97,11 @@ class InProcess:
 
     def worker_env(self, worker_id: str, role: str) -> dict[str, str]:
         """The variables that offer in-process recovery to one worker (see resilient/worker/env.py)."""
+        c = self.config
+        resizable = c.shrinkable or c.min_nodes < c.max_nodes
         return {"RESILIENT_RECOVERY_STORE": f"{self.host}:{self.port}", "RESILIENT_WORKER_ID": worker_id,
-                "RESILIENT_ROLE": role, "RESILIENT_RECOVERY_TIMEOUT": f"{self.config.recovery_timeout_s:g}"}
+                "RESILIENT_ROLE": role, "RESILIENT_RECOVERY_TIMEOUT": f"{c.recovery_timeout_s:g}",
+                "RESILIENT_RESIZABLE": "1" if resizable else "0"}
 
     def spare_started(self, worker_id: str, pid: int, generation: int) -> None:
         with self._lock:
@@ -368,21 +371,10 @@ class InProcess:
             r = self.recovering
             assert r is not None
             self.recovering = None
-            rung = r.rung
             took = max(0.0, at - r.detected_at)
             self._measured[{"retry_in_place": "inproc_s", "promote_spare": "spare_s", "shrink": "shrink_s",
-                            "grow": "grow_s"}[rung]].append(took)
-        completed = sorted({int(rep.get("completed", -1)) for rep in reports.values()})
-        slowest = max(reports.values(), key=lambda rep: float((rep.get("seconds") or {}).get("total") or 0.0))
-        return {
-            "rung": rung, "generation": r.generation, "world_size": r.world_size,
-            "promotions": [{"rank": rank, "spare": spare} for rank, spare in r.promotions],
-            "dropped_ranks": list(r.dropped), ("at_step" if rung == "grow" else "failed_step"): r.step,
-            "resumed_after_step": completed[0] if len(completed) == 1 else completed,
-            "seconds": round(took, 6), "slowest": {"worker": slowest.get("worker"), "rank": slowest.get("rank"),
-                                                    "seconds": slowest.get("seconds")},
-            "incident": r.incident_id,
-        }
+                            "grow": "grow_s"}[r.rung]].append(took)
+        return r.record(took, reports)
 
     def abandon_recovery(self) -> Recovering | None:
         """The recovery under way will not complete (a member failed or the deadline passed): forget it."""

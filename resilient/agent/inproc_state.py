@@ -27,6 +27,20 @@ class Recovering:
     step: int
     """The step whose attempt failed (for a grow: the boundary's step)."""
 
+    def record(self, took: float, reports: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """The completed recovery for the event and the incident: ``took`` seconds, the members' ``rejoined``."""
+        completed = sorted({int(rep.get("completed", -1)) for rep in reports.values()})
+        slowest = max(reports.values(), key=lambda rep: float((rep.get("seconds") or {}).get("total") or 0.0))
+        return {
+            "rung": self.rung, "generation": self.generation, "world_size": self.world_size,
+            "promotions": [{"rank": rank, "spare": spare} for rank, spare in self.promotions],
+            "dropped_ranks": list(self.dropped), ("at_step" if self.rung == "grow" else "failed_step"): self.step,
+            "resumed_after_step": completed[0] if len(completed) == 1 else completed,
+            "seconds": round(took, 6), "slowest": {"worker": slowest.get("worker"), "rank": slowest.get("rank"),
+                                                    "seconds": slowest.get("seconds")},
+            "incident": self.incident_id,
+        }
+
 
 @dataclass
 class SpareState:

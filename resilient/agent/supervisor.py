@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ..coord.store import ControlStoreError
 from ..elastic.observe import RestartOutlook
 from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
@@ -290,15 +291,18 @@ class Agent:
             self.reporting.status.phase = "waiting for the run to start a generation"
             current = None
             while current is None or current <= generation:
-                verdict = self.coordination.verdict()
-                if verdict is not None:
-                    return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
-                assert self.coordination.shared is not None
-                if self.coordination.shared.ended():
-                    return self._finish(0, "succeeded", "the run ended before this spare was needed", generation)
                 if self.stop_requested or self.interrupted:
                     return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped while waiting", generation)
-                current = self.inproc.cluster.store.current()
+                try:
+                    verdict = self.coordination.verdict()
+                    if verdict is not None:
+                        return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
+                    assert self.coordination.shared is not None
+                    if self.coordination.shared.ended():
+                        return self._finish(0, "succeeded", "the run ended before this spare was needed", generation)
+                    current = self.inproc.cluster.store.current()
+                except ControlStoreError as e:  # an outage: keep waiting, as the members do
+                    self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
                 if current is None or current <= generation:
                     time.sleep(0.2)
             generation = self._generation = current

@@ -16,9 +16,9 @@ any ``corrupt`` quarantines the checkpoint and tries the previous one.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from collections.abc import Callable
 from typing import Any
 
 from ..errors import (

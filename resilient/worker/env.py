@@ -88,6 +88,9 @@ class WorkerEnv:
     """RESILIENT_ROLE: ``worker`` (a member) or ``spare`` (waits for an assignment before training)."""
     recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
     """RESILIENT_RECOVERY_TIMEOUT: seconds a survivor waits for its assignment, and for the new group, before giving up."""
+    resizable: int = 0
+    """RESILIENT_RESIZABLE=1: the agent may change the world size in process (a shrink, a grow): checkpoints then
+    restore at any world size.  0: the world keeps its size (a spare only takes a lost rank's place)."""
 
     def __post_init__(self) -> None:
         if not self.agent_socket:
@@ -172,6 +175,7 @@ class WorkerEnv:
             "worker_id": _str(environ, "RESILIENT_WORKER_ID"),
             "role": _str(environ, "RESILIENT_ROLE"),
             "recovery_timeout_s": _float(environ, "RESILIENT_RECOVERY_TIMEOUT"),
+            "resizable": _int(environ, "RESILIENT_RESIZABLE"),
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -200,6 +204,7 @@ _VARS = {
     "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
     "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
     "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
+    "resizable": "RESILIENT_RESIZABLE",
 }
 
 
