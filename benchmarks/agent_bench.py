@@ -112,14 +112,16 @@ def kill_tree(procs: list[psutil.Process]) -> int:
 class Launch:
     """One launcher process: its output lines stamped with time.time() as they arrive, and how it ended."""
 
-    def __init__(self, cmd: list[str], trial_dir: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, cmd: list[str], trial_dir: Path, extra_env: dict[str, str] | None = None, *,
+                 code: Path | None = None, log_name: str = "launcher.log") -> None:
+        code = code or CODE  # the measured `resilient`: this module's, unless the caller measures its own
         env = {**os.environ, **(extra_env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(code), os.environ.get("PYTHONPATH")]))}  # fmt: skip
         self.t_start = time.time()
         self.lines: list[tuple[float, str]] = []
-        self.log = open(trial_dir / "launcher.log", "w", encoding="utf-8")  # noqa: SIM115  closed in finish()
+        self.log = open(trial_dir / log_name, "w", encoding="utf-8")  # noqa: SIM115  closed in finish()
         # cwd too: `python -m resilient` puts the working directory first on sys.path
-        self.proc = subprocess.Popen(cmd, cwd=CODE, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, cwd=code, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         self.known: dict[int, psutil.Process] = {}  # every descendant seen, so orphans can still be killed
         self._reader = threading.Thread(target=self._read, daemon=True)

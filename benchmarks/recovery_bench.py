@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from typing import Any
 import psutil
 from _agent_report import where
 from _recovery_report import INFO_MODES, MODES, breakdown, finished_all, measure, render_markdown, summarize, verdicts
-from agent_bench import _cmd, find_py_spy, kill_tree, log, read_jsonl, save_results, snapshot, tree
+from agent_bench import Launch, _cmd, find_py_spy, log, read_jsonl, save_results, snapshot
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -65,51 +64,21 @@ FT_LIGHTHOUSE = {"min_replicas": 1, "heartbeat_timeout_ms": 5000, "join_timeout_
 FT_WORKER_ARGS = {"pg-timeout-s": 5.0, "timeout-s": 30.0, "quorum-timeout-s": 60.0, "heartbeat-ms": 100.0}
 
 
-class Proc:
-    """One launched process tree: its output (to ``<name>.log``, lines stamped as they arrive), how it ended."""
+class Proc(Launch):
+    """One launched process (an agent, torchrun, a torchft lighthouse or replica) with its stamped output."""
 
     def __init__(self, cmd: list[str], trial_dir: Path, name: str, extra_env: dict[str, str] | None = None) -> None:
-        env = {**os.environ, **(extra_env or {}), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(CODE), os.environ.get("PYTHONPATH")]))}  # fmt: skip
-        self.name, self.t_start = name, time.time()
-        self.lines: list[tuple[float, str]] = []
-        self.log = open(trial_dir / f"{name}.log", "w", encoding="utf-8")  # noqa: SIM115  closed in finish()
-        self.proc = subprocess.Popen(cmd, cwd=CODE, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        self.known: dict[int, psutil.Process] = {}  # every descendant seen, so orphans can still be killed
-        self.rc: int | None = None
-        self.t_exit: float | None = None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append((time.time(), line))
-            self.log.write(line + "\n")
-        self.log.flush()
-
-    def poll(self) -> bool:
-        for p in tree(self.proc.pid):
-            self.known.setdefault(p.pid, p)
-        if self.rc is None and (rc := self.proc.poll()) is not None:
-            self.rc, self.t_exit = rc, time.time()
-        return self.rc is not None
+        self.name = name
+        super().__init__(cmd, trial_dir, extra_env, code=CODE, log_name=f"{name}.log")
 
     def finish(self) -> list[int]:
         """SIGKILL the whole tree (whatever still runs); return the pids that were still running."""
         self.poll()
-        left = [p for p in self.known.values() if _running(p)]
-        kill_tree(list(self.known.values()))
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        self.poll()
+        left = [p.pid for p in self.known.values() if _running(p)]
+        self.kill("trial over")
         self._reader.join(timeout=15)
         self.log.close()
-        return [p.pid for p in left]
+        return left
 
     def tail(self, n: int = 60) -> list[str]:
         return [line for _, line in self.lines[-n:]]

@@ -23,7 +23,6 @@ store; each agent publishes its own workers' assignments on its own.
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,17 +34,16 @@ from ..elastic.reform import Member, grow_key, plan_assignments
 from ..events import EventKind, OutcomeKind
 from .cluster import ClusterState, Involvement, PoolEntry, Snapshot
 from .cluster_decide import decide, membership_of
+from .continuation import Hold, continue_as, grow_boundary
 from .failures import Outcome
 from .policy import Failure
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
-    from .continuation import Hold
     from .generation import GenerationContext
     from .incidents import Incident
     from .launcher import WorkerGroup
 
-GROW_LEAD_STEPS = 3
 GROW_LEAD_S = 1.0
 """Across machines the members learn of a grow through the store's poll: the boundary is placed further ahead."""
 
@@ -85,8 +83,6 @@ def report_lost(ctx: GenerationContext, group: WorkerGroup, a: Assignment, *, lo
                 failure: Failure, incident: Incident, exit_codes: tuple[int, ...], detected_at: float,
                 last_progress_at: float) -> Hold | None:
     """Members of this node are gone: tell the others and hold for the decision (None: restart instead)."""
-    from .continuation import Hold
-
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster
@@ -199,14 +195,9 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
         return None  # nothing to grow onto, or a failure of this generation is being answered
     if not all(n.get("opted_in") for n in view.nodes.values()):
         return None
-    local = ctx.tracker.views()
-    if len(local) < len(group.workers):
+    at_step = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
+    if at_step is None:
         return None
-    furthest = max(v.step for v in local.values())
-    rate = inp.step_rate(now, furthest, a.generation)
-    if rate is None:
-        return None
-    at_step = furthest + GROW_LEAD_STEPS + math.ceil(rate * GROW_LEAD_S)
     members = view.members()
     spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall)) for s in pool]
     decision = decide_grow(membership_of(ctx, view, members), spares, step=at_step, costs=inp.costs(), cfg=inp.ladder,
@@ -255,8 +246,6 @@ def _undo_claims(cs: ClusterState, generation: int, spares: list[PoolEntry]) -> 
 def _apply(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, body: dict[str, Any],
            now: float) -> Assignment | Outcome | str:
     """Carry out this node's part of the decision that follows generation ``a``."""
-    from .continuation import continue_as
-
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster

@@ -275,20 +275,29 @@ every member must see the request at a boundary before the one it names."""
 GROW_LEAD_STEPS = 3
 
 
+def grow_boundary(ctx: GenerationContext, group: WorkerGroup, a: Assignment, now: float, lead_s: float) -> int | None:
+    """The step a grow is scheduled at: GROW_LEAD_STEPS plus ``lead_s`` (at the step rate measured in this
+    generation) ahead of this node's furthest rank; None until every member reported and the rate is measured."""
+    assert ctx.inproc is not None
+    views = ctx.tracker.views()
+    if not group.workers or len(views) < len(group.workers):
+        return None
+    furthest = max(v.step for v in views.values())
+    rate = ctx.inproc.step_rate(now, furthest, a.generation)
+    if rate is None:
+        return None  # not measured yet in this generation: a boundary cannot be placed safely
+    return furthest + GROW_LEAD_STEPS + math.ceil(rate * lead_s)
+
+
 def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
                 now: float) -> Assignment | None:
     """A world below full size grows onto a settled spare at a boundary a little ahead of every rank."""
     inp, next_generation = ctx.inproc, ctx.next_generation
     if inp is None or next_generation is None or len(group.workers) >= ctx.config.nproc_per_node or not group.spares:
         return None
-    views = ctx.tracker.views()
-    if len(views) < len(group.workers):
+    at_step = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
+    if at_step is None:
         return None
-    furthest = max(v.step for v in views.values())
-    rate = inp.step_rate(now, furthest, a.generation)
-    if rate is None:
-        return None  # not measured yet in this generation: a boundary cannot be placed safely
-    at_step = furthest + GROW_LEAD_STEPS + math.ceil(rate * GROW_LEAD_S)
     decision = inp.consider_grow(group, at_step)
     if decision is None:
         return None
