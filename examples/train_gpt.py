@@ -8,6 +8,11 @@ Two ranks (gloo + DDP, CPU)::
 
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 300 --ckpt-dir runs/gpt/ckpt
 
+Two ranks with the model sharded by FSDP2 (``fully_shard`` per block, then
+the whole model); each rank checkpoints its own shards::
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --fsdp --ckpt-dir runs/gpt-fsdp/ckpt
+
 Kill it at any point and run the same command again: it restores the newest
 committed checkpoint and continues as if nothing happened.  The text is
 generated deterministically inside this script, so nothing is downloaded.
@@ -174,6 +179,8 @@ def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
 
 # ------------------------------------------------------------------ digests
 def _tensor_bytes(t: torch.Tensor) -> bytes:
+    if hasattr(t, "full_tensor"):  # a sharded DTensor: gathered whole on every rank (call on all ranks)
+        t = t.full_tensor()
     return t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
@@ -238,6 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SIGKILL --crash-rank at the top of this step, on a fresh start only (never after a restore)",
     )
     p.add_argument("--crash-rank", type=int, default=0)
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of wrapping it in DDP")
     p.add_argument("--trace", default=None, help="append per-step JSON lines here")
     p.add_argument("--log-every", type=int, default=50)
     return p.parse_args(argv)
@@ -263,7 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     gpt = GPT(dataset.vocab_size, args.block_size, args.d_model, args.layers, args.heads, dropout=0.1)
     torch.manual_seed(args.seed + 1 + rank)  # distinct dropout streams per rank
     model: nn.Module = gpt
-    if distributed:
+    if distributed and args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in gpt.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(gpt, mesh=mesh)  # parameters are now DTensors, each rank holding its shard
+    elif distributed:
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(gpt)

@@ -16,7 +16,6 @@ with ``ddp=True``, ``run.micro_batches()`` and ``with run.attempt():``
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -27,15 +26,20 @@ import torch
 from . import __version__
 from . import run_attempt as _attempt
 from .checkpoint.config import CheckpointConfig
-from .checkpoint.coordinator import Coordinator
-from .checkpoint.fence import Fence
 from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import Restored
 from .data.loader import ElasticLoader
 from .elastic.batch import BatchPlan
 from .errors import ConfigError
 from .events import EventKind, EventLog
-from .run_payloads import apply_restored, capture_payloads, digest_config, new_save_report, refuse_sharded
+from .run_payloads import (
+    apply_restored,
+    capture_payloads,
+    check_sharding,
+    digest_config,
+    new_save_report,
+    open_checkpoints,
+)
 from .run_recovery import InProcessRecovery
 from .run_sections import BETWEEN, Section
 from .state import Stateful, check_stateful, model_fingerprint
@@ -99,7 +103,9 @@ class Run:
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 check_stateful(name, obj)
-        refuse_sharded(model)
+        spare = env is not None and env.role == "spare"
+        self._sharded = check_sharding(model, ddp, spare=spare)
+        """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore (no in-process recovery yet)."""
         self._ddp = _attempt.ddp_options(ddp, model)
         _attempt.init_default_group(self._ddp is not None)  # torchrun or the agent, and the script made no group
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -127,8 +133,9 @@ class Run:
         self._attempt_start: _attempt.AttemptStart | None = None
         self._recovery: Callable[[BaseException], bool] | None = None
         """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
-        spare = env is not None and env.role == "spare"
-        self._inproc = InProcessRecovery(self, env, self._hooks) if env and env.recovery_store else None
+        # Sharded state recovers by restart from the newest commit (in-process recovery moves replicated state).
+        self._inproc = InProcessRecovery(self, env, self._hooks) if env and env.recovery_store and not self._sharded \
+            else None
         """The agent's in-process recovery: the survivor's side (``_recovery``), the spare's, growing back."""
         if self._inproc is not None:
             self._recovery = self._inproc
@@ -150,17 +157,7 @@ class Run:
         restore_started = time.perf_counter()
         if checkpoint is not None:
             with self.section("restore"):
-                coordinator = Coordinator.from_environment(checkpoint.timeout_s)
-                # The agent's generation and launch fence this job's writes (none without an agent).
-                fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
-                # A spare neither claims the location nor sweeps it: the members are saving there.
-                if self._recovery is not None and (spare or env is not None and env.resizable):
-                    # A spare restores alone; a world the agent may shrink or grow restores at any size.
-                    checkpoint = dataclasses.replace(checkpoint, elastic=True)
-                self.checkpoints = CheckpointManager(checkpoint, coordinator, self.events, fence=fence, claim=not spare)
-                restored = self.checkpoints.restore()
-                if restored is not None:
-                    self._apply(restored)
+                self.checkpoints = open_checkpoints(self, checkpoint, env, spare=spare)
         if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
                                  time.perf_counter() - restore_started)

@@ -1,7 +1,11 @@
 """What a :class:`~resilient.run.Run` checkpoints, and how a restored checkpoint is put back.
 
 Rank 0 saves the replicated state (model, optimizer, scheduler, scaler);
-every rank saves its own (RNG, data cursor, user state, counters).  Putting
+every rank saves its own (RNG, data cursor, user state, counters).  A
+sharded model (FSDP2, DTensor) saves its model and optimizer state through
+``get_state_dict``: each rank writes its chunks, rank 0 the rest
+(:mod:`resilient.checkpoint.sharded`); restoring reshards them onto the
+live model and puts them back with ``set_state_dict``.  Putting
 it back refuses a checkpoint whose components do not match the Run's, with
 a message naming the fix, and restores the RNG last so that nothing loaded
 before it consumes random numbers.
@@ -9,6 +13,7 @@ before it consumes random numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
@@ -16,14 +21,36 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checkpoint import sharded
+from .checkpoint.config import CheckpointConfig
+from .checkpoint.coordinator import Coordinator
+from .checkpoint.fence import Fence
+from .checkpoint.manager import CheckpointManager
 from .checkpoint.restore import RANK, REPLICATED, Restored
-from .errors import ConfigError
+from .errors import CheckpointMismatchError, ConfigError
 from .events import EventKind
 from .state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
 
 if TYPE_CHECKING:
-    from .checkpoint.manager import CheckpointManager, SaveResult
+    from .checkpoint.manager import SaveResult
     from .run import Run
+    from .worker.env import WorkerEnv
+
+
+def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool) -> CheckpointManager:
+    """The Run's checkpoint manager, with the newest verified commit restored into the Run (if any)."""
+    coordinator = Coordinator.from_environment(config.timeout_s)
+    # The agent's generation and launch fence this job's writes (none without an agent).
+    fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
+    if run._recovery is not None and (spare or env is not None and env.resizable):
+        # A spare restores alone; a world the agent may shrink or grow restores at any size.
+        config = dataclasses.replace(config, elastic=True)
+    # A spare neither claims the location nor sweeps it: the members are saving there.
+    manager = CheckpointManager(config, coordinator, run.events, fence=fence, claim=not spare)
+    restored = manager.restore(targets=(lambda: sharded_targets(run)) if run._sharded else None)
+    if restored is not None:
+        run._apply(restored)
+    return manager
 
 
 def capture_payloads(run: Run) -> dict[str, Any]:
@@ -36,10 +63,18 @@ def capture_payloads(run: Run) -> dict[str, Any]:
             "counters": {"step": run.step, "samples": run.samples, "tokens": run.tokens},
         }
     }
+    if run._sharded:
+        parts = sharded.split(sharded_state(run))
+        payloads[RANK][sharded.SHARDS] = parts.local
+        payloads[sharded.INDEX] = parts.table
+        model_state, optimizer_state = parts.replicated["model"], parts.replicated["optimizer"]
+    elif run.rank == 0:
+        model_state = unwrap(run.model).state_dict()
+        optimizer_state = run.optimizer.state_dict() if run.optimizer is not None else None
     if run.rank == 0:
         payloads[REPLICATED] = {
-            "model": unwrap(run.model).state_dict(),
-            "optimizer": run.optimizer.state_dict() if run.optimizer is not None else None,
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": run.scheduler.state_dict() if run.scheduler is not None else None,
             "scaler": run.scaler.state_dict() if run.scaler is not None else None,
             "step": run.step,
@@ -47,11 +82,50 @@ def capture_payloads(run: Run) -> dict[str, Any]:
     return payloads
 
 
+def sharded_state(run: Run) -> dict[str, Any]:
+    """The model's and optimizer's state dicts with DTensors, keyed by parameter name (``get_state_dict``)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if run.optimizer is None:
+        return {"model": get_model_state_dict(run.model), "optimizer": None}
+    model_state, optimizer_state = get_state_dict(run.model, run.optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def sharded_targets(run: Run) -> dict[str, Any]:
+    """The live DTensors a sharded checkpoint is resharded onto."""
+    return sharded.targets_of(sharded_state(run))
+
+
+def _load_sharded(run: Run, restored: Restored) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    assert restored.sharded is not None
+    rep, name = restored.replicated, restored.manifest.name
+    tree = sharded.rebuild({"model": rep["model"], "optimizer": rep["optimizer"]}, restored.sharded)
+    try:
+        if run.optimizer is None:
+            set_model_state_dict(run.model, tree["model"])
+        else:
+            set_state_dict(run.model, run.optimizer, model_state_dict=tree["model"],
+                           optim_state_dict=tree["optimizer"])
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointMismatchError(
+            f"checkpoint {name} does not fit this sharded model and optimizer ({e}); restore it with the model "
+            "configuration and optimizer it was trained with") from None
+
+
 def apply_restored(run: Run, restored: Restored) -> None:
     """Put a verified checkpoint back into the Run's components, refusing one that does not fit them."""
     name = restored.manifest.name
     rep, mine = restored.replicated, restored.rank_state
-    load_model_state(run.model, rep["model"], name)
+    if run._sharded and restored.sharded is None:
+        raise CheckpointMismatchError(
+            f"checkpoint {name} holds unsharded (DDP or single-process) model state but this Run's model is "
+            "sharded (FSDP2/DTensor); restore it into the unsharded model it was saved from, or point "
+            "CheckpointConfig.dir at a fresh location")
+    if not run._sharded:
+        load_model_state(run.model, rep["model"], name)
     for label, obj, value in (
         ("optimizer", run.optimizer, rep["optimizer"]),
         ("scheduler", run.scheduler, rep["scheduler"]),
@@ -62,7 +136,9 @@ def apply_restored(run: Run, restored: Restored) -> None:
                 f"checkpoint {name} {'has' if value is not None else 'lacks'} {label} state but this Run "
                 f"{'lacks' if obj is None else 'has'} a {label}; create the Run with the same components"
             )
-    if run.optimizer is not None:
+    if run._sharded:
+        _load_sharded(run, restored)
+    elif run.optimizer is not None:
         load_optimizer_state(run.optimizer, rep["optimizer"], name)
     if run.scheduler is not None:
         run.scheduler.load_state_dict(rep["scheduler"])
@@ -95,15 +171,23 @@ def digest_config(config: Mapping[str, Any] | None) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def refuse_sharded(model: torch.nn.Module) -> None:
-    """Sharded parameters need per-owner saving; say so up front instead of failing mid-save."""
-    for name, p in model.named_parameters():
-        if type(p.data) is not torch.Tensor:  # a plain Parameter's data is a plain Tensor
-            raise ConfigError(
-                f"parameter {name!r} is a {type(p.data).__qualname__} (sharded, e.g. FSDP2/DTensor); resilient "
-                "checkpoints hold replicated (DDP) or single-process state only. Use DDP, or save sharded state "
-                "with torch.distributed.checkpoint"
-            )
+def check_sharding(model: torch.nn.Module, ddp: object, *, spare: bool) -> bool:
+    """Whether ``model`` is sharded (DTensor parameters); refuses what cannot be saved, wrapped or spared."""
+    is_sharded = sharded.is_sharded(model)
+    if is_sharded and spare:
+        raise ConfigError("this worker was started as a spare, but its model is sharded (FSDP2/DTensor) and "
+                          "spares take over unsharded (DDP) state only; run the job without --spares / --role spare")
+    if is_sharded and ddp:
+        raise ConfigError("Run(ddp=...) wraps the model in DistributedDataParallel, but its parameters are sharded "
+                          "(FSDP2/DTensor); drop ddp=, the sharded model already synchronises its gradients")
+    if not is_sharded:
+        for name, p in model.named_parameters():
+            if type(p.data) is not torch.Tensor:  # a plain Parameter's data is a plain Tensor
+                raise ConfigError(
+                    f"parameter {name!r} is a {type(p.data).__qualname__}; resilient checkpoints hold plain "
+                    "tensors and DTensors (FSDP2, tensor parallel). Convert it, or shard the model with "
+                    "torch.distributed.fsdp.fully_shard")
+    return is_sharded
 
 
 def new_save_report(checkpoints: CheckpointManager | None,

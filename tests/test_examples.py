@@ -99,3 +99,16 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report
     assert "step_0000000040 (resumed at step 40)" in out
     assert "5 (steps 40..44)" in out
+
+
+@pytest.mark.timeout(240)
+def test_resume_demo_matches_with_fsdp(tmp_path: Path) -> None:
+    """The same demo with the model sharded by FSDP2: the crashed and resumed run equals the one that never
+    stopped (parameters and optimizer state gathered whole)."""
+    cmd = [sys.executable, str(EXAMPLES / "resume_demo.py"), "--steps", "40", "--every", "20", "--crash-at", "30",
+           "--workdir", str(tmp_path / "demo"), "--timeout", "150", "--", *SMALL_MODEL, "--fsdp"]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=230)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "verdict: MATCH" in out, out[-6000:]
+    assert "step_0000000020 (resumed at step 20)" in out, out[-6000:]

@@ -18,7 +18,7 @@ def blocks(lang: str) -> list[str]:
 
 
 def test_readme_training_example_runs_and_resumes(tmp_path, capsys):
-    (script,) = [b for b in blocks("python") if "resilient.Run(" in b]
+    (script,) = [b for b in blocks("python") if "resilient.Run(" in b and "fully_shard" not in b]
     path = tmp_path / "train.py"
     path.write_text(script)
     first = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
@@ -37,6 +37,23 @@ def test_readme_training_example_runs_and_resumes(tmp_path, capsys):
         assert cli(argv) == 0, f"`{line}` failed:\n{capsys.readouterr()}"
     out = capsys.readouterr().out
     assert "step_0000000050" in out
+
+
+def test_readme_fsdp_example_runs_and_resumes_on_two_ranks(tmp_path):
+    """The FSDP2 example, saved as fsdp.py and run twice under torchrun with 2 ranks, as the README says."""
+    (script,) = [b for b in blocks("python") if "fully_shard" in b]
+    (tmp_path / "fsdp.py").write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "fsdp.py"]
+    outs = []
+    for _ in range(2):
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180, check=False)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        outs.append(proc.stdout)
+    for rank in (0, 1):
+        assert f"rank {rank}: step 30, restored from None" in outs[0]
+        assert f"rank {rank}: step 30, restored from step_0000000030" in outs[1]
+    manifest = (tmp_path / "runs/fsdp/ckpt/step_0000000030/manifest.json").read_text()
+    assert '"index": "sharded.index"' in manifest
 
 
 def test_readme_commands_exist():

@@ -10,7 +10,10 @@ line with digests of parameters, optimizer state and RNG streams.
 save at step S (first attempt only: a marker file records that it fired);
 ``--fault-signal STOP`` SIGSTOPs it there instead, and it carries on from
 that point once continued (SIGCONT).  ``--events PATH`` writes the Run's
-events as JSON lines.
+events as JSON lines.  ``--fsdp`` shards the model with FSDP2
+(``fully_shard``) instead of DDP; ``--mesh R,S`` makes it HSDP over R
+replicas of S shards.  Digests of sharded state are of the full tensors, so
+they compare across world sizes.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ from resilient.checkpoint import writer as ckpt_writer
 class Noisy(torch.utils.data.Dataset):
     """Items are fixed features plus fresh torch-RNG noise (an 'augmentation')."""
 
-    def __init__(self, n: int = 96) -> None:
+    def __init__(self, n: int = 96, augment: float = 0.01) -> None:
+        self.augment = augment
         g = torch.Generator().manual_seed(7)
         self.x = torch.randn(n, 8, generator=g)
         self.y = torch.randn(n, 1, generator=g)
@@ -46,12 +50,14 @@ class Noisy(torch.utils.data.Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int):
-        return self.x[i] + 0.01 * torch.randn(8), self.y[i]
+        return self.x[i] + self.augment * torch.randn(8), self.y[i]
 
 
 def digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
+        if hasattr(t, "full_tensor"):  # a DTensor: every rank gathers the whole tensor (a collective)
+            t = t.full_tensor()
         h.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -147,6 +153,11 @@ def main() -> int:
     p.add_argument("--events", default=None, help="write the Run's events here (JSON lines)")
     p.add_argument("--sync", action="store_true", help="synchronous saves")
     p.add_argument("--elastic", action="store_true", help="allow resuming on a different number of ranks")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of DDP")
+    p.add_argument("--dropout", type=float, default=0.2)
+    p.add_argument("--augment", type=float, default=0.01, help="scale of each item's random noise")
+    p.add_argument("--micro", action="store_true", help="train on run.micro_batches() (the global batch kept)")
+    p.add_argument("--mesh", default=None, help="with --fsdp: R,S for HSDP over R replicas of S shards")
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (slower runs)")
     p.add_argument("--when-busy", default="wait",
                    help="CheckpointConfig.when_busy; 'wait' by default: the tests that compare runs need a save "
@@ -166,13 +177,26 @@ def main() -> int:
     random.seed(99)
     np.random.seed(5)
     model: torch.nn.Module = torch.nn.Sequential(
-        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+        torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(args.dropout), torch.nn.Linear(32, 1)
     )
-    if world > 1:
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if args.mesh:
+            shape = tuple(int(n) for n in args.mesh.split(","))
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
-    data = resilient.ElasticLoader(Noisy(), batch_size=4, seed=11)
+    data = resilient.ElasticLoader(Noisy(augment=args.augment), batch_size=4, seed=11)
     ckpt = None
     if args.dir:
         ckpt = resilient.CheckpointConfig(
@@ -188,17 +212,29 @@ def main() -> int:
 
     marker = f"{args.trace}.fault-fired"
     trace = open(f"{args.trace}.rank{rank}", "a")
-    trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step,
-                            "world_size": world}) + "\n")
+    start = {"event": "start", "restored_from": run.restored_from, "step": run.step, "world_size": world}
+    if args.fsdp:  # what was restored, gathered to full tensors
+        start |= {k: v for k, v in state_digests(model, optimizer).items() if k in ("params", "optimizer")}
+    trace.write(json.dumps(start) + "\n")
     for step in run.steps(args.steps):
         faulty = args.fault and args.fault_rank in (None, rank)
         if faulty and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
             run.checkpoints.wait()  # the fault is for the next save, not one still in flight
             arm_fault(args.fault, marker, getattr(signal, f"SIG{args.fault_signal}"))
-        x, y = next(run.data)
-        noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
-        loss = torch.nn.functional.mse_loss(model(x), y) + noise
-        loss.backward()
+        if args.micro:  # the global batch kept at any world size: run.accumulation micro-batches per rank
+            indices, total = [], 0.0
+            for x, y in run.micro_batches():
+                loss = torch.nn.functional.mse_loss(model(x), y) / run.accumulation
+                loss.backward()
+                indices += run.data.last_indices
+                total += loss.item()
+            loss = torch.tensor(total)
+        else:
+            x, y = next(run.data)
+            noise = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
+            loss = torch.nn.functional.mse_loss(model(x), y) + noise
+            loss.backward()
+            indices = run.data.last_indices
         if args.step_sleep:
             time.sleep(args.step_sleep)
         optimizer.step()
@@ -206,13 +242,16 @@ def main() -> int:
         optimizer.zero_grad()
         run.report(loss=loss, tokens=x.shape[0] * 8)
         trace.write(json.dumps({
-            "step": step, "indices": run.data.last_indices, "lr": float(optimizer.param_groups[0]["lr"]).hex(),
+            "step": step, "indices": indices, "world_size": run.world_size, "lr": float(optimizer.param_groups[0]["lr"]).hex(),
             "loss": loss.item().hex(),
         }) + "\n")
         trace.flush()
     run.close()
-    inner = model.module if world > 1 else model
-    trace.write(json.dumps({"event": "end", "step": run.step, **state_digests(inner, optimizer)}) + "\n")
+    inner = model.module if world > 1 and not args.fsdp else model
+    end = {"event": "end", "step": run.step, **state_digests(inner, optimizer)}
+    if args.fsdp:  # the parameters themselves, gathered, to compare runs that differ by reduction order
+        end["full_params"] = [v for p in model.parameters() for v in p.full_tensor().reshape(-1).tolist()]
+    trace.write(json.dumps(end) + "\n")
     trace.close()
     if world > 1:
         # The DDP wrapper goes first: a gloo group whose last reference is in DDP's reducer is destroyed in the

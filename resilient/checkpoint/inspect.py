@@ -75,11 +75,28 @@ class FileSummary:
 
 
 @dataclass(frozen=True)
+class ShardedTensor:
+    """One tensor of sharded state as the index describes it."""
+
+    key: str
+    """Its place in the state, e.g. ``model/layers.0.weight`` or ``optimizer/state/layers.0.weight/exp_avg``."""
+    dtype: str
+    shape: tuple[int, ...]
+    """The global shape."""
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    chunks: tuple[tuple[int, tuple[int, ...], tuple[int, ...]], ...]
+    """(rank whose file holds it, offsets, sizes) of each saved chunk."""
+
+
+@dataclass(frozen=True)
 class CheckpointDetail:
     """Manifest of a checkpoint plus a summary of each of its files."""
 
     manifest: Manifest
     files: tuple[FileSummary, ...]
+    sharded: tuple[ShardedTensor, ...] = ()
+    """The tensors of sharded state (FSDP2/DTensor), from the index; empty without sharded state."""
 
 
 @dataclass(frozen=True)
@@ -168,10 +185,34 @@ def inspect_checkpoint(storage: Storage, name: str) -> CheckpointDetail:
 
     Raises :class:`CheckpointCorruptError` when the manifest is missing or
     invalid (there is nothing to summarise), :class:`CheckpointMismatchError`
-    when a newer resilient wrote it, :class:`StorageError` on I/O failure.  Damaged or missing files are reported in ``FileSummary.problem``.
+    when a newer resilient wrote it, :class:`StorageError` on I/O failure.
+    Damaged or missing files are reported in ``FileSummary.problem``.
     """
     manifest = read_manifest(storage, name)
-    return CheckpointDetail(manifest=manifest, files=tuple(_summarise(storage, manifest, e) for e in manifest.files))
+    files = tuple(_summarise(storage, manifest, e) for e in manifest.files)
+    return CheckpointDetail(manifest=manifest, files=files, sharded=_sharded(storage, manifest))
+
+
+def _sharded(storage: Storage, manifest: Manifest) -> tuple[ShardedTensor, ...]:
+    """The index's tensors; empty when there is none or it is damaged (its FileSummary says why)."""
+    entry = manifest.index_file()
+    if entry is None:
+        return ()
+    import json
+
+    from .shard import DTYPE_NAMES
+    from .sharded import parse_index
+    from .verify import check_file
+
+    checked = check_file(storage, manifest, entry)
+    try:
+        index = parse_index(checked.tree, manifest.world_size) if checked.check.ok else {}
+    except ValueError:
+        return ()
+    return tuple(
+        ShardedTensor("/".join(map(str, json.loads(t.key))), DTYPE_NAMES[t.dtype], t.shape, t.placements, t.mesh,
+                      tuple((c.rank, c.offsets, c.sizes) for c in t.chunks))
+        for t in index.values())
 
 
 def _summarise(storage: Storage, manifest: Manifest, entry: FileEntry) -> FileSummary:

@@ -29,14 +29,15 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointError, CommitConflictError, FencedError, ResilientError
+from ..errors import CheckpointError, FencedError, ResilientError
 from ..events import EventKind, EventLog
+from .commit import decide_commit
 from .config import CheckpointConfig
 from .coordinator import Coordinator
 from .fence import Fence
-from .manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
+from .manifest import Manifest, checkpoint_name, parse_manifest
 from .pacing import Busy, Pending, SaveDecision, decide_save, local_busy, second_buffer_fits
-from .restore import RANK, REPLICATED, Restored, restore_newest
+from .restore import RANK, REPLICATED, Restored, Targets, restore_newest
 from .retention import decide_retention
 from .snapshot import HostBuffer, snapshot_bytes
 from .storage import Storage, open_storage
@@ -312,7 +313,7 @@ class CheckpointManager:
         finally:
             job.snapshots.clear()
             job.buffer.in_use.release()
-        report = json.dumps({"error": error, "files": files, "counters": job.counters}).encode()
+        report = json.dumps({"error": error, "files": files, "counters": job.counters, "index": job.index}).encode()
         reports = self.coord.gather(report)
         outcome: dict[str, Any] | None = None
         if reports is not None:
@@ -323,40 +324,9 @@ class CheckpointManager:
         return json.loads(self.coord.broadcast(json.dumps(outcome).encode() if outcome is not None else None))
 
     def _decide_commit(self, job: Job, name: str, staging: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        errors = [r["error"] for r in reports if r["error"]]
-        if errors or staging is None:
-            if staging is not None:
-                self.storage.abort(staging)
-            return {"ok": False, "error": "; ".join(errors) or "staging failed"}
-        counters = {k: sum(int(r["counters"].get(k, 0)) for r in reports) for k in ("samples", "tokens")}
-        counters["step"] = job.step
-        manifest = Manifest(
-            name=name,
-            step=job.step,
-            world_size=self.coord.world_size,
-            files=tuple(FileEntry(**f) for r in reports for f in r["files"]),
-            parent=self.last_committed.name if self.last_committed else None,
-            created_unix=time.time(),
-            chunk_bytes=self.config.chunk_bytes,
-            fingerprint=job.fingerprint,
-            counters=counters,
-            generation=self.fence.generation,
-            launch=self.fence.launch,
-        )
-        raw = manifest.to_bytes()
-        try:
-            self.storage.commit(staging, raw, fence=self.fence)
-        except FencedError as e:
-            self.storage.abort(staging)
-            holder = {"launch": e.holder_launch, "generation": e.holder_generation}
-            return {"ok": False, "fenced": True, "holder": holder, "error": str(e)}
-        except CommitConflictError as e:
-            self.storage.abort(staging)
-            return {"ok": False, "conflict": True, "error": str(e)}
-        except (ResilientError, OSError) as e:
-            self.storage.abort(staging)
-            return {"ok": False, "error": f"commit of {name} failed: {e}"}
-        return {"ok": True, "manifest": raw.decode()}
+        parent = self.last_committed.name if self.last_committed else None
+        return decide_commit(self.storage, staging, reports, job=job, name=name, parent=parent,
+                             world_size=self.coord.world_size, chunk_bytes=self.config.chunk_bytes, fence=self.fence)
 
     def _apply_retention(self, newest: str) -> None:
         try:
@@ -380,15 +350,18 @@ class CheckpointManager:
             self.events.emit(EventKind.CHECKPOINT_RETENTION_FAILED, error=str(e))
 
     # --------------------------------------------------------------- restore
-    def restore(self) -> Restored | None:
+    def restore(self, targets: Targets | None = None) -> Restored | None:
         """Load the newest committed checkpoint that verifies on every rank (see :mod:`.restore`).
+
+        ``targets``: the live DTensors that a checkpoint of sharded state is resharded onto.
 
         Returns None when nothing was ever committed.  Raises
         :class:`NoValidCheckpointError` when checkpoints exist but none
         verifies, :class:`StorageError` when the store cannot be read; the
         same error on every rank.
         """
-        restored = restore_newest(self.storage, self.coord, self.events, elastic=self.config.elastic)
+        restored = restore_newest(self.storage, self.coord, self.events, elastic=self.config.elastic,
+                                  targets=targets)
         if restored is not None:
             self.last_committed = restored.manifest
         return restored

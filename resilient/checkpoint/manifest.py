@@ -5,8 +5,11 @@ every file with its size and digest, the step and world size it was taken
 at, its parent, fingerprints of the model, the user's config and the
 code, and the generation and launch of the job that wrote it (schema 2;
 schema-1 manifests, written before fencing, read as generation 0 of no
-launch).  :func:`parse_manifest` trusts nothing: schema, names, paths, sizes
-and digests are all checked before anything is read.
+launch).  A checkpoint of sharded state (:mod:`.sharded`) also lists its
+index of chunks, a second file without a rank, and is schema 3, so that a
+build that cannot restore it says so instead of calling it corrupt.
+:func:`parse_manifest` trusts nothing: schema, names, paths, sizes and
+digests are all checked before anything is read.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from .digest import ALGORITHM
 SCHEMA = "resilient.checkpoint/2"
 SCHEMA_V1 = "resilient.checkpoint/1"
 """Manifests without ``generation``/``launch``; still read."""
-_NEWER = re.compile(r"resilient\.checkpoint/([3-9]|[1-9]\d+)")
+SCHEMA_SHARDED = "resilient.checkpoint/3"
+"""Schema 2 plus ``index``: the checkpoint holds sharded state."""
+_NEWER = re.compile(r"resilient\.checkpoint/([4-9]|[1-9]\d+)")
 MANIFEST_FILE = "manifest.json"
 _NAME = re.compile(r"^step_(\d{10})$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
@@ -72,6 +77,8 @@ class Manifest:
     """Generation of the job that wrote it (0: no agent, or a schema-1 manifest)."""
     launch: str | None = None
     """Launch id of the job that wrote it (None: no agent, or a schema-1 manifest)."""
+    index: str | None = None
+    """Path of the sharded-state index (schema 3); None when the checkpoint holds no sharded state."""
     schema: str = SCHEMA
     digest_algorithm: str = ALGORITHM
 
@@ -80,16 +87,23 @@ class Manifest:
         return sum(f.size for f in self.files)
 
     def file_for(self, rank: int | None) -> FileEntry:
+        """Rank ``rank``'s file, or the replicated file for None."""
         for f in self.files:
-            if f.rank == rank:
+            if f.rank == rank and f.path != self.index:
                 return f
         raise KeyError(rank)
+
+    def index_file(self) -> FileEntry | None:
+        """The sharded-state index, if the checkpoint has one."""
+        return next((f for f in self.files if f.path == self.index), None) if self.index else None
 
     def to_bytes(self) -> bytes:
         body = asdict(self)
         body["files"] = [asdict(f) for f in self.files]
         if self.schema == SCHEMA_V1:  # re-encoding an old manifest must give its original bytes
             del body["generation"], body["launch"]
+        if self.schema != SCHEMA_SHARDED:
+            del body["index"]
         body["manifest_digest"] = _content_digest(body)
         return _canonical(body)
 
@@ -117,7 +131,7 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
     if not isinstance(body, dict):
         raise bad("not a JSON object")
     schema = body.get("schema")
-    if schema not in (SCHEMA, SCHEMA_V1):
+    if schema not in (SCHEMA, SCHEMA_V1, SCHEMA_SHARDED):
         if isinstance(schema, str) and _NEWER.fullmatch(schema):
             raise CheckpointMismatchError(
                 f"checkpoint {name} uses schema {schema!r} but this build of resilient reads {SCHEMA!r}: "
@@ -157,8 +171,11 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
         if rank is not None and (not _is_int(rank) or not 0 <= rank < world):
             raise bad(f"file {path}: rank {rank!r} outside world size {world}")
         files.append(FileEntry(path=path, size=size, digest=digest, rank=rank))
+    index = body.get("index") if schema == SCHEMA_SHARDED else None
+    if schema == SCHEMA_SHARDED and not any(f.path == index and f.rank is None for f in files):
+        raise bad(f"index {index!r} is not one of the checkpoint's files without a rank")
     ranks = sorted(f.rank for f in files if f.rank is not None)
-    if ranks != list(range(world)) or sum(f.rank is None for f in files) != 1:
+    if ranks != list(range(world)) or sum(f.rank is None and f.path != index for f in files) != 1:
         raise bad(f"expected one replicated file and one file per rank 0..{world - 1}, found ranks {ranks}")
     if len({f.path for f in files}) != len(files):
         raise bad("duplicate file paths")
@@ -173,7 +190,7 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
         raise bad("fingerprint/counters must be objects")
     generation: Any = 0
     launch: Any = None
-    if schema == SCHEMA:
+    if schema in (SCHEMA, SCHEMA_SHARDED):
         generation, launch = body.get("generation"), body.get("launch")
         if not _is_int(generation) or generation < 0:
             raise bad(f"generation {generation!r} is not a non-negative integer")
@@ -191,6 +208,7 @@ def parse_manifest(raw: bytes, name: str) -> Manifest:
         counters=counters,
         generation=generation,
         launch=launch,
+        index=index,
         schema=schema,
     )
 

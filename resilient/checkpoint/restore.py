@@ -28,6 +28,7 @@ from ..errors import (
     StorageError,
 )
 from ..events import EventKind, EventLog
+from . import sharded
 from .coordinator import Coordinator
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest
 from .shard import decode
@@ -44,11 +45,23 @@ class Restored:
     manifest: Manifest
     replicated: Any
     rank_state: Any
+    sharded: dict[str, Any] | None = None
+    """This rank's DTensors of sharded state by index key (:mod:`.sharded`); None without sharded state."""
+    ranks_read: tuple[int, ...] = ()
+    """Saved ranks whose files this rank read (its own, and those holding chunks it needs)."""
 
 
-def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, elastic: bool) -> Restored | None:
+Targets = Callable[[], dict[str, Any]]
+"""The live DTensors a sharded checkpoint fills, by index key (:func:`.sharded.targets_of`)."""
+
+
+def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, elastic: bool,
+                   targets: Targets | None = None) -> Restored | None:
     """Load the newest committed checkpoint that verifies on every rank (see the module docstring).
 
+    A checkpoint of sharded state is resharded onto ``targets`` (called
+    once it is needed): each rank reads the saved rank files that hold its
+    chunks, whatever the world size or mesh they were saved with.
     Returns None when nothing was ever committed.  Raises
     :class:`NoValidCheckpointError` when checkpoints exist but none
     verifies, :class:`StorageError` when the store cannot be read, the same
@@ -67,15 +80,16 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             problems.append(str(e))
             continue
         _check_world(storage, coord, events, manifest, elastic)
-        status, detail, restored = _load_local(storage, coord, manifest)
+        status, detail, restored = _load_local(storage, coord, manifest, targets)
         kind, why = _agree(coord, status, detail)
         if kind == "ok":
             assert restored is not None
             if problems:
                 events.emit(EventKind.CHECKPOINT_FALLBACK, restored=name, skipped=problems)
-            replicated = manifest.file_for(None).size if coord.is_root else 0
+            index = manifest.index_file()
+            shared = manifest.file_for(None).size + (index.size if index else 0) if coord.is_root else 0
             events.emit(EventKind.CHECKPOINT_RESTORED, name=name, step=manifest.step, location=storage.url,
-                        read_bytes=replicated + manifest.file_for(coord.rank % manifest.world_size).size)
+                        read_bytes=shared + sum(manifest.file_for(r).size for r in restored.ranks_read))
             return restored
         if kind == "error":
             raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
@@ -120,29 +134,86 @@ def _agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
     return str(kind), str(why)
 
 
-def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest) -> tuple[str, str, Restored | None]:
+def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest,
+                targets: Targets | None) -> tuple[str, str, Restored | None]:
     """This rank's state: ("ok"|"corrupt"|"error", detail, restored).
 
-    Never raises: a rank that raised here would leave its peers waiting in
-    the next collective until the group's timeout.  A rank whose replicated
+    Never raises on what it reads: a rank that raised here would leave its
+    peers waiting in the next collective until the group's timeout (a
+    sharded checkpoint that does not fit the model raises
+    CheckpointMismatchError, on every rank alike).  A rank whose replicated
     state did not arrive (rank 0 reports why) says "ok" for itself and
     returns no state: the agreed verdict is not "ok" then.
     """
-    replicated_status, detail, replicated = _replicated(storage, coord, manifest)
+    replicated_status, detail, replicated = _replicated(storage, coord, manifest, manifest.file_for(None))
     if replicated_status not in ("ok", "peer"):
         return replicated_status, detail, None
-    status, detail, mine = _guarded(lambda: read_verified(
-        storage, manifest, manifest.file_for(coord.rank % manifest.world_size)))  # elastic: rank r mod saved
-    if status != "ok" or replicated_status == "peer":
+    own = coord.rank % manifest.world_size  # elastic: rank r takes the rank state of saved rank r mod saved
+    index_entry = manifest.index_file()
+    if index_entry is None:
+        status, detail, mine = _guarded(lambda: read_verified(storage, manifest, manifest.file_for(own)))
+        if status != "ok" or replicated_status == "peer":
+            return status, detail, None
+        return "ok", "", Restored(manifest, replicated, mine, ranks_read=(own,))
+    index_status, detail, index_tree = _replicated(storage, coord, manifest, index_entry)
+    if index_status not in ("ok", "peer"):
+        return index_status, detail, None
+    if "peer" in (replicated_status, index_status):
+        return "ok", "", None
+    return _load_sharded(storage, manifest, replicated, index_tree, own, targets)
+
+
+def _load_sharded(storage: Storage, manifest: Manifest, replicated: Any, index_tree: Any, own: int,
+                  targets: Targets | None) -> tuple[str, str, Restored | None]:
+    """This rank's state of a sharded checkpoint: its own rank file, and its chunks from the files that hold
+    them (:mod:`.sharded`)."""
+    status, detail, index = _guarded(lambda: _parsed_index(index_tree, manifest, index_entry_path(manifest)))
+    if status != "ok":
         return status, detail, None
-    return "ok", "", Restored(manifest, replicated, mine)
+    if targets is None:
+        raise CheckpointMismatchError(
+            f"checkpoint {manifest.name} holds sharded state (FSDP2/DTensor) but this Run's model is not sharded; "
+            "shard the model as it was when saved (resilient reshards across world sizes and meshes)")
+    live = targets()
+    plan = sharded.read_plan(index, live, manifest.name)
+    ranks = sorted(sharded.files_needed(index, plan) | {own})
+    files: dict[int, Any] = {}
+    for r in ranks:
+        status, detail, files[r] = _guarded(partial(read_verified, storage, manifest, manifest.file_for(r)))
+        if status != "ok":
+            return status, detail, None
+    status, detail, filled = _guarded(lambda: _assembled(index, live, plan, files, manifest))
+    if status != "ok":
+        return status, detail, None
+    return "ok", "", Restored(manifest, replicated, files[own], filled, tuple(ranks))
 
 
-def _replicated(storage: Storage, coord: Coordinator, manifest: Manifest) -> tuple[str, str, Any]:
-    """The replicated state, read from storage once: rank 0 reads and verifies it (size, digest, decoding)
-    and sends the verified bytes to the others, which decode their own copy.  ("peer", "", None) on a rank
-    whose copy did not come because rank 0 could not read or verify it (rank 0 reports that)."""
-    entry = manifest.file_for(None)
+def index_entry_path(manifest: Manifest) -> str:
+    entry = manifest.index_file()
+    assert entry is not None
+    return entry.path
+
+
+def _parsed_index(tree: Any, manifest: Manifest, path: str) -> dict[str, sharded.Saved]:
+    try:
+        return sharded.parse_index(tree, manifest.world_size)
+    except ValueError as e:
+        raise CheckpointCorruptError(manifest.name, path, f"malformed sharded index ({e})") from None
+
+
+def _assembled(index: dict[str, sharded.Saved], live: dict[str, Any], plan: list[Any], files: dict[int, Any],
+               manifest: Manifest) -> dict[str, Any]:
+    try:
+        return sharded.assemble(index, live, plan, files, manifest.name)
+    except ValueError as e:
+        raise CheckpointCorruptError(manifest.name, index_entry_path(manifest), f"chunks do not fit ({e})") from None
+
+
+def _replicated(storage: Storage, coord: Coordinator, manifest: Manifest, entry: FileEntry) -> tuple[str, str, Any]:
+    """A file every rank needs (the replicated state, the sharded index), read from storage once: rank 0
+    reads and verifies it (size, digest, decoding) and sends the verified bytes to the others, which decode
+    their own copy.  ("peer", "", None) on a rank whose copy did not come because rank 0 could not read or
+    verify it (rank 0 reports that)."""
     if coord.world_size == 1:
         return _guarded(lambda: read_verified(storage, manifest, entry))
     buf: Any = None

@@ -19,6 +19,7 @@ from typing import Any
 
 from .manifest import Manifest
 from .pacing import Pending
+from .sharded import INDEX
 from .snapshot import HostBuffer, Snapshot, take_snapshots
 
 
@@ -62,6 +63,8 @@ class Job:
     """The deferred save this one stands in for."""
     behind: Job | None = None
     """The save it is queued behind (written first)."""
+    index: list[dict[str, Any]] | None = None
+    """This rank's chunk table of sharded state (see :mod:`.sharded`); None without sharded state."""
     done: threading.Event = field(default_factory=threading.Event)
     result: SaveResult | None = None
     thread: threading.Thread | None = None
@@ -94,7 +97,11 @@ class Writer:
     def take(self, step: int, payloads: dict[str, Any], counters: dict[str, int], fingerprint: dict[str, Any],
              buffer: HostBuffer, *, started: float, waited_s: float, landed: Pending | None,
              behind: Job | None = None) -> Job:
-        """Snapshot ``payloads`` into ``buffer`` (the loop's stall) and return the save to start."""
+        """Snapshot ``payloads`` into ``buffer`` (the loop's stall) and return the save to start.
+
+        A chunk table under :data:`~.sharded.INDEX` is not a file: it goes with the commit report."""
+        index = payloads.get(INDEX)
+        payloads = {key: tree for key, tree in payloads.items() if key != INDEX}
         buffer.in_use.acquire()  # free, or held for a moment by prepare()'s allocation
         try:
             snapshots = take_snapshots(payloads, buffer)
@@ -102,7 +109,7 @@ class Writer:
             buffer.in_use.release()
             raise
         return Job(step, snapshots, dict(counters), fingerprint, stall_s=time.monotonic() - started, buffer=buffer,
-                   waited_s=waited_s, landed=landed, behind=behind)
+                   waited_s=waited_s, landed=landed, behind=behind, index=index)
 
     def start(self, job: Job, *, wait: bool) -> SaveResult | None:
         """Write ``job`` in the background (its result later), or now when ``wait`` or not in the background."""

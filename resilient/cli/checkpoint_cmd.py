@@ -132,7 +132,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     m = detail.manifest
     if args.json:
         body = {"location": storage.url, "manifest": {**asdict(m), "total_bytes": m.total_bytes}}
-        _print_json({**body, "files": [asdict(f) for f in detail.files]})
+        _print_json({**body, "files": [asdict(f) for f in detail.files],
+                     "sharded": [asdict(t) for t in detail.sharded]})
         return 1 if any(f.problem for f in detail.files) else 0
     fields = [
         ("checkpoint", m.name),
@@ -163,7 +164,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  data      {_kv(f.data)}")
         if f.problem:
             print(f"  PROBLEM   {f.problem}")
+    if detail.sharded:
+        print(f"\nsharded state ({len(detail.sharded)} tensors, index {m.index})")
+        rows = [[t.key, f"{t.dtype}{list(t.shape)}", f"{', '.join(t.placements)} on mesh {list(t.mesh)}",
+                 _chunks(t.chunks)] for t in detail.sharded]
+        print("\n".join("  " + line for line in format_table(["tensor", "global", "placement", "chunks"],
+                                                             rows).splitlines()))
     return 1 if any(f.problem for f in detail.files) else 0
+
+
+def _chunks(chunks: Sequence[tuple[int, tuple[int, ...], tuple[int, ...]]], shown: int = 4) -> str:
+    """``rank 0 [0:17, 0:8], ...``: which rank's file holds which region (the first ``shown``)."""
+    parts = [f"rank {r} [{', '.join(f'{o}:{o + n}' for o, n in zip(offsets, sizes))}]"
+             for r, offsets, sizes in chunks[:shown]]
+    more = f", ... ({len(chunks)} chunks)" if len(chunks) > shown else ""
+    return ", ".join(parts) + more
 
 
 def cmd_gc(args: argparse.Namespace) -> int:

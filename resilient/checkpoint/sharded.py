@@ -1,0 +1,322 @@
+"""Sharded state (FSDP2, DTensor, HSDP) inside the same checkpoint files and commit.
+
+A sharded model's state dict (``get_state_dict``) holds DTensors: each rank
+owns a chunk (offsets and sizes in the global tensor) of every parameter
+and optimizer state tensor.  Saving splits the state into
+
+* the *replicated tree*: the state dicts with every DTensor replaced by
+  ``None``, saved once by rank 0 (param groups, step counters, unsharded
+  buffers);
+* this rank's *local chunks*: plain tensors written into its own rank file
+  (under ``"shards"``), one per DTensor whose chunk it writes.  A chunk held
+  by several ranks (HSDP replicas) is written by one of them only;
+* its *chunk table*: JSON describing those chunks.  Rank 0 merges every
+  rank's table into the checkpoint's index (``sharded.index``, a shard file
+  without tensors, listed in the manifest), checking that the chunks cover
+  every tensor exactly.
+
+Restoring at any world size or mesh takes DCP's resharding plan
+(``create_default_local_load_plan``) of the live model's DTensors against
+the index, reads and verifies only the rank files the plan needs, and
+copies the overlapping regions; where a saved chunk is exactly the chunk
+this rank needs, the tensor is used as read, without a copy.  Nothing here
+unpickles: the index is JSON in our shard format, the chunks raw tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointMismatchError, ConfigError
+from .shard import DTYPE_NAMES, DTYPES
+
+SHARDS = "shards"
+"""Key of this rank's local chunks in its rank tree."""
+INDEX = "shard_index"
+"""Payload key of this rank's chunk table (taken out before the snapshot; merged on rank 0)."""
+INDEX_FILE = "sharded.index"
+INDEX_FORMAT = 1
+
+
+def is_dtensor(obj: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True when any parameter of ``model`` is a DTensor (FSDP2 ``fully_shard``, tensor parallel, HSDP)."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def walk(tree: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every leaf of a tree of dicts, lists and tuples with its key path."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from walk(value, (*path, key))
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from walk(value, (*path, i))
+    else:
+        yield path, tree
+
+
+def key_of(path: tuple[Any, ...]) -> str:
+    """The index key of a leaf: its key path as JSON (fqns contain dots, so no dotted names)."""
+    return json.dumps(list(path), separators=(",", ":"))
+
+
+def _replace(tree: Any, keep: Any) -> Any:
+    """``tree`` with every leaf ``x`` replaced by ``keep(path, x)``."""
+
+    def go(node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, dict):
+            return {k: go(v, (*path, k)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [go(v, (*path, i)) for i, v in enumerate(node)]
+        if isinstance(node, tuple):
+            return tuple(go(v, (*path, i)) for i, v in enumerate(node))
+        return keep(path, node)
+
+    return go(tree, ())
+
+
+@dataclass(frozen=True)
+class Split:
+    replicated: Any
+    """The tree with every DTensor replaced by None."""
+    local: list[torch.Tensor]
+    """The chunks this rank writes, in table order."""
+    table: list[dict[str, Any]]
+    """One entry per DTensor (every rank lists every DTensor, with the chunk it writes or none)."""
+
+
+def split(tree: Any) -> Split:
+    """Split a state tree holding DTensors (see the module docstring)."""
+    local: list[torch.Tensor] = []
+    table: list[dict[str, Any]] = []
+    ordinal = 0
+
+    def keep(path: tuple[Any, ...], leaf: Any) -> Any:
+        nonlocal ordinal
+        if not is_dtensor(leaf):
+            return leaf
+        if leaf.dtype not in DTYPE_NAMES:
+            raise ConfigError(f"cannot save {key_of(path)}: dtype {leaf.dtype} is not supported in checkpoints")
+        chunks = leaf.__create_chunk_list__()  # what DCP writes for it: this rank's chunk of the global tensor
+        if len(chunks) != 1:
+            raise ConfigError(f"cannot save {key_of(path)}: a DTensor with {len(chunks)} local chunks")
+        chunk = chunks[0]
+        entry: dict[str, Any] = {"key": key_of(path), "dtype": DTYPE_NAMES[leaf.dtype], "shape": list(leaf.shape),
+                                 "placements": [str(p) for p in leaf.placements],
+                                 "mesh": list(leaf.device_mesh.shape), "offsets": list(chunk.offsets),
+                                 "sizes": list(chunk.sizes), "item": None}
+        if _writes(leaf, ordinal) and leaf.to_local().numel() > 0:
+            entry["item"] = len(local)
+            local.append(leaf.to_local())
+        ordinal += 1
+        table.append(entry)
+        return None
+
+    replicated = _replace(tree, keep)
+    return Split(replicated, local, table)
+
+
+def _writes(dt: Any, ordinal: int) -> bool:
+    """Whether this rank writes its chunk of ``dt``: along every mesh dimension that replicates it, the
+    replica at coordinate ``ordinal % size`` writes, so replicas share the writing."""
+    coordinate = dt.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    for dim, placement in enumerate(dt.placements):
+        if placement.is_shard():
+            continue
+        if placement.is_partial():
+            raise ConfigError("cannot save a DTensor with a Partial placement: reduce it first")
+        if coordinate[dim] != ordinal % dt.device_mesh.shape[dim]:
+            return False
+    return True
+
+
+def merge(tables: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Every rank's chunk table -> the checkpoint's index; raises ConfigError if they do not fit together."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for rank, table in enumerate(tables):
+        for e in table:
+            t = tensors.setdefault(e["key"], {"key": e["key"], "dtype": e["dtype"], "shape": e["shape"],
+                                              "placements": e["placements"], "mesh": e["mesh"], "chunks": []})
+            if (t["dtype"], t["shape"]) != (e["dtype"], e["shape"]):
+                raise ConfigError(f"{e['key']}: rank {rank} holds {e['dtype']}{e['shape']}, another rank "
+                                  f"{t['dtype']}{t['shape']}; every rank must hold the same state")
+            if e["item"] is not None:
+                t["chunks"].append({"offsets": e["offsets"], "sizes": e["sizes"], "rank": rank, "item": e["item"]})
+    for t in tensors.values():
+        covered = sum(_numel(c["sizes"]) for c in t["chunks"])
+        if covered != _numel(t["shape"]):
+            raise ConfigError(f"{t['key']}: the ranks' chunks hold {covered} of its {_numel(t['shape'])} elements; "
+                              "every element must be saved by exactly one rank")
+    return {"format": INDEX_FORMAT, "tensors": list(tensors.values())}
+
+
+def _numel(sizes: list[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    rank: int
+    item: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    placements: tuple[str, ...]
+    mesh: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+def parse_index(tree: Any, world_size: int) -> dict[str, Saved]:
+    """The index as saved; raises ValueError on anything malformed (the file is then corrupt)."""
+    if not isinstance(tree, dict) or tree.get("format") != INDEX_FORMAT or not isinstance(tree.get("tensors"), list):
+        raise ValueError(f"not a sharded index of format {INDEX_FORMAT}")
+    out: dict[str, Saved] = {}
+    for t in tree["tensors"]:
+        try:
+            shape = _ints(t["shape"])
+            chunks = []
+            for c in t["chunks"]:
+                offsets, sizes = _ints(c["offsets"]), _ints(c["sizes"])
+                rank, item = c["rank"], c["item"]
+                if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                        o + s > g for o, s, g in zip(offsets, sizes, shape)):
+                    raise ValueError(f"chunk {offsets}+{sizes} outside shape {shape}")
+                if not (isinstance(rank, int) and 0 <= rank < world_size and isinstance(item, int) and item >= 0):
+                    raise ValueError(f"chunk of rank {rank!r} item {item!r}")
+                chunks.append(Chunk(offsets, sizes, rank, item))
+            saved = Saved(str(t["key"]), DTYPES[t["dtype"]], shape, tuple(map(str, t["placements"])),
+                          _ints(t["mesh"]), tuple(chunks))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"malformed index entry ({type(e).__name__}: {e})") from None
+        if sum(_numel(list(c.sizes)) for c in saved.chunks) != _numel(list(shape)):
+            raise ValueError(f"{saved.key}: its chunks do not cover the tensor")
+        out[saved.key] = saved
+    return out
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                              for v in value):
+        raise ValueError(f"{value!r} is not a list of non-negative integers")
+    return tuple(value)
+
+
+def targets_of(tree: Any) -> dict[str, Any]:
+    """The DTensors of a live state tree by index key: what a restore fills."""
+    return {key_of(path): leaf for path, leaf in walk(tree) if is_dtensor(leaf)}
+
+
+def read_plan(index: dict[str, Saved], targets: dict[str, Any], checkpoint: str) -> list[Any]:
+    """DCP's resharding plan: the reads that fill each target's local chunk from the saved chunks."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    missing = sorted(set(targets) - set(index))
+    extra = sorted(set(index) - set(targets))
+    if missing or extra:
+        raise CheckpointMismatchError(
+            f"checkpoint {checkpoint} does not fit this model's sharded state (missing {missing[:5]}, "
+            f"unexpected {extra[:5]}); restore it with the model and optimizer it was trained with")
+    for key, dt in targets.items():
+        saved = index[key]
+        if tuple(dt.shape) != saved.shape or dt.dtype != saved.dtype:
+            raise CheckpointMismatchError(
+                f"checkpoint {checkpoint}: {key} was saved as {saved.dtype}{list(saved.shape)} but this model has "
+                f"{dt.dtype}{list(dt.shape)}; restore it with the model configuration it was trained with")
+    metadata = Metadata(state_dict_metadata={
+        key: TensorStorageMetadata(
+            properties=TensorProperties(dtype=saved.dtype), size=torch.Size(saved.shape),
+            chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                    for c in saved.chunks])
+        for key, saved in index.items()})
+    return list(create_default_local_load_plan(targets, metadata).items)
+
+
+def files_needed(index: dict[str, Saved], plan: list[Any]) -> set[int]:
+    """The saved ranks whose files hold what ``plan`` reads."""
+    by_offsets = _chunks_by_offsets(index)
+    return {by_offsets[(item.storage_index.fqn, tuple(item.storage_index.offset))].rank for item in plan}
+
+
+def _chunks_by_offsets(index: dict[str, Saved]) -> dict[tuple[str, tuple[int, ...]], Chunk]:
+    return {(key, c.offsets): c for key, saved in index.items() for c in saved.chunks}
+
+
+def assemble(index: dict[str, Saved], targets: dict[str, Any], plan: list[Any], files: dict[int, Any],
+             checkpoint: str) -> dict[str, Any]:
+    """New DTensors like ``targets``, their local chunks filled by ``plan`` from the decoded rank ``files``.
+
+    Raises ValueError when a file's chunk does not have the shape and dtype
+    the index gives it (the checkpoint is then corrupt).
+    """
+    from torch.distributed.tensor import DTensor
+
+    by_offsets = _chunks_by_offsets(index)
+    reads: dict[str, list[Any]] = {}
+    for item in plan:
+        reads.setdefault(item.dest_index.fqn, []).append(item)
+    out = {}
+    for key, target in targets.items():
+        want = tuple(target.to_local().shape)
+        local: torch.Tensor | None = None
+        for item in reads.get(key, []):
+            chunk = by_offsets[(key, tuple(item.storage_index.offset))]
+            src = _chunk_tensor(files[chunk.rank], chunk, index[key].dtype, checkpoint, key)
+            whole = tuple(item.lengths) == want == chunk.sizes and not any(item.dest_offsets)
+            if whole and local is None:
+                local = src  # exactly the chunk needed: as read, no copy
+                continue
+            if local is None:
+                local = torch.empty(want, dtype=target.dtype)
+            dst, part = local, src
+            for dim, (d, s, n) in enumerate(zip(item.dest_offsets, item.storage_offsets, item.lengths)):
+                dst, part = dst.narrow(dim, d, n), part.narrow(dim, s, n)
+            dst.copy_(part)
+        if local is None:
+            local = torch.empty(want, dtype=target.dtype)  # an empty chunk: nothing to read
+        out[key] = DTensor.from_local(local.to(target.device), target.device_mesh, target.placements,
+                                      run_check=False, shape=target.shape, stride=target.stride())
+    return out
+
+
+def _chunk_tensor(tree: Any, chunk: Chunk, dtype: torch.dtype, checkpoint: str, key: str) -> torch.Tensor:
+    shards = tree.get(SHARDS) if isinstance(tree, dict) else None
+    if not isinstance(shards, list) or chunk.item >= len(shards) or not isinstance(shards[chunk.item], torch.Tensor):
+        raise ValueError(f"rank file {chunk.rank} has no chunk {chunk.item} for {key}")
+    t = shards[chunk.item]
+    if tuple(t.shape) != chunk.sizes or t.dtype != dtype:
+        raise ValueError(f"rank file {chunk.rank} chunk {chunk.item} is {t.dtype}{list(t.shape)}, the index says "
+                         f"{dtype}{list(chunk.sizes)} for {key}")
+    return t
+
+
+def rebuild(replicated: Any, filled: dict[str, Any]) -> Any:
+    """The saved replicated tree with its DTensor places (None) filled from ``filled``."""
+    return _replace(replicated, lambda path, leaf: filled.get(key_of(path), leaf) if leaf is None else leaf)
