@@ -64,7 +64,7 @@ def capture_payloads(run: Run) -> dict[str, Any]:
         }
     }
     if run._sharded:
-        parts = sharded.split(sharded_state(run))
+        parts = sharded.split(sharded_state(run), run.rank)
         payloads[RANK][sharded.SHARDS] = parts.local
         payloads[sharded.INDEX] = parts.table
         model_state, optimizer_state = parts.replicated["model"], parts.replicated["optimizer"]

@@ -114,14 +114,16 @@ def test_kill_during_sharded_save_loses_nothing(tmp_path, reference, point, rank
     assert LocalStorage(ckpt).list_committed() == ["step_0000000015"]
 
 
-def test_corrupt_chunk_file_falls_back_on_every_rank(tmp_path, reference):
-    """A flipped byte in rank 1's file of step 10: quarantined, and both ranks restore step 5."""
+@pytest.mark.parametrize("damaged", ["rank00001.shard", "replicated.shard", "sharded.index"])
+def test_corrupt_file_falls_back_on_every_rank(tmp_path, reference, damaged):
+    """A flipped byte in one file of step 10 (rank 1's chunks, rank 0's replicated state, the index):
+    quarantined, and both ranks restore step 5."""
     ckpt = tmp_path / "ckpt"
     common = ["--dir", str(ckpt), "--every", "5", "--keep", "2", *FSDP]
     run_worker(tmp_path / "t", "--steps", "10", *common, nproc=2)
-    shard = ckpt / "step_0000000010" / "rank00001.shard"
+    shard = ckpt / "step_0000000010" / damaged
     blob = bytearray(shard.read_bytes())
-    blob[-5] ^= 0x40  # in the last tensor: one of rank 1's chunks
+    blob[-5] ^= 0x40  # the last bytes: tensor data (rank 1's last chunk), or the end of a JSON header
     shard.write_bytes(bytes(blob))
     run_worker(tmp_path / "t", "--steps", str(STEPS), *common, "--events", str(tmp_path / "ev"), nproc=2)
     for r in (0, 1):
@@ -129,7 +131,7 @@ def test_corrupt_chunk_file_falls_back_on_every_rank(tmp_path, reference):
     events = [json.loads(line) for line in open(tmp_path / "ev.rank0")]
     (quarantined,) = [e for e in events if e["kind"] == "checkpoint_quarantined"]
     assert quarantined["name"] == "step_0000000010"
-    assert "rank00001.shard" in quarantined["reason"]
+    assert damaged in quarantined["reason"]
     assert LocalStorage(ckpt).list_quarantined()
     # Steps 5..15 are re-done from step 5 and still equal the reference.
     for r in (0, 1):
@@ -167,3 +169,47 @@ def test_restore_two_to_four_to_two_ranks(tmp_path):
         assert loss == pytest.approx(expected, rel=1e-5), f"step {step}"
     final, expected = got[0].end["full_params"], ref[0].end["full_params"]
     assert final == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+def _index(chunks: list[dict], shape: list[int] | None = None) -> dict:
+    return {"format": 1, "tensors": [{"key": '["model","w"]', "dtype": "float32", "shape": shape or [4, 2],
+                                      "placements": ["S(0)"], "mesh": [2], "chunks": chunks}]}
+
+
+GOOD = [{"offsets": [0, 0], "sizes": [2, 2], "rank": 0, "item": 0},
+        {"offsets": [2, 0], "sizes": [2, 2], "rank": 1, "item": 0}]
+
+
+@pytest.mark.parametrize(("chunks", "problem"), [
+    (GOOD[:1], "do not cover"),  # a hole
+    ([GOOD[0], {**GOOD[0], "rank": 1}], "same offsets"),  # the same region twice, sizes adding up
+    ([GOOD[0], {**GOOD[1], "rank": 0}], "listed twice"),  # two chunks claim one tensor of one file
+    ([GOOD[0], {**GOOD[1], "rank": 2}], "no such rank"),
+    ([GOOD[0], {**GOOD[1], "item": True}], "non-negative integers"),
+    ([GOOD[0], {**GOOD[1], "offsets": [3, 0]}], "outside shape"),
+])
+def test_a_malformed_index_is_refused(chunks, problem):
+    from resilient.checkpoint.sharded import parse_index
+
+    assert parse_index(_index(GOOD), world_size=2)
+    with pytest.raises(ValueError, match=problem):
+        parse_index(_index(chunks), world_size=2)
+    for bad in ({"format": 1, "tensors": [{"key": "model.w"}]}, {"format": 2, "tensors": []}, [], None):
+        with pytest.raises(ValueError):
+            parse_index(bad, world_size=2)
+
+
+def test_reads_must_fill_a_chunk_exactly():
+    """Overlapping saved chunks whose volumes add up, leaving a hole: refused at restore (corrupt)."""
+    from types import SimpleNamespace
+
+    from resilient.checkpoint.sharded import _check_fill
+
+    def read(offsets, lengths):
+        return SimpleNamespace(dest_offsets=offsets, lengths=lengths)
+
+    _check_fill("w", (4, 2), [read((0, 0), (2, 2)), read((2, 0), (2, 2))])
+    with pytest.raises(ValueError, match="overlap"):
+        _check_fill("w", (4, 2), [read((0, 0), (3, 2)), read((1, 0), (1, 2))])
+    with pytest.raises(ValueError, match="exactly"):
+        _check_fill("w", (4, 2), [read((0, 0), (2, 2))])

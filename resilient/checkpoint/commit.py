@@ -42,7 +42,7 @@ def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[
     if any(r["index"] is not None for r in reports):
         try:
             index = write_index(storage, staging, [r["index"] or [] for r in reports], chunk_bytes)
-        except (ResilientError, OSError) as e:
+        except Exception as e:  # noqa: BLE001  whatever it is, the staged files go and the peers hear why
             storage.abort(staging)
             return {"ok": False, "error": f"index of the sharded state of {name}: {e}"}
         files.append(index)

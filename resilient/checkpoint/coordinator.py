@@ -80,9 +80,10 @@ class Coordinator:
         mine = torch.zeros(longest, dtype=torch.uint8)
         if payload:
             mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-        dist.all_gather(parts, mine, group=self._group)
-        if not self.is_root:
+        # Only rank 0 receives the payloads (a commit report can be large: chunk tables of sharded state).
+        parts = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.world_size)] if self.is_root else None
+        dist.gather(mine, parts, dst=self._global_root(), group=self._group)
+        if parts is None:
             return None
         return [_to_bytes(p[: int(s.item())]) for p, s in zip(parts, sizes)]
 

@@ -93,6 +93,8 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             return restored
         if kind == "error":
             raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
+        if kind == "mismatch":
+            raise CheckpointMismatchError(why)
         _quarantine(storage, coord, events, name, why)
         problems.append(f"{name}: {why}")
     if names:
@@ -121,43 +123,46 @@ def _check_world(storage: Storage, coord: Coordinator, events: EventLog, manifes
 
 
 def _agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
-    """Every rank's ("ok"|"corrupt"|"error", detail) -> one verdict, the same on every rank."""
+    """Every rank's ("ok"|"corrupt"|"error"|"mismatch", detail) -> one verdict, the same on every rank."""
     statuses = coord.gather(json.dumps([status, detail]).encode())
     verdict = None
     if statuses is not None:
         parsed = [json.loads(s) for s in statuses]
         errors = [f"rank {r}: {d}" for r, (s, d) in enumerate(parsed) if s == "error"]
         corrupt = [d for s, d in parsed if s == "corrupt"]
-        kind = "error" if errors else "corrupt" if corrupt else "ok"
-        verdict = json.dumps([kind, "; ".join(errors or corrupt)]).encode()
+        mismatch = [d for s, d in parsed if s == "mismatch"]
+        kind = "error" if errors else "corrupt" if corrupt else "mismatch" if mismatch else "ok"
+        verdict = json.dumps([kind, "; ".join(errors or corrupt or mismatch[:1])]).encode()
     kind, why = json.loads(coord.broadcast(verdict))
     return str(kind), str(why)
 
 
 def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest,
                 targets: Targets | None) -> tuple[str, str, Restored | None]:
-    """This rank's state: ("ok"|"corrupt"|"error", detail, restored).
+    """This rank's state: ("ok"|"corrupt"|"error"|"mismatch", detail, restored).
 
-    Never raises on what it reads: a rank that raised here would leave its
-    peers waiting in the next collective until the group's timeout (a
-    sharded checkpoint that does not fit the model raises
-    CheckpointMismatchError, on every rank alike).  A rank whose replicated
-    state did not arrive (rank 0 reports why) says "ok" for itself and
-    returns no state: the agreed verdict is not "ok" then.
+    Never raises: a rank that raised here would leave its peers waiting in
+    the next collective until the group's timeout, so every rank takes part
+    in the same collectives whatever it found (both shares of a sharded
+    checkpoint), and a sharded checkpoint that does not fit the model is a
+    "mismatch" that the agreed verdict raises on every rank.  A rank whose
+    shared file did not arrive (rank 0 reports why) says "ok" for itself
+    and returns no state: the agreed verdict is not "ok" then.
     """
     replicated_status, detail, replicated = _replicated(storage, coord, manifest, manifest.file_for(None))
-    if replicated_status not in ("ok", "peer"):
-        return replicated_status, detail, None
     own = coord.rank % manifest.world_size  # elastic: rank r takes the rank state of saved rank r mod saved
     index_entry = manifest.index_file()
     if index_entry is None:
+        if replicated_status not in ("ok", "peer"):
+            return replicated_status, detail, None
         status, detail, mine = _guarded(lambda: read_verified(storage, manifest, manifest.file_for(own)))
         if status != "ok" or replicated_status == "peer":
             return status, detail, None
         return "ok", "", Restored(manifest, replicated, mine, ranks_read=(own,))
-    index_status, detail, index_tree = _replicated(storage, coord, manifest, index_entry)
-    if index_status not in ("ok", "peer"):
-        return index_status, detail, None
+    index_status, index_detail, index_tree = _replicated(storage, coord, manifest, index_entry)
+    for status, why in ((replicated_status, detail), (index_status, index_detail)):
+        if status not in ("ok", "peer"):
+            return status, why, None
     if "peer" in (replicated_status, index_status):
         return "ok", "", None
     return _load_sharded(storage, manifest, replicated, index_tree, own, targets)
@@ -171,11 +176,16 @@ def _load_sharded(storage: Storage, manifest: Manifest, replicated: Any, index_t
     if status != "ok":
         return status, detail, None
     if targets is None:
-        raise CheckpointMismatchError(
+        return "mismatch", (
             f"checkpoint {manifest.name} holds sharded state (FSDP2/DTensor) but this Run's model is not sharded; "
-            "shard the model as it was when saved (resilient reshards across world sizes and meshes)")
-    live = targets()
-    plan = sharded.read_plan(index, live, manifest.name)
+            "shard the model as it was when saved (resilient reshards across world sizes and meshes)"), None
+    try:
+        live = targets()
+        plan = sharded.read_plan(index, live, manifest.name)
+    except CheckpointMismatchError as e:
+        return "mismatch", str(e), None
+    except Exception as e:  # noqa: BLE001  the peers must hear of it
+        return "error", f"planning the restore of {manifest.name}: {type(e).__name__}: {e}", None
     ranks = sorted(sharded.files_needed(index, plan) | {own})
     files: dict[int, Any] = {}
     for r in ranks:

@@ -10,7 +10,8 @@ and optimizer state tensor.  Saving splits the state into
 * this rank's *local chunks*: plain tensors written into its own rank file
   (under ``"shards"``), one per DTensor whose chunk it writes.  A chunk held
   by several ranks (HSDP replicas) is written by one of them only;
-* its *chunk table*: JSON describing those chunks.  Rank 0 merges every
+* its *chunk table*: JSON describing those chunks (rank 0's lists every
+  DTensor, so that even an empty one is known).  Rank 0 merges every
   rank's table into the checkpoint's index (``sharded.index``, a shard file
   without tensors, listed in the manifest), checking that the chunks cover
   every tensor exactly.
@@ -93,10 +94,11 @@ class Split:
     local: list[torch.Tensor]
     """The chunks this rank writes, in table order."""
     table: list[dict[str, Any]]
-    """One entry per DTensor (every rank lists every DTensor, with the chunk it writes or none)."""
+    """One entry per chunk this rank writes, and on rank 0 one per DTensor (with ``item`` None where it
+    writes nothing)."""
 
 
-def split(tree: Any) -> Split:
+def split(tree: Any, rank: int) -> Split:
     """Split a state tree holding DTensors (see the module docstring)."""
     local: list[torch.Tensor] = []
     table: list[dict[str, Any]] = []
@@ -120,7 +122,8 @@ def split(tree: Any) -> Split:
             entry["item"] = len(local)
             local.append(leaf.to_local())
         ordinal += 1
-        table.append(entry)
+        if entry["item"] is not None or rank == 0:
+            table.append(entry)
         return None
 
     replicated = _replace(tree, keep)
@@ -130,14 +133,14 @@ def split(tree: Any) -> Split:
 def _writes(dt: Any, ordinal: int) -> bool:
     """Whether this rank writes its chunk of ``dt``: along every mesh dimension that replicates it, the
     replica at coordinate ``ordinal % size`` writes, so replicas share the writing."""
+    if any(p.is_partial() for p in dt.placements):  # on every rank alike, before anything else
+        raise ConfigError("cannot save a DTensor with a Partial placement: reduce it first")
     coordinate = dt.device_mesh.get_coordinate()
     if coordinate is None:
         return False
     for dim, placement in enumerate(dt.placements):
         if placement.is_shard():
             continue
-        if placement.is_partial():
-            raise ConfigError("cannot save a DTensor with a Partial placement: reduce it first")
         if coordinate[dim] != ordinal % dt.device_mesh.shape[dim]:
             return False
     return True
@@ -193,23 +196,32 @@ def parse_index(tree: Any, world_size: int) -> dict[str, Saved]:
     if not isinstance(tree, dict) or tree.get("format") != INDEX_FORMAT or not isinstance(tree.get("tensors"), list):
         raise ValueError(f"not a sharded index of format {INDEX_FORMAT}")
     out: dict[str, Saved] = {}
+    items: set[tuple[int, int]] = set()
     for t in tree["tensors"]:
         try:
+            key = t["key"]
+            if not isinstance(key, str) or not isinstance(json.loads(key), list) or key in out:
+                raise ValueError(f"key {key!r} is not a new JSON key path")
             shape = _ints(t["shape"])
             chunks = []
             for c in t["chunks"]:
                 offsets, sizes = _ints(c["offsets"]), _ints(c["sizes"])
-                rank, item = c["rank"], c["item"]
+                rank, item = _ints([c["rank"], c["item"]])
                 if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
                         o + s > g for o, s, g in zip(offsets, sizes, shape)):
                     raise ValueError(f"chunk {offsets}+{sizes} outside shape {shape}")
-                if not (isinstance(rank, int) and 0 <= rank < world_size and isinstance(item, int) and item >= 0):
-                    raise ValueError(f"chunk of rank {rank!r} item {item!r}")
+                if rank >= world_size or (rank, item) in items:
+                    raise ValueError(f"chunk of rank {rank} item {item}: no such rank, or listed twice")
+                items.add((rank, item))
                 chunks.append(Chunk(offsets, sizes, rank, item))
-            saved = Saved(str(t["key"]), DTYPES[t["dtype"]], shape, tuple(map(str, t["placements"])),
-                          _ints(t["mesh"]), tuple(chunks))
-        except (KeyError, TypeError) as e:
+            if not isinstance(t["placements"], list) or t["dtype"] not in DTYPES:
+                raise ValueError(f"placements {t['placements']!r} or dtype {t['dtype']!r}")
+            saved = Saved(key, DTYPES[t["dtype"]], shape, tuple(map(str, t["placements"])), _ints(t["mesh"]),
+                          tuple(chunks))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"malformed index entry ({type(e).__name__}: {e})") from None
+        if len({c.offsets for c in saved.chunks}) != len(saved.chunks):
+            raise ValueError(f"{saved.key}: two chunks at the same offsets")
         if sum(_numel(list(c.sizes)) for c in saved.chunks) != _numel(list(shape)):
             raise ValueError(f"{saved.key}: its chunks do not cover the tensor")
         out[saved.key] = saved
@@ -285,6 +297,7 @@ def assemble(index: dict[str, Saved], targets: dict[str, Any], plan: list[Any], 
     out = {}
     for key, target in targets.items():
         want = tuple(target.to_local().shape)
+        _check_fill(key, want, reads.get(key, []))
         local: torch.Tensor | None = None
         for item in reads.get(key, []):
             chunk = by_offsets[(key, tuple(item.storage_index.offset))]
@@ -304,6 +317,18 @@ def assemble(index: dict[str, Saved], targets: dict[str, Any], plan: list[Any], 
         out[key] = DTensor.from_local(local.to(target.device), target.device_mesh, target.placements,
                                       run_check=False, shape=target.shape, stride=target.stride())
     return out
+
+
+def _check_fill(key: str, want: tuple[int, ...], reads: list[Any]) -> None:
+    """The reads fill the local chunk exactly: disjoint regions whose volumes add up to it (else ValueError:
+    the index has overlapping chunks, or a hole)."""
+    boxes = [(tuple(r.dest_offsets), tuple(r.lengths)) for r in reads]
+    if sum(_numel(list(n)) for _, n in boxes) != _numel(list(want)):
+        raise ValueError(f"the saved chunks of {key} do not fill this rank's chunk {list(want)} exactly")
+    for i, (a, m) in enumerate(boxes):
+        for b, n in boxes[i + 1:]:
+            if all(x < y + k and y < x + j for x, j, y, k in zip(a, m, b, n)) and _numel(list(m)) and _numel(list(n)):
+                raise ValueError(f"saved chunks of {key} overlap")
 
 
 def _chunk_tensor(tree: Any, chunk: Chunk, dtype: torch.dtype, checkpoint: str, key: str) -> torch.Tensor:
