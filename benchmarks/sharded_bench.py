@@ -199,10 +199,32 @@ def worker(rank: int, args: argparse.Namespace, root: str, out: str) -> None:
                 if not all(torch.equal(a, b) for a, b in zip(fingerprint(model, opt), ref)):
                     raise RuntimeError(f"{kind}: restored state differs from the saved state")
         log(f"restore {cond} (median s): " + ", ".join(f"{k}={cp.med(v):.3f}" for k, v in restores[cond].items()))
+    floors = {"sha256": [], "fresh_memory": []}
+    for _ in range(args.repeats):  # what any verified restore into new memory pays, both ranks at once
+        settle()
+        floors["sha256"].append(slowest(sha256_floor(raw)))
+        settle()
+        t0 = cp.pc()
+        fresh = torch.empty(len(raw), dtype=torch.uint8).fill_(1)  # new pages, each written once
+        floors["fresh_memory"].append(slowest(cp.pc() - t0))
+        del fresh
+    log("floors (median s): " + ", ".join(f"{k}={cp.med(v):.3f}" for k, v in floors.items()))
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"state": state, "first_save": first, "save": samples, "restore": restores}, f)
+            json.dump({"state": state, "first_save": first, "save": samples, "restore": restores,
+                       "floors": floors}, f)
     dist.destroy_process_group()
+
+
+def sha256_floor(data: memoryview, piece: int = 16 << 20) -> float:
+    """Seconds to SHA-256 ``data`` in 16 MiB pieces on 2 threads (hashlib releases the GIL)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = cp.pc()
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda i: hashlib.sha256(data[i:i + piece]).digest(), range(0, len(data), piece)))
+    return cp.pc() - t0
 
 
 def cp_rotated(items: list[str], r: int) -> list[str]:
@@ -261,6 +283,13 @@ def render(res: dict[str, Any]) -> str:
     for cond, peers in res["restore"].items():
         for k, xs in peers.items():
             L.append(f"| {cond} | {k} | {cp.med(xs):.3f} | {min(xs):.3f} | {max(xs):.3f} |")
+    fl = res.get("floors", {})
+    if fl:
+        L += ["\n## Floors of a verified restore (seconds; slowest rank, both ranks at once)\n",
+              "| what | median | min | max |", "|---|---|---|---|",
+              *(f"| {label} | {cp.med(fl[k]):.3f} | {min(fl[k]):.3f} | {max(fl[k]):.3f} |" for k, label in (
+                  ("sha256", "SHA-256 of a rank's file bytes in memory, 2 threads per rank"),
+                  ("fresh_memory", "writing as many bytes into new memory (pages never touched)")))]
     return "\n".join(L) + "\n"
 
 

@@ -213,3 +213,18 @@ def test_reads_must_fill_a_chunk_exactly():
         _check_fill("w", (4, 2), [read((0, 0), (3, 2)), read((1, 0), (1, 2))])
     with pytest.raises(ValueError, match="exactly"):
         _check_fill("w", (4, 2), [read((0, 0), (2, 2))])
+
+
+def test_restore_onto_another_mesh(tmp_path):
+    """Saved with FSDP over 4 ranks (mesh (4,)), restored as HSDP on 4 ranks (mesh (2, 2)), then trained on:
+    every parameter and optimizer state tensor, gathered to full, equals what was saved."""
+    ckpt = ["--dir", str(tmp_path / "ckpt"), "--every", "4", *FSDP]
+    run_worker(tmp_path / "b", "--steps", "4", *ckpt, nproc=4)
+    run_worker(tmp_path / "b", "--steps", "6", *ckpt, "--mesh", "2,2", nproc=4)
+    rank0 = [json.loads(line) for line in open(f"{tmp_path / 'b'}.rank0")]
+    (_, restored), (saved, _) = [r for r in rank0 if r.get("event") == "start"], \
+        [r for r in rank0 if r.get("event") == "end"]
+    assert restored["restored_from"] == "step_0000000004" and restored["step"] == 4
+    assert (restored["params"], restored["optimizer"]) == (saved["params"], saved["optimizer"])
+    detail = inspect_checkpoint(LocalStorage(tmp_path / "ckpt"), "step_0000000006")
+    assert {t.placements for t in detail.sharded} == {("R", "S(0)")}
