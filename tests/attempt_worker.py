@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import signal
@@ -119,6 +120,7 @@ def main() -> int:
     with open(f"{args.trace}.rank{rank}", "a") as trace:
         trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step,
                                 "world_size": run.world_size, "wrapped": type(run.model).__name__}) + "\n")
+        failed = False
         try:
             train(run, args, trace, classic, rank, optimizer, scheduler)
         except Exception as exc:
@@ -127,7 +129,14 @@ def main() -> int:
             trace.write(json.dumps({"event": "error", "type": type(exc).__qualname__, "message": str(exc)[:300],
                                     "recoverable": run._attempt_failed(exc), "asked_recovery": len(asked),
                                     "step": run.step}) + "\n")
+            failed = True
+        if failed:
+            # The exception's traceback holds train()'s frames, and with them the DDP wrapper, in reference
+            # cycles (a frame holds the exception that holds its traceback) that only the cycle collector
+            # frees: drop every reference and collect, so that the wrapper goes before the group.
+            asked.clear()
             model = run = None  # the DDP wrapper before the group (see tests/worker_train.py)
+            gc.collect()
             dist.destroy_process_group()
             return 0
         run.close()
