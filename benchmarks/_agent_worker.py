@@ -21,6 +21,7 @@ does not exist yet; the marker is created first, so the fault fires on the first
 
 from __future__ import annotations
 
+import gc
 import time
 
 T_PROC_START = time.time()  # before the imports below, which are most of a start
@@ -107,6 +108,7 @@ def main() -> int:
     run.close()
     trace.rec("end", step=run.step)
     ddp = run = None  # the wrapper before the group (see examples/train_gpt.py)
+    gc.collect()
     dist.destroy_process_group()
     return 0
 

@@ -29,6 +29,7 @@ such traces.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -390,8 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         import torch.distributed as dist
 
         # Drop the DDP wrapper before the group: a gloo group whose last reference is in DDP's reducer is
-        # destroyed by the reducer's destructor, which can hang or abort the process at exit.
-        model = run = None
+        # destroyed by the reducer's destructor, which can hang or abort the process at exit.  The wrapper (or
+        # the sharded model's groups) sits in reference cycles: collect them now, not while Python exits.
+        model = gpt = run = optimizer = scheduler = None
+        gc.collect()
         dist.destroy_process_group()
     return 0
 

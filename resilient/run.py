@@ -16,6 +16,7 @@ with ``ddp=True``, ``run.micro_batches()`` and ``with run.attempt():``
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
@@ -273,6 +274,7 @@ class Run:
             self.data.close()  # stop its worker processes now, not whenever the loader is collected
         if self._ddp is not None:  # the wrapper Run made must not outlive the group (docs/architecture.md)
             self.model = _attempt.unwrap(self.model)
+            gc.collect()  # it sits in reference cycles: freed now, not while Python exits (an abort there)
         self.events.emit(EventKind.RUN_CLOSED, step=self.step)
         if self._hooks is not None:
             self._hooks.bye(self.step, self._committed_step())

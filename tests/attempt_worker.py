@@ -144,6 +144,7 @@ def main() -> int:
         trace.write(json.dumps({"event": "end", "step": run.step, "params": params}) + "\n")
     if world > 1:
         model = run = None
+        gc.collect()  # the DDP wrapper sits in reference cycles: collect it now, before the group goes
         dist.destroy_process_group()
     return 0
 

@@ -19,6 +19,7 @@ they compare across world sizes.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import itertools
 import json
@@ -255,8 +256,10 @@ def main() -> int:
     trace.close()
     if world > 1:
         # The DDP wrapper goes first: a gloo group whose last reference is in DDP's reducer is destroyed in the
-        # reducer's destructor, which can deadlock or abort the process at exit (docs/architecture.md).
+        # reducer's destructor, which can deadlock or abort the process at exit (docs/architecture.md). The
+        # wrapper (and a sharded model's groups) sit in reference cycles: collect them now, not at exit.
         model = run = None
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
