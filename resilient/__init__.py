@@ -29,6 +29,7 @@ _EXPORTS = {
     "NoValidCheckpointError": "resilient.errors",
     "ResilientError": "resilient.errors",
     "StorageError": "resilient.errors",
+    "device_mesh": "resilient.mesh",
 }
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "Stateful",
     "StorageError",
     "__version__",
+    "device_mesh",
 ]
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
         StorageError,
     )
     from .events import EventLog
+    from .mesh import device_mesh
     from .run import Run
     from .state import Stateful
 

@@ -33,6 +33,7 @@ from .data.loader import ElasticLoader
 from .elastic.batch import BatchPlan
 from .errors import ConfigError
 from .events import EventKind, EventLog
+from .mesh import take_joined, worker_hooks
 from .run_payloads import (
     apply_restored,
     capture_payloads,
@@ -40,6 +41,7 @@ from .run_payloads import (
     digest_config,
     new_save_report,
     open_checkpoints,
+    shard_layout,
 )
 from .run_recovery import InProcessRecovery
 from .run_sections import BETWEEN, Section
@@ -86,14 +88,12 @@ class Run:
         """
         self.events = events if events is not None else EventLog()
         self._section = "init"
-        self._hooks: WorkerHooks | None = None
         self._reported_save: SaveResult | None = None
         env = WorkerEnv.from_environ(os.environ) if agent is _FROM_ENVIRONMENT else agent
-        if env is not None:
-            from .worker.hooks import WorkerHooks
-
-            self._hooks = WorkerHooks(env, events=self.events)
-            self._hooks.install()  # first, so that even the checks below end in an error file
+        spare = env is not None and env.role == "spare"
+        joined = take_joined() if spare else None  # a sharded spare promoted in resilient.device_mesh()
+        self._hooks: WorkerHooks | None = worker_hooks(env, self.events, joined)  # first: errors below get a file
+        if self._hooks is not None:
             self._hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
             for note in self._hooks.notes:
                 self.events.emit(EventKind.AGENT_HOOK_MISSING, note=note)
@@ -104,9 +104,9 @@ class Run:
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 check_stateful(name, obj)
-        spare = env is not None and env.role == "spare"
-        self._sharded = check_sharding(model, ddp, spare=spare)
-        """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore (no in-process recovery yet)."""
+        self._sharded = check_sharding(model, ddp, spare=spare and joined is None)
+        """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
+        layout = shard_layout(self, model, optimizer, env, spare=spare)
         self._ddp = _attempt.ddp_options(ddp, model)
         _attempt.init_default_group(self._ddp is not None)  # torchrun or the agent, and the script made no group
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -134,9 +134,9 @@ class Run:
         self._attempt_start: _attempt.AttemptStart | None = None
         self._recovery: Callable[[BaseException], bool] | None = None
         """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
-        # Sharded state recovers by restart from the newest commit (in-process recovery moves replicated state).
-        self._inproc = InProcessRecovery(self, env, self._hooks) if env and env.recovery_store and not self._sharded \
-            else None
+        # A sharded model whose layout cannot be moved to a new group recovers by restart only.
+        self._inproc = InProcessRecovery(self, env, self._hooks, layout=layout, joined=joined) \
+            if env and env.recovery_store and (layout is not None or not self._sharded) else None
         """The agent's in-process recovery: the survivor's side (``_recovery``), the spare's, growing back."""
         if self._inproc is not None:
             self._recovery = self._inproc
@@ -158,7 +158,8 @@ class Run:
         restore_started = time.perf_counter()
         if checkpoint is not None:
             with self.section("restore"):
-                self.checkpoints = open_checkpoints(self, checkpoint, env, spare=spare)
+                # A spare already in the group takes its state from the members, not from a checkpoint.
+                self.checkpoints = open_checkpoints(self, checkpoint, env, spare=spare, restore=joined is None)
         if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
                                  time.perf_counter() - restore_started)

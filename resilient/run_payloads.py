@@ -33,12 +33,15 @@ from .state import capture_rng, load_model_state, load_optimizer_state, restore_
 
 if TYPE_CHECKING:
     from .checkpoint.manager import SaveResult
+    from .elastic.mesh_rebind import ShardLayout
     from .run import Run
     from .worker.env import WorkerEnv
 
 
-def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool) -> CheckpointManager:
-    """The Run's checkpoint manager, with the newest verified commit restored into the Run (if any)."""
+def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool,
+                     restore: bool = True) -> CheckpointManager:
+    """The Run's checkpoint manager, with the newest verified commit restored into the Run (if any and
+    ``restore``)."""
     coordinator = Coordinator.from_environment(config.timeout_s)
     # The agent's generation and launch fence this job's writes (none without an agent).
     fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
@@ -47,6 +50,8 @@ def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, 
         config = dataclasses.replace(config, elastic=True)
     # A spare neither claims the location nor sweeps it: the members are saving there.
     manager = CheckpointManager(config, coordinator, run.events, fence=fence, claim=not spare)
+    if not restore:
+        return manager
     restored = manager.restore(targets=(lambda: sharded_targets(run)) if run._sharded else None)
     if restored is not None:
         run._apply(restored)
@@ -172,11 +177,17 @@ def digest_config(config: Mapping[str, Any] | None) -> str | None:
 
 
 def check_sharding(model: torch.nn.Module, ddp: object, *, spare: bool) -> bool:
-    """Whether ``model`` is sharded (DTensor parameters); refuses what cannot be saved, wrapped or spared."""
+    """Whether ``model`` is sharded (DTensor parameters); refuses what cannot be saved, wrapped or spared.
+
+    ``spare``: a spare that was not promoted in ``resilient.device_mesh()`` (it sharded its model before it
+    had a group, so the model cannot be in the group the spare joins).
+    """
     is_sharded = sharded.is_sharded(model)
     if is_sharded and spare:
-        raise ConfigError("this worker was started as a spare, but its model is sharded (FSDP2/DTensor) and "
-                          "spares take over unsharded (DDP) state only; run the job without --spares / --role spare")
+        raise ConfigError("this worker was started as a spare and its model is sharded (FSDP2/DTensor), but its "
+                          "device mesh was not made with resilient.device_mesh(): a spare has no process group "
+                          "until it is promoted, and that call waits for it. Create the mesh with "
+                          "resilient.device_mesh(...) (the arguments of init_device_mesh), or run without spares")
     if is_sharded and ddp:
         raise ConfigError("Run(ddp=...) wraps the model in DistributedDataParallel, but its parameters are sharded "
                           "(FSDP2/DTensor); drop ddp=, the sharded model already synchronises its gradients")
@@ -188,6 +199,28 @@ def check_sharding(model: torch.nn.Module, ddp: object, *, spare: bool) -> bool:
                     "tensors and DTensors (FSDP2, tensor parallel). Convert it, or shard the model with "
                     "torch.distributed.fsdp.fully_shard")
     return is_sharded
+
+
+def shard_layout(run: Run, model: torch.nn.Module, optimizer: Any, env: WorkerEnv | None, *,
+                 spare: bool) -> ShardLayout | None:
+    """A sharded model's layout for in-process recovery under an agent that offers it; None otherwise.
+
+    A layout in-process recovery cannot move leaves the run to restarts, and says why in the event log; a
+    spare with such a model could never take over, so it is refused.
+    """
+    if not run._sharded or env is None or env.recovery_store is None:
+        return None
+    from .elastic.mesh_rebind import ShardRecoveryUnsupported, survey
+
+    try:
+        return survey(model, optimizer)
+    except ShardRecoveryUnsupported as e:
+        if spare:
+            raise ConfigError(f"this spare cannot take over a rank of this sharded model: {e}; run without "
+                              "spares") from None
+        run.events.emit(EventKind.AGENT_HOOK_MISSING,
+                        note=f"no in-process recovery for this sharded model ({e}): recovery is by restart")
+        return None
 
 
 def new_save_report(checkpoints: CheckpointManager | None,

@@ -27,7 +27,17 @@ objects), the loader is bound to the new rank and world size (its global
 batch kept: :mod:`resilient.elastic.batch`), DDP is rebuilt on the new
 group, the heartbeats switch to the new generation and rank, and the agent
 gets ``ready`` / ``rejoined`` / ``gave_up`` reports
-(:mod:`resilient.worker.protocol`).  Any failure inside recovery sends
+(:mod:`resilient.worker.protocol`).
+
+A sharded model (FSDP2, HSDP; ``layout`` from
+:func:`resilient.elastic.mesh_rebind.survey`) is moved rather than rebuilt:
+its FSDP step state is reset and its groups released before the
+destruction, its meshes rebound first in the new group, and each rank takes
+its shards from a replica that holds them
+(:mod:`resilient.elastic.shard_sync`).  A sharded spare was promoted
+already, in ``resilient.device_mesh()`` (:mod:`resilient.mesh`), before its
+Run existed; :meth:`InProcessRecovery.wait_as_spare` then only takes the
+state.  Any failure inside recovery sends
 ``gave_up`` and re-raises the original error (chained to the failure), so
 the process exits non-zero and the agent falls back to a restart.
 """
@@ -42,6 +52,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint.coordinator import Coordinator
+from .elastic import mesh_rebind
 from .elastic.reform import (
     Assignment,
     AssignmentTimeoutError,
@@ -51,6 +62,7 @@ from .elastic.reform import (
     reform,
     wait_for_assignment,
 )
+from .elastic.shard_sync import sync_sharded
 from .elastic.state_sync import StateSyncError, agree_step, sync_from
 from .events import EventKind
 from .run_attempt import ddp_layout, regroup, wrap_ddp
@@ -59,6 +71,8 @@ from .state import unwrap
 if TYPE_CHECKING:
     from torch.distributed import Store
 
+    from .elastic.mesh_rebind import ShardLayout
+    from .mesh import Joined
     from .run import Run
     from .worker.env import WorkerEnv
     from .worker.hooks import WorkerHooks
@@ -67,18 +81,23 @@ if TYPE_CHECKING:
 class InProcessRecovery:
     """``Run._recovery`` under an agent that offers in-process recovery; True from a call: retry the step."""
 
-    def __init__(self, run: Run, env: WorkerEnv, hooks: WorkerHooks | None) -> None:
+    def __init__(self, run: Run, env: WorkerEnv, hooks: WorkerHooks | None, *, layout: ShardLayout | None = None,
+                 joined: Joined | None = None) -> None:
         assert env.recovery_store is not None and env.worker_id is not None
         self.run = run
         self.env = env
         self.hooks = hooks
+        self.layout = layout
+        """A sharded model's meshes and replica groups (None: unsharded state, DDP or one process)."""
+        self._joined = joined
+        """A spare's promotion that ``resilient.device_mesh()`` waited for before the Run existed."""
         self.worker_id: str = env.worker_id
         self.generation = env.generation
         """The generation this worker is a member of (or, for a spare, was started in)."""
         self.timeout_s = env.recovery_timeout_s
         self.applied = False
         """Whether this rank's optimizer stepped inside the current attempt (its update is then applied)."""
-        self._store: Store | None = None
+        self._store: Store | None = joined.store if joined is not None else None
         self._group_stores: dict[int, Store] = {}
         """A client of the store another machine's agent formed the newest group on (only across machines)."""
         self._ready_sent = False
@@ -160,6 +179,9 @@ class InProcessRecovery:
     def _release(self, exc: BaseException | None) -> None:
         """Drop every reference to the old groups, then destroy them (see ``abandon()``)."""
         run = self.run
+        if self.layout is not None:  # FSDP's in-flight collectives and unsharded parameters, then its groups
+            mesh_rebind.reset_iteration(self.layout)
+            mesh_rebind.release(self.layout)
         wrapper = run.model
         run.model = unwrap(wrapper)  # DDP first: a group destroyed by its reducer can deadlock (architecture.md)
         held = weakref.ref(wrapper) if wrapper is not run.model else None
@@ -182,6 +204,15 @@ class InProcessRecovery:
     # ------------------------------------------------------------------- spares
     def wait_as_spare(self) -> None:
         """Block until an assignment makes this spare a member; join it.  Raises when the agent's store is gone."""
+        joined, self._joined = self._joined, None
+        if joined is not None:  # promoted and in the group already: take the state
+            try:
+                self._join(joined.assignment, None, False, self._extra(None, None), failed_at=None, abandon_s=0.0,
+                           wait_s=0.0, form_s=joined.form_s)
+            except Exception as err:
+                self._give_up(err)
+                raise
+            return
         self._report(self._ready("spare"))
         try:
             store = self._connect()
@@ -198,20 +229,33 @@ class InProcessRecovery:
 
     # ------------------------------------------------------------------- shared
     def _join(self, assignment: Assignment, step: int | None, applied: bool, mine: dict[str, Any], *,
-              failed_at: float | None, abandon_s: float, wait_s: float) -> None:
-        """Form ``assignment``'s group, take the source's state, rebuild DDP; report ``rejoined``."""
+              failed_at: float | None, abandon_s: float, wait_s: float, form_s: float | None = None) -> None:
+        """Form ``assignment``'s group (unless ``form_s`` says it was formed already), take the source's state,
+        rebuild DDP; report ``rejoined``."""
         run = self.run
         started = time.monotonic()
-        ckpt = run.checkpoints
-        makers = [lambda: Coordinator.from_environment(ckpt.config.timeout_s)] if ckpt is not None else []
-        reformed = reform(assignment, timeout_s=self.timeout_s, store=self._group_store(assignment), subgroups=makers)
+        ckpt, layout = run.checkpoints, self.layout
+        if form_s is None:
+            # A sharded model's mesh groups first: a spare creates them (resilient.device_mesh) before its Run.
+            makers: list[Any] = [lambda: mesh_rebind.rebind(layout)] if layout is not None else []
+            if ckpt is not None:
+                makers.append(lambda: Coordinator.from_environment(ckpt.config.timeout_s))
+            reformed = reform(assignment, timeout_s=self.timeout_s, store=self._group_store(assignment),
+                              subgroups=makers)
+            if ckpt is not None:
+                ckpt.regroup(reformed.subgroups[-1])
+        else:  # a spare promoted in resilient.device_mesh(): its Run made the checkpoint sub-groups since
+            started -= form_s
+            if ckpt is not None:
+                ckpt.regroup(ckpt.coord)
         self.generation = assignment.generation
-        if ckpt is not None:
-            ckpt.regroup(reformed.subgroups[0])
         formed = time.monotonic()
         agreement = agree_step(step, applied, preferred_source=assignment.source_rank)
         module = unwrap(run.model)
-        extra = sync_from(agreement.source_rank, module, run.optimizer, run.scheduler, run.scaler, mine)
+        if layout is not None:  # each shard from a replica that holds it, the rest from the source
+            extra = sync_sharded(agreement, layout, module, run.optimizer, run.scheduler, run.scaler, mine)
+        else:
+            extra = sync_from(agreement.source_rank, module, run.optimizer, run.scheduler, run.scaler, mine)
         if extra["step"] != agreement.completed:
             raise StateSyncError(f"the source (rank {agreement.source_rank}) sent counters of step {extra['step']} "
                                  f"with the state of step {agreement.completed}")
@@ -270,10 +314,13 @@ class InProcessRecovery:
 
     def _ready(self, role: str) -> dict[str, Any]:
         data = self.run.data
-        return {"event": "ready", "worker": self.worker_id, "role": role, "step": self.run.step,
-                "world_size": self.run.world_size, "global_batch": data.global_batch if data is not None else None,
-                "micro_batch": data.batch_size if data is not None else None,
-                "batch_rule": data.batch_rule if data is not None else None}
+        report = {"event": "ready", "worker": self.worker_id, "role": role, "step": self.run.step,
+                  "world_size": self.run.world_size, "global_batch": data.global_batch if data is not None else None,
+                  "micro_batch": data.batch_size if data is not None else None,
+                  "batch_rule": data.batch_rule if data is not None else None}
+        if self.layout is not None:  # which ranks hold copies of which shards: the agent's ladder needs it
+            report["replicas"] = [list(group) for group in self.layout.replicas]
+        return report
 
     def _give_up(self, err: BaseException) -> None:
         error = f"{type(err).__qualname__}: {err}"[:1000]

@@ -20,6 +20,12 @@ SIGKILLs it at the top of that step (its peers are already in the
 all-reduce), ``hang`` SIGSTOPs it inside the backward, ``raise`` raises a
 ``DistBackendError`` at the top of that step once (a network error: every
 process lives).
+
+``--mesh R,S`` (HSDP: R replicas of S shards) or ``--mesh N`` (pure FSDP)
+shards the model with FSDP2 on a mesh from ``resilient.device_mesh`` (a
+spare waits there for its promotion) instead of DDP; the kill then strikes
+from a hook on the model's output gradient, and ``final.json`` holds the
+tensors gathered to full.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ def main() -> int:
                    help="rank 0 waits at this step until the agent decided to grow (a boundary ahead of it)")
     p.add_argument("--spares-at-end", type=int, default=0,
                    help="rank 0 waits at the end until the agent logged this many spare_ready events")
+    p.add_argument("--mesh", default=None, help="R,S: HSDP over R replicas of S shards; N: pure FSDP over N ranks")
     p.add_argument("--spares-ready", type=int, default=0,
                    help="the doomed worker first waits until the agent logged this many spare_ready events")
     args = p.parse_args()
@@ -90,13 +97,22 @@ def main() -> int:
     torch.set_num_threads(1)
     torch.manual_seed(1234)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.0 if args.plain else 0.2), torch.nn.Linear(16, 1))
+    sharded = args.mesh is not None
+    if sharded:
+        from torch.distributed.fsdp import fully_shard
+
+        shape = tuple(int(n) for n in args.mesh.split(","))
+        mesh = resilient.device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
     data = resilient.ElasticLoader(Noisy(args.samples, 0.0 if args.plain else 0.01), batch_size=args.batch, seed=11)
     ckpt = resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every, async_save=False, when_busy="wait",
                                       timeout_s=60)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt,
-                        ddp=True, seed=SEED)
+                        ddp=not sharded, seed=SEED)
     fd = os.open(args.out / "trace.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     for step in run.steps(args.steps):
         if doomed and step == args.die_step and args.spares_ready:
@@ -112,10 +128,12 @@ def main() -> int:
                 raise torch.distributed.DistBackendError("injected: Connection reset by peer (a network error)")
             indices, losses = [], []
             for k, (x, y) in enumerate(run.micro_batches()):
-                loss = torch.nn.functional.mse_loss(run.model(x), y)
+                out = run.model(x)
+                loss = torch.nn.functional.mse_loss(out, y)
                 if doomed and step == args.die_step and k == 0 and args.die_how in ("kill", "hang"):
                     sig = signal.SIGKILL if args.die_how == "kill" else signal.SIGSTOP
-                    model[0].weight.register_hook(lambda grad, sig=sig: os.kill(os.getpid(), sig))
+                    hooked = out if sharded else model[0].weight  # FSDP's sharded parameters get no autograd hook
+                    hooked.register_hook(lambda grad, sig=sig: os.kill(os.getpid(), sig))
                 (loss / run.accumulation).backward()
                 indices.append(run.data.last_indices)
                 losses.append(loss.item().hex())
@@ -130,13 +148,16 @@ def main() -> int:
             time.sleep(args.step_sleep)
     if args.spares_at_end and run.rank == 0:
         wait_for_spares(args.spares_at_end)  # the refilled pool comes up warm while this run still holds it
+    # Sharded tensors are gathered to full on every rank (a collective), before the Run lets the group go.
+    full = (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)
+    params = [hexes(full(t)) for t in model.parameters()]
+    state = optimizer.state_dict()["state"]
+    moments = {str(k): {n: hexes(full(v)) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+               for k, s in sorted(state.items())}
     run.close()
     if run.rank == 0:
-        state = optimizer.state_dict()["state"]
-        final = {"step": run.step, "samples": run.samples, "world": run.world_size,
-                 "params": [hexes(t) for t in model.parameters()],
-                 "optimizer": {str(k): {n: hexes(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
-                               for k, s in sorted(state.items())},
+        final = {"step": run.step, "samples": run.samples, "world": run.world_size, "params": params,
+                 "optimizer": moments,
                  "scheduler": scheduler.state_dict()["last_epoch"], "lr": scheduler.get_last_lr()}
         (args.out / "final.json").write_text(json.dumps(final))
     return 0

@@ -241,6 +241,39 @@ def test_in_process_blockers_fall_back_to_restart(fault: Fault, kw: dict[str, ob
     assert d.reason == f"in-process recovery impossible: {blocker}; restart 1 of 3 now after: rank 1 failed"
 
 
+HSDP = ((0, 2), (1, 3))
+"""Sharded state on 4 ranks: 2 replicas of 2 shards (rank 3 holds the same shard as rank 1)."""
+FSDP = ((0,), (1,), (2,), (3,))
+"""Pure FSDP on 4 ranks: every rank holds a shard no other rank has."""
+
+
+def test_a_lost_hsdp_rank_with_a_surviving_replica_takes_a_spare_in_process() -> None:
+    d = decide_recovery(observe(crash(3), spares=(spare("s1"),), replicas=HSDP), COSTS, CFG, NOW)
+    assert (d.action, d.promotions) == (Action.PROMOTE_SPARE, (Promotion(rank=3, spare="s1", node="s-node"),))
+    every_rank_alive = Fault(kind=FaultKind.COLLECTIVE_ERROR, step=57)
+    assert decide_recovery(observe(every_rank_alive, replicas=FSDP), COSTS, CFG, NOW).action is Action.RETRY_IN_PLACE
+
+
+@pytest.mark.parametrize(("replicas", "lost", "why"), [
+    (FSDP, (1,), "rank 1 (pure FSDP: each shard exists on one rank only)"),
+    (HSDP, (1, 3), "ranks 1, 3 (every replica of it was lost)"),
+])
+def test_a_shard_without_a_surviving_replica_restarts_from_the_newest_commit(
+        replicas: tuple[tuple[int, ...], ...], lost: tuple[int, ...], why: str) -> None:
+    d = decide_recovery(observe(crash(*lost), spares=(spare("s1"), spare("s2")), replicas=replicas), COSTS, CFG, NOW)
+    assert (d.action, d.promotions) == (Action.RESTART, ())
+    assert d.reason == (f"in-process recovery impossible: no survivor holds a copy of the sharded state of {why}, so "
+                        "the newest commit is its only copy; restart 1 of 3 now after: rank 1 failed")
+
+
+def test_sharded_state_never_shrinks() -> None:
+    unsharded = decide_recovery(observe(crash(3)), COSTS, CFG, NOW)
+    assert unsharded.action is Action.SHRINK
+    d = decide_recovery(observe(crash(3), replicas=HSDP), COSTS, CFG, NOW)
+    assert d.action is Action.RESTART
+    assert "sharded state cannot be resharded in process, so the run does not shrink to 3 ranks" in d.reason
+
+
 def test_an_unhealthy_node_whose_ranks_died_is_replaced_in_process() -> None:
     fault = Fault(kind=FaultKind.UNHEALTHY, step=57, ranks=frozenset({2}), nodes=frozenset({"n2"}))
     d = decide_recovery(observe(fault, spares=(spare("on-n2", "n2"), spare("s1", "n9", ready_since=5.0))),

@@ -41,7 +41,7 @@ def test_readme_training_example_runs_and_resumes(tmp_path, capsys):
 
 def test_readme_fsdp_example_runs_and_resumes_on_two_ranks(tmp_path):
     """The FSDP2 example, saved as fsdp.py and run twice under torchrun with 2 ranks, as the README says."""
-    (script,) = [b for b in blocks("python") if "fully_shard" in b]
+    (script,) = [b for b in blocks("python") if "fully_shard" in b and "resilient.device_mesh" not in b]
     (tmp_path / "fsdp.py").write_text(script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "fsdp.py"]
     outs = []
@@ -54,6 +54,26 @@ def test_readme_fsdp_example_runs_and_resumes_on_two_ranks(tmp_path):
         assert f"rank {rank}: step 30, restored from step_0000000030" in outs[1]
     manifest = (tmp_path / "runs/fsdp/ckpt/step_0000000030/manifest.json").read_text()
     assert '"index": "sharded.index"' in manifest
+
+
+def test_readme_hsdp_example_replaces_a_killed_rank_without_replay(tmp_path):
+    """The HSDP example under `resilient run` with a spare, rank 3 killed by the README's fault plan."""
+    (script,) = [b for b in blocks("python") if "resilient.device_mesh" in b]
+    (tmp_path / "hsdp.py").write_text(script)
+    (commands,) = [b for b in blocks("bash") if "kill3.json hsdp.py" in b]
+    echo, command = commands.strip().splitlines()
+    subprocess.run(echo, shell=True, cwd=tmp_path, check=True)
+    argv = shlex.split(command)
+    assert argv[:2] == ["resilient", "run"]
+    cmd = [sys.executable, "-m", "resilient", "run", "--run-dir", str(tmp_path / "run"), *argv[2:]]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "injecting fault into rank 3" in proc.stdout and "decision: promote spare s4 (node " in proc.stderr
+    assert "recovered in process (promote_spare)" in proc.stderr and "resume after step 50, 0 step(s) re-done" in \
+        proc.stderr, proc.stderr[-3000:]
+    assert "succeeded: all workers exited 0 (generation 2, restarts used 0/3)" in proc.stderr
+    for rank in range(4):
+        assert f"[rank {rank}] rank {rank}: step 60, restored from None" in proc.stdout
 
 
 def test_readme_commands_exist():

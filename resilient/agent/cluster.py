@@ -125,10 +125,12 @@ class ClusterStore:
         self.signed.store.put(key, sign(self._token, key, value))
 
     def publish_node(self, generation: int, ranks: Mapping[int, str], *, world_size: int, store: str,
-                     opted_in: bool, batch: dict[str, Any] | None) -> None:
+                     opted_in: bool, batch: dict[str, Any] | None,
+                     replicas: list[list[int]] | None = None) -> None:
+        """``replicas``: the ranks holding identical shards of a sharded run (None: unsharded)."""
         self._put(f"{self.prefix}g{generation}/node/{self.node}",
                   {"ranks": {str(r): w for r, w in sorted(ranks.items())}, "world_size": world_size, "store": store,
-                   "opted_in": opted_in, "batch": batch})
+                   "opted_in": opted_in, "batch": batch, "replicas": replicas})
 
     def set_current(self, generation: int) -> None:
         self._put(f"{self.prefix}current", {"generation": generation, "node": self.node})

@@ -101,6 +101,7 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     outlook = ctx.restart_outlook(failure)
     membership = membership_of(ctx, view, members)
     opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
+    replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
     live = cs.store.live_nodes()
     for _ in range(3):
         pool = [s for s in cs.store.pool() if s.node in live and s.worker not in rank_of]
@@ -108,7 +109,7 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
                         claimed=s.claimed is not None) for s in pool]
         obs = Observation(fault=fault, membership=membership, restart=outlook, spares=spares,
                           survivor_steps={r: s for r, s in steps.items() if r not in lost}, opted_in=opted,
-                          waiting_since=inv.wait_since)
+                          waiting_since=inv.wait_since, replicas=replicas)
         decision = inp.decide_cluster(obs)
         by_id = {s.worker: s for s in pool}
         wanted = [by_id[p.spare] for p in decision.promotions]

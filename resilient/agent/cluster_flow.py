@@ -76,7 +76,8 @@ def _publish_node(ctx: GenerationContext, group: WorkerGroup, cs: ClusterState, 
     inp = ctx.inproc
     assert inp is not None
     cs.store.publish_node(generation, {r: w.worker_id for r, w in group.workers.items()}, world_size=cs.world_size,
-                          store=f"{inp.host}:{inp.port}", opted_in=opted_in, batch=inp.batch_plan())
+                          store=f"{inp.host}:{inp.port}", opted_in=opted_in, batch=inp.batch_plan(),
+                          replicas=inp.replicas())
 
 
 def report_lost(ctx: GenerationContext, group: WorkerGroup, a: Assignment, *, lost: dict[int, str], kind: FaultKind,

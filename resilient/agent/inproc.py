@@ -179,6 +179,12 @@ class InProcess:
                          None)
         return None if found is None else {k: found.get(k) for k in ("global_batch", "micro_batch", "batch_rule")}
 
+    def replicas(self) -> list[list[int]] | None:
+        """A sharded run's replica groups as its workers reported them (None: unsharded, or none reported)."""
+        with self._lock:
+            return next((r["replicas"] for _, r in self._reports.ready.values() if r.get("replicas") is not None),
+                        None)
+
     def ready_spares(self) -> int:
         """Spares that reported ready and were not promoted: the spares gauge."""
         with self._lock:
@@ -225,7 +231,7 @@ class InProcess:
             restart=restart, spares=spares,
             survivor_steps={r: survivor_steps[r] for r in survivors if r in survivor_steps},
             opted_in=self.opted_in([group.workers[r].worker_id for r in survivors]) and self.config.in_process,
-            inproc_failures=failures, waiting_since=waiting_since,
+            inproc_failures=failures, waiting_since=waiting_since, replicas=self.replicas(),
         )
         decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
         if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:

@@ -8,8 +8,10 @@ a :class:`LadderConfig` and ``now``.  Checks, in order, cheapest rung first:
 1. exit-code contract: a rank that exited 78 or 79 said no recovery can help:
    STOP, whatever else holds;
 2. in-process blockers: the script did not opt in (``run.attempt()``), no
-   survivor holds the replicated state, survivors' states diverged or
-   disagree on the last completed step, an unhealthy node's ranks are alive
+   survivor holds the replicated state, a lost rank's shard has no surviving
+   replica (sharded state: pure FSDP, or every HSDP replica of it lost),
+   survivors' states diverged or disagree on the last completed step, an
+   unhealthy node's ranks are alive
    (they must move), or in-process recovery of this step already failed
    ``max_inproc_retries_per_step`` times (no loop of failing re-formations).
    Any of them: RESTART, or STOP when the restart policy refuses;
@@ -17,7 +19,8 @@ a :class:`LadderConfig` and ``now``.  Checks, in order, cheapest rung first:
 4. a warm, healthy, unclaimed spare for every lost rank: PROMOTE_SPARE
    (same rank; no spare is ever named twice, the lowest lost ranks first);
 5. the ranks left without a spare: SHRINK (with the promotions that were
-   possible) when the smaller world is >= MIN and feasible for the batch plan
+   possible; never for sharded state, which cannot be resharded in process)
+   when the smaller world is >= MIN and feasible for the batch plan
    and shrinking beats holding (:func:`~resilient.elastic.costs.shrink_or_wait`);
    else WAIT_FOR_REPAIR while a return is expected within ``max_wait_s`` and
    cheaper than a restart; else RESTART (or STOP).
@@ -178,6 +181,12 @@ def _inproc_blockers(obs: Observation, cfg: LadderConfig) -> list[str]:
         blockers.append("the script did not opt in (Run(ddp=True) with the step under `with run.attempt():`)")
     if not survivors:
         blockers.append(f"no survivor holds the replicated state (all {members.world_size} ranks lost)")
+    elif obs.unreplicated():
+        alone = obs.unreplicated()
+        why = ("pure FSDP: each shard exists on one rank only" if all(len(g) == 1 for g in obs.replicas or ())
+               else "every replica of it was lost")
+        blockers.append(f"no survivor holds a copy of the sharded state of {ranks_text(alone, verb=False)} ({why}), "
+                        "so the newest commit is its only copy")
     if fault.kind is FaultKind.UNHEALTHY:
         moving = sorted(r for r in survivors if members.rank_nodes[r] in fault.nodes)
         if moving:
@@ -251,7 +260,9 @@ def decide_recovery(obs: Observation, costs: RecoveryCosts, cfg: LadderConfig, n
     no_spare = f"no ready spare for {ranks_text(left, verb=False)}" + (f" (promoting {promoted})" if promotions else "")
     new_world = world - len(left)
     wait_note, wait_until = _wait_window(obs, costs, cfg, now)
-    if new_world < members.min_size:
+    if obs.replicas is not None:
+        why_not = f"sharded state cannot be resharded in process, so the run does not shrink to {new_world} ranks"
+    elif new_world < members.min_size:
         why_not = f"shrinking {world} -> {new_world} would go below the minimum world size {members.min_size}"
     elif new_world not in members.feasible_world_sizes:
         feasible = ", ".join(map(str, sorted(members.feasible_world_sizes))) or "none"

@@ -200,9 +200,14 @@ class Observation:
     """In-process recoveries of this same step (``fault.step``) that already failed."""
     waiting_since: float | None = None
     """Caller's clock when the ladder began holding for a repair of this fault; None if it has not."""
+    replicas: Sequence[Sequence[int]] | None = None
+    """Sharded state (FSDP2, HSDP): the ranks holding identical shards, one tuple per shard (one rank each
+    without a replica, as in pure FSDP).  None: every rank holds the whole state (DDP)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "spares", tuple(self.spares))
+        if self.replicas is not None:
+            object.__setattr__(self, "replicas", tuple(tuple(int(r) for r in g) for g in self.replicas))
         object.__setattr__(self, "survivor_steps", MappingProxyType(dict(self.survivor_steps)))
         object.__setattr__(self, "diverged", frozenset(self.diverged))
         world = self.membership.world_size
@@ -242,6 +247,14 @@ class Observation:
         """Ranks still alive with their in-memory state."""
         lost = set(self.lost_ranks)
         return tuple(r for r in range(self.membership.world_size) if r not in lost)
+
+    def unreplicated(self) -> tuple[int, ...]:
+        """Lost ranks whose shard no survivor holds (sharded state only; empty for DDP)."""
+        if self.replicas is None:
+            return ()
+        alive = set(self.survivors)
+        return tuple(r for r in self.lost_ranks
+                     if not any(r in group and alive & set(group) for group in self.replicas))
 
     @property
     def bad_nodes(self) -> frozenset[str]:
