@@ -65,11 +65,11 @@ def reference3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def assert_bitwise_equal(out: Path, reference: Path) -> None:
+def assert_bitwise_equal(out: Path, reference: Path, world: int = 2) -> None:
     got, want = by_step(trace(out)), by_step(trace(reference))
     assert sorted(got) == list(range(STEPS)) == sorted(want)
     for step in range(STEPS):
-        assert len(got[step]) == 2, f"step {step} was completed {len(got[step])} times, not once per rank: {got[step]}"
+        assert len(got[step]) == world, f"step {step} was completed {len(got[step])} times, not once per rank: {got[step]}"
         mine = {line["rank"]: (line["indices"], line["losses"]) for line in got[step]}
         theirs = {line["rank"]: (line["indices"], line["losses"]) for line in want[step]}
         assert mine == theirs, f"step {step} differs from the uninterrupted run"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from .agent_helpers import events, explain, incidents
-from .test_agent_inproc import DIE_STEP, STEPS, by_step, elastic_run, trace
+from .test_agent_inproc import DIE_STEP, assert_bitwise_equal, elastic_run, trace
 
 
 @pytest.fixture(scope="module")
@@ -22,21 +22,6 @@ def hsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out, proc = elastic_run(tmp_path_factory.mktemp("hsdp"), "ref", "--nproc-per-node", "4", extra=("--mesh", "2,2"))
     assert proc.returncode == 0, explain(proc)
     return out
-
-
-def assert_same_run(out: Path, reference: Path, world: int) -> None:
-    """Every step completed once per rank with the reference's samples and losses; the same final state."""
-    got, want = by_step(trace(out)), by_step(trace(reference))
-    assert sorted(got) == list(range(STEPS)) == sorted(want)
-    for step in range(STEPS):
-        assert len(got[step]) == world, f"step {step} was completed {len(got[step])} times: {got[step]}"
-        mine = {line["rank"]: (line["indices"], line["losses"]) for line in got[step]}
-        theirs = {line["rank"]: (line["indices"], line["losses"]) for line in want[step]}
-        assert mine == theirs, f"step {step} differs from the uninterrupted run"
-    final, ref = json.loads((out / "final.json").read_text()), json.loads((reference / "final.json").read_text())
-    assert final["params"] == ref["params"]
-    assert final["optimizer"] == ref["optimizer"]
-    assert (final["scheduler"], final["lr"], final["samples"]) == (ref["scheduler"], ref["lr"], ref["samples"])
 
 
 def test_a_spare_takes_a_killed_hsdp_rank_shard_from_its_replica(tmp_path: Path, hsdp_reference: Path) -> None:
@@ -52,7 +37,7 @@ def test_a_spare_takes_a_killed_hsdp_rank_shard_from_its_replica(tmp_path: Path,
     assert len(done) == 1 and done[0]["resumed_after_step"] == DIE_STEP, done
     workers = {line["worker"] for line in trace(out) if line["step"] > DIE_STEP and line["rank"] == 3}
     assert workers == {"s4"}, f"rank 3 after the failure was {workers}, not the spare"
-    assert_same_run(out, hsdp_reference, 4)  # zero steps re-done, bitwise equal
+    assert_bitwise_equal(out, hsdp_reference, 4)  # zero steps re-done, bitwise equal
 
 
 @pytest.fixture(scope="module")

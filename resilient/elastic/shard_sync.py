@@ -45,6 +45,7 @@ from .state_sync import (
     _misfit,
     _shape,
     _table,
+    load_received,
 )
 
 
@@ -132,15 +133,7 @@ def sync_sharded(agreement: StepAgreement, layout: ShardLayout, model: torch.nn.
         _broadcast_tensors(shards, dist.get_group_rank(pg, group_source), pg)
     if rank == source:
         return dict(extra or {})
-    received = unflatten(theirs["skeleton"], rest_tensors)
-    if optimizer is not None:
-        optimizer.load_state_dict(received["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(received["scheduler"])
-    if scaler is not None:
-        scaler.load_state_dict(received["scaler"])
-    out: dict[str, Any] = received["extra"]
-    return out
+    return load_received(unflatten(theirs["skeleton"], rest_tensors), optimizer, scheduler, scaler)
 
 
 def _local(t: Any) -> torch.Tensor:

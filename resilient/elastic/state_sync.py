@@ -162,7 +162,11 @@ def sync_from(
     if rank == source_rank:
         return dict(extra or {})
 
-    received = unflatten(source_meta["skeleton"], rest_tensors)
+    return load_received(unflatten(source_meta["skeleton"], rest_tensors), optimizer, scheduler, scaler)
+
+
+def load_received(received: dict[str, Any], optimizer: Any, scheduler: Any, scaler: Any) -> dict[str, Any]:
+    """Load the source's optimizer, scheduler and scaler state on a receiver; return the source's ``extra``."""
     if optimizer is not None:
         optimizer.load_state_dict(received["optimizer"])
     if scheduler is not None:
