@@ -39,6 +39,7 @@ class EventKind(str, Enum):
     ATTEMPT_RETRIED = "attempt_retried"  # a step's attempt failed with a peer error, was recovered and is retried
     GROUP_REJOINED = "group_rejoined"  # this worker is in a re-formed group (survivor or promoted spare), state synced
     RECOVERY_GAVE_UP = "recovery_gave_up"  # in-process recovery failed here: the error propagates, the agent restarts
+    REPLICA_MISMATCH = "replica_mismatch"  # the replica audit found ranks whose parameters differ from the others'
 
     # -- checkpoints
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint
@@ -82,6 +83,14 @@ class EventKind(str, Enum):
     STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last
     RESTORED = "restored"  # a generation's ranks on this node reported what they restored (or a fresh start)
 
+    # -- stragglers and slowdowns (resilient.watchdog.straggler, resilient.watchdog.slowdown)
+    STRAGGLER_FLAGGED = "straggler_flagged"  # a rank is persistently slower than its peers in a section
+    STRAGGLER_CLEARED = "straggler_cleared"  # a flagged rank is back in line with its peers
+    SLOWDOWN_BEGAN = "slowdown_began"  # the job's step time rose above its own baseline: cause and host telemetry
+    SLOWDOWN_ENDED = "slowdown_ended"  # it is back at the baseline: what the slowdown cost
+    DETECTORS_CHANGED = "detectors_changed"  # a detector's settings were changed on the running job
+    DETECTOR_FAILED = "detector_failed"  # straggler/slowdown detection raised: reported, training goes on
+
     # -- in-process recovery (the recovery ladder's rungs above a restart)
     RECOVERY_DECIDED = "recovery_decided"  # the ladder's answer to a failure: its rung, reason and numbers
     GENERATION_CONTINUED = "generation_continued"  # a new generation formed in process (promotion or shrink)
@@ -123,8 +132,10 @@ class OutcomeKind(Enum):
         return self in (OutcomeKind.FAILED, OutcomeKind.MEMBERSHIP)
 
 
-FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy", "collective"]
-"""What an incident was: a non-zero exit, a death by signal, a hang, a lost peer node, an unhealthy node."""
+FailureKind = Literal["exit", "signal", "hang", "node_lost", "unhealthy", "collective", "straggler", "slowdown",
+                      "replica_mismatch"]
+"""What an incident was: a non-zero exit, a death by signal, a hang, a lost peer node, an unhealthy node, a rank
+slower than its peers, the whole job slower than its own baseline, replicas whose parameters differ."""
 FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from . import __version__
 from . import run_attempt as _attempt
+from . import run_audit as _audit
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import Restored
@@ -42,9 +43,11 @@ from .run_payloads import (
     new_save_report,
     open_checkpoints,
     shard_layout,
+    stop_at_boundary,
 )
 from .run_recovery import InProcessRecovery
 from .run_sections import BETWEEN, Section
+from .run_timing import step_timer
 from .state import Stateful, check_stateful, model_fingerprint
 from .worker.env import WorkerEnv
 from .worker.heartbeat import HeartbeatCounts
@@ -77,6 +80,7 @@ class Run:
         agent: WorkerEnv | None = _FROM_ENVIRONMENT,
         ddp: bool | Mapping[str, Any] = False,
         seed: int = 0,
+        audit_every: int = 100,
     ) -> None:
         """``agent``: the agent contract; read from the environment unless given (None: no agent).
 
@@ -84,7 +88,8 @@ class Run:
         dict of its keyword arguments) once a process group exists, so that the
         wrapper can be rebuilt on a re-formed group; ``run.model`` is then the
         wrapped module.  ``seed``: the run's seed for the random streams of
-        :meth:`attempt` and :meth:`micro_batches` (:mod:`resilient.run_attempt`).
+        :meth:`attempt` and :meth:`micro_batches` (:mod:`resilient.run_attempt`).  ``audit_every``: compare
+        replicated parameters across ranks every this many steps, 0 never (:mod:`resilient.run_audit`).
         """
         self.events = events if events is not None else EventLog()
         self._section = "init"
@@ -107,11 +112,14 @@ class Run:
         self._sharded = check_sharding(model, ddp, spare=spare and joined is None)
         """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
         layout = shard_layout(self, model, optimizer, env, spare=spare)
-        self._ddp = _attempt.ddp_options(ddp, model)
+        self._timer = step_timer(self._hooks, optimizer)
+        """Step time by section, sent to the agent every few steps for its straggler and slowdown detectors."""
+        self._ddp = _attempt.ddp_options(ddp, model, self._timer)
         _attempt.init_default_group(self._ddp is not None)  # torchrun or the agent, and the script made no group
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"Run(seed={seed!r}) must be an int")
         self.seed = seed
+        self._audit_every = _audit.checked_every(audit_every)
         self.model = model
         """The model to call: the DDP wrapper with ``ddp=True`` under a process group, else the module given."""
         self.optimizer = optimizer
@@ -185,12 +193,16 @@ class Run:
         """
         if total < 0:
             raise ConfigError(f"Run.steps({total}): the number of steps must be >= 0")
-        hooks = self._hooks
+        hooks, timer = self._hooks, self._timer
+        if timer is not None:
+            timer.begin()
         while self.step < total:
             if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):
-                self._maybe_stop(hooks)
+                stop_at_boundary(self, hooks)
             if self._inproc is not None:
                 self._inproc.at_boundary()  # a shrunk world grows back here when the agent says so
+            if _audit.due(self, self._audit_every):
+                _audit.audit(self, self.step)
             self._maybe_checkpoint()
             self._step_started = time.perf_counter()
             if hooks is not None:
@@ -198,8 +210,12 @@ class Run:
             yield self.step
             if self._retry:  # the attempt failed and was recovered in-process: the same step again
                 self._retry = False
+                if timer is not None:
+                    timer.begin()  # the failed attempt and the recovery are not the step's time
                 continue
             self.last_step_s = time.perf_counter() - self._step_started
+            if timer is not None:
+                timer.end_step(self.step)
             self.step += 1
             # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
             # its way out, or the agent would see the next step start before it does.
@@ -331,6 +347,8 @@ class Run:
     # -------------------------------------------------------------- helpers
     def _enter(self, section: str) -> None:
         self._section = section
+        if self._timer is not None:
+            self._timer.switch(section)
         if self._hooks is not None:
             self._hooks.enter(section, self.step, self._committed_step(), tokens=self.tokens, samples=self.samples,
                               save=self._new_save_report())
@@ -343,25 +361,6 @@ class Run:
     def _committed_step(self) -> int | None:
         manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
         return manifest.step if manifest is not None else None
-
-    def _maybe_stop(self, hooks: WorkerHooks) -> None:
-        """Stop at this boundary if the agent asked for it and ``step`` reached its stop step.
-
-        The agent picks a stop step ahead of every rank so that all ranks
-        commit the same step together.  A rank that is already past it stops
-        at its current boundary instead; if its peers stop at another step,
-        their commits do not match and the commit fails (or waits for its
-        timeout), so the agent must choose the stop step with room to spare.
-        """
-        request = hooks.take_stop_request()
-        if request is None or self.step < request.stop_at_step:
-            return
-        result = self.save() if self.checkpoints is not None else None
-        committed = result.name if result is not None and result.ok else None
-        self.events.emit(EventKind.GRACEFUL_STOP, step=self.step, stop_at_step=request.stop_at_step,
-                         reason=request.reason, committed=committed, error=result.error if result is not None else None)
-        hooks.bye(self.step, self._committed_step())
-        raise SystemExit(0)
 
     def _maybe_checkpoint(self) -> None:
         ckpt = self.checkpoints

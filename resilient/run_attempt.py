@@ -48,10 +48,12 @@ from .agent.consequences import is_collective_error  # torch-free: the agent's o
 from .elastic.batch import BatchPlan
 from .errors import ConfigError, ResilientError
 from .events import EventKind
+from .run_timing import COMM_HOOK, COMM_STATE
 from .state import unwrap
 
 if TYPE_CHECKING:
     from .run import Run
+    from .run_timing import StepTimer
 
 
 def step_seed(seed: int, step: int, slot: int) -> int:
@@ -60,8 +62,15 @@ def step_seed(seed: int, step: int, slot: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def ddp_options(ddp: bool | Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any] | None:
-    """``Run(ddp=...)`` as the keyword arguments of ``DistributedDataParallel`` (None: the Run does not wrap)."""
+def ddp_options(ddp: bool | Mapping[str, Any], model: torch.nn.Module,
+                timer: StepTimer | None = None) -> dict[str, Any] | None:
+    """``Run(ddp=...)`` as the keyword arguments of ``DistributedDataParallel`` (None: the Run does not wrap).
+
+    Two keys are not DDP's: ``comm_hook`` and ``comm_state``, a communication
+    hook to register on every wrapper the Run builds.  With a ``timer`` the
+    hook (DDP's default all-reduce when none is given) is wrapped so that the
+    timer sees the communication wait (:mod:`resilient.run_timing`).
+    """
     if ddp is False:
         return None
     if ddp is not True and not (isinstance(ddp, Mapping) and all(isinstance(key, str) for key in ddp)):
@@ -73,7 +82,14 @@ def ddp_options(ddp: bool | Mapping[str, Any], model: torch.nn.Module) -> dict[s
             "on a re-formed process group), but this model is wrapped already: pass the plain module "
             "(model.module), or leave ddp=False to keep your own wrapper"
         )
-    return {} if ddp is True else dict(ddp)
+    options = {} if ddp is True else dict(ddp)
+    hook = options.get(COMM_HOOK)
+    if hook is not None and not callable(hook):
+        raise ConfigError(f"Run(ddp={{'comm_hook': {hook!r}}}): a communication hook is a callable (state, bucket) "
+                          "-> Future, as DistributedDataParallel.register_comm_hook takes")
+    if timer is not None:
+        options[COMM_HOOK] = timer.comm_hook(hook)
+    return options
 
 
 def init_default_group(wanted: bool) -> None:
@@ -112,8 +128,10 @@ def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any],
     module = unwrap(model)
     if not (dist.is_available() and dist.is_initialized()):
         return module
+    options = dict(options)
+    hook, state = options.pop(COMM_HOOK, None), options.pop(COMM_STATE, None)
     if layout is None:
-        return DistributedDataParallel(module, **options)
+        return _with_hook(DistributedDataParallel(module, **options), hook, state)
     compute = dist._compute_bucket_assignment_by_size  # what DDP's constructor asks for its first layout
 
     def carried(tensors: list[torch.Tensor], bucket_size_limits: list[int], *rest: Any,
@@ -124,9 +142,17 @@ def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any],
 
     dist._compute_bucket_assignment_by_size = carried
     try:
-        return DistributedDataParallel(module, **options)
+        wrapped = DistributedDataParallel(module, **options)
     finally:
         dist._compute_bucket_assignment_by_size = compute
+    return _with_hook(wrapped, hook, state)
+
+
+def _with_hook(wrapped: DistributedDataParallel, hook: Any, state: Any) -> DistributedDataParallel:
+    """``wrapped`` with the communication hook of ``Run(ddp=...)`` registered, if any."""
+    if hook is not None:
+        wrapped.register_comm_hook(state, hook)
+    return wrapped
 
 
 def ddp_layout(model: torch.nn.Module) -> list[list[int]] | None:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .elastic.mesh_rebind import ShardLayout
     from .run import Run
     from .worker.env import WorkerEnv
+    from .worker.hooks import WorkerHooks
 
 
 def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool,
@@ -234,3 +235,23 @@ def new_save_report(checkpoints: CheckpointManager | None,
     size = result.manifest.total_bytes if result.manifest is not None else 0
     return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
             "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}, result
+
+
+def stop_at_boundary(run: Run, hooks: WorkerHooks) -> None:
+    """Stop ``run`` at this boundary if the agent asked for it and its ``step`` reached the stop step.
+
+    The agent picks a stop step ahead of every rank so that all ranks
+    commit the same step together.  A rank that is already past it stops
+    at its current boundary instead; if its peers stop at another step,
+    their commits do not match and the commit fails (or waits for its
+    timeout), so the agent must choose the stop step with room to spare.
+    """
+    request = hooks.take_stop_request()
+    if request is None or run.step < request.stop_at_step:
+        return
+    result = run.save() if run.checkpoints is not None else None
+    committed = result.name if result is not None and result.ok else None
+    run.events.emit(EventKind.GRACEFUL_STOP, step=run.step, stop_at_step=request.stop_at_step,
+                    reason=request.reason, committed=committed, error=result.error if result is not None else None)
+    hooks.bye(run.step, run._committed_step())
+    raise SystemExit(0)

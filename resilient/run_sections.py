@@ -44,5 +44,7 @@ class Section:
         if self._outer is not None:
             if self._outer == BETWEEN:
                 self._run._section = BETWEEN  # nothing to re-enter: the next step reports itself
+                if self._run._timer is not None:
+                    self._run._timer.switch(BETWEEN)
             else:
                 self._run._enter(self._outer)

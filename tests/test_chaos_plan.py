@@ -54,7 +54,10 @@ def test_plan_round_trips_through_json(tmp_path):
          r"exit_code: only an 'exit' fault has one, this one is 'kill'; remove it"),
         ({"version": 1, "faults": [{"kind": "exit", "step": 1, "exit_code": 300}]}, "use 0..255"),
         ({"version": 1, "faults": [{"kind": "hang", "step": 1, "duration_s": -1}]}, "duration_s: -1 must be seconds"),
-        ({"version": 1, "faults": [{"kind": "raise", "step": 1, "duration_s": 1}]}, "only a 'hang' fault"),
+        ({"version": 1, "faults": [{"kind": "raise", "step": 1, "duration_s": 1}]}, "only 'hang' and 'slow' faults"),
+        ({"version": 1, "faults": [{"kind": "slow", "step": 1}]}, "a 'slow' fault needs the seconds"),
+        ({"version": 1, "faults": [{"kind": "hang", "step": 1, "steps": 3}]}, "only a 'slow' fault has one"),
+        ({"version": 1, "faults": [{"kind": "slow", "step": 1, "duration_s": 0.1, "steps": 0}]}, "steps: 0"),
         ({"version": 1, "faults": [{"kind": "kill", "step": 1, "section": ""}]}, "section: '' must be a section"),
         ({"version": 1, "faults": [{"kind": "kill", "step": 1, "attempt": True}]}, "attempt: True must be"),
         ({"version": 1, "faults": ["kill"]}, r"faults\[0\]\.must be an object"),
@@ -128,6 +131,24 @@ def test_injector_fires_each_fault_once_and_records_it_first(capsys):
     assert [e.fields["fault"]["kind"] for e in recorded] == ["hang", "raise"] and recorded[0].fields["seed"] == 5
     assert "resilient.chaos: injecting fault" in capsys.readouterr().err
     assert not FaultInjector(plan, None, 0, 1, events=events).armed  # attempt 1: nothing planned
+
+
+def test_a_slow_fault_delays_its_section_once_per_step_for_its_steps():
+    events = EventLog()
+    plan = FaultPlan(faults=(Fault(kind="slow", rank=0, step=2, section="data", duration_s=0.03, steps=2),))
+    injector = FaultInjector(plan, None, 0, 0, events=events)
+
+    def entry(section: str, step: int) -> float:
+        started = time.monotonic()
+        injector.at(section, step)
+        return time.monotonic() - started
+
+    assert entry("data", 1) < 0.02                          # before its step
+    assert entry("data", 2) >= 0.03 and entry("data", 2) < 0.02  # once per step, however often it is entered
+    assert entry("step", 3) < 0.02                          # another section
+    assert entry("data", 3) >= 0.03 and entry("data", 3) < 0.02
+    assert entry("data", 4) < 0.02 and not injector.armed   # 2 steps: over at step 4
+    assert [e.fields["fault"]["kind"] for e in events.of_kind("fault_injected")] == ["slow"]
 
 
 # -------------------------------------------------- faults in real (torch-free) processes

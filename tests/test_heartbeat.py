@@ -439,3 +439,52 @@ def test_datagrams_of_older_senders_still_decode_and_a_malformed_recovery_report
     with pytest.raises(HeartbeatError, match="belongs to kind 'recovery' only"):
         decode(encode(Heartbeat(rank=0, local_rank=0, pid=1, section="s", step=0, seq=1, kind="section",
                                 generation=0, recovery={"event": "ready"})))
+
+
+def test_timing_and_audit_reports_reach_the_watch_only_from_current_workers_and_never_the_ledger(sock_path, tmp_path):
+    """Both travel alone; the intake hands them on (current generation and pid only), never as section entries."""
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.tracker import HeartbeatIntake, RankTracker
+    from resilient.metrics.ledger import LedgerConfig
+    from resilient.worker.heartbeat import BatchingSender
+
+    tracker = RankTracker()
+    accounting = NodeAccounting(tmp_path / "ledger.json", LedgerConfig())
+    accounting.apply("agent_started")
+    accounting.generation_started(2, 1, 1, restart=False, lead_rank=0)
+    tracker.start_generation({0: os.getpid()}, time.monotonic(), generation=2)
+    reports: list[Heartbeat] = []
+    receiver = HeartbeatReceiver(sock_path, HeartbeatIntake(tracker, accounting, on_report=reports.append))
+    timing = {"w": 3, "n": 5, "step": 0.02, "s": {"compute": 0.015, "data": 0.003}}
+    audit = {"ranks": [1], "tensors": [{"tensor": "0.weight", "ranks": [1]}], "step": 100}
+    try:
+        sender = BatchingSender(HeartbeatSender(sock_path, rank=0, local_rank=0, generation=2), interval_s=10)
+        sender.send("section", "step", 15)
+        assert sender.send_single("timing", "step", 15, timing=timing)
+        assert sender.send_single("audit", "step", 100, audit=audit)
+        stale = BatchingSender(HeartbeatSender(sock_path, rank=0, local_rank=0, generation=1), interval_s=10)
+        assert stale.send_single("timing", "step", 15, timing=timing)  # an earlier generation's: not handed on
+        wait_for(lambda: receiver.received == 4, what="the section, two reports and the stale one")
+        ledger_before = accounting.ledger.to_dict()
+        sender.close()
+        stale.close()
+    finally:
+        receiver.close()
+    assert [(r.kind, r.timing, r.audit) for r in reports] == [("timing", timing, None), ("audit", None, audit)]
+    [rank0] = tracker.ranks().values()
+    assert (rank0.section, rank0.step) == ("step", 15), "a report is not a section entry"
+    assert accounting.ledger.to_dict() == ledger_before
+
+
+@pytest.mark.parametrize("kind, field, value, problem", [
+    ("timing", "timing", {"n": 5, "s": {}}, "kind 'timing' needs an object 'timing' with integers w, n"),
+    ("timing", "timing", {"w": 1, "n": 5, "s": []}, "an object s"),
+    ("audit", "audit", {"tensors": []}, "kind 'audit' needs an object 'audit' with a list 'ranks'"),
+    ("section", "timing", {"w": 1, "n": 5, "s": {}}, "field 'timing' belongs to kind 'timing' only"),
+    ("section", "audit", {"ranks": []}, "field 'audit' belongs to kind 'audit' only"),
+])
+def test_a_malformed_timing_or_audit_report_is_refused_saying_what_is_wrong(kind, field, value, problem):
+    hb = Heartbeat(rank=0, local_rank=0, pid=1, section="step", step=0, seq=1, kind=kind, generation=1,
+                   **{field: value})
+    with pytest.raises(HeartbeatError, match=problem):
+        decode(encode(hb))

@@ -10,6 +10,8 @@ from pathlib import Path
 from ..coord.launch import check_launch_id
 from ..errors import ConfigError
 from ..watchdog.sections import SectionTimeouts
+from ..watchdog.slowdown import SlowdownConfig
+from ..watchdog.straggler import StragglerConfig
 from .health import HealthConfig
 from .policy import RestartConfig
 from .rendezvous import RendezvousTimeouts
@@ -64,6 +66,10 @@ class AgentConfig:
     """Restart budget, backoff and crash-loop breaker."""
     sections: SectionTimeouts = field(default_factory=SectionTimeouts)
     """Hang timeouts per section."""
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    """How ranks slower than their peers are detected (changeable on a running job)."""
+    slowdown: SlowdownConfig = field(default_factory=SlowdownConfig)
+    """How the job slowing down against its own baseline is detected (changeable on a running job)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Thresholds below which the node steps out."""
     health_paths: tuple[str, ...] = ()

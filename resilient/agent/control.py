@@ -10,6 +10,9 @@ Requests::
 
     {"op": "status"}                                  -> {"ok": true, "status": {...}}
     {"op": "stop", "token": "...", "reason": "..."}   -> {"ok": true, "stop_requested": "..."}
+    {"op": "detectors"}                               -> {"ok": true, "detectors": {"straggler.enabled": true, ...}}
+    {"op": "detectors", "token": "...", "set": {"straggler.rule.decision": 12}}
+                                                      -> {"ok": true, "detectors": {...}} (from the next window)
 """
 
 from __future__ import annotations
@@ -20,10 +23,13 @@ import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import ResilientError
+from ..errors import ConfigError, ResilientError
 from .sockets import bind_private
+
+if TYPE_CHECKING:
+    from .slowness import SlownessWatch
 
 _MAX_REQUEST = 64 * 1024
 
@@ -36,11 +42,12 @@ class ControlServer:
     """Serve control requests for one agent on ``path`` from a daemon thread."""
 
     def __init__(self, path: Path, token: str, status: Callable[[], dict[str, Any]],
-                 request_stop: Callable[[str], None]) -> None:
+                 request_stop: Callable[[str], None], detectors: SlownessWatch | None = None) -> None:
         self.path = path
         self._token = token
         self._status = status
         self._request_stop = request_stop
+        self._detectors = detectors
         self._sock = bind_private(str(path), socket.SOCK_STREAM)
         self._sock.listen(8)
         self._sock.settimeout(0.5)
@@ -71,14 +78,25 @@ class ControlServer:
         op = request.get("op")
         if op == "status":
             return {"ok": True, "status": self._status()}
-        if op == "stop":
+        if op == "detectors" and self._detectors is not None and not request.get("set"):
+            return {"ok": True, "detectors": self._detectors.settings()}
+        if op in ("stop", "detectors"):
             given = str(request.get("token", ""))
             if not hmac.compare_digest(given.encode(), self._token.encode()):
                 return {"ok": False, "error": "wrong or missing run token: read it from <run_dir>/token"}
+        if op == "detectors" and self._detectors is not None:
+            changes = request.get("set")
+            if not isinstance(changes, dict):
+                return {"ok": False, "error": "'set' must be an object of dotted setting -> value"}
+            try:
+                return {"ok": True, "detectors": self._detectors.request(changes, "control socket")}
+            except ConfigError as e:
+                return {"ok": False, "error": str(e)}
+        if op == "stop":
             reason = str(request.get("reason") or "stop requested through the control socket")
             self._request_stop(reason)
             return {"ok": True, "stop_requested": reason}
-        return {"ok": False, "error": f"unknown op {op!r}; use 'status' or 'stop'"}
+        return {"ok": False, "error": f"unknown op {op!r}; use 'status', 'stop' or 'detectors'"}
 
     def close(self) -> None:
         self._closed.set()

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from .config import AgentConfig
     from .inproc import InProcess
     from .shared import SharedFacts
+    from .slowness import SlownessWatch
     from .status import StatusPublisher
     from .tracker import RankTracker
 
@@ -92,6 +93,8 @@ class GenerationContext:
     """Record an incident now (in-process recovery: the generation goes on, the supervisor never sees it)."""
     recovered: Callable[[str, dict[str, Any]], None] | None = None
     """An in-process recovery completed: append its record to the incident that started it."""
+    slowness: SlownessWatch | None = None
+    """Straggler and slowdown detection over the ranks' timing windows."""
 
 
 class PeerWatch:
@@ -270,6 +273,9 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
             if peers.ended:
                 return Outcome(OutcomeKind.SUCCEEDED, "the run ended on the nodes that held its ranks")
         elif group.all_exited():
+            if ctx.slowness is not None:  # the last windows came just before the exits; a slowdown ends with the run
+                ctx.slowness.poll(a.generation, list(group.workers))
+                ctx.slowness.run_ended(a.generation)
             if stop_deadline is not None:
                 note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
                 return Outcome(OutcomeKind.PREEMPTED,
@@ -298,6 +304,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 continue
             if peers.waiting > 0:
                 return Outcome(OutcomeKind.MEMBERSHIP, f"{peers.waiting} node(s) waiting to join the run")
+        if ctx.slowness is not None and stop_deadline is None:
+            ctx.slowness.poll(a.generation, [r for r, w in group.workers.items() if w.exit is None])
         if now >= next_health:
             next_health = now + c.health_interval_s
             health = assess(probe(list(c.health_paths)), c.health)

@@ -68,6 +68,9 @@ class Incident:
     why the run did, or did not, recover without a restart."""
     recovered: Mapping[str, Any] | None = None
     """After an in-process recovery: the rung, the new generation, its seconds and where the ranks resumed."""
+    performance: Mapping[str, Any] | None = None
+    """For ``straggler`` and ``slowdown``: the section, the numbers, the attribution, the host's telemetry and,
+    once a slowdown ended, its cost (``ended``)."""
     wall_time: float = field(default_factory=time.time)
 
     def with_decision(self, decision: Any) -> Incident:
@@ -83,11 +86,16 @@ class Incident:
         """This incident with how the in-process recovery it started completed."""
         return replace(self, recovered=dict(recovered))
 
+    def with_performance(self, performance: Mapping[str, Any]) -> Incident:
+        """This incident with its straggler or slowdown record replaced (e.g. a slowdown's end and cost)."""
+        return replace(self, performance=dict(performance))
+
     def store_record(self) -> dict[str, Any]:
         """The run-wide copy kept in the store (readable with ``resilient status --store``)."""
         return {**self.event_fields(), "node": self.node, "wall_time": self.wall_time,
                 **({"restored": dict(self.restored)} if self.restored else {}),
-                **({"recovered": dict(self.recovered)} if self.recovered else {})}
+                **({"recovered": dict(self.recovered)} if self.recovered else {}),
+               **({"performance": dict(self.performance)} if self.performance else {})}
 
     def event_fields(self) -> dict[str, Any]:
         """The compact form that goes into the event log."""

@@ -20,6 +20,7 @@ from .accounting import NodeAccounting
 from .config import AgentConfig
 from .coordination import Coordination
 from .rundir import RunDir
+from .slowness import SlownessWatch
 from .status import StatusPublisher
 from .tracker import RankTracker
 
@@ -37,11 +38,14 @@ class NodeReporting:
         self.metrics: Any = None
         self.spares_ready: Callable[[], int] | None = None
         """Warm spares now (set by the agent when in-process recovery is on offer)."""
+        self.slowness: SlownessWatch | None = None
+        """Straggler and slowdown detection (set by the agent)."""
         self.status = StatusPublisher(
             config, status_file=run_dir.status_file, control_socket=run_dir.socket_path("control.sock"),
             tracker=tracker, accounting=accounting, restarts_used=lambda: coordination.restarts_used_cached,
             refresh_restarts=coordination.restarts_used,
             store_put=coordination.control.put if config.store_url is not None else None, emit=emit, clock=clock)
+        self.status.slowness = lambda: self.slowness.snapshot() if self.slowness is not None else None
 
     def start(self) -> None:
         """Start ``/metrics`` (when a port is configured), then the status publisher."""
@@ -84,4 +88,5 @@ class NodeReporting:
             flops_per_step=c.flops_per_step,
             peak_flops=self._peak_flops * c.nproc_per_node if self._peak_flops is not None else None,
             mfu=job_mfu(a, c.flops_per_step, self._peak_flops),
+            slowness=self.slowness.snapshot() if self.slowness is not None else None,
         )

@@ -80,6 +80,8 @@ class StatusPublisher:
         self.recovery: Callable[[], dict[str, Any]] | None = None
         """In-process recovery's view: the ladder's newest decision, how the newest recovery completed, spares
         ready (set by the agent when it offers in-process recovery)."""
+        self.slowness: Callable[[], dict[str, Any] | None] | None = None
+        """Straggler scores, standing flags and the slowdown in progress (set by the agent's reporting)."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -142,6 +144,7 @@ class StatusPublisher:
                          for s in calibration_summary(tracker.stats, c.sections)],
             "checkpoint": tracker.checkpoint_location, "restore": self.restore,
             "recovery": self.recovery() if self.recovery is not None else None,
+            "slowness": self.slowness() if self.slowness is not None else None,
             "store_published_at": self._store_published_at,
         }
 

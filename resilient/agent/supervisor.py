@@ -53,6 +53,7 @@ from .rendezvous import Assignment
 from .reporting import NodeReporting
 from .restores import RestoreSummary
 from .rundir import RunDir, heartbeat_socket, read_token
+from .slowness import watch_for
 from .tracker import HeartbeatIntake, RankTracker
 
 __all__ = ["Agent", "AgentResult", "heartbeat_socket", "run_agent"]
@@ -115,6 +116,7 @@ class Agent:
             self.reporting.status.recovery = self.inproc.view
         self._open_incidents: dict[str, Incident] = {}
         """Incidents an in-process recovery is answering: the record of its completion is appended."""
+        self.reporting.slowness = self.slowness = watch_for(self)
 
     # ------------------------------------------------------------ plumbing
     def emit(self, kind: EventKind, **fields: Any) -> None:
@@ -166,7 +168,7 @@ class Agent:
             workers_started=self.bookkeeping.workers_started, workers_stopped=self.bookkeeping.workers_stopped,
             restored=self._on_restored, inproc=self.inproc, restart_outlook=self._restart_outlook,
             next_generation=self._next_generation, record_incident=self._record_open_incident,
-            recovered=self._on_recovered,
+            recovered=self._on_recovered, slowness=self.slowness,
         )
 
     def _restart_outlook(self, failure: Failure) -> RestartOutlook:
@@ -204,9 +206,8 @@ class Agent:
         c = self.config
         self.emit(EventKind.AGENT_STARTED, run_id=c.run_id, nproc_per_node=c.nproc_per_node,
                   nnodes=[c.min_nodes, c.max_nodes], store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
-        # One socket per local rank: a unix datagram queue holds only a few messages
-        # (net.unix.max_dgram_qlen, 10 here), so ranks sharing one would lose heartbeats.
-        intake = HeartbeatIntake(self.tracker, self.accounting,
+        # One socket per local rank: a unix datagram queue holds only a few messages (10 here), or heartbeats are lost.
+        intake = HeartbeatIntake(self.tracker, self.accounting, on_report=self.slowness.take,
                                  on_recovery=self.inproc.on_message if self.inproc is not None else None)
         # Spares have sockets of their own (slots after the ranks'); a replacement takes a dead process's slot.
         slots = c.nproc_per_node + (c.spares if self.inproc is not None else 0)
@@ -216,7 +217,7 @@ class Agent:
         self.reporting.start()
         self.bookkeeping.report_swept(self.accounting.ledger.generation or 0)
         control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.reporting.status.snapshot,
-                                self._on_stop_request)
+                                self._on_stop_request, self.slowness)
         generation = 0
         try:
             problem = self.coordination.join_launch()

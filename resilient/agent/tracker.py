@@ -133,6 +133,11 @@ class RankTracker:
             self._ranks[hb.rank] = replace(old, last_seen=received_at, heartbeats=old.heartbeats + 1)
         return True
 
+    def is_current(self, hb: Heartbeat) -> bool:
+        """Whether ``hb`` comes from this generation's worker of its rank (nothing is recorded)."""
+        with self._lock:
+            return hb.generation is not None and hb.generation == self._generation and self._pids.get(hb.rank) == hb.pid
+
     def ranks(self) -> dict[int, RankInfo]:
         with self._lock:
             return dict(self._ranks)
@@ -153,16 +158,24 @@ class HeartbeatIntake:
     """The receivers' callback: the tracker decides whether a heartbeat counts, the ledger gets only those."""
 
     def __init__(self, tracker: RankTracker, accounting: NodeAccounting,
-                 on_recovery: Callable[[Heartbeat, float], None] | None = None) -> None:
+                 on_recovery: Callable[[Heartbeat, float], None] | None = None,
+                 on_report: Callable[[Heartbeat], None] | None = None) -> None:
         self.tracker = tracker
         self.accounting = accounting
         self.on_recovery = on_recovery
         """Takes ``recovery`` messages (in-process recovery's reports); they never reach the tracker or ledger."""
+        self.on_report = on_report
+        """Takes the current workers' ``timing`` (step time by section) and ``audit`` (replica audit) reports;
+        not section entries either."""
 
     def __call__(self, hb: Heartbeat, received_at: float) -> None:
         if hb.kind == "recovery":  # from a spare (no rank yet) as much as from a member: not a section entry
             if self.on_recovery is not None:
                 self.on_recovery(hb, received_at)
+            return
+        if hb.kind in ("timing", "audit"):
+            if self.on_report is not None and self.tracker.is_current(hb):
+                self.on_report(hb)
             return
         if self.tracker.on_heartbeat(hb, received_at) and hb.kind != "restored":
             self.accounting.heartbeat(received_at, hb.kind, hb.rank, hb.section, hb.step, hb.tokens, hb.samples,

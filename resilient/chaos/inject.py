@@ -56,6 +56,10 @@ class FaultInjector:
         self.fired: list[Fault] = []
         """Faults fired so far in this process (the ones that returned: hangs with a duration)."""
         self._index: dict[tuple[str, int], list[Fault]] = {}
+        self._slow: dict[str, tuple[float, int | None]] = {}
+        """``slow`` faults in force: section -> (seconds per step, first step no longer slowed or None)."""
+        self._slowed: dict[str, int] = {}
+        """The last step each slowed section was slowed at (once per step, however often it is re-entered)."""
         for fault in plan.for_worker(node, rank, attempt):
             if after_step is None or fault.step > after_step:
                 self._index.setdefault((fault.section, fault.step), []).append(fault)
@@ -63,7 +67,7 @@ class FaultInjector:
     @property
     def armed(self) -> bool:
         """Whether any fault can still strike this process."""
-        return bool(self._index)
+        return bool(self._index) or bool(self._slow)
 
     def due(self, section: str, step: int) -> bool:
         """Whether entering ``section`` at ``step`` fires a fault (so the caller can flush what it owes first)."""
@@ -71,6 +75,14 @@ class FaultInjector:
 
     def at(self, section: str, step: int) -> None:
         """Called on entering ``section`` at ``step``: fire the first matching fault, if any."""
+        if self._slow:
+            slow = self._slow.get(section)
+            if slow is not None and self._slowed.get(section) != step:
+                if slow[1] is None or step < slow[1]:
+                    self._slowed[section] = step
+                    time.sleep(slow[0])
+                else:
+                    del self._slow[section]
         if not self._index:
             return
         faults = self._index.get((section, step))
@@ -106,6 +118,11 @@ class FaultInjector:
             _hang(fault.duration_s)
         elif fault.kind == "deadlock":
             _deadlock()
+        elif fault.kind == "slow":
+            assert fault.duration_s is not None  # Fault requires it
+            self._slow[fault.section] = (fault.duration_s, None if fault.steps is None else step + fault.steps)
+            self._slowed[fault.section] = step
+            time.sleep(fault.duration_s)
         elif fault.kind == "sigstop":
             _flush_stdio()
             os.kill(os.getpid(), signal.SIGSTOP)

@@ -18,7 +18,11 @@ updates for ``checkpoint``, ``restore`` and ``init``.  Kinds:
 - ``exit``: ``os._exit(exit_code)`` (default 1) after flushing output;
 - ``raise``: an uncaught ``RuntimeError`` naming the fault;
 - ``hang``: sleep ``duration_s`` seconds (default: forever) inside the section;
-- ``deadlock``: two threads each wait for the other's lock (forever).
+- ``deadlock``: two threads each wait for the other's lock (forever);
+- ``slow``: from ``step`` on, sleep ``duration_s`` seconds once per step,
+  when the section is first entered in that step, for ``steps`` steps
+  (default: the rest of the run): a straggler (section ``step``) or a slow
+  input path (section ``data``).
 
 :meth:`FaultPlan.random` makes a plan from a seed, so a drill can ask for
 "three random crashes" and get the same three every time.
@@ -38,7 +42,7 @@ from ..errors import ConfigError
 from ..fsutil import write_text_atomic
 
 PLAN_VERSION = 1
-FAULT_KINDS = ("kill", "exit", "raise", "hang", "deadlock", "sigstop")
+FAULT_KINDS = ("kill", "exit", "raise", "hang", "deadlock", "sigstop", "slow")
 DEFAULT_EXIT_CODE = 1
 
 
@@ -65,7 +69,9 @@ class Fault:
     exit_code: int | None = None
     """Exit status (``exit`` only; default 1)."""
     duration_s: float | None = None
-    """How long to hang (``hang`` only); None: forever."""
+    """How long to hang (``hang``; None: forever), or the delay per step (``slow``, required)."""
+    steps: int | None = None
+    """How many steps a ``slow`` fault lasts; None: the rest of the run."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -85,9 +91,16 @@ class Fault:
             _check_int("exit_code", self.exit_code, minimum=0, what="an exit status 0..255")
             if self.exit_code > 255:
                 raise FaultPlanError(f"exit_code: {self.exit_code} is not an exit status; use 0..255")
+        if self.kind == "slow" and self.duration_s is None:
+            raise FaultPlanError("duration_s: a 'slow' fault needs the seconds to add per section entry, e.g. 0.005")
+        if self.steps is not None:
+            if self.kind != "slow":
+                raise FaultPlanError(f"steps: only a 'slow' fault has one, this one is {self.kind!r}; remove it")
+            _check_int("steps", self.steps, minimum=1, what="a number of steps >= 1, or null for the rest of the run")
         if self.duration_s is not None:
-            if self.kind != "hang":
-                raise FaultPlanError(f"duration_s: only a 'hang' fault has one, this one is {self.kind!r}; remove it")
+            if self.kind not in ("hang", "slow"):
+                raise FaultPlanError(f"duration_s: only 'hang' and 'slow' faults have one, this one is {self.kind!r}; "
+                                     "remove it")
             if (isinstance(self.duration_s, bool) or not isinstance(self.duration_s, (int, float))
                     or not math.isfinite(self.duration_s) or self.duration_s < 0):
                 raise FaultPlanError(
@@ -113,12 +126,14 @@ class Fault:
         where = (f"rank {'*' if self.rank is None else self.rank} on node {self.node or '*'}, "
                  f"attempt {'*' if self.attempt is None else self.attempt}")
         extra = {"exit": f" with code {self.code}",
-                 "hang": f" for {'ever' if self.duration_s is None else f'{self.duration_s} s'}"}.get(self.kind, "")
+                 "hang": f" for {'ever' if self.duration_s is None else f'{self.duration_s} s'}",
+                 "slow": f" by {self.duration_s} s per step for "
+                         f"{'the rest of the run' if self.steps is None else f'{self.steps} steps'}"}.get(self.kind, "")
         return f"{self.kind}{extra} entering section {self.section!r} at step {self.step} ({where})"
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        for optional in ("exit_code", "duration_s"):
+        for optional in ("exit_code", "duration_s", "steps"):
             if out[optional] is None:
                 del out[optional]
         return out

@@ -123,6 +123,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--flops-per-step", type=float, metavar="F", help="model FLOPs of one step of the whole job (MFU)")
     p.add_argument("--peak-tflops", type=float, metavar="T",
                    help="peak TFLOP/s of one device (default: looked up by GPU name; needed on CPU for MFU)")
+    p.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a straggler/slowdown detector setting, e.g. straggler.rule.decision=12 or "
+                        "slowdown.enabled=false; repeatable (`resilient detectors` changes them while running)")
     p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
     p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
@@ -162,6 +165,10 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     from ..agent.policy import RestartConfig
     from ..agent.rendezvous import RendezvousTimeouts
     from ..watchdog.sections import SectionTimeouts
+    from ..watchdog.settings import apply as apply_settings
+    from ..watchdog.slowdown import SlowdownConfig
+    from ..watchdog.straggler import StragglerConfig
+    from .detectors_cmd import parse_assignments
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     min_nproc, nproc = parse_nnodes(args.nproc_per_node, "--nproc-per-node")
@@ -198,6 +205,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
                        ("floor_s", args.timeout_floor)):
         if value is not None:
             sections[key] = value
+    straggler, slowdown = apply_settings((StragglerConfig(), SlowdownConfig()), parse_assignments(args.detector))
     health: dict[str, Any] = {}
     if args.min_free_disk_gb is not None:
         health["min_free_disk_bytes"] = int(args.min_free_disk_gb * 2**30)
@@ -213,6 +221,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
                               backoff_initial_s=args.restart_backoff, budget_scope=args.restart_budget_scope),
         sections=SectionTimeouts(**sections), health=HealthConfig(**health), health_paths=tuple(args.health_path),
+        straggler=straggler, slowdown=slowdown,
         rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,

@@ -170,6 +170,7 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
                 out.append(f"  recovered: {recovery['completed']}")
             if recovery.get("spares") is not None:
                 out.append(f"  spares ready: {recovery['spares']}")
+        out.extend(slowness_lines(n.get("slowness")))
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
                              if t["source"] != "initial")
         if timeouts:
@@ -268,3 +269,23 @@ def _tail_events(path: Path, size: int = 65536) -> list[dict[str, Any]]:
         if isinstance(event, dict):
             found.append(event)
     return found
+
+
+def slowness_lines(slowness: Any) -> list[str]:
+    """Standing straggler flags (with their numbers) and a slowdown in progress, for one node."""
+    if not isinstance(slowness, dict):
+        return []
+    out = []
+    scores = {(s["rank"], s["section"]): s for s in slowness.get("scores", [])}
+    for flag in slowness.get("stragglers", []):
+        s = scores.get((flag["rank"], flag["section"]), {})
+        out.append(f"  straggler: rank {flag['rank']} in {flag['section']}: {flag.get('reason') or ''}".rstrip(": ")
+                   + (f" (latest window {s['relative']:.2f}x its peers)" if s.get("relative") else ""))
+    slow = slowness.get("slowdown")
+    if isinstance(slow, dict):
+        out.append(f"  slowdown: {slow.get('reason')}")
+    elif slowness.get("baseline_s"):
+        out.append(f"  step time: at its baseline ({slowness['baseline_s'] * 1e3:.1f} ms per step), no straggler"
+                   if not slowness.get("stragglers") else
+                   f"  step time baseline: {slowness['baseline_s'] * 1e3:.1f} ms per step")
+    return out

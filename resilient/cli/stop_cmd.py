@@ -39,17 +39,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if args.run_dir is None:
         raise ConfigError("give --run-dir DIR (the run's control sockets), or --store URL --run-id ID")
     from ..agent.control import ControlError, call
-    from ..agent.rundir import read_token
-    from ..fsutil import read_json
 
-    token_file = args.run_dir / "token"
-    if not token_file.exists():
-        raise ConfigError(f"no run token at {token_file}: is {args.run_dir} the run directory of `resilient run`?")
-    token = read_token(token_file)
-    statuses = [s for p in sorted((args.run_dir / "nodes").glob("*/status.json")) if (s := read_json(p))]
-    live = [s for s in statuses if s.get("control_socket") and not str(s.get("phase", "")).startswith("finished")]
-    if not live:
-        raise ConfigError(f"no running agent found under {args.run_dir}/nodes")
+    token, live = live_agents(args.run_dir)
     failed = 0
     for s in live:
         try:
@@ -61,6 +52,21 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"node {s['node']}: {json.dumps(answer)}")
         failed += 0 if answer.get("ok") else 1
     return 1 if failed else 0
+
+
+def live_agents(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
+    """The run's token and the status of every agent of ``run_dir`` still running (ConfigError if none)."""
+    from ..agent.rundir import read_token
+    from ..fsutil import read_json
+
+    token_file = run_dir / "token"
+    if not token_file.exists():
+        raise ConfigError(f"no run token at {token_file}: is {run_dir} the run directory of `resilient run`?")
+    statuses = [s for p in sorted((run_dir / "nodes").glob("*/status.json")) if (s := read_json(p))]
+    live = [s for s in statuses if s.get("control_socket") and not str(s.get("phase", "")).startswith("finished")]
+    if not live:
+        raise ConfigError(f"no running agent found under {run_dir}/nodes")
+    return read_token(token_file), live
 
 
 def stop_through_store(args: argparse.Namespace) -> int:

@@ -107,6 +107,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_world_size", "gauge", "Ranks in the current generation", _NODE),
     Metric("resilient_full_world_size", "gauge", "Ranks the run has with every node present", _NODE),
     Metric("resilient_generation", "gauge", "Current generation (rendezvous round) number", _NODE),
+    Metric("resilient_straggler_score", "gauge",
+           "A rank's seconds per step in a section over its peers' median, latest window (1.25: 25% slower)",
+           (*_NODE, "rank", "section")),
+    Metric("resilient_straggler_flagged", "gauge",
+           "1 while a rank is flagged as persistently slower than its peers in a section", (*_NODE, "rank", "section")),
+    Metric("resilient_slowdown_active", "gauge", "1 while the job's step time is above its own baseline", _NODE),
+    Metric("resilient_slowdown_ratio", "gauge", "The job's step time over its baseline while a slowdown lasts", _NODE),
+    Metric("resilient_baseline_step_seconds", "gauge",
+           "The job's baseline seconds per step (the slowdown detector's, boundary to boundary)", _NODE),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

@@ -48,6 +48,8 @@ class NodeView:
     peak_flops: float | None = None
     mfu: Mapping[str, float | None] = field(default_factory=dict)
     """MFU by scope ("run", "window"); None where it cannot be computed."""
+    slowness: Mapping[str, Any] | None = None
+    """Straggler scores and the slowdown state (:meth:`~resilient.agent.slowness.SlownessWatch.snapshot`)."""
 
 
 def families(view: NodeView) -> Iterator[Any]:
@@ -138,6 +140,29 @@ def families(view: NodeView) -> Iterator[Any]:
     yield one("resilient_world_size", view.world_size)
     yield one("resilient_full_world_size", view.full_world_size)
     yield one("resilient_generation", view.generation)
+    yield from _slowness(view.slowness or {}, fam, base)
+
+
+def _slowness(snap: Mapping[str, Any], fam: Callable[[str], Any], base: list[str]) -> Iterator[Any]:
+    """The straggler and slowdown gauges from the detectors' snapshot."""
+    score, flagged = fam("resilient_straggler_score"), fam("resilient_straggler_flagged")
+    for s in snap.get("scores", []):
+        labels = [*base, str(s["rank"]), s["section"]]
+        score.add_metric(labels, float(s["relative"]))
+        flagged.add_metric(labels, 1.0 if s["flagged"] else 0.0)
+    yield score
+    yield flagged
+    slow = snap.get("slowdown")
+    active, ratio, baseline = fam("resilient_slowdown_active"), fam("resilient_slowdown_ratio"), \
+        fam("resilient_baseline_step_seconds")
+    active.add_metric(base, 1.0 if slow else 0.0)
+    if slow:
+        ratio.add_metric(base, float(slow["ratio"]))
+    if snap.get("baseline_s") is not None:
+        baseline.add_metric(base, float(snap["baseline_s"]))
+    yield active
+    yield ratio
+    yield baseline
 
 
 class _Collector:

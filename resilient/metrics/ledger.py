@@ -116,6 +116,8 @@ class Ledger:
         self.tokens_at: dict[int, dict[int, tuple[int, int]]] = {}
         self.reservoir: deque[float] = deque(maxlen=config.reservoir)
         self.measured: float | None = None
+        self.ideal_frozen = 0
+        """1 while a slowdown is in progress: the measured ideal stays the pre-slowdown one (see :meth:`freeze_ideal`)."""
         self.histograms: dict[int, list[Any]] = {}  # rank -> [counts, sum, count]
         self.incidents: list[_Incident] = []
         self.segments: deque[list[Any]] = deque(maxlen=config.max_relabel_segments)  # [t0, t1, cat]
@@ -254,6 +256,17 @@ class Ledger:
                 inc.recovered_t = t
             inc.state = "closed"
 
+    def freeze_ideal(self, t: float, frozen: bool) -> None:
+        """Hold the measured ideal (``frozen``) while the agent sees a slowdown, or let it follow the steps again.
+
+        The ideal is measured from recent steps, so a lasting slowdown would
+        become the new ideal and its cost would vanish from
+        ``slowdown_excess``; held, the slow steps are not folded in and their
+        time beyond the pre-slowdown ideal stays excess.
+        """
+        del t  # no time moves: only how later steps are measured changes
+        self.ideal_frozen = int(frozen)
+
     # ------------------------------------------------------------------ reading
     def account(self, now: float) -> Account:
         """The account as of ``now`` (>= the last event; earlier is read as the last event). Pure."""
@@ -369,6 +382,8 @@ class Ledger:
             return
         self.high_water = max(self.high_water, step)
         self.last_progress_t = t
+        if self.ideal_frozen:
+            return
         self.reservoir.append(work)
         # Recomputing costs O(reservoir): do it on every new step while few are known, then on every
         # (reservoir / 32)-th, so a full 512-step reservoir costs about 32 elements per step.

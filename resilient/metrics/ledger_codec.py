@@ -86,7 +86,7 @@ _SCALARS = ("start_t", "last_t", "clamped_events", "hold", "generation", "world_
             "high_water", "replay_mark", "attempted_steps", "replayed_steps", "attempted_tokens",
             "replayed_tokens", "committed_step", "committed_tokens", "committed_samples", "last_commit_t",
             "last_progress_t", "measured", "floor")
-_ADDED = {"saves_deferred": 0, "deferred_steps": 0}
+_ADDED = {"saves_deferred": 0, "deferred_steps": 0, "ideal_frozen": 0}
 """Scalars added since format 1 was first written, with the value a ledger saved before them had."""
 
 

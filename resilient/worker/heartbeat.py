@@ -79,7 +79,8 @@ class HeartbeatSender:
     def format(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
                checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
                save: dict[str, Any] | None = None, t: float | None = None,
-               restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None) -> str:
+               restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None,
+               timing: dict[str, Any] | None = None, audit: dict[str, Any] | None = None) -> str:
         """One heartbeat as a JSON line (takes the next sequence number)."""
         self.seq += 1
         quoted = self._sections.get(section)
@@ -91,6 +92,8 @@ class HeartbeatSender:
         when = "" if t is None else f',"t":{t!r}'
         report = "" if restored is None else f',"restored":{json.dumps(restored)}'
         report += "" if recovery is None else f',"recovery":{json.dumps(recovery)}'
+        report += "" if timing is None else f',"timing":{json.dumps(timing)}'
+        report += "" if audit is None else f',"audit":{json.dumps(audit)}'
         return (f'{self._head}"section":{quoted},"step":{int(step)},"seq":{self.seq},"kind":"{kind}",'
                 f'"checkpoint":{where},"committed_step":{committed},"tokens":{int(tokens)},'
                 f'"samples":{int(samples)}{saved}{when}{report}}}')
@@ -98,11 +101,13 @@ class HeartbeatSender:
     def send(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
              checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
              save: dict[str, Any] | None = None, restored: dict[str, Any] | None = None,
-             recovery: dict[str, Any] | None = None) -> bool:
+             recovery: dict[str, Any] | None = None, timing: dict[str, Any] | None = None,
+             audit: dict[str, Any] | None = None) -> bool:
         """Send one heartbeat; True when the agent's socket took it."""
         try:
             text = self.format(kind, section, step, committed_step=committed_step, checkpoint=checkpoint,
-                               tokens=tokens, samples=samples, save=save, restored=restored, recovery=recovery)
+                               tokens=tokens, samples=samples, save=save, restored=restored, recovery=recovery,
+                               timing=timing, audit=audit)
         except Exception as e:  # noqa: BLE001  e.g. a save report that is not JSON: drop, never raise
             self.dropped += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -204,8 +209,10 @@ class BatchingSender:
         return True
 
     def send_single(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
-                    restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None) -> bool:
-        """Send what is queued, then one heartbeat in a datagram of its own (``restored``, ``recovery``); never raises.
+                    restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None,
+                    timing: dict[str, Any] | None = None, audit: dict[str, Any] | None = None) -> bool:
+        """Send what is queued, then one heartbeat in a datagram of its own (``restored``, ``recovery``, ``timing``,
+        ``audit``); never raises.
 
         A report that older agents do not know travels alone, so an older
         agent drops that datagram only, never a batch of heartbeats with it.
@@ -218,7 +225,7 @@ class BatchingSender:
             self._flush_locked()
             self._last_flush = self._clock()
             return self.sender.send(kind, section, step, committed_step=committed_step, restored=restored,
-                                    recovery=recovery)
+                                    recovery=recovery, timing=timing, audit=audit)
 
     def _loop(self) -> None:
         while not self._closed.wait(self.interval_s):

@@ -180,6 +180,18 @@ class WorkerHooks:
         self.sender.send_single("restored", self.section, self.step, committed_step=self.committed_step,
                                 restored=report)
 
+    def timing(self, report: dict[str, Any]) -> None:
+        """Send one window of step time by section (:mod:`resilient.watchdog.timing`) in a datagram of its own."""
+        if self._said_bye or self.standby:
+            return
+        self.sender.send_single("timing", self.section, self.step, committed_step=self.committed_step, timing=report)
+
+    def audit(self, report: dict[str, Any]) -> None:
+        """Send the replica audit's finding (:mod:`resilient.run_audit`) in a datagram of its own."""
+        if self._said_bye or self.standby:
+            return
+        self.sender.send_single("audit", self.section, self.step, committed_step=self.committed_step, audit=report)
+
     def recovery(self, report: dict[str, Any]) -> None:
         """Send an in-process recovery report (``{"event": ...}``) in a datagram of its own, standby or not."""
         self.sender.send_single("recovery", self.section, self.step, committed_step=self.committed_step,

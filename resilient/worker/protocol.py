@@ -61,6 +61,14 @@ see ``docs/architecture.md``.  A spare sends nothing else until it is
 promoted; after a re-formation ``g`` and ``rank`` are the new
 generation's.
 
+``timing`` (also alone, also without a version change) carries
+``timing``: one window of the rank's step time by section, ``{"w": window
+index, "n": steps measured, "step": mean seconds per step, "s": {section:
+seconds per step}}`` (see :mod:`resilient.watchdog.timing`).  It is sent
+once per window (every few steps), not per step.  ``audit`` (alone too)
+carries ``audit``: the replica audit's finding when parameters differ across
+data-parallel ranks (:mod:`resilient.run_audit`), sent by the lowest rank.
+
 The sender lives in :mod:`resilient.worker.heartbeat`, the receiver in
 :mod:`resilient.agent.heartbeat`.
 """
@@ -76,7 +84,7 @@ from ..errors import ResilientError
 PROTOCOL_VERSION = 2
 """2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""
 VERSIONS = (1, 2)
-KINDS = ("hello", "section", "restored", "bye", "recovery")
+KINDS = ("hello", "section", "restored", "bye", "recovery", "timing", "audit")
 RECOVERY_EVENTS = ("ready", "waiting", "rejoined", "gave_up")
 """The ``event`` of a ``recovery`` message this version sends (a receiver should tolerate others)."""
 MAX_DATAGRAM = 65536
@@ -117,6 +125,10 @@ class Heartbeat:
     """``restored`` only: the checkpoint name (None: fresh start), its step and the restore's seconds."""
     recovery: dict[str, Any] | None = None
     """``recovery`` only: ``{"event": "ready" | "rejoined" | "gave_up", ...}`` (see the module docstring)."""
+    timing: dict[str, Any] | None = None
+    """``timing`` only: one window of step time by section (see the module docstring)."""
+    audit: dict[str, Any] | None = None
+    """``audit`` only: which ranks and tensors differ from the other replicas."""
     v: int = PROTOCOL_VERSION
 
 
@@ -211,12 +223,26 @@ def _validate(obj: Any) -> Heartbeat:
             raise HeartbeatError(f"kind 'recovery' needs an object 'recovery' with a string 'event', got {recovery!r:.80}")
     elif recovery is not None:
         raise HeartbeatError(f"field 'recovery' belongs to kind 'recovery' only, got it with {obj['kind']!r}")
+    timing = obj.get("timing")
+    if obj["kind"] == "timing":
+        if not (isinstance(timing, dict) and isinstance(timing.get("s"), dict)
+                and all(_is_int(timing.get(k)) for k in ("w", "n"))):
+            raise HeartbeatError(f"kind 'timing' needs an object 'timing' with integers w, n and an object s, "
+                                 f"got {timing!r:.80}")
+    elif timing is not None:
+        raise HeartbeatError(f"field 'timing' belongs to kind 'timing' only, got it with {obj['kind']!r}")
+    audit = obj.get("audit")
+    if obj["kind"] == "audit":
+        if not (isinstance(audit, dict) and isinstance(audit.get("ranks"), list)):
+            raise HeartbeatError(f"kind 'audit' needs an object 'audit' with a list 'ranks', got {audit!r:.80}")
+    elif audit is not None:
+        raise HeartbeatError(f"field 'audit' belongs to kind 'audit' only, got it with {obj['kind']!r}")
     return Heartbeat(
         rank=obj["rank"], local_rank=obj["local_rank"], pid=obj["pid"], section=section, step=obj["step"],
         seq=obj["seq"], kind=obj["kind"], checkpoint=checkpoint, committed_step=committed,
         tokens=obj.get("tokens", 0), samples=obj.get("samples", 0), save=save,
         t=float(t) if t is not None else None, generation=generation if version >= 2 else None, v=version,
-        restored=restored, recovery=recovery,
+        restored=restored, recovery=recovery, timing=timing, audit=audit,
     )
 
 

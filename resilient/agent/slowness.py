@@ -1,0 +1,285 @@
+"""The agent's side of straggler and slowdown detection: collect the ranks' windows, score them, report.
+
+Workers send one ``timing`` heartbeat per window of steps
+(:mod:`resilient.run_timing`).  :meth:`SlownessWatch.take` files them by
+generation and window on the receiver's thread; the watch loop calls
+:meth:`SlownessWatch.poll`, which scores every window all of this node's
+ranks have reported, in order, with the pure detectors
+(:mod:`resilient.watchdog.straggler`, :mod:`resilient.watchdog.slowdown`),
+and reports what changed:
+
+- a straggler flagged or cleared: a ``straggler_flagged`` /
+  ``straggler_cleared`` event and, when flagged, an incident of kind
+  ``straggler`` naming the rank, node, section and numbers;
+- a slowdown that began: a ``slowdown_began`` event and an incident of
+  kind ``slowdown`` with the attribution and the host's telemetry over the
+  slowdown against the baseline; the ledger's measured ideal is held so the
+  slow steps count as ``slowdown_excess``; when it ends, a
+  ``slowdown_ended`` event, and the incident is rewritten with its cost
+  (seconds above the baseline, and the ledger's ``slowdown_excess``
+  accrued meanwhile).
+
+A window some rank never reports (it died, or the world re-formed) is
+dropped once a later window is complete; a new generation starts both
+detectors afresh (ranks renumbered, the step time may change).  The scores
+are read by ``/metrics`` and ``status`` through :meth:`snapshot`.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from collections import deque
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from ..events import Emit, EventKind
+from ..watchdog.settings import Configs, flatten
+from ..watchdog.settings import apply as apply_settings
+from ..watchdog.slowdown import SlowdownChange, SlowdownConfig, SlowdownDetector
+from ..watchdog.straggler import StragglerChange, StragglerConfig, StragglerDetector
+from ..watchdog.timing import RankWindow, parse_window
+from .heartbeat import Heartbeat
+from .incidents import Incident, publish_incident
+from .telemetry import HostSample, compare_samples, sample_host
+
+if TYPE_CHECKING:
+    from .supervisor import Agent
+
+PENDING_WINDOWS = 64
+"""Windows kept waiting for their last rank; older ones are dropped."""
+
+
+class SlownessWatch:
+    """Collects timing windows from the heartbeat threads and scores them from the watch loop."""
+
+    def __init__(self, node_id: str, emit: Emit, *, straggler: StragglerConfig | None = None,
+                 slowdown: SlowdownConfig | None = None, record: Callable[[Incident], None] | None = None,
+                 publish: Callable[[Incident], None] | None = None,
+                 excess_s: Callable[[], float] | None = None,
+                 freeze_ideal: Callable[[bool], None] | None = None,
+                 telemetry: Callable[[], HostSample] = sample_host) -> None:
+        self.node_id = node_id
+        self._emit = emit
+        self._record = record
+        self._publish = publish
+        self._excess = excess_s
+        self._freeze = freeze_ideal
+        self._telemetry = telemetry
+        self.stragglers = StragglerDetector(straggler)
+        self.slowdowns = SlowdownDetector(slowdown)
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int], dict[int, RankWindow]] = {}
+        self._generation: int | None = None
+        self._done = -1
+        self.malformed = 0
+        self.failures = 0
+        """Errors inside detection (each reported as a ``detector_failed`` event, the first three in full)."""
+        self._audits: list[tuple[int, dict[str, Any]]] = []
+        """Replica audit findings waiting for the watch loop: (generation, report)."""
+        self._reasons: dict[tuple[int, str], str] = {}
+        """Why each standing straggler flag was raised (for ``status``)."""
+        self._host: deque[HostSample] = deque(maxlen=PENDING_WINDOWS)
+        """One host sample per scored window."""
+        self._baseline_host: tuple[HostSample, HostSample] | None = None
+        self._queued: tuple[Configs, dict[str, Any], str] | None = None
+        """Settings accepted by :meth:`request`, applied at the next :meth:`poll` (with the changes and their source)."""
+        self._open: tuple[Incident, float] | None = None
+        """The slowdown incident in progress and the ledger's slowdown_excess when it began."""
+
+    # ------------------------------------------------------------ intake (receiver threads)
+    def take(self, hb: Heartbeat) -> None:
+        """File one ``timing`` or ``audit`` heartbeat of a current worker (the tracker checked its generation, pid)."""
+        if hb.kind == "audit":
+            with self._lock:
+                self._audits.append((hb.generation or 0, dict(hb.audit or {})))
+            return
+        try:
+            window = parse_window(hb.rank, self.node_id, hb.timing or {})
+        except ValueError:
+            with self._lock:
+                self.malformed += 1
+            return
+        with self._lock:
+            key = (hb.generation or 0, window.window)
+            self._pending.setdefault(key, {})[hb.rank] = window
+            if len(self._pending) > PENDING_WINDOWS:
+                del self._pending[min(self._pending)]
+
+    # ------------------------------------------------------------ scoring (the watch loop)
+    def poll(self, generation: int, ranks: Collection[int]) -> None:
+        """Score the windows of ``generation`` every one of ``ranks`` has reported, oldest first.
+
+        Detection must never end a healthy generation: an error in it is a ``detector_failed`` event (the
+        first few of them, with the traceback) and the watch loop goes on.
+        """
+        try:
+            self._poll(generation, ranks)
+        except Exception as e:  # noqa: BLE001  reported, never fatal to training
+            self.failures += 1
+            if self.failures <= 3:
+                self._emit(EventKind.DETECTOR_FAILED, error=f"{type(e).__name__}: {e}",
+                           traceback=traceback.format_exc(), failures=self.failures)
+
+    def _poll(self, generation: int, ranks: Collection[int]) -> None:
+        if generation != self._generation:
+            self._new_generation(generation)
+        self._apply_queued(generation)
+        self._record_audits()
+        expected = set(ranks)
+        with self._lock:
+            ready = sorted(k for k, ws in self._pending.items() if k[0] == generation and k[1] > self._done
+                           and expected and expected <= set(ws))
+            batches = []
+            for key in ready:
+                batches.append({r: w for r, w in self._pending[key].items() if r in expected})
+                self._done = key[1]
+            for key in [k for k in self._pending if k[0] != generation or k[1] <= self._done]:
+                del self._pending[key]
+        for windows in batches:
+            self._host.append(self._telemetry())
+            for change in self.stragglers.observe(windows):
+                self._straggler(change, generation)
+            had_baseline = self.slowdowns.baseline_s is not None
+            for slow in self.slowdowns.observe(windows):
+                self._slowdown(slow, generation)
+            if not had_baseline and self.slowdowns.baseline_s is not None:  # the host while the baseline was set
+                first = max(0, len(self._host) - self.slowdowns.config.baseline_windows - 1)
+                self._baseline_host = (self._host[first], self._host[-1])
+
+    def settings(self) -> dict[str, Any]:
+        """Every detector setting by its dotted key (a change already accepted included)."""
+        with self._lock:
+            configs = self._queued[0] if self._queued else (self.stragglers.config, self.slowdowns.config)
+        return flatten(configs)
+
+    def request(self, changes: Mapping[str, Any], source: str) -> dict[str, Any]:
+        """Accept ``changes`` (dotted key -> value) for the next window on; ConfigError and no change if invalid."""
+        with self._lock:
+            base = self._queued[0] if self._queued else (self.stragglers.config, self.slowdowns.config)
+            configs = apply_settings(base, changes)
+            merged = {**(self._queued[1] if self._queued else {}), **changes}
+            self._queued = (configs, merged, source)
+        return flatten(configs)
+
+    def _apply_queued(self, generation: int) -> None:
+        with self._lock:
+            queued, self._queued = self._queued, None
+        if queued is None:
+            return
+        (straggler, slowdown), changes, source = queued
+        self.reconfigure(straggler=straggler, slowdown=slowdown, generation=generation)
+        self._emit(EventKind.DETECTORS_CHANGED, generation=generation, changes=dict(changes), source=source,
+                   settings=flatten((straggler, slowdown)))
+
+    def run_ended(self, generation: int) -> None:
+        """The workers exited: a slowdown in progress ends (its incident gets its cost); flags stay for ``status``."""
+        try:
+            for slow in self.slowdowns.end():
+                self._slowdown(slow, generation)
+        except Exception as e:  # noqa: BLE001  reported, never fatal
+            self._emit(EventKind.DETECTOR_FAILED, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+
+    def reconfigure(self, *, straggler: StragglerConfig | None = None, slowdown: SlowdownConfig | None = None,
+                    generation: int = 0) -> None:
+        """Use new detector settings from the next window on (runtime control)."""
+        if straggler is not None:
+            for change in self.stragglers.reconfigure(straggler):
+                self._straggler(change, generation)
+        if slowdown is not None:
+            for slow in self.slowdowns.reconfigure(slowdown):
+                self._slowdown(slow, generation)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Scores and standing flags, for ``/metrics`` and ``status``."""
+        slow = self.slowdowns.last if self.slowdowns.slow else None
+        return {
+            "scores": [asdict(s) for s in self.stragglers.scores()],
+            "stragglers": [{"rank": r, "section": s, "reason": self._reasons.get((r, s))}
+                           for r, s in self.stragglers.flagged()],
+            "slowdown": None if slow is None else {"reason": slow.reason, "ratio": round(slow.ratio, 4),
+                                                   "since_window": slow.window},
+            "baseline_s": self.slowdowns.baseline_s,
+        }
+
+    def _record_audits(self) -> None:
+        """Each replica audit finding: an event and an incident naming the ranks and tensors."""
+        with self._lock:
+            audits, self._audits = self._audits, []
+        for generation, report in audits:
+            self._emit(EventKind.REPLICA_MISMATCH, generation=generation, **report)
+            if self._record is not None:
+                ranks = report.get("ranks") or []
+                self._record(Incident(
+                    id=f"g{generation:04d}-{self.node_id}-replicas-s{report.get('step')}", node=self.node_id,
+                    generation=generation, kind="replica_mismatch", rank=ranks[0] if len(ranks) == 1 else None,
+                    pid=None, section=None, step=report.get("step"), summary=str(report.get("reason")),
+                    performance=report))
+
+    def _new_generation(self, generation: int) -> None:
+        """A restart or re-formation ends what was being measured: flags clear, a slowdown ends, all warm up again."""
+        previous = self._generation or 0
+        for change in self.stragglers.clear():
+            self._straggler(change, previous)
+        for slow in self.slowdowns.finish():
+            self._slowdown(slow, previous)
+        self._generation, self._done, self._baseline_host = generation, -1, None
+        self._host.clear()
+
+    def _straggler(self, change: StragglerChange, generation: int) -> None:
+        fields = {k: v for k, v in asdict(change).items() if k not in ("kind", "node")}  # the event has the node
+        if change.kind == "cleared":
+            self._reasons.pop((change.rank, change.section), None)
+            self._emit(EventKind.STRAGGLER_CLEARED, generation=generation, **fields)
+            return
+        self._reasons[(change.rank, change.section)] = change.reason
+        self._emit(EventKind.STRAGGLER_FLAGGED, generation=generation, **fields)
+        if self._record is not None:
+            self._record(Incident(
+                id=f"g{generation:04d}-{self.node_id}-straggler-r{change.rank}-{change.section}-w{change.window}",
+                node=self.node_id, generation=generation, kind="straggler", rank=change.rank, pid=None,
+                section=change.section, step=None, summary=change.reason, performance={**fields, "node": change.node}))
+
+    def _slowdown(self, change: SlowdownChange, generation: int) -> None:
+        attribution = None if change.attribution is None else asdict(change.attribution)
+        fields = {"window": change.window, "baseline_s": change.baseline_s, "step_s": change.step_s,
+                  "ratio": round(change.ratio, 4), "attribution": attribution, "excess_s": round(change.excess_s, 3),
+                  "reason": change.reason}
+        excess_now = self._excess() if self._excess is not None else 0.0
+        if change.kind == "began":
+            if self._freeze is not None:
+                self._freeze(True)
+            span = min(len(self._host), self.slowdowns.config.rule.consecutive + 1)
+            fields["host"] = compare_samples(self._baseline_host, (self._host[-span], self._host[-1]))
+            self._emit(EventKind.SLOWDOWN_BEGAN, generation=generation, **fields)
+            incident = Incident(id=f"g{generation:04d}-{self.node_id}-slowdown-w{change.window}", node=self.node_id,
+                                generation=generation, kind="slowdown", rank=None if attribution is None else
+                                attribution["rank"], pid=None, section=None if attribution is None else
+                                attribution["section"], step=None, summary=change.reason, performance=fields)
+            self._open = (incident, excess_now)
+            if self._record is not None:
+                self._record(incident)
+            return
+        if self._freeze is not None:
+            self._freeze(False)
+        opened, self._open = self._open, None
+        ledger_excess = None if opened is None or self._excess is None else round(excess_now - opened[1], 3)
+        fields["ledger_slowdown_excess_s"] = ledger_excess
+        self._emit(EventKind.SLOWDOWN_ENDED, generation=generation, **fields)
+        if opened is not None and self._publish is not None:
+            incident = opened[0]
+            self._publish(incident.with_performance({**(incident.performance or {}), "ended": fields}))
+
+
+def watch_for(agent: Agent) -> SlownessWatch:
+    """The watch of a node agent: its config, its incidents, and its ledger's slowdown excess and ideal."""
+    c = agent.config
+
+    def publish(incident: Incident) -> None:
+        publish_incident(incident, agent.run_dir, agent.coordination.control, agent.emit)
+
+    return SlownessWatch(
+        c.node_id, agent.emit, straggler=c.straggler, slowdown=c.slowdown, record=agent.record_incident,
+        publish=publish, excess_s=lambda: float(agent.accounting.account().seconds.get("slowdown_excess", 0.0)),
+        freeze_ideal=lambda frozen: agent.accounting.apply("freeze_ideal", frozen))

@@ -1,0 +1,195 @@
+"""Step time by section, measured in the training loop and sent to the agent once per window of steps.
+
+Each step's wall time, from one step boundary to the next (so a checkpoint
+stall at the boundary counts), is split into the sections of
+:mod:`resilient.watchdog.timing`:
+
+- the sections the Run is told about as they happen (``data`` by the
+  loader, ``checkpoint``, the user's ``run.section(...)``), timed from
+  entry to exit;
+- ``optimizer``: ``optimizer.step()``, timed by the optimizer's step hooks;
+- ``comm``: the gradient all-reduce's *exposed* wait.  A DDP communication
+  hook notes when each bucket is handed over and when its all-reduce
+  completes; what a backward waited is the last completion less the last
+  hand-over (the rest ran while the backward was still computing).  Ranks
+  waiting for a slow peer wait here, which is why it is never used to
+  name a straggler;
+- ``compute``: the rest of the step (forward, backward, the user's code).
+
+The hook all-reduces exactly as DDP's built-in path does (gradients scaled
+by ``1 / world_size``, then summed), so results are bitwise the same with
+and without it.  A user's own hook is kept: pass it as
+``Run(ddp={"comm_hook": hook, "comm_state": state})`` and it is timed the
+same way.  Cost: two clock reads per section change and per bucket, and a
+report every :data:`WINDOW_STEPS` steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .watchdog.timing import CHECKPOINT, COMM, COMPUTE, DATA, OPTIMIZER
+
+WINDOW_STEPS = 5
+"""Steps per timing window (the detectors score one window at a time)."""
+COMM_HOOK = "comm_hook"
+COMM_STATE = "comm_state"
+"""Keys of ``Run(ddp={...})`` that carry a user's communication hook and its state (not DDP arguments)."""
+if TYPE_CHECKING:
+    from .worker.hooks import WorkerHooks
+
+_BUCKETS = {"step": COMPUTE, "": COMPUTE, "data": DATA, "checkpoint": CHECKPOINT}
+"""Run section -> timing section; any other name (a user's section) is its own."""
+
+
+def step_timer(hooks: WorkerHooks | None, optimizer: Any) -> StepTimer | None:
+    """The Run's timer under an agent (None without one: nobody would read the reports), hooked to ``optimizer``."""
+    if hooks is None:
+        return None
+    timer = StepTimer(hooks.timing)
+    if optimizer is not None:
+        optimizer.register_step_pre_hook(timer.optimizer_pre)
+        optimizer.register_step_post_hook(timer.optimizer_post)
+    return timer
+
+
+class StepTimer:
+    """Splits each step's wall time into sections and hands a report to ``send`` at the end of every window."""
+
+    def __init__(self, send: Callable[[dict[str, Any]], None], *, window: int = WINDOW_STEPS,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.window = window
+        self._send = send
+        self._clock = clock
+        self._acc: dict[str, float] = {}
+        self._bucket = COMPUTE
+        self._mark: float | None = None
+        """When the current section's time began to count; None outside a measured step."""
+        self._started = 0.0
+        self._steps: list[tuple[float, dict[str, float]]] = []
+        self._index: int | None = None
+        # What the communication hook saw of the backward in flight (written from gloo's threads as well).
+        self._handed: float | None = None
+        self._done: float | None = None
+        self._comm_bucket = COMPUTE
+        self._opt_started: float | None = None
+
+    # ---------------------------------------------------------------- the loop
+    def begin(self) -> None:
+        """Start measuring a step here (the first step, or the retry of a failed one: its time is dropped)."""
+        now = self._clock()
+        self._acc, self._mark, self._started = {}, now, now
+        self._handed = self._done = None
+
+    def switch(self, section: str) -> None:
+        """The rank entered ``section`` (a Run section name): charge the time since the last change."""
+        if self._mark is None:
+            return
+        now = self._clock()
+        self._acc[self._bucket] = self._acc.get(self._bucket, 0.0) + (now - self._mark)
+        self._bucket, self._mark = _BUCKETS.get(section, section), now
+
+    def nested(self, name: str, seconds: float) -> None:
+        """``seconds`` of the current section were in fact ``name`` (measured by a hook inside it)."""
+        if self._mark is None:
+            return
+        self._acc[name] = self._acc.get(name, 0.0) + seconds
+        self._acc[self._bucket] = self._acc.get(self._bucket, 0.0) - seconds
+
+    def end_step(self, step: int) -> None:
+        """Step ``step`` (0-based index of the update) finished; report its window when that was the last step."""
+        if self._mark is None:
+            self.begin()
+            return
+        self._settle_comm()
+        now = self._clock()
+        self._acc[self._bucket] = self._acc.get(self._bucket, 0.0) + (now - self._mark)
+        index = step // self.window
+        if self._index is not None and index != self._index:
+            self._report()  # a window left early (a resume mid-window): send what it has
+        self._index = index
+        self._steps.append((now - self._started, {k: max(0.0, v) for k, v in self._acc.items()}))
+        self._acc, self._mark, self._started = {}, now, now
+        if (step + 1) % self.window == 0:
+            self._report()
+
+    def _report(self) -> None:
+        steps, index = self._steps, self._index
+        self._steps, self._index = [], None
+        if not steps or index is None:
+            return
+        names = {name for _, acc in steps for name in acc}
+        sections = {}
+        for name in sorted(names):
+            values = [acc.get(name, 0.0) for _, acc in steps]
+            median = statistics.median(values)
+            sections[name] = round(median if median > 0 else sum(values) / len(values), 6)
+        wall = sum(w for w, _ in steps) / len(steps)
+        self._send({"w": index, "n": len(steps), "step": round(wall, 6), "s": sections})
+
+    # ---------------------------------------------------------------- hooks
+    def optimizer_pre(self, *_: Any) -> None:
+        self._opt_started = self._clock()
+
+    def optimizer_post(self, *_: Any) -> None:
+        started = self._opt_started
+        if started is not None:
+            self.nested(OPTIMIZER, self._clock() - started)
+            self._opt_started = None
+
+    def bucket_handed(self) -> None:
+        self._handed = self._clock()
+        self._comm_bucket = self._bucket
+
+    def bucket_done(self) -> None:
+        now = self._clock()
+        if self._done is None or now > self._done:
+            self._done = now
+
+    def _settle_comm(self) -> None:
+        """Charge the step's exposed communication wait: its last all-reduce's completion less its last hand-over.
+
+        Every bucket handed over before the last one was reduced while the
+        backward went on computing; only what followed the last hand-over
+        held the backward up.  With several synchronised backwards in one
+        step only the last one's wait is seen (DDP's ``no_sync`` micro-batches
+        do not communicate, so gradient accumulation is measured in full).
+        """
+        handed, done = self._handed, self._done
+        self._handed = self._done = None
+        if handed is None or done is None or done <= handed:
+            return
+        self._acc[COMM] = self._acc.get(COMM, 0.0) + (done - handed)
+        self._acc[self._comm_bucket] = self._acc.get(self._comm_bucket, 0.0) - (done - handed)
+
+    def comm_hook(self, inner: Callable[..., Any] | None) -> Callable[[Any, Any], Any]:
+        """A DDP communication hook that times ``inner`` (None: DDP's default all-reduce)."""
+        import torch
+        import torch.distributed as dist
+
+        timer = self
+
+        def timed(state: Any, bucket: Any) -> Any:
+            timer.bucket_handed()
+            if inner is not None:
+                fut = inner(state, bucket)
+            else:
+                buffer = bucket.buffer()
+                # Scale then sum, as DDP's built-in path does (a multiply by the reciprocal, not a divide:
+                # the two differ in the last bit when the world size is not a power of two).
+                buffer.mul_(1.0 / dist.get_world_size(state))
+                fut = dist.all_reduce(buffer, group=state, async_op=True).get_future()
+
+            def finished(f: Any) -> Any:
+                timer.bucket_done()
+                return f.value()[0] if inner is None else f.value()
+
+            return fut.then(finished)
+
+        # DDP checks a hook's annotations against the objects themselves; this module's are strings.
+        timed.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                                 "return": torch.futures.Future[torch.Tensor]}
+        return timed

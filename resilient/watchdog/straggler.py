@@ -1,0 +1,237 @@
+"""Straggler detection: which rank is slow, in which section, by how much, against its peers.
+
+For every window of steps and every section a rank spends time in (see
+:mod:`resilient.watchdog.timing`), the rank's **relative** value is the log
+of its seconds per step over the median of its peers' (the other ranks,
+itself left out, so two ranks can be told apart).  Each (rank, section)
+series goes through the CUSUM of :mod:`resilient.watchdog.cusum`, with the
+noise of that section taken as the median over ranks of each series' own
+window-to-window noise (a straggler is one series among several, so it
+cannot inflate the noise that is meant to expose it).  A rank is flagged in
+a section after the CUSUM passes its decision level with ``consecutive``
+slow windows in a row, and cleared with hysteresis.
+
+Its **individual** value, the window against the rank's own recent best
+(its 10th percentile over ``history`` windows), is reported beside it: it
+tells a rank that got slower from one that always was.
+
+Communication is never scored here: ranks waiting for a straggler spend
+longer in it, the straggler shorter (:data:`~resilient.watchdog.timing.NOT_A_CULPRIT`).
+
+Pure: :meth:`StragglerDetector.observe` takes one window of every rank and
+returns what changed; no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from ..errors import ConfigError
+from .cusum import Cusum, CusumRule, advance, noise
+from .timing import NOT_A_CULPRIT, RankWindow
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerConfig:
+    """How the straggler detector scores windows."""
+
+    enabled: bool = True
+    """Off: windows are not scored and nothing is flagged (standing flags are cleared)."""
+    rule: CusumRule = field(default_factory=CusumRule)
+    """When a rank's series counts as slow, and when as recovered."""
+    warmup_windows: int = 2
+    """Windows ignored after a start or a re-formation (compilation, cold caches)."""
+    history: int = 40
+    """Windows of each series kept for its noise and its own best."""
+    min_history: int = 6
+    """Windows of history a section needs before it is scored."""
+    noise_floor: float = 0.01
+    """Smallest noise assumed (log units: 0.01 is about 1%), so a very quiet section is not over-trusted."""
+    min_seconds: float = 0.0005
+    """Seconds per step below which a section's time is treated as this much (too short to compare)."""
+    min_share: float = 0.05
+    """A rank is flagged only when its extra time in the section is at least this share of the job's step
+    (0.05: 5%): a tiny section that is 40% slower costs the job nothing worth a page."""
+
+    def __post_init__(self) -> None:
+        for name in ("warmup_windows", "history", "min_history"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"StragglerConfig.{name}={value!r} must be an int >= 0 (windows)")
+        if self.min_history < 3 or self.min_history > self.history:
+            raise ConfigError(f"StragglerConfig.min_history={self.min_history} must be between 3 and "
+                              f"history={self.history}: noise is estimated from at least 3 windows")
+        for name in ("noise_floor", "min_seconds", "min_share"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"StragglerConfig.{name}={value!r} must be a positive number")
+
+
+@dataclass(frozen=True)
+class StragglerChange:
+    """A rank flagged as a straggler in a section, or cleared."""
+
+    kind: Literal["flagged", "cleared"]
+    rank: int
+    node: str
+    section: str
+    window: int
+    ratio: float
+    """The rank's seconds per step over its peers' median, over the evidence windows (1.25: 25% slower)."""
+    rank_s: float
+    peers_s: float
+    individual: float
+    """The rank's seconds per step over its own recent best."""
+    noise: float
+    """The section's window-to-window noise (log units) the decision used."""
+    steps: int
+    """Steps in the evidence windows."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankScore:
+    """The latest scores of one rank in one section (for gauges and ``resilient status``)."""
+
+    rank: int
+    node: str
+    section: str
+    relative: float
+    """Seconds per step over the peers' median in the latest window."""
+    individual: float
+    """Seconds per step over the rank's own recent best."""
+    flagged: bool
+
+
+@dataclass
+class _Series:
+    """One (rank, section): its log ratios, its own values, its peers' medians, its CUSUM."""
+
+    x: deque[float]
+    own: deque[float]
+    peers: deque[float]
+    steps: deque[int]
+    node: str = ""
+    cusum: Cusum = Cusum()
+
+
+class StragglerDetector:
+    """Scores every rank's windows against its peers' and flags the persistently slow ones."""
+
+    def __init__(self, config: StragglerConfig | None = None) -> None:
+        self.config = config or StragglerConfig()
+        self._series: dict[tuple[int, str], _Series] = {}
+        self._seen = 0
+
+    def reset(self) -> None:
+        """Forget every series (a new generation: ranks renumbered, world changed); warm up again."""
+        self._series.clear()
+        self._seen = 0
+
+    def reconfigure(self, config: StragglerConfig) -> list[StragglerChange]:
+        """Use ``config`` from the next window on; returns the flags cleared by turning the detector off."""
+        self.config = config
+        return [] if config.enabled else self.clear()
+
+    def clear(self) -> list[StragglerChange]:
+        """Clear every standing flag and forget every series (see :meth:`reset`); returns the flags cleared."""
+        cleared = [self._change("cleared", r, s, ser, -1) for (r, s), ser in sorted(self._series.items())
+                   if ser.cusum.flagged]
+        self.reset()
+        return cleared
+
+    def observe(self, windows: Mapping[int, RankWindow]) -> list[StragglerChange]:
+        """Score one window of steps, ``windows[rank]`` from every rank; return who was flagged or cleared."""
+        cfg = self.config
+        if not cfg.enabled or len(windows) < 2:
+            return []
+        self._seen += 1
+        if self._seen <= cfg.warmup_windows:
+            return []
+        index = max(w.window for w in windows.values())
+        sections = sorted({s for w in windows.values() for s in w.sections} - NOT_A_CULPRIT)
+        changes: list[StragglerChange] = []
+        for section in sections:
+            values = {r: max(w.sections.get(section, 0.0), cfg.min_seconds) for r, w in windows.items()}
+            if all(v <= cfg.min_seconds for v in values.values()):
+                continue
+            for rank, value in values.items():
+                ref = statistics.median(v for r, v in values.items() if r != rank)
+                ser = self._series.get((rank, section))
+                if ser is None:
+                    n = cfg.history
+                    ser = self._series[(rank, section)] = _Series(deque(maxlen=n), deque(maxlen=n),
+                                                                  deque(maxlen=n), deque(maxlen=n))
+                ser.node = windows[rank].node
+                ser.x.append(math.log(value / ref))
+                ser.own.append(value)
+                ser.peers.append(ref)
+                ser.steps.append(windows[rank].steps)
+            sigma = self._noise(section)
+            if sigma is None:
+                continue
+            step_s = statistics.median(w.step_s for w in windows.values())
+            for rank in sorted(values):
+                ser = self._series[(rank, section)]
+                was = ser.cusum.flagged
+                ser.cusum = advance(ser.cusum, ser.x[-1], sigma, cfg.rule)
+                if ser.cusum.flagged and not was and not self._material(ser, step_s):
+                    ser.cusum = replace(ser.cusum, flagged=False)  # real but too small to matter: keep watching
+                if ser.cusum.flagged != was:
+                    changes.append(self._change("flagged" if ser.cusum.flagged else "cleared", rank, section, ser,
+                                                index, sigma))
+        return changes
+
+    def scores(self) -> list[RankScore]:
+        """The latest relative and individual score of every (rank, section) series."""
+        return [RankScore(rank, ser.node, section, math.exp(ser.x[-1]), _individual(ser), ser.cusum.flagged)
+                for (rank, section), ser in sorted(self._series.items()) if ser.x]
+
+    def flagged(self) -> list[tuple[int, str]]:
+        """(rank, section) of every standing flag."""
+        return [key for key, ser in sorted(self._series.items()) if ser.cusum.flagged]
+
+    def _material(self, ser: _Series, step_s: float) -> bool:
+        """Whether the rank's extra time over its peers, over the evidence windows, is worth flagging."""
+        n = max(1, min(self.config.rule.consecutive, len(ser.own)))
+        extra = statistics.median(list(ser.own)[-n:]) - statistics.median(list(ser.peers)[-n:])
+        return extra >= self.config.min_share * step_s
+
+    def _noise(self, section: str) -> float | None:
+        """The section's noise: the median over ranks of each series' own noise; None before ``min_history``."""
+        cfg = self.config
+        own = [noise(ser.x, cfg.noise_floor) for (_, s), ser in self._series.items()
+               if s == section and len(ser.x) >= cfg.min_history]
+        return statistics.median(own) if len(own) >= 2 else None
+
+    def _change(self, kind: Literal["flagged", "cleared"], rank: int, section: str, ser: _Series, window: int,
+                sigma: float | None = None) -> StragglerChange:
+        n = max(1, min(self.config.rule.consecutive, len(ser.own)))
+        rank_s = statistics.median(list(ser.own)[-n:])
+        peers_s = statistics.median(list(ser.peers)[-n:])
+        steps = sum(list(ser.steps)[-n:])
+        ratio = rank_s / peers_s
+        sigma = self._noise(section) if sigma is None else sigma
+        noise_text = "" if sigma is None else f"; noise {sigma * 100:.1f}% per window"
+        where = f"rank {rank}" + (f" (node {ser.node})" if ser.node else "")
+        if kind == "flagged":
+            reason = (f"{where} is a straggler in {section}: {rank_s * 1e3:.1f} ms per step against its peers' "
+                      f"median {peers_s * 1e3:.1f} ms ({(ratio - 1) * 100:+.0f}%) over the last {steps} steps"
+                      f"{noise_text}")
+        else:
+            reason = (f"{where} is no longer a straggler in {section}: {rank_s * 1e3:.1f} ms per step against its "
+                      f"peers' median {peers_s * 1e3:.1f} ms ({(ratio - 1) * 100:+.0f}%) over the last {steps} steps")
+        return StragglerChange(kind, rank, ser.node, section, window, ratio, rank_s, peers_s, _individual(ser),
+                               sigma or 0.0, steps, reason)
+
+
+def _individual(ser: _Series) -> float:
+    """The latest value over the series' own 10th percentile (its recent best)."""
+    own = sorted(ser.own)
+    best = own[int(0.1 * (len(own) - 1))]
+    return ser.own[-1] / best if best > 0 else 1.0

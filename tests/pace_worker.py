@@ -1,0 +1,69 @@
+"""A steady training loop for the straggler and slowdown tests, under ``resilient run``.
+
+An MLP under ``Run(ddp=True)`` fed by an ``ElasticLoader`` trains
+``--steps`` steps of about 30 ms (15 of them waiting, as a host waits for its
+accelerator: three compute-bound ranks on two cores would measure the
+kernel's scheduler), the workload of ``benchmarks/record_step_noise.py``; the tests slow a rank or the
+input path with a ``slow`` fault plan and read what the agent made of it.
+Each rank writes its final parameter digest to ``--out`` (rank suffix), so a
+test can check that timing changed nothing; ``--perturb RANK,STEP`` changes
+one rank's copy of a weight, for the replica audit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import time
+
+import torch
+
+import resilient
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--device-ms", type=float, default=15.0,
+                   help="per step, wait this long after the forward, as a host waits for its accelerator")
+    p.add_argument("--audit-every", type=int, default=100)
+    p.add_argument("--perturb", default=None, metavar="RANK,STEP",
+                   help="add 1e-3 to the first weight of RANK at STEP, on that rank only (for the replica audit)")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    w = args.width
+    model = torch.nn.Sequential(torch.nn.Linear(64, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
+                                torch.nn.Linear(w, 64))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = resilient.ElasticLoader(torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)),
+                                   batch_size=32, seed=3)
+    run = resilient.Run(model=model, optimizer=optimizer, data=data, ddp=True, audit_every=args.audit_every)
+    perturb = tuple(int(x) for x in args.perturb.split(",")) if args.perturb else None
+    for step in run.steps(args.steps):
+        if perturb == (run.rank, step):
+            with torch.no_grad():
+                model[0].weight.add_(1e-3)  # a replica drifts: only this rank's copy changes
+        batch = next(run.data)
+        loss = torch.nn.functional.mse_loss(run.model(batch), batch.roll(1, dims=1))
+        time.sleep(args.device_ms / 1e3)  # the CPUs are not all busy, as on a GPU machine (see record_step_noise.py)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        run.report(loss=loss)
+    h = hashlib.sha256()
+    for t in model.parameters():
+        h.update(t.detach().numpy().tobytes())
+    with open(f"{args.out}.{run.rank}", "w") as f:
+        json.dump({"rank": run.rank, "params": h.hexdigest(), "step": run.step}, f)
+    run.close()
+    gc.collect()  # reference cycles holding the group go before it is destroyed
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

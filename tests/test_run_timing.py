@@ -1,0 +1,141 @@
+"""The Run's step timer: sections of a step, the exposed communication wait, windows; its hook changes no bit."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from resilient.run_timing import StepTimer
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_step_is_split_into_data_compute_comm_and_optimizer():
+    clock, sent = Clock(), []
+    timer = StepTimer(sent.append, window=2, clock=clock)
+    timer.begin()
+    for step in range(2):
+        timer.switch("data")
+        clock.t += 0.002                    # waiting for the batch
+        timer.switch("step")
+        clock.t += 0.010                    # forward and backward; the last bucket is handed over here
+        timer.bucket_handed()
+        clock.t += 0.004                    # the backward waits for the all-reduce: exposed
+        timer.bucket_done()
+        timer.optimizer_pre()
+        clock.t += 0.003
+        timer.optimizer_post()
+        clock.t += 0.001                    # the rest of the step body
+        timer.end_step(step)
+    [report] = sent
+    assert report["w"] == 0 and report["n"] == 2 and report["step"] == pytest.approx(0.020)
+    assert report["s"] == pytest.approx({"data": 0.002, "compute": 0.011, "comm": 0.004, "optimizer": 0.003})
+
+
+def test_buckets_reduced_under_the_backward_are_not_counted_as_waiting():
+    clock, sent = Clock(), []
+    timer = StepTimer(sent.append, window=1, clock=clock)
+    timer.begin()
+    timer.switch("step")
+    timer.bucket_handed()
+    clock.t += 0.005
+    timer.bucket_done()                     # the first bucket finished while the backward went on
+    clock.t += 0.005
+    timer.bucket_handed()                   # the last bucket: only what follows it held the backward up
+    clock.t += 0.001
+    timer.bucket_done()
+    timer.end_step(0)
+    assert sent[0]["s"]["comm"] == pytest.approx(0.001) and sent[0]["s"]["compute"] == pytest.approx(0.010)
+
+
+def test_a_checkpoint_at_the_boundary_counts_in_the_next_step_and_rare_sections_report_their_mean():
+    clock, sent = Clock(), []
+    timer = StepTimer(sent.append, window=4, clock=clock)
+    timer.begin()
+    for step in range(4):
+        if step == 2:
+            timer.switch("checkpoint")      # the loop's stall at a step boundary
+            clock.t += 0.040
+            timer.switch("")
+        timer.switch("step")
+        clock.t += 0.010
+        timer.end_step(step)
+    [report] = sent
+    assert report["s"]["checkpoint"] == pytest.approx(0.010)  # median 0: the mean per step instead
+    assert report["step"] == pytest.approx(0.020)
+
+
+def test_a_resume_mid_window_sends_the_partial_window_and_a_retried_step_is_dropped():
+    clock, sent = Clock(), []
+    timer = StepTimer(sent.append, window=5, clock=clock)
+    timer.begin()
+    for step in (7, 8):                     # resumed at step 7: window 1 has steps 7, 8, 9
+        clock.t += 0.01
+        timer.end_step(step)
+    clock.t += 5.0                          # a failed attempt and its recovery
+    timer.begin()
+    clock.t += 0.01
+    timer.end_step(9)
+    assert sent == [{"w": 1, "n": 3, "step": pytest.approx(0.01), "s": {"compute": pytest.approx(0.01)}}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _grads(rank: int, world: int, port: int, hooked: bool, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.05)  # several buckets
+    sent: list = []
+    if hooked:
+        ddp.register_comm_hook(None, StepTimer(sent.append, window=1).comm_hook(None))
+    torch.manual_seed(1 + rank)
+    for _ in range(3):
+        ddp(torch.randn(32, 64)).pow(2).mean().backward()
+    if rank == 0:
+        out["grads"] = [p.grad.numpy().tobytes() for p in model.parameters()]  # bytes: no shared memory
+    dist.barrier()
+    del ddp, model
+    gc.collect()  # reference cycles holding the group go before it is destroyed (else gloo may abort at exit)
+    dist.destroy_process_group()
+
+
+def _spawn(rank: int, world: int, port: int, hooked: bool, queue) -> None:
+    out: dict = {}
+    _grads(rank, world, port, hooked, out)
+    if rank == 0:
+        queue.put(out["grads"])
+
+
+def test_the_timing_hook_reduces_exactly_as_ddp_does_at_a_world_size_that_is_not_a_power_of_two():
+    ctx = mp.get_context("spawn")
+    results = []
+    for hooked in (False, True):
+        queue = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_spawn, args=(r, 3, port, hooked, queue)) for r in range(3)]
+        for p in procs:
+            p.start()
+        results.append(queue.get(timeout=120))  # a rank that failed sends nothing: fail, do not hang
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    plain, hooked = results
+    assert plain == hooked

@@ -1,0 +1,249 @@
+"""Straggler and slowdown scoring: pure rules on made-up windows (the real-noise traces are in test_straggler_traces)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from resilient.errors import ConfigError
+from resilient.watchdog.cusum import Cusum, CusumRule, advance, noise
+from resilient.watchdog.settings import apply, flatten, parse_value
+from resilient.watchdog.slowdown import SlowdownConfig, SlowdownDetector
+from resilient.watchdog.straggler import StragglerConfig, StragglerDetector
+from resilient.watchdog.timing import RankWindow, parse_window
+
+
+def windows(index: int, compute: dict[int, float], *, data: float = 0.002, comm: float = 0.001,
+            checkpoint: float = 0.0) -> dict[int, RankWindow]:
+    """One window of every rank: the slowest rank's compute sets everyone's step (the others wait in comm)."""
+    slowest = max(compute.values())
+    out = {}
+    for rank, c in compute.items():
+        sections = {"compute": c, "data": data, "comm": comm + slowest - c, "optimizer": 0.002}
+        if checkpoint:
+            sections["checkpoint"] = checkpoint
+        out[rank] = RankWindow(rank=rank, window=index, steps=5, step_s=slowest + data + comm + 0.002 + checkpoint,
+                               sections=sections, node=f"n{rank}")
+    return out
+
+
+def noisy(rng: random.Random, ranks: int = 3, base: float = 0.015, sd: float = 0.03) -> dict[int, float]:
+    return {r: base * math.exp(rng.gauss(0.0, sd)) for r in range(ranks)}
+
+
+# ------------------------------------------------------------------ cusum
+
+
+def test_noise_ignores_a_level_shift_but_sees_the_spread():
+    flat = [0.0, 0.1] * 10
+    shifted = [0.0, 0.1] * 5 + [1.0, 1.1] * 5
+    assert noise(shifted, 0.001) == pytest.approx(noise(flat, 0.001), rel=0.2)
+    assert noise([0.0] * 10, 0.01) == 0.01  # the floor
+    assert noise([0.0, 1.0], 0.01) == 0.01  # too short to say
+
+
+def test_cusum_flags_only_after_consecutive_windows_and_clears_with_hysteresis():
+    rule = CusumRule(decision=6.0, consecutive=3, clear_after=4)
+    s = Cusum()
+    s = advance(s, 0.5, 0.02, rule)  # one huge window: clipped to +4, and not 3 in a row
+    assert not s.flagged and s.s == pytest.approx(4.0)
+    s = advance(s, 0.0, 0.02, rule)  # back to normal: the run of slow windows is broken
+    assert s.run == 0 and not s.flagged
+    for _ in range(3):
+        s = advance(s, 0.2, 0.02, rule)
+    assert s.flagged
+    for i in range(3):
+        s = advance(s, 0.0, 0.02, rule)
+        assert s.flagged, f"cleared after {i + 1} quiet windows, clear_after is 4"
+    s = advance(s, 0.0, 0.02, rule)
+    assert not s.flagged and s.s == 0.0
+
+
+def test_the_reference_is_half_the_smallest_effect_on_a_quiet_machine():
+    rule = CusumRule(min_effect=0.10)
+    assert rule.reference(0.001) == pytest.approx(math.log(1.1) / 2)  # 0.5 sigma would be far below
+    assert rule.reference(0.2) == pytest.approx(0.1)  # noisy: 0.5 sigma
+
+
+@pytest.mark.parametrize("field,value", [("decision", 0), ("allowance", -1), ("consecutive", 0),
+                                         ("clear_after", 1.5), ("min_effect", float("nan"))])
+def test_cusum_rule_refuses_bad_values(field, value):
+    with pytest.raises(ConfigError, match=field):
+        CusumRule(**{field: value})
+
+
+# ------------------------------------------------------------------ stragglers
+
+
+def test_a_slow_rank_is_flagged_in_compute_with_its_numbers_and_cleared_when_it_recovers():
+    rng = random.Random(3)
+    det = StragglerDetector()
+    changes = []
+    for w in range(120):
+        compute = noisy(rng)
+        if 40 <= w < 80:
+            compute[2] *= 1.3
+        changes += [(w, c) for c in det.observe(windows(w, compute))]
+    assert [(c.kind, c.rank, c.section) for _, c in changes] == [("flagged", 2, "compute"), ("cleared", 2, "compute")]
+    (flagged_at, flag), (cleared_at, clear) = changes
+    assert 40 < flagged_at <= 44 and 80 < cleared_at <= 90
+    assert flag.ratio == pytest.approx(1.3, rel=0.06) and flag.node == "n2"
+    assert "rank 2 (node n2) is a straggler in compute" in flag.reason
+    assert f"({(flag.ratio - 1) * 100:+.0f}%)" in flag.reason and f"{flag.rank_s * 1e3:.1f} ms" in flag.reason
+    assert det.flagged() == [] and not any(s.flagged for s in det.scores())
+
+
+def test_waiting_in_communication_never_names_a_straggler():
+    """The fast ranks wait for the slow one in comm: only the slow rank's compute is flagged, never their comm."""
+    rng = random.Random(5)
+    det = StragglerDetector()
+    seen = []
+    for w in range(60):
+        compute = noisy(rng)
+        compute[0] *= 1.5 if w >= 20 else 1.0
+        seen += det.observe(windows(w, compute))
+    assert {(c.rank, c.section) for c in seen} == {(0, "compute")}
+
+
+def test_two_ranks_are_told_apart_by_leaving_each_rank_out_of_its_own_reference():
+    rng = random.Random(7)
+    det = StragglerDetector()
+    seen = []
+    for w in range(50):
+        compute = noisy(rng, ranks=2)
+        compute[1] *= 1.25 if w >= 15 else 1.0
+        seen += det.observe(windows(w, compute))
+    assert [(c.kind, c.rank) for c in seen] == [("flagged", 1)]
+
+
+def test_a_rank_the_whole_job_waits_for_in_data_is_a_data_straggler():
+    rng = random.Random(11)
+    det = StragglerDetector()
+    seen = []
+    for w in range(60):
+        ws = windows(w, noisy(rng))
+        if w >= 20:
+            ws[1] = RankWindow(rank=1, window=w, steps=5, step_s=ws[1].step_s + 0.006,
+                               sections={**ws[1].sections, "data": 0.008}, node="n1")
+        seen += det.observe(ws)
+    assert [(c.rank, c.section) for c in seen] == [(1, "data")]
+
+
+def test_turning_the_detector_off_clears_standing_flags_and_stops_scoring():
+    rng = random.Random(13)
+    det = StragglerDetector()
+    for w in range(40):
+        compute = noisy(rng)
+        compute[1] *= 1.4 if w >= 10 else 1.0
+        det.observe(windows(w, compute))
+    assert det.flagged() == [(1, "compute")]
+    cleared = det.reconfigure(StragglerConfig(enabled=False))
+    assert [(c.kind, c.rank) for c in cleared] == [("cleared", 1)]
+    compute = noisy(rng)
+    compute[1] *= 2.0
+    assert det.observe(windows(41, compute)) == [] and det.flagged() == []
+
+
+def test_straggler_config_validates_its_windows():
+    with pytest.raises(ConfigError, match="min_history"):
+        StragglerConfig(min_history=2)
+    with pytest.raises(ConfigError, match="noise_floor"):
+        StragglerConfig(noise_floor=0)
+
+
+# ------------------------------------------------------------------ slowdowns
+
+
+def test_a_job_wide_data_slowdown_is_attributed_to_the_input_pipeline_and_costed():
+    rng = random.Random(17)
+    det = SlowdownDetector()
+    seen = []
+    for w in range(120):  # 4 windows of warm-up, 40 of baseline, then 30 windows 4 ms slower in data
+        seen += [(w, c) for c in det.observe(windows(w, noisy(rng), data=0.002 if not 60 <= w < 90 else 0.006))]
+    kinds = [(c.kind, w) for w, c in seen]
+    assert [k for k, _ in kinds] == ["began", "ended"], kinds
+    began, ended = seen[0][1], seen[1][1]
+    assert 60 < seen[0][0] <= 64 and 90 < seen[1][0] <= 100
+    assert began.attribution is not None and began.attribution.section == "data" and began.attribution.rank is None
+    assert "input pipeline" in began.reason and began.ratio == pytest.approx(0.024 / 0.020, rel=0.06)
+    # 30 slow windows of 5 steps, 4 ms each above the baseline: about 0.6 s.
+    assert ended.excess_s == pytest.approx(30 * 5 * 0.004, rel=0.15)
+    assert "cost" in ended.reason
+
+
+def test_a_straggler_slows_the_job_and_the_slowdown_names_the_rank_not_the_network():
+    rng = random.Random(19)
+    det = SlowdownDetector()
+    began = None
+    for w in range(90):
+        compute = noisy(rng)
+        compute[2] *= 1.4 if w >= 50 else 1.0
+        for c in det.observe(windows(w, compute)):
+            began = began or c
+    assert began is not None and began.attribution is not None
+    assert (began.attribution.rank, began.attribution.section) == (2, "compute")
+    assert "rank 2's compute" in began.reason
+
+
+def test_a_network_slowdown_is_communication_on_every_rank():
+    rng = random.Random(23)
+    det = SlowdownDetector()
+    began = None
+    for w in range(90):
+        for c in det.observe(windows(w, noisy(rng), comm=0.001 if w < 50 else 0.006)):
+            began = began or c
+    assert began is not None and began.attribution is not None
+    assert (began.attribution.rank, began.attribution.section) == (None, "comm")
+
+
+def test_a_longer_checkpoint_stall_is_storage():
+    rng = random.Random(29)
+    det = SlowdownDetector()
+    began = None
+    for w in range(90):
+        for c in det.observe(windows(w, noisy(rng), checkpoint=0.0005 if w < 50 else 0.005)):
+            began = began or c
+    assert began is not None and began.attribution is not None and began.attribution.section == "checkpoint"
+    assert "storage" in began.reason
+
+
+def test_no_slowdown_on_a_steady_job_and_nothing_before_the_baseline():
+    rng = random.Random(31)
+    det = SlowdownDetector(SlowdownConfig(warmup_windows=2, baseline_windows=8))
+    for w in range(10):
+        assert det.observe(windows(w, noisy(rng))) == []
+    assert det.baseline_s is not None and det.baseline_s == pytest.approx(0.020, rel=0.05)
+    for w in range(10, 400):
+        assert det.observe(windows(w, noisy(rng))) == [], w
+
+
+# ------------------------------------------------------------------ settings and reports
+
+
+def test_settings_are_read_and_changed_by_dotted_keys_and_validated_by_the_configs():
+    configs = (StragglerConfig(), SlowdownConfig())
+    flat = flatten(configs)
+    assert flat["straggler.rule.decision"] == CusumRule().decision and flat["slowdown.enabled"] is True
+    new = apply(configs, {"straggler.rule.decision": 12, "slowdown.enabled": False, "slowdown.baseline_windows": 10})
+    assert new[0].rule.decision == 12 and new[1].enabled is False and new[1].baseline_windows == 10
+    assert configs[0].rule.decision == CusumRule().decision  # the old ones are untouched
+    with pytest.raises(ConfigError, match="unknown detector setting 'straggler.decision'.*straggler.rule.decision"):
+        apply(configs, {"straggler.decision": 3})
+    with pytest.raises(ConfigError, match="must be an int >= 1"):
+        apply(configs, {"straggler.rule.consecutive": 0})
+    with pytest.raises(ConfigError, match="expected an int"):
+        apply(configs, {"straggler.history": 4.5})
+    with pytest.raises(ConfigError, match="expected a bool"):
+        apply(configs, {"slowdown.enabled": 1})
+    assert parse_value("false") is False and parse_value("12") == 12 and parse_value("0.5") == 0.5
+
+
+def test_a_malformed_timing_report_is_refused_with_the_field():
+    with pytest.raises(ValueError, match="rank 3 is malformed.*'s'"):
+        parse_window(3, "n0", {"w": 1, "n": 5, "step": 0.02})
+    with pytest.raises(ValueError, match="negative or non-finite"):
+        parse_window(3, "n0", {"w": 1, "n": 5, "step": float("nan"), "s": {}})
+    w = parse_window(3, "n0", {"w": 1, "n": 5, "step": 0.02, "s": {"compute": 0.01}})
+    assert w.sections["compute"] == 0.01 and w.node == "n0"
