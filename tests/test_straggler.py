@@ -247,3 +247,18 @@ def test_a_malformed_timing_report_is_refused_with_the_field():
         parse_window(3, "n0", {"w": 1, "n": 5, "step": float("nan"), "s": {}})
     w = parse_window(3, "n0", {"w": 1, "n": 5, "step": 0.02, "s": {"compute": 0.01}})
     assert w.sections["compute"] == 0.01 and w.node == "n0"
+
+
+def test_a_slowdowns_ledger_cost_is_read_in_the_category_its_cause_lands_in():
+    from resilient.agent.slowness import ledger_cost
+
+    before = {"productive": 10.0, "data_wait": 0.5, "slowdown_excess": 0.2, "checkpoint_stall": 1.0}
+    after = {"productive": 20.0, "data_wait": 4.0, "slowdown_excess": 0.7, "checkpoint_stall": 1.0}
+    data = ledger_cost(before, after, {"section": "data", "rank": None})
+    assert data == {"ledger_s": {"productive": 10.0, "data_wait": 3.5, "slowdown_excess": 0.5},
+                    "ledger_category": "data_wait", "ledger_cost_s": 3.5}
+    straggler = ledger_cost(before, after, {"section": "compute", "rank": 1})
+    assert straggler["ledger_category"] == "slowdown_excess" and straggler["ledger_cost_s"] == 0.5
+    storage = ledger_cost(before, after, {"section": "checkpoint", "rank": None})
+    assert storage["ledger_category"] == "checkpoint_stall" and storage["ledger_cost_s"] == 0.0
+    assert ledger_cost(before, after, None)["ledger_category"] == "slowdown_excess"

@@ -16,8 +16,10 @@ and reports what changed:
   slowdown against the baseline; the ledger's measured ideal is held so the
   slow steps count as ``slowdown_excess``; when it ends, a
   ``slowdown_ended`` event, and the incident is rewritten with its cost
-  (seconds above the baseline, and the ledger's ``slowdown_excess``
-  accrued meanwhile).
+  (seconds above the baseline, and what the ledger counted meanwhile in each
+  category, with the one the slowdown's time lands in: ``data_wait`` for the
+  input pipeline, ``checkpoint_stall`` for storage, ``slowdown_excess``
+  otherwise).
 
 A window some rank never reports (it died, or the world re-formed) is
 dropped once a later window is complete; a new generation starts both
@@ -57,14 +59,14 @@ class SlownessWatch:
     def __init__(self, node_id: str, emit: Emit, *, straggler: StragglerConfig | None = None,
                  slowdown: SlowdownConfig | None = None, record: Callable[[Incident], None] | None = None,
                  publish: Callable[[Incident], None] | None = None,
-                 excess_s: Callable[[], float] | None = None,
+                 ledger_seconds: Callable[[], Mapping[str, float]] | None = None,
                  freeze_ideal: Callable[[bool], None] | None = None,
                  telemetry: Callable[[], HostSample] = sample_host) -> None:
         self.node_id = node_id
         self._emit = emit
         self._record = record
         self._publish = publish
-        self._excess = excess_s
+        self._ledger = ledger_seconds
         self._freeze = freeze_ideal
         self._telemetry = telemetry
         self.stragglers = StragglerDetector(straggler)
@@ -85,8 +87,8 @@ class SlownessWatch:
         self._baseline_host: tuple[HostSample, HostSample] | None = None
         self._queued: tuple[Configs, dict[str, Any], str] | None = None
         """Settings accepted by :meth:`request`, applied at the next :meth:`poll` (with the changes and their source)."""
-        self._open: tuple[Incident, float] | None = None
-        """The slowdown incident in progress and the ledger's slowdown_excess when it began."""
+        self._open: tuple[Incident, dict[str, float]] | None = None
+        """The slowdown incident in progress and the ledger's seconds by category when it began."""
 
     # ------------------------------------------------------------ intake (receiver threads)
     def take(self, hb: Heartbeat) -> None:
@@ -246,7 +248,7 @@ class SlownessWatch:
         fields = {"window": change.window, "baseline_s": change.baseline_s, "step_s": change.step_s,
                   "ratio": round(change.ratio, 4), "attribution": attribution, "excess_s": round(change.excess_s, 3),
                   "reason": change.reason}
-        excess_now = self._excess() if self._excess is not None else 0.0
+        ledger_now = dict(self._ledger()) if self._ledger is not None else {}
         if change.kind == "began":
             if self._freeze is not None:
                 self._freeze(True)
@@ -257,23 +259,38 @@ class SlownessWatch:
                                 generation=generation, kind="slowdown", rank=None if attribution is None else
                                 attribution["rank"], pid=None, section=None if attribution is None else
                                 attribution["section"], step=None, summary=change.reason, performance=fields)
-            self._open = (incident, excess_now)
+            self._open = (incident, ledger_now)
             if self._record is not None:
                 self._record(incident)
             return
         if self._freeze is not None:
             self._freeze(False)
         opened, self._open = self._open, None
-        ledger_excess = None if opened is None or self._excess is None else round(excess_now - opened[1], 3)
-        fields["ledger_slowdown_excess_s"] = ledger_excess
+        if opened is not None and self._ledger is not None:
+            # The cause is the one named when it began: at its end the recent windows are back to normal.
+            fields.update(ledger_cost(opened[1], ledger_now, (opened[0].performance or {}).get("attribution")))
         self._emit(EventKind.SLOWDOWN_ENDED, generation=generation, **fields)
         if opened is not None and self._publish is not None:
             incident = opened[0]
             self._publish(incident.with_performance({**(incident.performance or {}), "ended": fields}))
 
 
+LEDGER_CATEGORY = {"data": "data_wait", "checkpoint": "checkpoint_stall"}
+"""Where the ledger counts a slowdown attributed to this section (anything else: ``slowdown_excess``)."""
+
+
+def ledger_cost(before: Mapping[str, float], after: Mapping[str, float],
+                attribution: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the ledger counted between a slowdown's start and end: seconds by category, and the category its cost
+    lands in with the seconds there (a slower input pipeline is data wait, not excess step time)."""
+    during = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in after}
+    category = LEDGER_CATEGORY.get((attribution or {}).get("section") or "", "slowdown_excess")
+    return {"ledger_s": {k: v for k, v in during.items() if v > 0}, "ledger_category": category,
+            "ledger_cost_s": during.get(category, 0.0)}
+
+
 def watch_for(agent: Agent) -> SlownessWatch:
-    """The watch of a node agent: its config, its incidents, and its ledger's slowdown excess and ideal."""
+    """The watch of a node agent: its config, its incidents, and its ledger's seconds and ideal."""
     c = agent.config
 
     def publish(incident: Incident) -> None:
@@ -281,5 +298,5 @@ def watch_for(agent: Agent) -> SlownessWatch:
 
     return SlownessWatch(
         c.node_id, agent.emit, straggler=c.straggler, slowdown=c.slowdown, record=agent.record_incident,
-        publish=publish, excess_s=lambda: float(agent.accounting.account().seconds.get("slowdown_excess", 0.0)),
+        publish=publish, ledger_seconds=lambda: agent.accounting.account().seconds,
         freeze_ideal=lambda frozen: agent.accounting.apply("freeze_ideal", frozen))
