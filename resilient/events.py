@@ -88,8 +88,16 @@ class EventKind(str, Enum):
     STRAGGLER_CLEARED = "straggler_cleared"  # a flagged rank is back in line with its peers
     SLOWDOWN_BEGAN = "slowdown_began"  # the job's step time rose above its own baseline: cause and host telemetry
     SLOWDOWN_ENDED = "slowdown_ended"  # it is back at the baseline: what the slowdown cost
+    STRAGGLER_DECIDED = "straggler_decided"  # a persistent straggler weighed: kept, swapped for a spare, or dropped
     DETECTORS_CHANGED = "detectors_changed"  # a detector's settings were changed on the running job
     DETECTOR_FAILED = "detector_failed"  # straggler/slowdown detection raised: reported, training goes on
+
+    # -- node quarantine (resilient.coord.quarantine, resilient.agent.quarantine_gate)
+    NODE_QUARANTINED = "node_quarantined"  # this node got a quarantine record: reason, evidence, offence, expiry
+    QUARANTINE_HELD = "quarantine_held"  # this node stays out of the rendezvous while its record stands
+    QUARANTINE_SKIPPED = "quarantine_skipped"  # a persistent straggler's node stays: the run cannot go on without it
+    BURN_IN_PASSED = "burn_in_passed"  # the node's burn-in reached the fleet's numbers: it may join
+    BURN_IN_FAILED = "burn_in_failed"  # it did not: a new offence, with twice the expiry
 
     # -- in-process recovery (the recovery ladder's rungs above a restart)
     RECOVERY_DECIDED = "recovery_decided"  # the ladder's answer to a failure: its rung, reason and numbers
@@ -125,6 +133,7 @@ class OutcomeKind(Enum):
     INTERRUPTED = "interrupted"  # SIGINT: workers stopped without a checkpoint
     VERDICT = "verdict"  # another node published a verdict that stops the launch
     UNHEALTHY = "unhealthy"  # this node failed a health check while running
+    QUARANTINED = "quarantined"  # this node got a quarantine record while running: it leaves the generation
 
     @property
     def restarts_workers(self) -> bool:

@@ -195,6 +195,7 @@ class Run:
             raise ConfigError(f"Run.steps({total}): the number of steps must be >= 0")
         hooks, timer = self._hooks, self._timer
         if timer is not None:
+            timer.total = total
             timer.begin()
         while self.step < total:
             if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):

@@ -76,6 +76,9 @@ class StepTimer:
         self._done: float | None = None
         self._comm_bucket = COMPUTE
         self._opt_started: float | None = None
+        self.total: int | None = None
+        """The steps the loop will run (``Run.steps(total)``): each window says how many are left."""
+        self._left: int | None = None
 
     # ---------------------------------------------------------------- the loop
     def begin(self) -> None:
@@ -112,6 +115,7 @@ class StepTimer:
             self._report()  # a window left early (a resume mid-window): send what it has
         self._index = index
         self._steps.append((now - self._started, {k: max(0.0, v) for k, v in self._acc.items()}))
+        self._left = None if self.total is None else max(0, self.total - (step + 1))
         self._acc, self._mark, self._started = {}, now, now
         if (step + 1) % self.window == 0:
             self._report()
@@ -128,7 +132,10 @@ class StepTimer:
             median = statistics.median(values)
             sections[name] = round(median if median > 0 else sum(values) / len(values), 6)
         wall = sum(w for w, _ in steps) / len(steps)
-        self._send({"w": index, "n": len(steps), "step": round(wall, 6), "s": sections})
+        report: dict[str, Any] = {"w": index, "n": len(steps), "step": round(wall, 6), "s": sections}
+        if self._left is not None:
+            report["left"] = self._left
+        self._send(report)
 
     # ---------------------------------------------------------------- hooks
     def optimizer_pre(self, *_: Any) -> None:

@@ -7,7 +7,8 @@ kernel's scheduler), the workload of ``benchmarks/record_step_noise.py``; the te
 input path with a ``slow`` fault plan and read what the agent made of it.
 Each rank writes its final parameter digest to ``--out`` (rank suffix), so a
 test can check that timing changed nothing; ``--perturb RANK,STEP`` changes
-one rank's copy of a weight, for the replica audit.
+one rank's copy of a weight, for the replica audit; ``--ckpt DIR`` commits a
+checkpoint every ``--every`` steps, so a restart resumes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def main() -> None:
     p.add_argument("--device-ms", type=float, default=15.0,
                    help="per step, wait this long after the forward, as a host waits for its accelerator")
     p.add_argument("--audit-every", type=int, default=100)
+    p.add_argument("--ckpt", default=None, help="commit a checkpoint here every --every steps (a restart resumes)")
+    p.add_argument("--every", type=int, default=50)
     p.add_argument("--perturb", default=None, metavar="RANK,STEP",
                    help="add 1e-3 to the first weight of RANK at STEP, on that rank only (for the replica audit)")
     args = p.parse_args()
@@ -41,7 +44,10 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = resilient.ElasticLoader(torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)),
                                    batch_size=32, seed=3)
-    run = resilient.Run(model=model, optimizer=optimizer, data=data, ddp=True, audit_every=args.audit_every)
+    checkpoint = None if args.ckpt is None else resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every,
+                                                                          elastic=True)
+    run = resilient.Run(model=model, optimizer=optimizer, data=data, ddp=True, audit_every=args.audit_every,
+                        checkpoint=checkpoint)
     perturb = tuple(int(x) for x in args.perturb.split(",")) if args.perturb else None
     for step in run.steps(args.steps):
         if perturb == (run.rank, step):

@@ -47,7 +47,7 @@ from .prometheus_server import AM_EXAMPLE, PROM_EXAMPLE, REPO, RULES, binary
 GRAFANA = REPO / "dashboards" / "grafana"
 RUNBOOKS = REPO / "dashboards" / "runbooks"
 ALERTS = {"TrainingStalled", "GoodputBelowObjective", "CheckpointStale", "CheckpointFailures", "RestartStorm",
-          "HangDetected", "Straggler", "SilentSlowdown"}
+          "HangDetected", "Straggler", "SilentSlowdown", "NodeQuarantined"}
 RUNBOOK_SECTIONS = ("## What it means", "## How to confirm", "## What to do", "## When to escalate")
 STALL_BOUND_S = 90.0
 

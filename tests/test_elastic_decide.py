@@ -368,7 +368,7 @@ def observations(draw: st.DrawFn) -> Observation:
     kind = draw(st.sampled_from(FaultKind))
     ranks = frozenset(draw(st.sets(st.integers(0, world - 1), max_size=world)))
     codes = frozenset(draw(st.sets(st.sampled_from([1, 2, 78, 79, 137]), max_size=2)))
-    if kind in (FaultKind.CRASH, FaultKind.HANG):
+    if kind in (FaultKind.CRASH, FaultKind.HANG, FaultKind.STRAGGLER):
         fault = Fault(kind=kind, step=9, ranks=ranks or frozenset({0}), exit_codes=codes)
     elif kind is FaultKind.COLLECTIVE_ERROR:
         fault = Fault(kind=kind, step=9)

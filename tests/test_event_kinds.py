@@ -92,7 +92,7 @@ def test_kinds_read_as_their_strings_in_text_and_json(tmp_path):
 def test_outcome_kinds_and_which_ones_restart_the_workers():
     # The ledger (resilient.metrics.ledger) and the logs read these strings.
     assert {k.value for k in OutcomeKind} == {"succeeded", "failed", "membership", "preempted", "interrupted",
-                                              "verdict", "unhealthy"}
+                                              "verdict", "unhealthy", "quarantined"}
     assert {k for k in OutcomeKind if k.restarts_workers} == {OutcomeKind.FAILED, OutcomeKind.MEMBERSHIP}
 
 

@@ -44,6 +44,20 @@ def test_a_step_is_split_into_data_compute_comm_and_optimizer():
     assert report["s"] == pytest.approx({"data": 0.002, "compute": 0.011, "comm": 0.004, "optimizer": 0.003})
 
 
+def test_each_window_says_how_many_steps_are_left_when_the_loop_said_how_many_it_runs():
+    clock, sent = Clock(), []
+    timer = StepTimer(sent.append, window=2, clock=clock)
+    timer.begin()
+    for step in range(2):
+        clock.t += 0.01
+        timer.end_step(step)
+    timer.total = 10  # Run.steps(10)
+    for step in range(2, 4):
+        clock.t += 0.01
+        timer.end_step(step)
+    assert "left" not in sent[0] and sent[1]["left"] == 6  # after updates 0..3 of 10
+
+
 def test_buckets_reduced_under_the_backward_are_not_counted_as_waiting():
     clock, sent = Clock(), []
     timer = StepTimer(sent.append, window=1, clock=clock)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..coord.launch import check_launch_id
+from ..coord.quarantine import QuarantineConfig
+from ..elastic.evict import EvictConfig
 from ..errors import ConfigError
 from ..watchdog.sections import SectionTimeouts
 from ..watchdog.slowdown import SlowdownConfig
@@ -72,6 +74,12 @@ class AgentConfig:
     """How the job slowing down against its own baseline is detected (changeable on a running job)."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Thresholds below which the node steps out."""
+    evict: EvictConfig = field(default_factory=EvictConfig)
+    """When a persistent straggler on this node is replaced by a spare or dropped (by cost)."""
+    quarantine: QuarantineConfig = field(default_factory=QuarantineConfig)
+    """Across machines: the fleet whose quarantine records keep this node out, and its burn-in."""
+    burn_in_argv: tuple[str, ...] = ()
+    """Extra arguments for the burn-in process (``python -m resilient.watchdog.burnin``), e.g. smaller sizes."""
     health_paths: tuple[str, ...] = ()
     """Directories whose free space is checked (e.g. where checkpoints go)."""
     health_interval_s: float = 10.0

@@ -13,7 +13,8 @@ through the token's proof (:mod:`resilient.coord.proof`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..coord.launch import begin_launch
 from ..coord.proof import SignedStore
@@ -24,6 +25,9 @@ from .policy import History
 from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
 from .rundir import RunDir
 from .shared import SharedFacts
+
+if TYPE_CHECKING:
+    from .quarantine_gate import QuarantineGate
 
 _OUTAGE_KINDS = {"start": EventKind.STORE_OUTAGE_START, "end": EventKind.STORE_OUTAGE_END}
 """The etcd client's ``on_outage(event, detail)`` events, as event kinds."""
@@ -108,6 +112,14 @@ class Coordination:
                                               c.rendezvous, c.local_addr, self.shared.launch_id)
         return self.rendezvous
 
+    def leave_rendezvous(self) -> None:
+        """Step out of the launch's rendezvous without closing it (this node is kept out for a while): the old
+        handler's keep-alive stops, so the others form their next round without this node, and a fresh handler
+        is ready for the round it joins when it comes back."""
+        if self.rendezvous is not None:
+            self.rendezvous.stop_keep_alive()
+        self.make_rendezvous()
+
     def cluster_store(self) -> Any:
         """The joined launch's recovery keys (:class:`~resilient.agent.cluster.ClusterStore`), across machines."""
         from .cluster import ClusterStore
@@ -115,6 +127,18 @@ class Coordination:
         assert self.shared is not None and self._config.store_url is not None
         return ClusterStore(self.signed, self._etcd_client, f"/resilient/{self._config.run_id}/", self.shared.prefix,
                             self._config.node_id, self._token)
+
+    def quarantine_gate(self, scratch: Path, set_phase: Callable[[str], None]) -> QuarantineGate | None:
+        """Across machines, this node's side of the fleet's quarantine; None on one machine (no other node could
+        stand in for this one, so keeping it out would stop the run)."""
+        c = self._config
+        if c.store_url is None:
+            return None
+        from ..coord.quarantine import FleetQuarantine
+        from .quarantine_gate import QuarantineGate
+
+        return QuarantineGate(FleetQuarantine(self._etcd_client, c.quarantine), c.node_id, scratch, c.local_addr,
+                              self._emit, set_phase=set_phase, burn_in_argv=c.burn_in_argv)
 
     def stale_launch(self, generation: int) -> bool:
         """The joined launch's rendezvous was closed before this agent ran anything in it: the launch is over.
@@ -145,10 +169,14 @@ class Coordination:
         except ControlStoreError as e:
             self._emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
 
-    def close(self) -> None:
-        """Leave the rendezvous and mark this node as left (not lost)."""
+    def close(self, *, leave_run_open: bool = False) -> None:
+        """Leave the rendezvous and mark this node as left (not lost).  ``leave_run_open``: the run goes on
+        without this node, so its rendezvous is left open for the others (torch's shutdown closes it for all)."""
         if self.rendezvous is not None:
-            self.rendezvous.shutdown()
+            if leave_run_open:
+                self.rendezvous.stop_keep_alive()
+            else:
+                self.rendezvous.shutdown()
         if self._presence is not None:
             self._presence.leave()
 
@@ -176,6 +204,16 @@ class Coordination:
                 self.rendezvous.close()
             except Exception as e:  # the verdict key still tells the other nodes
                 self._emit(EventKind.RENDEZVOUS_CLOSE_FAILED, error=f"{type(e).__name__}: {e}")
+
+    def run_over(self) -> tuple[int, str, str] | None:
+        """How a node held out of the run ends when it need not wait any longer (exit code, verdict, reason): the
+        launch's verdict, or success when the launch ended without it."""
+        verdict = self.verdict()
+        if verdict is not None:
+            return verdict["exit_code"], verdict["verdict"], verdict["reason"]
+        if self.shared is not None and self.shared.ended():
+            return 0, "succeeded", "the run ended while this node was held out"
+        return None
 
     def verdict(self) -> dict[str, Any] | None:
         """The launch's verdict, if a node published one."""

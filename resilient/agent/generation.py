@@ -20,6 +20,7 @@ from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
 from ..watchdog.sections import decide_hang
 from .continuation import Hold, continue_after, follow, start_spares
+from .eviction import weigh_straggler
 from .failures import (
     STACK_SIGNAL,
     STOP_SIGNAL,
@@ -44,6 +45,7 @@ from .rundir import RunDir, heartbeat_socket
 from .sweep import Stuck
 
 if TYPE_CHECKING:
+    from ..coord.quarantine import Standing
     from ..coord.store import ControlStore
     from ..elastic.observe import RestartOutlook
     from .accounting import NodeAccounting
@@ -95,6 +97,8 @@ class GenerationContext:
     """An in-process recovery completed: append its record to the incident that started it."""
     slowness: SlownessWatch | None = None
     """Straggler and slowdown detection over the ranks' timing windows."""
+    quarantined: Callable[[], Standing | None] | None = None
+    """Across machines: read this node's quarantine record (the peer watch asks once a second)."""
 
 
 class PeerWatch:
@@ -107,6 +111,8 @@ class PeerWatch:
         self.stop: dict[str, Any] | None = None
         self.stop_request: dict[str, Any] | None = None
         self.waiting = 0
+        self.quarantined: Standing | None = None
+        """This node's quarantine record, when one was written while the generation runs."""
         self.ended = False
         """The launch ended (checked across machines only: a node without members learns so here)."""
         self._done = threading.Event()
@@ -124,6 +130,8 @@ class PeerWatch:
                 if multi:
                     self.waiting = ctx.waiting()
                     self.ended = ctx.shared.ended()
+                if ctx.quarantined is not None:
+                    self.quarantined = ctx.quarantined()
             except Exception as e:  # an outage must not end a healthy generation
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
 
@@ -286,6 +294,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         if peers.verdict is not None:
             return Outcome(OutcomeKind.VERDICT,
                            f"node {peers.verdict.get('node')} stopped the run: {peers.verdict.get('reason')}")
+        if peers.quarantined is not None and stop_deadline is None:
+            return Outcome(OutcomeKind.QUARANTINED, f"{peers.quarantined.describe()}: it leaves the run")
         if stop_deadline is None and (ctx.stop_requested() or peers.stop or peers.stop_request):
             stop_at = _request_stop(ctx, group, gdir, peers.stop, peers.stop_request)
             stop_deadline = now + c.preempt_grace_s
@@ -306,6 +316,14 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 return Outcome(OutcomeKind.MEMBERSHIP, f"{peers.waiting} node(s) waiting to join the run")
         if ctx.slowness is not None and stop_deadline is None:
             ctx.slowness.poll(a.generation, [r for r, w in group.workers.items() if w.exit is None])
+            flag = ctx.slowness.take_eviction()
+            if flag is not None and hold is None:  # a persistent straggler: replace or drop it when that pays
+                evicted = weigh_straggler(ctx, group, a, gdir, flag, now)
+                if isinstance(evicted, Outcome):  # the ladder answered restart or stop after all
+                    return evicted
+                if evicted is not None:
+                    a, hold = (evicted, None) if isinstance(evicted, Assignment) else (a, evicted)
+                    continue
         if now >= next_health:
             next_health = now + c.health_interval_s
             health = assess(probe(list(c.health_paths)), c.health)

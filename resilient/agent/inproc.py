@@ -213,6 +213,16 @@ class InProcess:
                exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
                detail: str, waiting_since: float | None = None) -> RecoveryDecision:
         """The ladder's answer to losing ``lost`` (old rank -> worker id) of the current members."""
+        decision = self.preview(group, lost, kind, step, exit_codes, restart, survivor_steps, detail, waiting_since)
+        if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
+            # A hold is decided again on every tick: its event and status line once, then only what ends it.
+            self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
+        return decision
+
+    def preview(self, group: WorkerGroup, lost: Mapping[int, str], kind: FaultKind, step: int,
+                exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
+                detail: str, waiting_since: float | None = None) -> RecoveryDecision:
+        """What the ladder would answer to losing ``lost`` now, reported nowhere (:meth:`decide` reports it)."""
         c = self.config
         old_world = len(group.workers)
         survivors = [r for r in group.workers if r not in lost]
@@ -233,11 +243,7 @@ class InProcess:
             opted_in=self.opted_in([group.workers[r].worker_id for r in survivors]) and self.config.in_process,
             inproc_failures=failures, waiting_since=waiting_since, replicas=self.replicas(),
         )
-        decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
-        if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
-            # A hold is decided again on every tick: its event and status line once, then only what ends it.
-            self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
-        return decision
+        return decide_recovery(obs, self.costs(), self.ladder, self._clock())
 
     def decide_cluster(self, obs: Observation) -> RecoveryDecision:
         """The ladder over the whole launch's membership (across machines), with this agent's measured costs."""

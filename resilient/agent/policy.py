@@ -114,6 +114,8 @@ class Failure:
             what = "was lost"
         elif self.kind == "collective":
             what = "had a collective fail with every rank alive"
+        elif self.kind == "straggler":
+            what = "was ended by the agent as a persistent straggler"
         else:
             what = "became unhealthy"
         text = f"{who} {what}"

@@ -20,6 +20,7 @@ torch is imported inside functions: importing this module stays cheap.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -90,6 +91,17 @@ class Rendezvous:
 
     def is_closed(self) -> bool:
         return bool(self._handler.is_closed())
+
+    def stop_keep_alive(self) -> None:
+        """Stop this handler's keep-alive without closing the rendezvous: the other nodes see this node gone once
+        its keep-alive times out (``keep_alive_s * keep_alive_attempts``) and form their next round without it.
+        torch's handler has no public call for this; its ``shutdown`` would close the rendezvous for every node."""
+        stop = getattr(self._handler, "_stop_heartbeats", None)
+        if callable(stop):
+            stop()
+        else:  # its keep-alive timer holds the handler weakly: without the handler it sends nothing
+            self._handler = None
+            gc.collect()
 
     def shutdown(self) -> None:
         try:

@@ -89,4 +89,5 @@ class NodeReporting:
             peak_flops=self._peak_flops * c.nproc_per_node if self._peak_flops is not None else None,
             mfu=job_mfu(a, c.flops_per_step, self._peak_flops),
             slowness=self.slowness.snapshot() if self.slowness is not None else None,
+            quarantine=self.status.quarantine() if self.status.quarantine is not None else None,
         )

@@ -29,6 +29,7 @@ are read by ``/metrics`` and ``status`` through :meth:`snapshot`.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import traceback
 from collections import deque
@@ -61,7 +62,9 @@ class SlownessWatch:
                  publish: Callable[[Incident], None] | None = None,
                  ledger_seconds: Callable[[], Mapping[str, float]] | None = None,
                  freeze_ideal: Callable[[bool], None] | None = None,
-                 telemetry: Callable[[], HostSample] = sample_host) -> None:
+                 telemetry: Callable[[], HostSample] = sample_host,
+                 persistent: Callable[[dict[str, Any]], object] | None = None, persist_windows: int = 0,
+                 evict_windows: int = 0) -> None:
         self.node_id = node_id
         self._emit = emit
         self._record = record
@@ -69,6 +72,17 @@ class SlownessWatch:
         self._ledger = ledger_seconds
         self._freeze = freeze_ideal
         self._telemetry = telemetry
+        self._persistent = persistent
+        self._persist_windows = persist_windows
+        self._flagged_at: dict[tuple[int, str], tuple[int, dict[str, Any]]] = {}
+        """Standing flags: the window each was raised at and its event's fields (cleared flags leave)."""
+        self._acted: set[tuple[str, int, int, str, int]] = set()
+        """(what, generation, rank, section) of flags already reported as persistent (what: evict, quarantine)."""
+        self._evict_windows = evict_windows
+        self._evictions: deque[dict[str, Any]] = deque()
+        """Flags that stood ``evict_windows`` windows, for the watch loop to weigh (:meth:`take_eviction`)."""
+        self.evictions_done = 0
+        """Stragglers this node's agent replaced or dropped (counted by the eviction)."""
         self.stragglers = StragglerDetector(straggler)
         self.slowdowns = SlowdownDetector(slowdown)
         self._lock = threading.Lock()
@@ -143,6 +157,7 @@ class SlownessWatch:
             self._host.append(self._telemetry())
             for change in self.stragglers.observe(windows):
                 self._straggler(change, generation)
+            self._check_persistent(generation, windows)
             had_baseline = self.slowdowns.baseline_s is not None
             for slow in self.slowdowns.observe(windows):
                 self._slowdown(slow, generation)
@@ -228,14 +243,49 @@ class SlownessWatch:
             self._slowdown(slow, previous)
         self._generation, self._done, self._baseline_host = generation, -1, None
         self._host.clear()
+        self._evictions.clear()  # flags of the old generation name ranks that may be someone else's now
+
+    def _check_persistent(self, generation: int, windows: Mapping[int, RankWindow]) -> None:
+        """A flag that has stood ``evict_windows`` windows is queued once for the watch loop to weigh replacing
+        the rank (:meth:`take_eviction`); one that stood ``persist_windows`` is reported once (the agent
+        quarantines its node)."""
+        window = max(w.window for w in windows.values())
+        left = [w.remaining for w in windows.values() if w.remaining is not None]
+        for (rank, section), (since, fields) in list(self._flagged_at.items()):
+            flag = {**fields, "rank": rank, "section": section, "generation": generation, "flagged_at_window": since,
+                    "windows_flagged": window - since, "remaining_steps": min(left) if left else None,
+                    "job_step_s": statistics.median(w.step_s for w in windows.values())}
+            peers = [w.sections.get(section, 0.0) for r, w in windows.items() if r != rank]
+            if rank in windows and peers:  # this window's numbers: the flag's are as old as the flag
+                flag["rank_s"], flag["peers_s"] = windows[rank].sections.get(section, 0.0), statistics.median(peers)
+            for what, after in (("evict", self._evict_windows), ("quarantine", self._persist_windows)):
+                # A straggler kept is weighed again every ``after`` windows (a spare may be ready by then).
+                key = (what, generation, rank, section, (window - since) // after if what == "evict" and after else 0)
+                if after > 0 and window - since >= after and key not in self._acted:
+                    self._acted.add(key)
+                    if what == "evict":
+                        self._evictions.append(flag)
+                    elif self._persistent is not None:
+                        self._persistent(flag)
+
+    @property
+    def evictions_waiting(self) -> int:
+        """Persistent flags queued and not yet weighed."""
+        return len(self._evictions)
+
+    def take_eviction(self) -> dict[str, Any] | None:
+        """The oldest persistent flag not yet weighed for replacement, or None."""
+        return self._evictions.popleft() if self._evictions else None
 
     def _straggler(self, change: StragglerChange, generation: int) -> None:
         fields = {k: v for k, v in asdict(change).items() if k not in ("kind", "node")}  # the event has the node
         if change.kind == "cleared":
+            self._flagged_at.pop((change.rank, change.section), None)
             self._reasons.pop((change.rank, change.section), None)
             self._emit(EventKind.STRAGGLER_CLEARED, generation=generation, **fields)
             return
         self._reasons[(change.rank, change.section)] = change.reason
+        self._flagged_at[(change.rank, change.section)] = (change.window, fields)
         self._emit(EventKind.STRAGGLER_FLAGGED, generation=generation, **fields)
         if self._record is not None:
             self._record(Incident(
@@ -290,8 +340,9 @@ def ledger_cost(before: Mapping[str, float], after: Mapping[str, float],
 
 
 def watch_for(agent: Agent) -> SlownessWatch:
-    """The watch of a node agent: its config, its incidents, and its ledger's seconds and ideal."""
-    c = agent.config
+    """The watch of a node agent: its config, its incidents, its ledger's seconds and ideal, and (across machines)
+    the quarantine of its node when a straggler flag persists."""
+    c, gate = agent.config, agent.gate
 
     def publish(incident: Incident) -> None:
         publish_incident(incident, agent.run_dir, agent.coordination.control, agent.emit)
@@ -299,4 +350,7 @@ def watch_for(agent: Agent) -> SlownessWatch:
     return SlownessWatch(
         c.node_id, agent.emit, straggler=c.straggler, slowdown=c.slowdown, record=agent.record_incident,
         publish=publish, ledger_seconds=lambda: agent.accounting.account().seconds,
-        freeze_ideal=lambda frozen: agent.accounting.apply("freeze_ideal", frozen))
+        freeze_ideal=lambda frozen: agent.accounting.apply("freeze_ideal", frozen),
+        persistent=None if gate is None else lambda flag: gate.persistent_straggler(
+            flag, can_leave=agent.num_nodes > c.min_nodes),
+        persist_windows=c.quarantine.straggler_windows, evict_windows=c.evict.after_windows if c.evict.enabled else 0)

@@ -82,6 +82,8 @@ class StatusPublisher:
         ready (set by the agent when it offers in-process recovery)."""
         self.slowness: Callable[[], dict[str, Any] | None] | None = None
         """Straggler scores, standing flags and the slowdown in progress (set by the agent's reporting)."""
+        self.quarantine: Callable[[], dict[str, Any]] | None = None
+        """Across machines: this node's quarantine record, offences and newest burn-in (set by the agent)."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -95,6 +97,9 @@ class StatusPublisher:
     def detach(self) -> None:
         self._group = None
         self.phase = "between generations"
+
+    def set_phase(self, phase: str) -> None:
+        self.phase = phase
 
     def start(self) -> None:
         self._threads = [threading.Thread(target=self._local_loop, name="status", daemon=True),
@@ -145,6 +150,7 @@ class StatusPublisher:
             "checkpoint": tracker.checkpoint_location, "restore": self.restore,
             "recovery": self.recovery() if self.recovery is not None else None,
             "slowness": self.slowness() if self.slowness is not None else None,
+            "quarantine": self.quarantine() if self.quarantine is not None else None,
             "store_published_at": self._store_published_at,
         }
 

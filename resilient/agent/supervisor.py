@@ -34,7 +34,6 @@ from ..elastic.observe import RestartOutlook
 from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
-from ..worker.protocol import Heartbeat
 from . import cluster
 from . import generation as gen_mod
 from .accounting import NodeAccounting
@@ -46,15 +45,15 @@ from .coordination import Coordination
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
-from .incidents import Incident, node_lost_incident, publish_incident, unhealthy_incident
+from .incident_book import IncidentBook
+from .incidents import Incident, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
 from .policy import Action, Failure, decide_restart
 from .rendezvous import Assignment
 from .reporting import NodeReporting
-from .restores import RestoreSummary
 from .rundir import RunDir, heartbeat_socket, read_token
 from .slowness import watch_for
-from .tracker import HeartbeatIntake, RankTracker
+from .tracker import HeartbeatIntake, RankTracker, stale_events
 
 __all__ = ["Agent", "AgentResult", "heartbeat_socket", "run_agent"]
 
@@ -87,11 +86,16 @@ class Agent:
         # and kill what an earlier (SIGKILLed) agent left behind.
         self.bookkeeping = ProcessBookkeeping(self.run_dir.node_dir, config.node_id, emit=self.emit,
                                               record_incident=self.record_incident)
-        self.tracker = RankTracker(on_stale=self._on_stale_heartbeat)
+        self.tracker = RankTracker(on_stale=stale_events(self.emit))
         self.coordination = Coordination(config, self.run_dir, self.token, emit=self.emit,
                                          on_node_lost=self._node_lost)
         self._generation = 0
         """The generation this node runs (or ran last); 0 before the first."""
+        self.num_nodes = 0
+        """Nodes in the generation this node runs (or ran last)."""
+        self._quiet = False
+        """This node leaves a run that goes on without it (held out by a quarantine, or unhealthy across machines):
+        its exit neither ends the launch nor closes the rendezvous."""
         self.stop_requested: str | None = None
         """Set (from a signal handler or another thread) to ask for a graceful stop."""
         self.interrupted = False
@@ -104,18 +108,20 @@ class Agent:
             self.coordination.control.put("generation", str(self.accounting.ledger.generation).encode())
         self.last_outcome: OutcomeKind | None = None
         """How the previous generation ended; None before the first."""
-        self._restart_incident: Incident | None = None
-        """The incident of the failure that the next generation restarts after (it gets the restore appended)."""
         self.reporting = NodeReporting(config, self.run_dir, tracker=self.tracker, accounting=self.accounting,
                                        coordination=self.coordination, emit=self.emit, clock=clock)
+        self.incidents = IncidentBook(self.run_dir, self.coordination.control, self.emit,
+                                      counted=self.accounting.incident_recorded,
+                                      restore_shown=lambda record: setattr(self.reporting.status, "restore", record))
         self.inproc: InProcess | None = None
         """In-process recovery (``--spares``, ``--nproc-per-node MIN:MAX``); None: restarts only."""
         if config.offers_in_process:
             self.inproc = InProcess(config, self.emit, clock)
             self.reporting.spares_ready = self.inproc.ready_spares
             self.reporting.status.recovery = self.inproc.view
-        self._open_incidents: dict[str, Incident] = {}
-        """Incidents an in-process recovery is answering: the record of its completion is appended."""
+        self.gate = self.coordination.quarantine_gate(self.run_dir.node_dir, self.reporting.status.set_phase)
+        """Across machines: the fleet's quarantine as this node obeys it; None on one machine."""
+        self.reporting.status.quarantine = self.gate.view if self.gate is not None else None
         self.reporting.slowness = self.slowness = watch_for(self)
 
     # ------------------------------------------------------------ plumbing
@@ -134,11 +140,6 @@ class Agent:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_int)
 
-    def _on_stale_heartbeat(self, hb: Heartbeat, current: int | None) -> None:
-        self.emit(EventKind.STALE_HEARTBEAT, pid=hb.pid, rank=hb.rank, generation=hb.generation,
-                  current_generation=current,
-                  reason="not from this generation's worker: ignored by hang detection and the ledger")
-
     def _on_stop_request(self, reason: str) -> None:
         self.emit(EventKind.STOP_REQUEST_RECEIVED, reason=reason)
         self.stop_requested = reason
@@ -151,8 +152,7 @@ class Agent:
 
     def record_incident(self, incident: Incident) -> None:
         """Every incident goes through here: its file, event and store copy, and its count in the metrics."""
-        gen_mod.record_incident(incident, self.run_dir, self.coordination.control, self.emit)
-        self.accounting.incident_recorded(incident.kind)
+        self.incidents.record(incident)
 
     def generation_context(self) -> GenerationContext:
         """The pieces of this agent a generation works with."""
@@ -166,9 +166,10 @@ class Agent:
             waiting=(lambda: rendezvous.num_nodes_waiting()) if rendezvous is not None else (lambda: 0),
             stop_requested=lambda: self.stop_requested, interrupted=lambda: self.interrupted,
             workers_started=self.bookkeeping.workers_started, workers_stopped=self.bookkeeping.workers_stopped,
-            restored=self._on_restored, inproc=self.inproc, restart_outlook=self._restart_outlook,
-            next_generation=self._next_generation, record_incident=self._record_open_incident,
-            recovered=self._on_recovered, slowness=self.slowness,
+            restored=self.incidents.restored, inproc=self.inproc, restart_outlook=self._restart_outlook,
+            next_generation=self._next_generation, record_incident=self.incidents.record_open,
+            recovered=self.incidents.recovered, slowness=self.slowness,
+            quarantined=self.gate.check if self.gate is not None else None,
         )
 
     def _restart_outlook(self, failure: Failure) -> RestartOutlook:
@@ -180,26 +181,6 @@ class Agent:
         """The run's next generation number, for a generation formed in process (no rendezvous round)."""
         self._generation = self.coordination.control.add("generation", 1)
         return self._generation
-
-    def _record_open_incident(self, incident: Incident) -> None:
-        self._open_incidents[incident.id] = incident
-        self.record_incident(incident)
-
-    def _on_recovered(self, incident_id: str, record: dict[str, Any]) -> None:
-        incident = self._open_incidents.pop(incident_id, None)
-        if incident is not None:
-            publish_incident(incident.with_recovery(record), self.run_dir, self.coordination.control, self.emit)
-
-    def _on_restored(self, summary: RestoreSummary) -> None:
-        """Say what a generation restored: console, event, status, and the incident whose restart it was."""
-        record = summary.record()
-        incident, self._restart_incident = self._restart_incident, None
-        self.reporting.status.restore = record
-        self.emit(EventKind.RESTORED, incident=incident.id if incident else None,
-                  **{k: v for k, v in record.items() if k != "node"})
-        print(f"resilient: {summary.line}", file=sys.stderr, flush=True)
-        if incident is not None and incident.generation < summary.generation:
-            publish_incident(incident.with_restore(record), self.run_dir, self.coordination.control, self.emit)
 
     # ------------------------------------------------------------ the loop
     def run(self) -> AgentResult:
@@ -245,6 +226,7 @@ class Agent:
                     self.emit(EventKind.RENDEZVOUS_FAILED, error=f"{type(e).__name__}: {e}")
                     return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)
                 generation = self._generation = assignment.generation
+                self.num_nodes = assignment.num_nodes
                 self.emit(EventKind.RENDEZVOUS_JOINED, generation=generation, node_rank=assignment.node_rank,
                           num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
                 restart = self.last_outcome is not None and self.last_outcome.restarts_workers
@@ -264,7 +246,7 @@ class Agent:
             if self.inproc is not None:
                 cluster.detach(self.inproc)
                 self.inproc.close()
-            self.coordination.close()
+            self.coordination.close(leave_run_open=self._quiet)
             self.bookkeeping.release()
 
     # ------------------------------------------------------------ across machines
@@ -331,12 +313,27 @@ class Agent:
         health = assess(probe(list(c.health_paths)), c.health)
         if not health.healthy:
             self.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
-            self.record_incident(unhealthy_incident(c.node_id, generation, health.problems,
-                                                    when="before starting workers"))
-            return self._finish(EXIT_UNHEALTHY, "unhealthy", health.reason, generation)
-        if self.stop_requested or self.interrupted:
+            return self._unhealthy(unhealthy_incident(c.node_id, generation, health.problems,
+                                                      when="before starting workers"), health.reason, generation)
+        stopping = lambda: bool(self.stop_requested or self.interrupted)
+        ending = self.gate.hold(stopping, self.coordination.run_over, burn_in_at_start=c.quarantine.burn_in_at_start) \
+            if self.gate is not None else None
+        if ending is not None:  # the run goes on (or ended) without this node: leave it as it is
+            self._quiet = True
+            return self._finish(*ending, generation)
+        if stopping():
             return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped before workers started", generation)
         return None
+
+    def _unhealthy(self, incident: Incident | None, reason: str, generation: int) -> AgentResult:
+        """Stop with ``unhealthy``; across machines the node is quarantined first, so it burns in to come back."""
+        if incident is not None:
+            self.record_incident(incident)
+        if self.gate is not None:
+            self._quiet = True  # the others go on without this node
+            self.gate.add(reason=f"unhealthy: {reason}", source="health",
+                          evidence={"incident": incident.id if incident is not None else None})
+        return self._finish(EXIT_UNHEALTHY, "unhealthy", reason, generation)
 
     def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
         """Turn a generation's outcome into the next move; None means: next round."""
@@ -354,9 +351,10 @@ class Agent:
                                                 "reason": outcome.reason}
             return self._finish(v["exit_code"], v["verdict"], v["reason"], generation)
         if kind is OutcomeKind.UNHEALTHY:
-            if outcome.incident is not None:
-                self.record_incident(outcome.incident)
-            return self._finish(EXIT_UNHEALTHY, "unhealthy", outcome.reason, generation)
+            return self._unhealthy(outcome.incident, outcome.reason, generation)
+        if kind is OutcomeKind.QUARANTINED:  # the next round holds it out until its record ends and it burns in
+            self.coordination.leave_rendezvous()
+            return None
         if kind is OutcomeKind.MEMBERSHIP:
             self.emit(EventKind.MEMBERSHIP_CHANGED, generation=generation, reason=outcome.reason)
             self.accounting.restarted("membership")
@@ -373,7 +371,7 @@ class Agent:
                 else EXIT_STOPPED
             self.coordination.publish_verdict(decision.verdict or "stopped", decision.reason, code)
             return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
-        self._restart_incident = incident
+        self.incidents.restart_incident = incident
         self.coordination.count_restart(generation, decision.reason, committed)
         self.accounting.restarted(outcome.failure.kind)
         self.emit(EventKind.RESTART, generation=generation, reason=decision.reason, delay_s=decision.delay_s,
@@ -383,7 +381,7 @@ class Agent:
         return None
 
     def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
-        if verdict in ("succeeded", "preempted"):
+        if verdict in ("succeeded", "preempted") and not self._quiet:
             self.coordination.end_launch(f"{verdict} (node {self.config.node_id})")
         result = AgentResult(code, verdict, reason, generation, self.coordination.restarts_used())
         self.reporting.status.phase = f"finished: {verdict}"

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..events import Emit, EventKind
 from ..watchdog.sections import RankView, SectionStats, observe
 from .heartbeat import Heartbeat
 
@@ -44,6 +45,16 @@ class RankInfo:
 
 StaleCallback = Callable[[Heartbeat, "int | None"], None]
 """``on_stale(heartbeat, current_generation)``: called once per stale (pid, generation)."""
+
+
+def stale_events(emit: Emit) -> StaleCallback:
+    """The agent's ``on_stale``: a ``stale_heartbeat`` event for each stale (pid, generation)."""
+
+    def on_stale(hb: Heartbeat, current: int | None) -> None:
+        emit(EventKind.STALE_HEARTBEAT, pid=hb.pid, rank=hb.rank, generation=hb.generation, current_generation=current,
+             reason="not from this generation's worker: ignored by hang detection and the ledger")
+
+    return on_stale
 
 
 class RankTracker:

@@ -126,6 +126,25 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
                    help="a straggler/slowdown detector setting, e.g. straggler.rule.decision=12 or "
                         "slowdown.enabled=false; repeatable (`resilient detectors` changes them while running)")
+    p.add_argument("--no-evict", dest="evict", action="store_false",
+                   help="never replace or drop a persistent straggler (it is still reported)")
+    p.add_argument("--evict-after-windows", type=int, default=6, metavar="N",
+                   help="weigh replacing a straggler once its flag stood N windows of 5 steps (default 6)")
+    p.add_argument("--evict-margin", type=float, default=2.0, metavar="X",
+                   help="replace or drop a straggler only when the time saved is X times the cost (default 2)")
+    p.add_argument("--fleet", default="default", metavar="NAME",
+                   help="across machines: the fleet whose node quarantine this node obeys (default 'default')")
+    p.add_argument("--quarantine-expiry", type=float, default=600.0, metavar="S",
+                   help="how long a node's first quarantine lasts; each later offence doubles it (default 600)")
+    p.add_argument("--quarantine-after-windows", type=int, default=60, metavar="N",
+                   help="quarantine this node when a straggler flag on it stands N windows of 5 steps (0: never; "
+                        "default 60)")
+    p.add_argument("--burn-in", action="store_true",
+                   help="burn in before the first rendezvous too (a returning node always burns in)")
+    p.add_argument("--burn-in-min-ratio", type=float, default=0.7, metavar="R",
+                   help="a burn-in passes at R of the fleet's median for every measure (default 0.7)")
+    p.add_argument("--burn-in-arg", action="append", default=[], metavar="ARG",
+                   help="an argument for the burn-in process, e.g. --burn-in-arg=--disk-mib=8; repeatable")
     p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
     p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
@@ -164,6 +183,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     from ..agent.health import HealthConfig
     from ..agent.policy import RestartConfig
     from ..agent.rendezvous import RendezvousTimeouts
+    from ..coord.quarantine import QuarantineConfig
+    from ..elastic.evict import EvictConfig
     from ..watchdog.sections import SectionTimeouts
     from ..watchdog.settings import apply as apply_settings
     from ..watchdog.slowdown import SlowdownConfig
@@ -206,6 +227,10 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         if value is not None:
             sections[key] = value
     straggler, slowdown = apply_settings((StragglerConfig(), SlowdownConfig()), parse_assignments(args.detector))
+    quarantine = QuarantineConfig(fleet=args.fleet, expiry_s=args.quarantine_expiry,
+                                  straggler_windows=args.quarantine_after_windows,
+                                  burn_in_min_ratio=args.burn_in_min_ratio, burn_in_at_start=args.burn_in,
+                                  max_expiry_s=max(QuarantineConfig().max_expiry_s, args.quarantine_expiry))
     health: dict[str, Any] = {}
     if args.min_free_disk_gb is not None:
         health["min_free_disk_bytes"] = int(args.min_free_disk_gb * 2**30)
@@ -221,7 +246,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,
                               backoff_initial_s=args.restart_backoff, budget_scope=args.restart_budget_scope),
         sections=SectionTimeouts(**sections), health=HealthConfig(**health), health_paths=tuple(args.health_path),
-        straggler=straggler, slowdown=slowdown,
+        straggler=straggler, slowdown=slowdown, quarantine=quarantine,
+        evict=EvictConfig(enabled=args.evict, after_windows=args.evict_after_windows, margin=args.evict_margin), burn_in_argv=tuple(args.burn_in_arg),
         rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,

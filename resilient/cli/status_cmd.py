@@ -171,6 +171,7 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
             if recovery.get("spares") is not None:
                 out.append(f"  spares ready: {recovery['spares']}")
         out.extend(slowness_lines(n.get("slowness")))
+        out.extend(quarantine_lines(n.get("quarantine")))
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
                              if t["source"] != "initial")
         if timeouts:
@@ -269,6 +270,20 @@ def _tail_events(path: Path, size: int = 65536) -> list[dict[str, Any]]:
         if isinstance(event, dict):
             found.append(event)
     return found
+
+
+def quarantine_lines(quarantine: Any) -> list[str]:
+    """This node's quarantine record in force, and its newest burn-in."""
+    if not isinstance(quarantine, dict):
+        return []
+    out = []
+    standing = quarantine.get("standing")
+    if isinstance(standing, dict):
+        out.append(f"  quarantined: {standing.get('summary')}")
+    burn_in = quarantine.get("burn_in")
+    if isinstance(burn_in, dict):
+        out.append(f"  burn-in: {burn_in.get('reason')}")
+    return out
 
 
 def slowness_lines(slowness: Any) -> list[str]:

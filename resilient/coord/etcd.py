@@ -2,7 +2,7 @@
 
 Keys and values travel base64-encoded, 64-bit integers as strings, and
 fields equal to their zero value are omitted.  We use a handful of calls:
-range, put, txn, deleterange and lease grant/keepalive/revoke.  How a call
+range, put, txn, deleterange and lease grant/keepalive/timetolive/revoke.  How a call
 reaches etcd (failover, retries through an outage, auth, TLS) is
 :mod:`.etcd_transport`'s; :class:`EtcdConfig` and ``OutageCallback`` are
 re-exported here, where callers have always found them.
@@ -126,6 +126,10 @@ class EtcdClient(EtcdTransport):
         if "error" in result:  # a stream reports errors in its body, with HTTP 200
             raise StoreRequestError(f"etcd lease keepalive of {lease_id} failed: {result['error']}")
         return int(result.get("result", {}).get("TTL", 0))
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Seconds left on a lease (etcd's clock); -1 when it expired or never existed."""
+        return int(self.call("/v3/lease/timetolive", {"ID": str(lease_id)}).get("TTL", -1))
 
     def lease_revoke(self, lease_id: int) -> bool:
         """Revoke a lease and delete its keys; ``False`` if it did not exist."""

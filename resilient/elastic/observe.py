@@ -30,6 +30,9 @@ class FaultKind(enum.Enum):
     """A collective failed on ranks that are all still alive (a transient network error)."""
     UNHEALTHY = "unhealthy"
     """A node failed its health check: its ranks may be alive, but they must move off it."""
+    STRAGGLER = "straggler"
+    """A rank persistently slower than its peers, ended by the agent because replacing or dropping it costs less
+    than keeping it (:mod:`resilient.elastic.evict`); lost like a crash."""
 
 
 def ranks_text(ranks: Iterable[int], *, verb: bool = True) -> str:
@@ -61,7 +64,7 @@ class Fault:
         object.__setattr__(self, "ranks", frozenset(self.ranks))
         object.__setattr__(self, "nodes", frozenset(self.nodes))
         object.__setattr__(self, "exit_codes", frozenset(self.exit_codes))
-        if self.kind in (FaultKind.CRASH, FaultKind.HANG) and not self.ranks:
+        if self.kind in (FaultKind.CRASH, FaultKind.HANG, FaultKind.STRAGGLER) and not self.ranks:
             raise ValueError(f"a {self.kind.value} Fault needs the ranks that failed (ranks=...), got none")
         if self.kind in (FaultKind.NODE_LOST, FaultKind.UNHEALTHY) and not self.nodes:
             raise ValueError(f"a {self.kind.value} Fault needs the nodes concerned (nodes=...), got none")
@@ -83,6 +86,7 @@ class Fault:
         what = {
             FaultKind.CRASH: f"{ranks_text(self.ranks, verb=False)} failed",
             FaultKind.HANG: f"{ranks_text(self.ranks, verb=False)} hung",
+            FaultKind.STRAGGLER: f"{ranks_text(self.ranks, verb=False)} was evicted as a straggler",
             FaultKind.NODE_LOST: f"node {nodes} was lost",
             FaultKind.COLLECTIVE_ERROR: "a collective failed",
             FaultKind.UNHEALTHY: f"node {nodes} is unhealthy",

@@ -116,6 +116,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("resilient_slowdown_ratio", "gauge", "The job's step time over its baseline while a slowdown lasts", _NODE),
     Metric("resilient_baseline_step_seconds", "gauge",
            "The job's baseline seconds per step (the slowdown detector's, boundary to boundary)", _NODE),
+    Metric("resilient_node_quarantined", "gauge",
+           "1 while this node has a quarantine record in force (it stays out of every rendezvous)", _NODE),
+    Metric("resilient_node_quarantine_offences", "gauge",
+           "Times this node was quarantined in its fleet (each offence doubles the next expiry)", _NODE),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

@@ -50,6 +50,8 @@ class NodeView:
     """MFU by scope ("run", "window"); None where it cannot be computed."""
     slowness: Mapping[str, Any] | None = None
     """Straggler scores and the slowdown state (:meth:`~resilient.agent.slowness.SlownessWatch.snapshot`)."""
+    quarantine: Mapping[str, Any] | None = None
+    """Across machines: this node's quarantine (:meth:`~resilient.agent.quarantine_gate.QuarantineGate.view`)."""
 
 
 def families(view: NodeView) -> Iterator[Any]:
@@ -141,6 +143,9 @@ def families(view: NodeView) -> Iterator[Any]:
     yield one("resilient_full_world_size", view.full_world_size)
     yield one("resilient_generation", view.generation)
     yield from _slowness(view.slowness or {}, fam, base)
+    q = view.quarantine or {}
+    yield one("resilient_node_quarantined", 1.0 if q.get("standing") else 0.0)
+    yield one("resilient_node_quarantine_offences", float(q.get("offences", 0)))
 
 
 def _slowness(snap: Mapping[str, Any], fam: Callable[[str], Any], base: list[str]) -> Iterator[Any]:

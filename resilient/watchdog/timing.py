@@ -55,6 +55,8 @@ class RankWindow:
     sections: Mapping[str, float]
     """Seconds per step by section (median over the window's steps; the mean where the median is zero)."""
     node: str = ""
+    remaining: int | None = None
+    """Steps still to do after this window (from ``Run.steps(total)``); None when the script did not say."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))
@@ -68,9 +70,11 @@ def parse_window(rank: int, node: str, payload: Mapping[str, Any]) -> RankWindow
         if not isinstance(raw, Mapping):
             raise TypeError("'s' is not a mapping")
         sections = {str(k): float(v) for k, v in raw.items()}
+        remaining = None if payload.get("left") is None else int(payload["left"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"timing report of rank {rank} is malformed ({type(e).__name__}: {e})") from e
     values = [step_s, *sections.values()]
     if window < 0 or steps < 1 or not all(math.isfinite(v) and v >= 0 for v in values):
         raise ValueError(f"timing report of rank {rank} has a negative or non-finite number: {dict(payload)}")
-    return RankWindow(rank=rank, window=window, steps=steps, step_s=step_s, sections=sections, node=node)
+    return RankWindow(rank=rank, window=window, steps=steps, step_s=step_s, sections=sections, node=node,
+                      remaining=remaining)
