@@ -113,6 +113,8 @@ class PeerWatch:
         self.waiting = 0
         self.quarantined: Standing | None = None
         """This node's quarantine record, when one was written while the generation runs."""
+        self.detectors: dict[str, Any] | None = None
+        """Detector changes requested through the store (across machines), for the watch loop to apply."""
         self.ended = False
         """The launch ended (checked across machines only: a node without members learns so here)."""
         self._done = threading.Event()
@@ -130,6 +132,7 @@ class PeerWatch:
                 if multi:
                     self.waiting = ctx.waiting()
                     self.ended = ctx.shared.ended()
+                    self.detectors = ctx.shared.detectors()
                 if ctx.quarantined is not None:
                     self.quarantined = ctx.quarantined()
             except Exception as e:  # an outage must not end a healthy generation
@@ -315,6 +318,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
             if peers.waiting > 0:
                 return Outcome(OutcomeKind.MEMBERSHIP, f"{peers.waiting} node(s) waiting to join the run")
         if ctx.slowness is not None and stop_deadline is None:
+            if peers.detectors is not None:
+                ctx.slowness.from_store(peers.detectors)
             ctx.slowness.poll(a.generation, [r for r, w in group.workers.items() if w.exit is None])
             flag = ctx.slowness.take_eviction()
             if flag is not None and hold is None:  # a persistent straggler: replace or drop it when that pays

@@ -8,7 +8,10 @@ Each key here changes the run, so each carries a token proof
 * ``stop``: the step at which every worker commits and exits (graceful stop);
 * ``stop_request``: ``resilient stop --store`` asking the agents for a graceful stop;
 * ``restarts/<generation>``: one record per failed generation, whichever node
-  writes it first, so the restart budget is global.
+  writes it first, so the restart budget is global;
+* ``detectors``: detector settings changed on the running job through the
+  store (``resilient detectors --store``): every change so far, merged, with
+  a sequence number; each agent applies a sequence it has not applied yet.
 
 With ``budget_scope="run"`` the restart records of earlier launches count
 too; the crash-loop count is always this launch's (a resubmission is a new
@@ -59,6 +62,10 @@ class SharedFacts:
     def stop_request(self) -> dict[str, Any] | None:
         """A request from ``resilient stop --store`` (verified), or ``None``."""
         return self.signed.get(self.prefix + "stop_request")
+
+    def detectors(self) -> dict[str, Any] | None:
+        """Detector changes requested through the store ``{seq, changes, by}`` (verified), or ``None``."""
+        return self.signed.get(self.prefix + "detectors")
 
     def ended(self) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it."""

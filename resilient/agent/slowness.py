@@ -37,6 +37,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from ..events import Emit, EventKind
 from ..watchdog.settings import Configs, flatten
 from ..watchdog.settings import apply as apply_settings
@@ -81,6 +82,8 @@ class SlownessWatch:
         self._evict_windows = evict_windows
         self._evictions: deque[dict[str, Any]] = deque()
         """Flags that stood ``evict_windows`` windows, for the watch loop to weigh (:meth:`take_eviction`)."""
+        self._store_seq = 0
+        """The newest sequence of store changes taken (:meth:`from_store`)."""
         self.evictions_done = 0
         """Stragglers this node's agent replaced or dropped (counted by the eviction)."""
         self.stragglers = StragglerDetector(straggler)
@@ -179,6 +182,21 @@ class SlownessWatch:
             merged = {**(self._queued[1] if self._queued else {}), **changes}
             self._queued = (configs, merged, source)
         return flatten(configs)
+
+    def from_store(self, record: Mapping[str, Any]) -> None:
+        """Changes requested through the store (``resilient detectors --store``): each sequence once, queued for
+        the next window like a change through the control socket; one that does not validate is reported."""
+        seq = record.get("seq")
+        if not isinstance(seq, int) or seq <= self._store_seq:
+            return
+        self._store_seq = seq
+        changes = record.get("changes")
+        try:
+            if not isinstance(changes, Mapping):
+                raise ConfigError(f"the store's detector changes are {changes!r}, not KEY: VALUE pairs")
+            self.request(changes, f"store (seq {seq}, by {record.get('by')})")
+        except ConfigError as e:
+            self._emit(EventKind.DETECTOR_FAILED, error=f"detector changes from the store refused: {e}", seq=seq)
 
     def _apply_queued(self, generation: int) -> None:
         with self._lock:

@@ -2,11 +2,15 @@
 
     resilient detectors --run-dir runs/x                                 # every setting, per node
     resilient detectors --run-dir runs/x straggler.rule.decision=12 slowdown.enabled=false
+    resilient detectors --store etcd://h:2379 --run-id x --token-file t straggler.enabled=false   # every machine
 
 A change needs the run's token (``<run_dir>/token``), is validated by each
 agent (a bad key or value is refused, naming the settings or the rule it
 breaks), applies from the next window of steps without a restart, and is a
-``detectors_changed`` event.
+``detectors_changed`` event.  Through the store (many machines) it is also
+validated here first, then written as a signed record under the run's
+launch that every agent applies within a second; agents that join later
+apply it too.
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from ..errors import ConfigError
 
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("detectors", help="read or change a running job's straggler and slowdown detectors")
-    p.add_argument("--run-dir", type=Path, metavar="DIR", required=True, help="the run directory")
+    p.add_argument("--run-dir", type=Path, metavar="DIR", help="the run directory (its control sockets and token)")
+    p.add_argument("--store", metavar="URL", help="change every machine's agents through etcd://HOST:PORT instead")
+    p.add_argument("--run-id", metavar="ID", help="run id in the store (with --store)")
+    p.add_argument("--token-file", type=Path, metavar="FILE", help="the run token (with --store; default <run dir>/token)")
     p.add_argument("set", nargs="*", metavar="KEY=VALUE",
                    help="settings to change, e.g. straggler.rule.decision=12 or slowdown.enabled=false")
     p.set_defaults(handler=cmd_detectors)
@@ -46,6 +53,10 @@ def cmd_detectors(args: argparse.Namespace) -> int:
     from .stop_cmd import live_agents
 
     changes = parse_assignments(args.set)
+    if args.store:
+        return through_store(args, changes)
+    if args.run_dir is None:
+        raise ConfigError("give --run-dir DIR (the run's control sockets), or --store URL --run-id ID")
     token, live = live_agents(args.run_dir)
     request: dict[str, Any] = {"op": "detectors"}
     if changes:
@@ -68,3 +79,36 @@ def cmd_detectors(args: argparse.Namespace) -> int:
             mark = "  *" if key in changes else "   "
             print(f"{mark} {key} = {json.dumps(value)}")
     return 1 if failed else 0
+
+
+def through_store(args: argparse.Namespace, changes: dict[str, Any]) -> int:
+    """Validate ``changes`` and merge them into the launch's signed ``detectors`` record (one more sequence)."""
+    import getpass
+    import socket
+
+    from ..coord.launch import launch_prefix
+    from ..watchdog.settings import apply, flatten
+    from ..watchdog.slowdown import SlowdownConfig
+    from ..watchdog.straggler import StragglerConfig
+    from .stop_cmd import signed_launch
+
+    signed, launch = signed_launch(args, "change the detectors of")
+    key = launch_prefix(launch["id"]) + "detectors"
+    while True:
+        entry, current = signed.get_entry(key)
+        merged = {**((current or {}).get("changes") or {}), **changes}
+        apply((StragglerConfig(), SlowdownConfig()), merged)  # a bad key or value is refused here, not on every node
+        if not changes:
+            print(json.dumps({"run_id": args.run_id, "launch_id": launch["id"], "requested": current}))
+            return 0
+        record = {"seq": int((current or {}).get("seq", 0)) + 1, "changes": merged,
+                  "by": f"{getpass.getuser()}@{socket.gethostname()}"}
+        swapped, _ = signed.compare_and_swap(key, entry.mod_revision if entry is not None else 0, record)
+        if swapped:
+            break
+    print(f"run {args.run_id} (launch {launch['id']}): every agent applies from its next window, seq "
+          f"{record['seq']}:")
+    settings = flatten(apply((StragglerConfig(), SlowdownConfig()), merged))
+    for k in sorted(merged):
+        print(f"  * {k} = {json.dumps(settings[k])}")
+    return 0

@@ -69,30 +69,39 @@ def live_agents(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
     return read_token(token_file), live
 
 
-def stop_through_store(args: argparse.Namespace) -> int:
-    """Write a signed stop request under the run's current launch."""
-    import socket
-
+def signed_launch(args: argparse.Namespace, what: str) -> tuple[Any, dict[str, Any]]:
+    """The run's store signed with its token (``--token-file``, or ``<--run-dir>/token``) and its current launch
+    record, for ``--store URL --run-id ID``; ConfigError naming what is missing or wrong."""
     from ..agent.rundir import read_token
     from ..coord.etcd import EtcdClient, EtcdConfig
-    from ..coord.launch import LAUNCH_KEY, launch_prefix
+    from ..coord.launch import LAUNCH_KEY
     from ..coord.proof import SignedStore
     from ..coord.store import EtcdControlStore
 
     if not args.run_id:
-        raise ConfigError("--store needs --run-id: the run to stop")
+        raise ConfigError(f"--store needs --run-id: the run to {what}")
     token_file = args.token_file or (args.run_dir / "token" if args.run_dir else None)
     if token_file is None or not token_file.exists():
-        raise ConfigError(f"the stop request must be signed with the run token: pass --token-file FILE (a copy of "
+        raise ConfigError(f"the request must be signed with the run token: pass --token-file FILE (a copy of "
                           f"<run_dir>/token){'' if token_file is None else f'; {token_file} does not exist'}")
     store = EtcdControlStore.for_run(EtcdClient(EtcdConfig.from_url(args.store, outage_tolerance_s=10.0)), args.run_id)
     signed = SignedStore(store, read_token(token_file))
     problem = signed.check_fingerprint(publish=False)
     if problem is not None:
-        raise ConfigError(f"cannot stop run {args.run_id} with {token_file}: {problem}; use its agents' token file")
+        raise ConfigError(f"cannot {what} run {args.run_id} with {token_file}: {problem}; use its agents' token file")
     launch = signed.get(LAUNCH_KEY)
     if launch is None:
         raise ConfigError(f"run {args.run_id} has no launch in {args.store}: is the run id right?")
+    return signed, launch
+
+
+def stop_through_store(args: argparse.Namespace) -> int:
+    """Write a signed stop request under the run's current launch."""
+    import socket
+
+    from ..coord.launch import launch_prefix
+
+    signed, launch = signed_launch(args, "stop")
     if launch.get("state") == "ended":
         print(f"run {args.run_id}: launch {launch['id']} already ended ({launch.get('reason')}); nothing to stop")
         return 0
