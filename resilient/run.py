@@ -156,15 +156,15 @@ class Run:
         self.rank, self.world_size = 0, 1
         _attempt.regroup(self)  # rank and world size of the process group (if any), the loader's share of it
         if data is not None and self._hooks is not None:
-            data.report_section = self.section
+            self._hooks.attach_loader(data, self.section)
         self._fingerprint = {
             "model": model_fingerprint(model),
             "config": digest_config(self.config),
             "code": {"resilient": __version__, "torch": torch.__version__},
         }
         self.checkpoints: CheckpointManager | None = None
-        restore_started = time.perf_counter()
-        if checkpoint is not None:
+        restore_started, diagnosing = time.perf_counter(), env is not None and env.diagnose is not None
+        if checkpoint is not None and not diagnosing:  # a diagnosis job measures: it keeps nothing
             with self.section("restore"):
                 # A spare already in the group takes its state from the members, not from a checkpoint.
                 self.checkpoints = open_checkpoints(self, checkpoint, env, spare=spare, restore=joined is None)

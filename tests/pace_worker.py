@@ -24,6 +24,20 @@ import torch
 import resilient
 
 
+class SlowReads(torch.utils.data.Dataset):
+    """A dataset whose every read takes ``delay_s`` (storage or decoding that cannot keep up)."""
+
+    def __init__(self, samples: torch.Tensor, delay_s: float) -> None:
+        self.samples, self.delay_s = samples, delay_s
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        return self.samples[i]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, required=True)
@@ -32,6 +46,8 @@ def main() -> None:
     p.add_argument("--device-ms", type=float, default=15.0,
                    help="per step, wait this long after the forward, as a host waits for its accelerator")
     p.add_argument("--audit-every", type=int, default=100)
+    p.add_argument("--data-ms", type=float, default=0.0,
+                   help="reading a batch takes this long (a slow input path: each sample sleeps its share)")
     p.add_argument("--ckpt", default=None, help="commit a checkpoint here every --every steps (a restart resumes)")
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--perturb", default=None, metavar="RANK,STEP",
@@ -42,7 +58,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, w), torch.nn.ReLU(), torch.nn.Linear(w, w), torch.nn.ReLU(),
                                 torch.nn.Linear(w, 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = resilient.ElasticLoader(torch.randn(4096, 64, generator=torch.Generator().manual_seed(1)),
+    samples = torch.randn(4096, 64, generator=torch.Generator().manual_seed(1))
+    data = resilient.ElasticLoader(SlowReads(samples, args.data_ms / 1e3 / 32) if args.data_ms else samples,
                                    batch_size=32, seed=3)
     checkpoint = None if args.ckpt is None else resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every,
                                                                           elastic=True)

@@ -16,7 +16,17 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import ResilientError
-from . import checkpoint_cmd, dashboards_cmd, detectors_cmd, quarantine_cmd, report_cmd, run_cmd, status_cmd, stop_cmd
+from . import (
+    checkpoint_cmd,
+    dashboards_cmd,
+    detectors_cmd,
+    diagnose_cmd,
+    quarantine_cmd,
+    report_cmd,
+    run_cmd,
+    status_cmd,
+    stop_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     stop_cmd.add_parser(commands)
     detectors_cmd.add_parser(commands)
     quarantine_cmd.add_parser(commands)
+    diagnose_cmd.add_parser(commands)
     report_cmd.add_parser(commands)
     checkpoint_cmd.add_parser(commands)
     dashboards_cmd.add_parser(commands)

@@ -101,6 +101,10 @@ class ElasticLoader:
         """Dataset indices of the batch most recently returned on this rank."""
         self._plan = StreamPlan(len(dataset), seed, shuffle)
         self._pipeline: WorkerPipeline | None = None
+        self.held: dict[int, tuple[list[int], Any]] | None = None
+        """Input-path isolation (``resilient diagnose input``): while set, each micro-batch slot's newest batch is
+        kept here, and with :attr:`replaying` it is handed out again instead of read (the cursor still moves)."""
+        self.replaying = False
         self.report_section: Callable[[str], AbstractContextManager[Any]] | None = None
         """Set by a Run under an agent (``Run.section``): waiting for a batch is then reported as section "data"."""
         self.rank, self.world_size = 0, 1
@@ -220,17 +224,24 @@ class ElasticLoader:
     def _fetch(self, cursor: int, k: int, layout: Layout) -> tuple[list[int], Any]:
         started = self._clock()
         try:
-            if self.options.in_process:
-                offset, size = layout.slots[k]
-                indices = self.indices_at(cursor + offset, size)
-                return indices, fetch_in_process(self.dataset, self.collate_fn, cursor + offset, indices)
-            if self._pipeline is None:
-                self._pipeline = WorkerPipeline(self.dataset, self.collate_fn, self._plan, self.batch_size,
-                                                self.options)
-            carried = self._pipeline.next_batch(cursor, k, self.rank, layout)
-            return carried.indices, carried.data
+            if self.held is not None:
+                if self.replaying and k in self.held:
+                    return self.held[k]  # resident in memory: no reading, no collating, no transfer
+                self.held[k] = self._read(cursor, k, layout)
+                return self.held[k]
+            return self._read(cursor, k, layout)
         finally:
             self.data_wait_s += self._clock() - started
+
+    def _read(self, cursor: int, k: int, layout: Layout) -> tuple[list[int], Any]:
+        if self.options.in_process:
+            offset, size = layout.slots[k]
+            indices = self.indices_at(cursor + offset, size)
+            return indices, fetch_in_process(self.dataset, self.collate_fn, cursor + offset, indices)
+        if self._pipeline is None:
+            self._pipeline = WorkerPipeline(self.dataset, self.collate_fn, self._plan, self.batch_size, self.options)
+        carried = self._pipeline.next_batch(cursor, k, self.rank, layout)
+        return carried.indices, carried.data
 
     def close(self) -> None:
         """Stop the worker processes, if any; a later ``next()`` starts them again."""

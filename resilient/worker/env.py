@@ -91,6 +91,9 @@ class WorkerEnv:
     resizable: int = 0
     """RESILIENT_RESIZABLE=1: the agent may change the world size in process (a shrink, a grow): checkpoints then
     restore at any world size.  0: the world keeps its size (a spare only takes a lost rank's place)."""
+    diagnose: str | None = None
+    """RESILIENT_DIAGNOSE=input:STEPS:DIR: a diagnosis job of ``resilient diagnose input``
+    (:mod:`resilient.worker.diagnose`): no checkpoint is read or written."""
 
     def __post_init__(self) -> None:
         if not self.agent_socket:
@@ -176,6 +179,7 @@ class WorkerEnv:
             "role": _str(environ, "RESILIENT_ROLE"),
             "recovery_timeout_s": _float(environ, "RESILIENT_RECOVERY_TIMEOUT"),
             "resizable": _int(environ, "RESILIENT_RESIZABLE"),
+            "diagnose": _str(environ, "RESILIENT_DIAGNOSE"),
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -204,7 +208,7 @@ _VARS = {
     "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
     "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
     "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
-    "resizable": "RESILIENT_RESIZABLE",
+    "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE",
 }
 
 

@@ -46,11 +46,16 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..events import EventKind
 from ..fsutil import write_json_atomic
+from .diagnose import DiagnoseSpec, InputDiagnosis
 from .env import WorkerEnv
 from .heartbeat import BatchingSender, HeartbeatSender
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
+
     from ..chaos.inject import FaultInjector
+    from ..data.loader import ElasticLoader
     from ..events import EventLog
 
 UNCAUGHT_PREFIX = "resilient: uncaught "
@@ -112,6 +117,10 @@ class WorkerHooks:
         """A spare not yet promoted: nothing but ``recovery`` reports goes out."""
         self.rank, self.generation = env.rank, env.generation
         self._checkpoint_location: str | None = None
+        self.diagnosis: InputDiagnosis | None = None
+        """A diagnosis job's input-path isolation (``resilient diagnose input``); None in a training job."""
+        if env.diagnose is not None:
+            self.diagnosis = InputDiagnosis(DiagnoseSpec.parse(env.diagnose), env.rank)
 
     # ------------------------------------------------------------ install
     def install(self) -> None:
@@ -180,10 +189,18 @@ class WorkerHooks:
         self.sender.send_single("restored", self.section, self.step, committed_step=self.committed_step,
                                 restored=report)
 
+    def attach_loader(self, loader: ElasticLoader, section: Callable[[str], AbstractContextManager[Any]]) -> None:
+        """The Run's loader: its waits are reported as section "data"; a diagnosis job holds its batches."""
+        loader.report_section = section
+        if self.diagnosis is not None:
+            self.diagnosis.bind(loader)
+
     def timing(self, report: dict[str, Any]) -> None:
         """Send one window of step time by section (:mod:`resilient.watchdog.timing`) in a datagram of its own."""
         if self._said_bye or self.standby:
             return
+        if self.diagnosis is not None and self.diagnosis.window(report):
+            self.stop_request = StopRequest(0, "the input-path diagnosis measured both phases")
         self.sender.send_single("timing", self.section, self.step, committed_step=self.committed_step, timing=report)
 
     def audit(self, report: dict[str, Any]) -> None:
