@@ -84,7 +84,7 @@ def main() -> int:
                    "smaller than the full-size ranks' when the new world times the batch size does not divide "
                    "the global batch)")
     p.add_argument("--hold-at", type=int, default=None,
-                   help="rank 0 waits at this step until the agent decided to grow (a boundary ahead of it)")
+                   help="every rank waits at this step until the agent decided to grow (a boundary ahead of it)")
     p.add_argument("--spares-at-end", type=int, default=0,
                    help="rank 0 waits at the end until the agent logged this many spare_ready events")
     p.add_argument("--mesh", default=None, help="R,S: HSDP over R replicas of S shards; N: pure FSDP over N ranks")
@@ -117,8 +117,11 @@ def main() -> int:
     for step in run.steps(args.steps):
         if doomed and step == args.die_step and args.spares_ready:
             wait_for_spares(args.spares_ready)
-        if args.hold_at == step and run.rank == 0:
-            wait_for_event('"action": "grow"')
+        if args.hold_at == step:
+            # Every rank waits, in a section of its own (a rank waiting in a collective for a held peer would
+            # be a hung step), until the agent decided to grow.
+            with run.section("hold"):
+                wait_for_event('"action": "grow"')
         with run.attempt():
             if doomed and step == args.die_step and args.die_how == "start":
                 os.kill(os.getpid(), signal.SIGKILL)

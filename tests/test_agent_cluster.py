@@ -96,7 +96,7 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
                                                                            etcd_run_id: str) -> None:
     """``--nnodes 2:3``: node n2's agent is SIGKILLed (its worker dies with it); the two others shrink to two
     ranks in process; n2 comes back as ``--role spare`` and the run grows back to three at a step boundary.
-    Rank 0 holds at step 9 until the grow is decided, so the returning node's warm-up cannot outlast the run."""
+    Every rank holds at step 9 until the grow is decided, so the returning node's warm-up cannot outlast the run."""
     steps, samples = 14, ("--samples", "84", "--plain")
     ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -104,7 +104,10 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     out.mkdir()
     run = out / "run"
     script = _script(out, steps, *samples, "--hold-at", "9", "--step-sleep", "0.3")
-    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5") for n in ("n0", "n1", "n2")}
+    # A step timeout (2 s) shorter than the lost node's presence lease (5 s): the survivors wait in their step
+    # for the shrink longer than a step may take, and must not be taken for hung while they do.
+    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
+             for n in ("n0", "n1", "n2")}
     agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
               for n in flags}
     try:

@@ -219,7 +219,7 @@ def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_s
 def test_a_shrunk_run_grows_back_when_its_replacement_is_warm(tmp_path: Path) -> None:
     """2:3 without a spare: one rank lost, the run shrinks, the agent starts a replacement, the run grows back.
 
-    Rank 0 holds at step 6 until the agent decided to grow (so the replacement's warm-up cannot outlast the
+    Every rank holds at step 6 until the agent decided to grow (so the replacement's warm-up cannot outlast the
     run); the agent places the boundary a few steps ahead of every rank.
     """
     steps, samples = 12, ("--samples", "72", "--plain")

@@ -308,6 +308,12 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         else:
             # A rank that already exited (0: failures were handled above) cannot hang.
             views = {r: v for r, v in ctx.tracker.views().items() if r in group.workers and group.workers[r].exit is None}
+            if ctx.inproc is not None:
+                # A rank that said it left the group and waits for the next generation is not hung: its wait is
+                # bounded by the recovery timeout (then it exits and fails like a crash).  Across machines the
+                # decision on a lost node comes with its presence lease (5 s), as late as a step's timeout floor.
+                waiting = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
+                views = {r: v for r, v in views.items() if group.workers[r].worker_id not in waiting}
             hang = decide_hang(views, ctx.tracker.stats, c.sections, now)
             if hang is not None and hold is None:
                 ended = end_on_hang(ctx, group, a, gdir, hang, now)
