@@ -20,12 +20,13 @@ from .agent_helpers import agent_env, events, explain, incidents, node_status, r
 WORKER = Path(__file__).parent / "pace_worker.py"
 RUN_ID = "slow"
 NODE = ("--node-id", "n0", "--run-id", RUN_ID)
-DEVICE = ("--device-ms", "40")
-"""Steps of about 60 ms, 40 of them waiting as for a device.  With 30 ms steps on this 2-core machine, one rank
-of a healthy run was 2.7 ms (8% of a step) slower than its peers for 25 steps, enough to be flagged: 3 ranks and
-the agent share 2 cores.  At 60 ms the same delay is under the 5% of a step that a flag needs."""
+DEVICE = ("--device-ms", "60")
+"""Steps of about 80 ms, 60 of them waiting as for a device.  3 ranks and the agent share 2 cores here, and a
+rank the scheduler keeps waiting is slower than its peers for real: with 30 ms steps one rank of a healthy run
+was 2.7 ms (8% of a step) slower for 25 steps, and with 60 ms steps one rank's optimizer 3 ms (5.5%) slower for
+15, each enough to be flagged.  At 80 ms such a delay is under the 5% of a step that a flag needs."""
 SLOW_S = 0.015
-"""Added by the slow faults: about 25% of a step of this worker on this machine."""
+"""Added by the slow faults: about 20% of a step of this worker on this machine."""
 
 
 def plan(path: Path, *faults: dict) -> Path:
