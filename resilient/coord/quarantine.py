@@ -157,23 +157,22 @@ class FleetQuarantine:
 
     def get(self, node: str) -> Standing | None:
         """The node's record in force, or None (never quarantined, lapsed or released)."""
-        entry = self.client.get(self._key("quarantine", node))
+        return self._standing(node, self.client.get(self._key("quarantine", node)))
+
+    def list(self) -> list[Standing]:
+        """Every record in force in the fleet, by node."""
+        found = (self._standing(e.key.rsplit("/", 1)[-1], e)
+                 for e in self.client.get_prefix(f"{self.prefix}quarantine/"))
+        return [s for s in found if s is not None]
+
+    def _standing(self, node: str, entry: Entry | None) -> Standing | None:
+        """The record in ``entry`` if its lease has not run out (etcd deletes the key a moment after)."""
         if entry is None:
             return None
         remaining = self.client.lease_ttl(entry.lease) if entry.lease else 0
         if entry.lease and remaining < 0:
-            return None  # the lease ran out: etcd deletes the key now
+            return None
         return Standing(QuarantineRecord.decode(node, entry.value), max(0, remaining))
-
-    def list(self) -> list[Standing]:
-        """Every record in force in the fleet, by node."""
-        out = []
-        for entry in self.client.get_prefix(f"{self.prefix}quarantine/"):
-            node = entry.key.rsplit("/", 1)[-1]
-            standing = self.get(node)
-            if standing is not None:
-                out.append(standing)
-        return out
 
     def offences(self, node: str) -> int:
         """How many times the node was quarantined in this fleet (kept across runs and releases)."""
