@@ -171,6 +171,8 @@ def regroup(run: Run) -> None:
     distributed = dist.is_available() and dist.is_initialized()
     run.rank = dist.get_rank() if distributed else 0
     run.world_size = dist.get_world_size() if distributed else 1
+    if run._timer is not None:  # its windows say among how many ranks they are scored
+        run._timer.world = run.world_size
     if run.data is not None:
         run.data.bind(run.rank, run.world_size)
 

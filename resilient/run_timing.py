@@ -79,6 +79,8 @@ class StepTimer:
         self.total: int | None = None
         """The steps the loop will run (``Run.steps(total)``): each window says how many are left."""
         self._left: int | None = None
+        self.world: int | None = None
+        """Ranks in the process group (set by the Run on every re-formation): each window says so."""
 
     # ---------------------------------------------------------------- the loop
     def begin(self) -> None:
@@ -135,6 +137,8 @@ class StepTimer:
         report: dict[str, Any] = {"w": index, "n": len(steps), "step": round(wall, 6), "s": sections}
         if self._left is not None:
             report["left"] = self._left
+        if self.world is not None:
+            report["world"] = self.world
         self._send(report)
 
     # ---------------------------------------------------------------- hooks

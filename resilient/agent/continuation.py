@@ -29,6 +29,7 @@ from ..elastic.decide import Action, RecoveryDecision
 from ..elastic.observe import FaultKind, RestartOutlook
 from ..events import EventKind
 from .inproc import ACTING
+from .inproc_grow import carry_out_grow, consider_grow
 from .launcher import WorkerGroup, WorkerSpec
 from .policy import Failure
 from .rendezvous import Assignment
@@ -298,11 +299,11 @@ def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     at_step = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
     if at_step is None:
         return None
-    decision = inp.consider_grow(group, at_step)
+    decision = consider_grow(inp, group, at_step, now)
     if decision is None:
         return None
     generation = next_generation()
-    pids = inp.carry_out_grow(group, decision, generation, a.generation, at_step)
+    pids = carry_out_grow(inp, group, decision, generation, a.generation, at_step, ctx.clock())
     return continue_as(ctx, group, a, gdir, generation, pids, "grow", f"{decision.reason} (at step {at_step})",
                         at_step=at_step)
 

@@ -117,6 +117,7 @@ class PeerWatch:
         """Detector changes requested through the store (across machines), for the watch loop to apply."""
         self.ended = False
         """The launch ended (checked across machines only: a node without members learns so here)."""
+        self._published: dict[str, Any] | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="peer-watch", daemon=True)
         self._thread.start()
@@ -133,10 +134,22 @@ class PeerWatch:
                     self.waiting = ctx.waiting()
                     self.ended = ctx.shared.ended()
                     self.detectors = ctx.shared.detectors()
+                    self._exchange_timing()
                 if ctx.quarantined is not None:
                     self.quarantined = ctx.quarantined()
             except Exception as e:  # an outage must not end a healthy generation
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+
+    def _exchange_timing(self) -> None:
+        """Across machines: offer this node's newest windows to its peers and take theirs (straggler scoring)."""
+        slowness = self._ctx.slowness
+        if slowness is None:
+            return
+        box = slowness.outbox()
+        if box is not None and box != self._published:
+            self._ctx.shared.publish_timing(box)
+            self._published = box
+        slowness.take_peers(self._ctx.shared.timing())
 
     def close(self) -> None:
         self._done.set()
@@ -326,7 +339,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         if ctx.slowness is not None and stop_deadline is None:
             if peers.detectors is not None:
                 ctx.slowness.from_store(peers.detectors)
-            ctx.slowness.poll(a.generation, [r for r, w in group.workers.items() if w.exit is None])
+            warming = ctx.inproc is not None and ctx.inproc.warming_spares() > 0
+            ctx.slowness.poll(a.generation, [r for r, w in group.workers.items() if w.exit is None], disturbed=warming)
             flag = ctx.slowness.take_eviction()
             if flag is not None and hold is None:  # a persistent straggler: replace or drop it when that pays
                 evicted = weigh_straggler(ctx, group, a, gdir, flag, now)

@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.costs import RecoveryCosts
 from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
-from ..elastic.grow import GrowAction, GrowDecision, decide_grow
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
-from ..elastic.reform import Member, grow_key, plan_assignments, publish_assignments
+from ..elastic.reform import Member, plan_assignments, publish_assignments
 from ..events import Emit, EventKind
 from .inproc_state import Recovering, Reports, SpareState
 
@@ -190,6 +189,19 @@ class InProcess:
         with self._lock:
             return sum(1 for i, s in self.spares.items() if s.ready_at is not None and i in self._reports.ready)
 
+    def warming_spares(self) -> int:
+        """Spares started and not yet ready (importing, building the model): they compete with the ranks here."""
+        with self._lock:
+            return sum(1 for s in self.spares.values() if s.ready_at is None)
+
+    def spare_view(self, group: WorkerGroup) -> tuple[list[Spare], frozenset[int]]:
+        """The group's spares as the ladder sees them, and the world sizes the members' batch plan allows."""
+        with self._lock:
+            ready = dict(self._reports.ready)
+            spares = [Spare(id=i, node=self.config.node_id, warm=s.ready_at is not None and i in ready,
+                            ready_since=s.ready_at) for i, s in self.spares.items() if i in group.spares]
+        return spares, self._feasible(ready)
+
     def opted_in(self, worker_ids: Sequence[str]) -> bool:
         """Every one of these members said ``ready`` (its script runs its steps under ``run.attempt()``)."""
         with self._lock:
@@ -226,13 +238,9 @@ class InProcess:
         c = self.config
         old_world = len(group.workers)
         survivors = [r for r in group.workers if r not in lost]
+        spares, feasible = self.spare_view(group)
         with self._lock:
-            ready = dict(self._reports.ready)
-            spares = [Spare(id=i, node=c.node_id, warm=s.ready_at is not None and i in ready,
-                            ready_since=s.ready_at)
-                      for i, s in self.spares.items() if i in group.spares]
             failures = self._failed_at_step[step]
-        feasible = self._feasible(ready)
         obs = Observation(
             fault=Fault(kind=kind, step=step, ranks=frozenset(lost), exit_codes=frozenset(exit_codes), detail=detail),
             membership=Membership(rank_nodes=(c.node_id,) * old_world, min_size=min(c.min_ranks, old_world),
@@ -287,7 +295,7 @@ class InProcess:
         for rank, spare in promoted.items():
             self.promote(group, spare, rank)
         group.renumber(rank_map)
-        self._under_way(Recovering(
+        self.start_recovery(Recovering(
             generation=generation, rung=decision.action.value, world_size=decision.world_size,
             promotions=tuple((p.rank, p.spare) for p in decision.promotions), dropped=tuple(decision.dropped_ranks),
             members={m.worker_id: m.new_rank for m in members}, detected_at=detected_at,
@@ -313,13 +321,14 @@ class InProcess:
             self.spares.pop(spare, None)
             self._reports.ready.pop(spare, None)
 
-    def _under_way(self, recovering: Recovering) -> None:
+    def start_recovery(self, recovering: Recovering) -> None:
+        """``recovering`` is under way: the watch loop follows its members until they rejoin (or it fails)."""
         with self._lock:
             self.recovering = recovering
 
     def under_way(self, **fields: Any) -> None:
         """A recovery decided elsewhere (across machines) that this node's members now carry out."""
-        self._under_way(Recovering(deadline=self._clock() + 2 * self.config.recovery_timeout_s + 10, **fields))
+        self.start_recovery(Recovering(deadline=self._clock() + 2 * self.config.recovery_timeout_s + 10, **fields))
 
     def publish(self, assignments: Sequence[Assignment]) -> None:
         """Put these workers' assignments on this agent's store, where they wait for them."""
@@ -329,44 +338,6 @@ class InProcess:
         """Ask this agent's members to join ``generation`` at the boundary before ``at_step`` (after its
         assignments were published)."""
         self._store.set(key, json.dumps({"generation": generation, "at_step": at_step}))
-
-    # -------------------------------------------------------------- growing
-    def consider_grow(self, group: WorkerGroup, step: int) -> GrowDecision | None:
-        """Whether a world below full size grows onto settled spares at the boundary before ``step``."""
-        c = self.config
-        with self._lock:
-            ready = dict(self._reports.ready)
-            spares = [Spare(id=i, node=c.node_id, warm=s.ready_at is not None and i in ready, ready_since=s.ready_at)
-                      for i, s in self.spares.items() if i in group.spares]
-        feasible = self._feasible(ready)
-        members = Membership(rank_nodes=(c.node_id,) * len(group.workers), min_size=min(c.min_ranks, len(group.workers)),
-                             max_size=c.nproc_per_node, full_size=c.nproc_per_node, feasible_world_sizes=feasible)
-        decision = decide_grow(members, spares, step=step, costs=self.costs(), cfg=self.ladder, now=self._clock())
-        if decision.action is GrowAction.GROW:
-            self.last_decision = f"grow: {decision.reason}"
-            self._emit(EventKind.RECOVERY_DECIDED, **decision.to_event())
-            return decision
-        return None
-
-    def carry_out_grow(self, group: WorkerGroup, decision: GrowDecision, generation: int, previous: int,
-                       at_step: int) -> dict[int, int]:
-        """Publish ``generation`` (the members plus the joiners), then ask the members to join it before ``at_step``."""
-        members = [Member(worker_id=w.worker_id, new_rank=r, old_rank=r) for r, w in sorted(group.workers.items())]
-        members += [Member(worker_id=p.spare, new_rank=p.rank, old_rank=None) for p in decision.joiners]
-        joining = {p.spare for p in decision.joiners}
-        standby = [i for i in group.spares if i not in joining]
-        publish_assignments(self._store, plan_assignments(generation, members, 0, self.host, self.port, standby))
-        # After the assignments: a member that sees the key finds its assignment waiting.
-        self.signal_grow(grow_key(previous), generation, at_step)
-        for p in decision.joiners:
-            self.promote(group, p.spare, p.rank)
-        now = self._clock()
-        self._under_way(Recovering(
-            generation=generation, rung="grow", world_size=decision.world_size,
-            promotions=tuple((p.rank, p.spare) for p in decision.joiners), dropped=(),
-            members={m.worker_id: m.new_rank for m in members}, detected_at=now,
-            deadline=now + 2 * self.config.recovery_timeout_s + 10, incident_id=None, step=at_step))
-        return {r: w.pid for r, w in group.workers.items()}
 
     def progress(self) -> tuple[Recovering, dict[str, dict[str, Any]]] | None:
         """The recovery under way and the members that rejoined it so far (None when none is under way)."""

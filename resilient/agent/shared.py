@@ -11,7 +11,10 @@ Each key here changes the run, so each carries a token proof
   writes it first, so the restart budget is global;
 * ``detectors``: detector settings changed on the running job through the
   store (``resilient detectors --store``): every change so far, merged, with
-  a sequence number; each agent applies a sequence it has not applied yet.
+  a sequence number; each agent applies a sequence it has not applied yet;
+* ``timing/<node>``: the newest timing windows of the node's ranks, which
+  every peer scores its stragglers against (one rank per node is compared
+  with the others), rewritten once a second while they change.
 
 With ``budget_scope="run"`` the restart records of earlier launches count
 too; the crash-loop count is always this launch's (a resubmission is a new
@@ -66,6 +69,14 @@ class SharedFacts:
     def detectors(self) -> dict[str, Any] | None:
         """Detector changes requested through the store ``{seq, changes, by}`` (verified), or ``None``."""
         return self.signed.get(self.prefix + "detectors")
+
+    def publish_timing(self, record: dict[str, Any]) -> None:
+        """This node's newest timing windows (:meth:`~resilient.agent.slowness.SlownessWatch.outbox`)."""
+        self.signed.put(f"{self.prefix}timing/{self._node}", record)
+
+    def timing(self) -> list[dict[str, Any]]:
+        """Every node's newest timing windows (verified), this node's included."""
+        return list(self.signed.get_prefix(self.prefix + "timing/").values())
 
     def ended(self) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it."""

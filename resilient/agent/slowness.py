@@ -21,6 +21,14 @@ and reports what changed:
   input pipeline, ``checkpoint_stall`` for storage, ``slowdown_excess``
   otherwise).
 
+Across machines every agent passes its ranks' windows to its peers through
+the store (:meth:`outbox`, :meth:`take_peers`, on the peer watch's thread):
+the straggler detector scores a window once every rank of the world
+reported it, so one rank per node is scored against the others, and each
+agent reports (events, incidents, gauges, eviction) only the ranks it runs.
+The slowdown detector scores this node's ranks alone (the job's step time is
+the same on every node), as soon as they have reported.
+
 A window some rank never reports (it died, or the world re-formed) is
 dropped once a later window is complete; a new generation starts both
 detectors afresh (ranks renumbered, the step time may change).  The scores
@@ -33,7 +41,7 @@ import statistics
 import threading
 import traceback
 from collections import deque
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -47,12 +55,14 @@ from ..watchdog.timing import RankWindow, parse_window
 from .heartbeat import Heartbeat
 from .incidents import Incident, publish_incident
 from .telemetry import HostSample, compare_samples, sample_host
+from .windows import WindowTable
 
 if TYPE_CHECKING:
     from .supervisor import Agent
 
-PENDING_WINDOWS = 64
-"""Windows kept waiting for their last rank; older ones are dropped."""
+HOST_SAMPLES = 64
+"""Host samples kept, one per scored window (a slowdown compares those around it with the baseline's)."""
+
 
 
 class SlownessWatch:
@@ -89,17 +99,19 @@ class SlownessWatch:
         self.stragglers = StragglerDetector(straggler)
         self.slowdowns = SlowdownDetector(slowdown)
         self._lock = threading.Lock()
-        self._pending: dict[tuple[int, int], dict[int, RankWindow]] = {}
+        self.windows = WindowTable(node_id)
+        """Windows received and not yet scored (this node's ranks', and its peers' across machines)."""
+        self.outbox, self.take_peers = self.windows.outbox, self.windows.take_peers
         self._generation: int | None = None
-        self._done = -1
-        self.malformed = 0
+        self.disturbed_windows = 0
+        """Windows left unscored for stragglers while a spare of this node warmed up."""
         self.failures = 0
         """Errors inside detection (each reported as a ``detector_failed`` event, the first three in full)."""
         self._audits: list[tuple[int, dict[str, Any]]] = []
         """Replica audit findings waiting for the watch loop: (generation, report)."""
         self._reasons: dict[tuple[int, str], str] = {}
         """Why each standing straggler flag was raised (for ``status``)."""
-        self._host: deque[HostSample] = deque(maxlen=PENDING_WINDOWS)
+        self._host: deque[HostSample] = deque(maxlen=HOST_SAMPLES)
         """One host sample per scored window."""
         self._baseline_host: tuple[HostSample, HostSample] | None = None
         self._queued: tuple[Configs, dict[str, Any], str] | None = None
@@ -117,56 +129,54 @@ class SlownessWatch:
         try:
             window = parse_window(hb.rank, self.node_id, hb.timing or {})
         except ValueError:
-            with self._lock:
-                self.malformed += 1
+            self.windows.refused()
             return
-        with self._lock:
-            key = (hb.generation or 0, window.window)
-            self._pending.setdefault(key, {})[hb.rank] = window
-            if len(self._pending) > PENDING_WINDOWS:
-                del self._pending[min(self._pending)]
+        self.windows.file(hb.generation or 0, window)
 
     # ------------------------------------------------------------ scoring (the watch loop)
-    def poll(self, generation: int, ranks: Collection[int]) -> None:
+    def poll(self, generation: int, ranks: Collection[int], *, disturbed: bool = False) -> None:
         """Score the windows of ``generation`` every one of ``ranks`` has reported, oldest first.
+
+        ``disturbed``: the agent itself loads this node now (a spare warming up: importing, building its
+        model); the windows that complete meanwhile are not scored for stragglers (they would name whichever
+        rank shares a core with the spare), only for the job's slowdown.
 
         Detection must never end a healthy generation: an error in it is a ``detector_failed`` event (the
         first few of them, with the traceback) and the watch loop goes on.
         """
         try:
-            self._poll(generation, ranks)
+            self._poll(generation, ranks, disturbed)
         except Exception as e:  # noqa: BLE001  reported, never fatal to training
             self.failures += 1
             if self.failures <= 3:
                 self._emit(EventKind.DETECTOR_FAILED, error=f"{type(e).__name__}: {e}",
                            traceback=traceback.format_exc(), failures=self.failures)
 
-    def _poll(self, generation: int, ranks: Collection[int]) -> None:
+    def _poll(self, generation: int, ranks: Collection[int], disturbed: bool) -> None:
         if generation != self._generation:
             self._new_generation(generation)
         self._apply_queued(generation)
         self._record_audits()
-        expected = set(ranks)
-        with self._lock:
-            ready = sorted(k for k, ws in self._pending.items() if k[0] == generation and k[1] > self._done
-                           and expected and expected <= set(ws))
-            batches = []
-            for key in ready:
-                batches.append({r: w for r, w in self._pending[key].items() if r in expected})
-                self._done = key[1]
-            for key in [k for k in self._pending if k[0] != generation or k[1] <= self._done]:
-                del self._pending[key]
-        for windows in batches:
-            self._host.append(self._telemetry())
-            for change in self.stragglers.observe(windows):
+        world_batches, local_batches = self.windows.ready(generation, ranks)
+        if disturbed:
+            self.disturbed_windows += len(world_batches)
+            world_batches = []
+        for windows in world_batches:
+            for change in self._own(self.stragglers.observe(windows)):
                 self._straggler(change, generation)
             self._check_persistent(generation, windows)
+        for windows in local_batches:
+            self._host.append(self._telemetry())
             had_baseline = self.slowdowns.baseline_s is not None
             for slow in self.slowdowns.observe(windows):
                 self._slowdown(slow, generation)
             if not had_baseline and self.slowdowns.baseline_s is not None:  # the host while the baseline was set
                 first = max(0, len(self._host) - self.slowdowns.config.baseline_windows - 1)
                 self._baseline_host = (self._host[first], self._host[-1])
+
+    def _own(self, changes: Iterable[StragglerChange]) -> list[StragglerChange]:
+        """The changes of this node's ranks (a peer's agent reports its own)."""
+        return [c for c in changes if c.node == self.node_id]
 
     def settings(self) -> dict[str, Any]:
         """Every detector setting by its dotted key (a change already accepted included)."""
@@ -220,7 +230,7 @@ class SlownessWatch:
                     generation: int = 0) -> None:
         """Use new detector settings from the next window on (runtime control)."""
         if straggler is not None:
-            for change in self.stragglers.reconfigure(straggler):
+            for change in self._own(self.stragglers.reconfigure(straggler)):
                 self._straggler(change, generation)
         if slowdown is not None:
             for slow in self.slowdowns.reconfigure(slowdown):
@@ -230,12 +240,13 @@ class SlownessWatch:
         """Scores and standing flags, for ``/metrics`` and ``status``."""
         slow = self.slowdowns.last if self.slowdowns.slow else None
         return {
-            "scores": [asdict(s) for s in self.stragglers.scores()],
+            "scores": [asdict(s) for s in self.stragglers.scores() if s.node == self.node_id],
             "stragglers": [{"rank": r, "section": s, "reason": self._reasons.get((r, s))}
-                           for r, s in self.stragglers.flagged()],
+                           for r, s in self.stragglers.flagged() if (r, s) in self._reasons],
             "slowdown": None if slow is None else {"reason": slow.reason, "ratio": round(slow.ratio, 4),
                                                    "since_window": slow.window},
             "baseline_s": self.slowdowns.baseline_s,
+            "disturbed_windows": self.disturbed_windows,
         }
 
     def _record_audits(self) -> None:
@@ -255,11 +266,12 @@ class SlownessWatch:
     def _new_generation(self, generation: int) -> None:
         """A restart or re-formation ends what was being measured: flags clear, a slowdown ends, all warm up again."""
         previous = self._generation or 0
-        for change in self.stragglers.clear():
+        for change in self._own(self.stragglers.clear()):
             self._straggler(change, previous)
         for slow in self.slowdowns.finish():
             self._slowdown(slow, previous)
-        self._generation, self._done, self._baseline_host = generation, -1, None
+        self._generation, self._baseline_host = generation, None
+        self.windows.start(generation)
         self._host.clear()
         self._evictions.clear()  # flags of the old generation name ranks that may be someone else's now
 

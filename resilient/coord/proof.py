@@ -119,6 +119,10 @@ class SignedStore:
                 found[entry.key] = value
         return found
 
+    def put(self, key: str, value: dict[str, Any]) -> int:
+        """Write a signed ``value`` under ``key``, whatever is there; returns the store's revision."""
+        return self.store.put(key, sign(self._token, key, value))
+
     def put_if_absent(self, key: str, value: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Create ``key`` unless a verified value is there: ``(True, value)`` or ``(False, the existing value)``.
 

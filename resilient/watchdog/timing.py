@@ -57,6 +57,8 @@ class RankWindow:
     node: str = ""
     remaining: int | None = None
     """Steps still to do after this window (from ``Run.steps(total)``); None when the script did not say."""
+    world: int | None = None
+    """Ranks in the rank's process group when the window ended (None from a runtime that did not say)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))
@@ -71,10 +73,22 @@ def parse_window(rank: int, node: str, payload: Mapping[str, Any]) -> RankWindow
             raise TypeError("'s' is not a mapping")
         sections = {str(k): float(v) for k, v in raw.items()}
         remaining = None if payload.get("left") is None else int(payload["left"])
+        world = None if payload.get("world") is None else int(payload["world"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"timing report of rank {rank} is malformed ({type(e).__name__}: {e})") from e
     values = [step_s, *sections.values()]
-    if window < 0 or steps < 1 or not all(math.isfinite(v) and v >= 0 for v in values):
+    if window < 0 or steps < 1 or (world is not None and world < 1) or \
+            not all(math.isfinite(v) and v >= 0 for v in values):
         raise ValueError(f"timing report of rank {rank} has a negative or non-finite number: {dict(payload)}")
     return RankWindow(rank=rank, window=window, steps=steps, step_s=step_s, sections=sections, node=node,
-                      remaining=remaining)
+                      remaining=remaining, world=world)
+
+
+def window_payload(w: RankWindow) -> dict[str, Any]:
+    """The report :func:`parse_window` reads, for ``w`` (how an agent passes its ranks' windows to its peers)."""
+    payload: dict[str, Any] = {"w": w.window, "n": w.steps, "step": w.step_s, "s": dict(w.sections)}
+    if w.remaining is not None:
+        payload["left"] = w.remaining
+    if w.world is not None:
+        payload["world"] = w.world
+    return payload
