@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .agent_helpers import events, explain, incidents
-from .test_agent_inproc import by_step, elastic_run, trace
+from .agent_helpers import events, explain, incidents, start_agent
+from .test_agent_inproc import WORKER, by_step, elastic_run, trace
 
 STEPS = 300
 ARGS = ("--step-sleep", "0.03", "--every", "50")
@@ -57,5 +57,51 @@ def test_a_persistent_straggler_is_replaced_by_the_spare_when_that_pays(tmp_path
         assert len(got[step]) == 2, (step, got[step])
         assert {x["rank"]: (x["indices"], x["losses"]) for x in got[step]} == \
             {x["rank"]: (x["indices"], x["losses"]) for x in want[step]}, step
+    final, reference = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert final["params"] == reference["params"] and final["optimizer"] == reference["optimizer"]
+
+
+def test_across_machines_a_persistent_straggler_is_replaced_by_the_spare_nodes_worker(tmp_path: Path, etcd_server,
+                                                                                      etcd_run_id: str) -> None:
+    """Two nodes with one rank each and a spare node, meeting through etcd: rank 1's agent flags it against
+    the other node's rank, asks the ladder over every node (it would promote the pool's spare), weighs the
+    cost and ends the rank; the spare node's worker takes rank 1 in process, bitwise the uninterrupted run."""
+    from .test_agent_cluster import _finish, _logs, _node, _script
+
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "2", extra=ARGS, steps=STEPS)
+    assert proc.returncode == 0, explain(proc)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "slow", "rank": 1, "step": 10, "section": "step", "duration_s": 0.03}]}))
+    out = tmp_path / "run"
+    out.mkdir()
+    agents = {n: start_agent(out / "run", *_node(etcd_server.url, etcd_run_id, n, "2", "--fault-plan", str(plan),
+                                                 *role),
+                             script=WORKER, script_args=_script(out, STEPS, *ARGS, "--spares-ready", "1"),
+                             log=tmp_path / f"{n}.log")
+              for n, role in (("n0", ()), ("n1", ()), ("spare0", ("--role", "spare")))}
+    codes = _finish(agents, 300)
+    assert codes == {"n0": 0, "n1": 0, "spare0": 0}, _logs(tmp_path)
+    run = out / "run"
+    assert not events(run, "restart"), "replaced by a restart, not in process"
+    [slow_node] = [e["node"] for e in events(run, "workers_started") if "1" in e["pids"]]
+    [flagged] = events(run, "straggler_flagged")
+    assert (flagged["node"], flagged["rank"], flagged["section"]) == (slow_node, 1, "compute"), flagged
+    [decided] = events(run, "straggler_decided")
+    assert decided["node"] == slow_node and decided["action"] == "swap" and decided["ladder"] == "promote_spare"
+    assert 0.02 < decided["lost_s"] < 0.05 and decided["saved_s"] >= 2 * decided["cost_s"] > 0, decided
+    [ladder] = events(run, "recovery_decided")
+    assert ladder["action"] == "promote_spare", ladder
+    assert ladder["promotions"] == [{"rank": 1, "spare": "spare0.s0", "node": "spare0"}], ladder
+    assert "was ended by the agent as a persistent straggler" in ladder["reason"], ladder
+    done = {e["node"]: e for e in events(run, "recovered_in_process")}
+    at = done["spare0"]["resumed_after_step"]
+    lines = trace(out)
+    assert {line["worker"] for line in lines if line["rank"] == 1 and line["step"] >= at} == {"spare0.s0"}
+    got, want = by_step(lines), by_step(trace(ref))
+    assert sorted(got) == list(range(STEPS)) == sorted(want)
+    for step in range(STEPS):
+        assert {x["rank"]: (x["indices"], x["losses"]) for x in got[step]} == \
+            {x["rank"]: (x["indices"], x["losses"]) for x in want[step]} and len(got[step]) == 2, step
     final, reference = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
     assert final["params"] == reference["params"] and final["optimizer"] == reference["optimizer"]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..coord.store import ControlStoreError
 from ..elastic.batch import feasible_world_sizes
-from ..elastic.decide import Action
+from ..elastic.decide import Action, RecoveryDecision, decide_recovery
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
 from .cluster import GenerationView, Involvement, PoolEntry
 from .incidents import Incident
@@ -82,6 +82,8 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     silent = frozenset(n for _, n in missing.values() if n not in speaking)
     if any(b.get("kind") == "hang" for b in view.lost.values()):
         kind = FaultKind.HANG
+    elif view.lost and all(b.get("kind") == "straggler" for b in view.lost.values()):
+        kind = FaultKind.STRAGGLER
     elif view.lost or (missing and not silent):
         kind = FaultKind.CRASH
     elif silent:
@@ -99,17 +101,10 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
                                      node=", ".join(sorted(silent)) or ctx.config.node_id, step=step, detail=detail)
     assert ctx.restart_outlook is not None and ctx.next_generation is not None
     outlook = ctx.restart_outlook(failure)
-    membership = membership_of(ctx, view, members)
-    opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
-    replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
     live = cs.store.live_nodes()
     for _ in range(3):
-        pool = [s for s in cs.store.pool() if s.node in live and s.worker not in rank_of]
-        spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall),
-                        claimed=s.claimed is not None) for s in pool]
-        obs = Observation(fault=fault, membership=membership, restart=outlook, spares=spares,
-                          survivor_steps={r: s for r, s in steps.items() if r not in lost}, opted_in=opted,
-                          waiting_since=inv.wait_since, replicas=replicas)
+        pool, obs = observation(ctx, view, members, fault, outlook, {r: s for r, s in steps.items() if r not in lost},
+                                live, now, inv.wait_since)
         decision = inp.decide_cluster(obs)
         by_id = {s.worker: s for s in pool}
         wanted = [by_id[p.spare] for p in decision.promotions]
@@ -155,6 +150,40 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     ctx.record_incident(incident)
     cs.store.decide(a.generation, body)
     return body
+
+
+def observation(ctx: GenerationContext, view: GenerationView, members: dict[int, tuple[str, str]], fault: Fault,
+                outlook: Any, survivor_steps: dict[int, int], live: set[str], now: float,
+                waiting_since: float | None) -> tuple[list[PoolEntry], Observation]:
+    """What the ladder decides over across machines: every node's members and opt-in, the pool's spares on live
+    nodes (read now), the batch plan; with the pool entries the spares came from."""
+    assert ctx.inproc is not None and ctx.inproc.cluster is not None
+    workers = {w for w, _ in members.values()}
+    pool = [s for s in ctx.inproc.cluster.store.pool() if s.node in live and s.worker not in workers]
+    spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall),
+                    claimed=s.claimed is not None) for s in pool]
+    opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
+    replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
+    return pool, Observation(fault=fault, membership=membership_of(ctx, view, members), restart=outlook,
+                             spares=spares, survivor_steps=survivor_steps, opted_in=opted,
+                             waiting_since=waiting_since, replicas=replicas)
+
+
+def preview(ctx: GenerationContext, a: Assignment, lost: dict[int, str], kind: FaultKind,
+            failure: Failure) -> tuple[RecoveryDecision, int, bool]:
+    """What the ladder across machines would answer to losing ``lost`` of this node now, reported nowhere, with
+    the world's size and whether every node's script opted in.  The store is read (ControlStoreError when it
+    is out).  Every survivor is taken to agree on ``failure.step``: the other nodes' steps are theirs to report
+    when a rank is lost, and the decision checks them."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None and ctx.restart_outlook is not None
+    view = inp.cluster.store.view(a.generation)
+    members = view.members()
+    step = failure.step or 0
+    fault = Fault(kind=kind, step=step, ranks=frozenset(lost), detail=failure.describe())
+    _, obs = observation(ctx, view, members, fault, ctx.restart_outlook(failure),
+                         {r: step for r in members if r not in lost}, inp.cluster.store.live_nodes(), ctx.clock(), None)
+    return decide_recovery(obs, inp.costs(), inp.ladder, ctx.clock()), len(members), obs.opted_in
 
 
 def describe(view: GenerationView, missing: dict[int, tuple[str, str]], silent: frozenset[str], kind: FaultKind,

@@ -80,6 +80,10 @@ def _publish_node(ctx: GenerationContext, group: WorkerGroup, cs: ClusterState, 
                           replicas=inp.replicas())
 
 
+REPORTED_KIND = {FaultKind.HANG: "hang", FaultKind.STRAGGLER: "straggler"}
+"""How a lost member's fault is written for the deciding agent (any other kind: a crash)."""
+
+
 def report_lost(ctx: GenerationContext, group: WorkerGroup, a: Assignment, *, lost: dict[int, str], kind: FaultKind,
                 failure: Failure, incident: Incident, exit_codes: tuple[int, ...], detected_at: float,
                 last_progress_at: float) -> Hold | None:
@@ -93,7 +97,7 @@ def report_lost(ctx: GenerationContext, group: WorkerGroup, a: Assignment, *, lo
             return None  # some node's script did not opt in: every node restarts as it always has
         for rank, worker in lost.items():
             cs.store.report(a.generation, "lost", worker, {
-                "rank": rank, "kind": "hang" if kind is FaultKind.HANG else "crash", "exit_codes": list(exit_codes),
+                "rank": rank, "kind": REPORTED_KIND.get(kind, "crash"), "exit_codes": list(exit_codes),
                 "step": failure.step, "detail": failure.describe()[:300]})
     except ControlStoreError as e:
         _store_error(ctx, e)

@@ -9,7 +9,9 @@ stop.  The case is built from this window's numbers (the rank's and its peers' s
 step, the steps left) and the ladder's answer; every decision is a ``straggler_decided`` event with its
 reason.  To act, the agent SIGKILLs the rank's process and hands the loss to the ladder, as for a hung
 rank; the incident (kind ``straggler``) carries the decision and, once done, how the recovery completed.
-Across machines the decision is not taken yet (the cluster's ladder decides over every node's view).
+Across machines the ladder is asked over every node's members and the pool's spares in the store
+(:func:`~resilient.agent.cluster_decide.preview`), and the eviction goes through the store like any lost
+member: the agent that wins the generation's claim decides, as for a crash.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..coord.store import ControlStoreError
 from ..elastic.decide import Action
 from ..elastic.evict import StragglerCase, decide_eviction
 from ..elastic.observe import FaultKind
@@ -44,7 +47,7 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
     worker = group.workers.get(rank)
     inproc, outlook_of, slowness = ctx.inproc, ctx.restart_outlook, ctx.slowness
     if flag.get("generation") != a.generation or worker is None or worker.exit is not None or inproc is None \
-            or inproc.cluster is not None or outlook_of is None or slowness is None:
+            or outlook_of is None or slowness is None:
         return None
     info = ctx.tracker.ranks().get(rank)
     section, step = (info.section, info.step) if info is not None else (None, None)
@@ -52,14 +55,24 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
     ranks = ctx.tracker.ranks()
     survivors = {r: ranks[r].step for r in group.workers if r != rank and r in ranks}
     at = max([*survivors.values(), *([step] if step is not None else [])], default=0)
-    ladder = inproc.preview(group, {rank: worker.worker_id}, FaultKind.STRAGGLER, at, (), outlook_of(failure),
-                            survivors, failure.describe())
+    lost = {rank: worker.worker_id}
+    if inproc.cluster is not None:  # across machines: the ladder over every node's members and the pool's spares
+        from .cluster_decide import preview
+
+        try:
+            ladder, world, opted = preview(ctx, a, lost, FaultKind.STRAGGLER, replace(failure, step=at))
+        except ControlStoreError as e:  # weighed again at the flag's next due window
+            ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+            return None
+    else:
+        ladder = inproc.preview(group, lost, FaultKind.STRAGGLER, at, (), outlook_of(failure), survivors,
+                                failure.describe())
+        world, opted = len(group.workers), inproc.opted_in([w.worker_id for w in group.workers.values()])
     case = StragglerCase(
         rank=rank, section=str(flag["section"]), rank_s=float(flag["rank_s"]), peers_s=float(flag["peers_s"]),
-        step_s=float(flag["job_step_s"]), world=len(group.workers), remaining_steps=flag.get("remaining_steps"),
+        step_s=float(flag["job_step_s"]), world=world, remaining_steps=flag.get("remaining_steps"),
         spares_ready=len(ladder.promotions) if ladder.action is Action.PROMOTE_SPARE else 0,
-        can_shrink=ladder.action is Action.SHRINK, evictions_done=slowness.evictions_done,
-        opted_in=inproc.opted_in([w.worker_id for w in group.workers.values()]),
+        can_shrink=ladder.action is Action.SHRINK, evictions_done=slowness.evictions_done, opted_in=opted,
         ladder=f"the ladder would {ladder.action.value}: {ladder.reason}")
     decision = decide_eviction(case, inproc.costs(), ctx.config.evict)
     ctx.emit(EventKind.STRAGGLER_DECIDED, generation=a.generation, rank=rank, section=case.section,
@@ -83,7 +96,7 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
         group.stop(ctx.config.stop_grace_s)
         return Outcome(OutcomeKind.FAILED, failure.describe(), failure, incident, detected_at=now,
                        last_progress_at=last_progress)
-    ended = continue_after(ctx, group, a, gdir, lost={rank: worker.worker_id}, kind=FaultKind.STRAGGLER,
+    ended = continue_after(ctx, group, a, gdir, lost=lost, kind=FaultKind.STRAGGLER,
                            failure=failure, exit_codes=(), incident=incident, detected_at=now,
                            last_progress_at=last_progress)
     if isinstance(ended, (Assignment, Hold)):
