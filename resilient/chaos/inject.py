@@ -45,13 +45,17 @@ class FaultInjector:
         events: EventLog | None = None,
         log: TextIO | None = None,
         after_step: int | None = None,
+        record: EventLog | None = None,
     ) -> None:
-        """``after_step``: only faults at later steps (a rank taken over in a re-formed group)."""
+        """``after_step``: only faults at later steps (a rank taken over in a re-formed group); ``record``: a
+        second log the ``fault_injected`` event also goes to (the agent's ``events.jsonl``, where a drill
+        reads when the fault struck)."""
         self.plan = plan
         self.node = node
         self.rank = rank
         self.attempt = attempt
         self.events = events
+        self._record = record
         self._log = log
         self.fired: list[Fault] = []
         """Faults fired so far in this process (the ones that returned: hangs with a duration)."""
@@ -96,9 +100,11 @@ class FaultInjector:
     def fire(self, fault: Fault, step: int) -> None:
         """Record ``fault``, then carry it out."""
         message = f"resilient.chaos: injecting fault into rank {self.rank} (pid {os.getpid()}): {fault.describe()}"
-        if self.events is not None:
-            self.events.emit(EventKind.FAULT_INJECTED, fault=fault.to_dict(), step=step, rank=self.rank, node=self.node,
-                             attempt=self.attempt, seed=self.plan.seed, message=message)
+        for events in (self.events, self._record):
+            if events is not None:
+                events.emit(EventKind.FAULT_INJECTED, fault=fault.to_dict(), step=step, rank=self.rank,
+                            node=self.node, attempt=self.attempt, seed=self.plan.seed, pid=os.getpid(),
+                            message=message)
         log = self._log if self._log is not None else sys.stderr
         try:
             log.write(message + "\n")

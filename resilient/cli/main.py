@@ -21,6 +21,7 @@ from . import (
     dashboards_cmd,
     detectors_cmd,
     diagnose_cmd,
+    drill_cmd,
     quarantine_cmd,
     report_cmd,
     run_cmd,
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     detectors_cmd.add_parser(commands)
     quarantine_cmd.add_parser(commands)
     diagnose_cmd.add_parser(commands)
+    drill_cmd.add_parser(commands)
     report_cmd.add_parser(commands)
     checkpoint_cmd.add_parser(commands)
     dashboards_cmd.add_parser(commands)

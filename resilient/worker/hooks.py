@@ -143,7 +143,16 @@ class WorkerHooks:
             plan = FaultPlan.load(env.fault_plan)
             self._fault_plan = plan
             if not self.standby:  # a spare has no rank to be struck as until it is promoted (rejoin)
-                self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events)
+                self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events,
+                                              record=self._fault_record())
+
+    def _fault_record(self) -> EventLog | None:
+        """The agent's event log, where a fault's ``fault_injected`` event also goes (None without an agent)."""
+        from ..events import EventLog
+
+        if self.env.run_dir is None:
+            return None
+        return EventLog(os.path.join(self.env.run_dir, "events.jsonl"))
 
     def uninstall(self) -> None:
         """Undo :meth:`install` (for tests and for processes that outlive their Run)."""
@@ -227,7 +236,7 @@ class WorkerHooks:
             from ..chaos.inject import FaultInjector
 
             self.injector = FaultInjector(self._fault_plan, self.env.node_id, rank, self.env.attempt,
-                                          events=self.events, after_step=resume_step)
+                                          events=self.events, after_step=resume_step, record=self._fault_record())
         if self.standby:
             self.standby = False
             self.hello(self._checkpoint_location)

@@ -1,0 +1,319 @@
+"""Drill files: a workload, a topology, a fault schedule and what must hold, as TOML (schema: ``chaos/README.md``).
+
+A drill is data, read and checked here before anything starts, so a typo is
+a :class:`DrillError` naming the file, the table, the key and the fix, not
+a half-run drill::
+
+    [drill]
+    name = "kill-a-rank"
+    seed = 7
+
+    [workload]                     # the bundled reference workload unless script is given
+    steps = 120
+    checkpoint_every = 10
+
+    [topology]
+    nproc_per_node = 2
+    spares = 1
+
+    [[faults]]                     # or [random]: count, kinds, first_step (drawn from the seed)
+    kind = "kill"
+    rank = 1
+    step = 40
+
+    [expect]
+    detected_within_s = 5
+    resumed_within_s = 30
+    max_redone_steps = 0
+    rung = "promote_spare"
+    equal = "bitwise"
+    min_goodput = 0.5
+
+Pure: :func:`load_drill` reads one file and :meth:`Drill.plan` gives the
+fault plan; the same file and seed always give the same schedule.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError
+
+RUNGS = ("retry_in_place", "promote_spare", "shrink", "restart")
+"""What an expectation's ``rung`` may name: the recovery ladder's rungs, cheapest first."""
+EQUALITY = ("bitwise", "none")
+REFERENCE_WORKLOAD = "reference"
+"""``workload.script`` for the bundled workload (:mod:`resilient.chaos.workload`)."""
+
+
+class DrillError(ConfigError):
+    """A drill file is invalid: the message names the file, the key and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What trains during the drill."""
+
+    script: str = REFERENCE_WORKLOAD
+    """A training script (relative to the drill file), or "reference" for the bundled workload."""
+    args: tuple[str, ...] = ()
+    """Arguments for a script of the user's (the bundled workload takes the fields below)."""
+    steps: int = 120
+    checkpoint_every: int = 10
+    step_sleep_s: float = 0.0
+    """Extra seconds per step of the bundled workload (a slower step gives detectors room to see)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """What the runner brings up on this machine."""
+
+    nodes: int = 1
+    nproc_per_node: int = 2
+    spares: int = 0
+    """Warm spare processes on the node (in-process promotion)."""
+    min_ranks: int | None = None
+    """Smallest world the run may shrink to (``--nproc-per-node MIN:MAX``); None: no shrinking."""
+    section_timeouts: tuple[tuple[str, float], ...] = ()
+    """Per-section hang timeouts (``--section-timeout NAME=S``), e.g. (("step", 3.0),)."""
+    agent_args: tuple[str, ...] = ()
+    """Further ``resilient run`` flags, as given."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expect:
+    """What must hold after the drill; every field left out is not checked."""
+
+    detected_within_s: float | None = None
+    """From the fault's injection to the agent's detection (a failed or hung worker, a straggler flag)."""
+    resumed_within_s: float | None = None
+    """From the detection to training going on (recovered in process, or the restarted workers' restore)."""
+    max_redone_steps: int | None = None
+    """Steps computed again after the recovery (0 for an in-process rung, up to a checkpoint interval after a
+    restart)."""
+    rung: str | None = None
+    """The recovery rung that must have answered the first fault."""
+    equal: str = "none"
+    """``bitwise``: the final parameters and optimizer state equal those of an uninterrupted reference run."""
+    min_goodput: float | None = None
+    """Goodput (productive share of the wall time, from the ledger) at least this."""
+    exit_code: int = 0
+    """The agent's exit status."""
+    events: tuple[str, ...] = ()
+    """Event kinds that must occur (e.g. "straggler_flagged")."""
+    no_events: tuple[str, ...] = ()
+    """Event kinds that must not occur."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RandomFaults:
+    """A seeded random schedule: ``count`` faults of ``kinds`` on random ranks and steps."""
+
+    count: int = 1
+    kinds: tuple[str, ...] = ("kill",)
+    first_step: int = 10
+    hang_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drill:
+    """One drill file, checked."""
+
+    name: str
+    path: Path
+    description: str = ""
+    seed: int = 0
+    workload: Workload = field(default_factory=Workload)
+    topology: Topology = field(default_factory=Topology)
+    faults: tuple[Fault, ...] = ()
+    random: RandomFaults | None = None
+    expect: Expect = field(default_factory=Expect)
+    timeout_s: float = 300.0
+    """The most the faulted run may take before the drill fails (and everything is torn down)."""
+
+    @property
+    def world(self) -> int:
+        return self.topology.nodes * self.topology.nproc_per_node
+
+    def plan(self) -> FaultPlan:
+        """The fault schedule: the listed faults, or the seeded random ones (same seed, same schedule)."""
+        if self.random is None:
+            return FaultPlan(faults=self.faults, seed=self.seed)
+        r = self.random
+        return FaultPlan.random(self.seed, world_size=self.world, steps=self.workload.steps, count=r.count,
+                                kinds=r.kinds, first_step=r.first_step, hang_s=r.hang_s)
+
+    def script_path(self) -> Path | None:
+        """The user's script (None: the bundled workload)."""
+        if self.workload.script == REFERENCE_WORKLOAD:
+            return None
+        return (self.path.parent / self.workload.script).resolve()
+
+
+TABLES = ("drill", "workload", "topology", "faults", "random", "expect")
+
+
+def load_drill(path: str | os.PathLike[str]) -> Drill:
+    """Read and check a drill file; :class:`DrillError` names the file, the key and the fix."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise DrillError(f"cannot read drill {p}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise DrillError(f"drill {p} is not valid TOML ({e}); fix the syntax") from None
+    try:
+        return _drill(raw, p)
+    except DrillError as e:
+        raise DrillError(f"drill {p}: {e}") from None
+
+
+def _drill(raw: Mapping[str, Any], path: Path) -> Drill:
+    unknown = sorted(set(raw) - set(TABLES))
+    if unknown:
+        raise DrillError(f"[{unknown[0]}]: unknown table; a drill has {', '.join(TABLES)}")
+    head = _table(raw, "drill")
+    if "name" not in head:
+        raise DrillError("[drill] name: missing; give the drill a name, e.g. name = \"kill-a-rank\"")
+    known = {"name", "description", "seed", "timeout_s"}
+    _known("drill", head, known)
+    name = _str("drill", "name", head["name"])
+    seed = _int("drill", "seed", head.get("seed", 0), minimum=None)
+    timeout = _num("drill", "timeout_s", head.get("timeout_s", 300.0), positive=True)
+    workload = _build(Workload, "workload", _table(raw, "workload"))
+    topology = _build(Topology, "topology", _table(raw, "topology"))
+    expect = _build(Expect, "expect", _table(raw, "expect"))
+    if "faults" in raw and "random" in raw:
+        raise DrillError("[[faults]] and [random]: give one schedule, not both")
+    faults_raw = raw.get("faults", [])
+    if not isinstance(faults_raw, list):
+        raise DrillError("faults: write each fault as a [[faults]] table")
+    faults = []
+    for i, item in enumerate(faults_raw):
+        try:
+            faults.append(Fault.from_dict(item))
+        except (FaultPlanError, TypeError) as e:
+            raise DrillError(f"[[faults]] #{i + 1}: {e}") from None
+    rnd = _build(RandomFaults, "random", _table(raw, "random")) if "random" in raw else None
+    drill = Drill(name=name, path=path, description=str(head.get("description", "")), seed=seed, workload=workload,
+                  topology=topology, faults=tuple(faults), random=rnd, expect=expect, timeout_s=timeout)
+    _check(drill)
+    return drill
+
+
+def _check(d: Drill) -> None:
+    w, t, e = d.workload, d.topology, d.expect
+    if w.steps < 1 or w.checkpoint_every < 1:
+        raise DrillError("[workload] steps and checkpoint_every must be >= 1")
+    if w.step_sleep_s < 0:
+        raise DrillError(f"[workload] step_sleep_s = {w.step_sleep_s}: must be seconds >= 0")
+    if w.args and w.script == REFERENCE_WORKLOAD:
+        raise DrillError("[workload] args: the bundled workload takes steps, checkpoint_every and step_sleep_s; "
+                         "args are for a script of yours (script = \"train.py\")")
+    if t.nodes != 1:
+        raise DrillError(f"[topology] nodes = {t.nodes}: this runner brings up one node (several ranks and spares "
+                         "on it); set nodes = 1")
+    if t.nproc_per_node < 1 or t.spares < 0:
+        raise DrillError("[topology] nproc_per_node must be >= 1 and spares >= 0")
+    if t.min_ranks is not None and not 1 <= t.min_ranks <= t.nproc_per_node:
+        raise DrillError(f"[topology] min_ranks = {t.min_ranks}: must be between 1 and nproc_per_node "
+                         f"({t.nproc_per_node})")
+    if e.rung is not None and e.rung not in RUNGS:
+        raise DrillError(f"[expect] rung = {e.rung!r}: use one of {', '.join(RUNGS)}")
+    if e.equal not in EQUALITY:
+        raise DrillError(f"[expect] equal = {e.equal!r}: use one of {', '.join(EQUALITY)}")
+    if e.min_goodput is not None and not 0 <= e.min_goodput <= 1:
+        raise DrillError(f"[expect] min_goodput = {e.min_goodput}: a share between 0 and 1")
+    for i, fault in enumerate(d.faults):
+        if fault.rank is not None and fault.rank >= d.world:
+            raise DrillError(f"[[faults]] #{i + 1}: rank {fault.rank} is outside the world of {d.world} ranks")
+        if fault.step >= w.steps:
+            raise DrillError(f"[[faults]] #{i + 1}: step {fault.step} is past the workload's {w.steps} steps")
+    if d.random is not None:
+        bad = [k for k in d.random.kinds if k not in FAULT_KINDS]
+        if bad:
+            raise DrillError(f"[random] kinds: {bad[0]!r} is not a fault kind; use {', '.join(FAULT_KINDS)}")
+    if not d.faults and d.random is None:
+        raise DrillError("no faults: add a [[faults]] table (kind, step, rank, ...) or a [random] schedule")
+
+
+def _table(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, Mapping):
+        raise DrillError(f"{name}: must be a table [{name}]")
+    return value
+
+
+def _known(table: str, values: Mapping[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise DrillError(f"[{table}] {unknown[0]}: unknown key; [{table}] has {', '.join(sorted(known))}")
+
+
+def _build(cls: Any, table: str, values: Mapping[str, Any]) -> Any:
+    """``cls`` from a table: every key known, each value of its field's type (lists become tuples)."""
+    specs = {f.name: f for f in fields(cls)}
+    _known(table, values, set(specs))
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        default = getattr(cls(), key)
+        if isinstance(default, tuple):
+            if not isinstance(value, list):
+                raise DrillError(f"[{table}] {key} = {value!r}: must be a list")
+            if key == "section_timeouts":
+                value = tuple(_timeout(table, v) for v in value)
+            else:
+                value = tuple(_str(table, key, v) for v in value)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise DrillError(f"[{table}] {key} = {value!r}: must be true or false")
+        elif isinstance(default, int) or (default is None and key in _INTS):
+            value = _int(table, key, value, minimum=0)
+        elif isinstance(default, float) or (default is None and key in _FLOATS):
+            value = _num(table, key, value, positive=False)
+        elif isinstance(default, str) or (default is None and key in _STRS):
+            value = _str(table, key, value)
+        out[key] = value
+    return cls(**out)
+
+
+_INTS = {"max_redone_steps", "min_ranks"}
+_FLOATS = {"detected_within_s", "resumed_within_s", "min_goodput", "hang_s"}
+_STRS = {"rung"}
+
+
+def _timeout(table: str, value: Any) -> tuple[str, float]:
+    if not isinstance(value, str) or "=" not in value:
+        raise DrillError(f"[{table}] section_timeouts: {value!r} must be \"SECTION=SECONDS\", e.g. \"step=3\"")
+    name, seconds = value.split("=", 1)
+    try:
+        return name, float(seconds)
+    except ValueError:
+        raise DrillError(f"[{table}] section_timeouts: {value!r}: {seconds!r} is not a number of seconds") from None
+
+
+def _str(table: str, key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise DrillError(f"[{table}] {key} = {value!r}: must be a non-empty string")
+    return value
+
+
+def _int(table: str, key: str, value: Any, *, minimum: int | None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        raise DrillError(f"[{table}] {key} = {value!r}: must be an integer" + (f" >= {minimum}" if minimum is not None
+                                                                              else ""))
+    return value
+
+
+def _num(table: str, key: str, value: Any, *, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+            or (positive and value == 0):
+        raise DrillError(f"[{table}] {key} = {value!r}: must be a number {'> 0' if positive else '>= 0'}")
+    return float(value)

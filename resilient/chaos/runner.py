@@ -1,0 +1,208 @@
+"""Running a drill on this machine: the reference run, the faulted run, teardown, and the score.
+
+:func:`run_drill` brings up what the drill's topology asks for (one node
+agent under ``resilient run``, its ranks and spares, on loopback), runs the
+uninterrupted reference first when the drill expects equality, then the
+same workload with the drill's fault plan, and scores what the run left
+(:mod:`resilient.chaos.score`).  Every process a run starts lives in a
+process group of its own; it is killed when the run overruns the drill's
+timeout, on Ctrl-C and on any error, and the drill fails when a process of
+it is still alive afterwards.
+
+Each drill writes into ``OUT/<name>/``: ``reference/`` and ``faulted/``
+(the run directories, traces, checkpoints and final states: those of an
+earlier run of the drill are removed first), ``plan.json`` (the fault
+schedule as the workers got it), ``<name>.json`` and ``<name>.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .drill import Drill
+from .score import Measured, Observed, Verdict, judge, to_json
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DrillResult:
+    drill: Drill
+    observed: Observed
+    measured: Measured
+    verdicts: list[Verdict]
+    record: dict[str, Any]
+    report: Path
+    """The Markdown report."""
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.record["passed"])
+
+
+def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run_id: str) -> list[str]:
+    """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares)."""
+    t, w = drill.topology, drill.workload
+    ranks = str(t.nproc_per_node) if t.min_ranks is None or plan is None else f"{t.min_ranks}:{t.nproc_per_node}"
+    cmd = [sys.executable, "-m", "resilient", "run", "--run-dir", str(run_dir), "--quiet", "--run-id", run_id,
+           "--node-id", "n0", "--nproc-per-node", ranks, "--max-restarts", "3"]
+    if plan is not None:
+        cmd += ["--fault-plan", str(plan), *(["--spares", str(t.spares)] if t.spares else [])]
+        for name, seconds in t.section_timeouts:
+            cmd += ["--section-timeout", f"{name}={seconds:g}"]
+        cmd += list(t.agent_args)
+    script = drill.script_path()
+    if script is None:
+        cmd += ["-m", "resilient.chaos.workload", "--steps", str(w.steps), "--out", str(out),
+                "--ckpt", str(out / "ckpt"), "--every", str(w.checkpoint_every)]
+        if w.step_sleep_s:
+            cmd += ["--step-sleep", f"{w.step_sleep_s:g}"]
+    else:
+        cmd += [str(script), *w.args]
+    return cmd
+
+
+def run_once(cmd: list[str], log: Path, timeout_s: float, progress: Progress | None = None,
+             label: str = "") -> int | None:
+    """Run ``cmd`` in a process group of its own; its exit status, or None when it overran ``timeout_s``.
+
+    Whatever happens (the timeout, Ctrl-C, an error here), the whole group is killed before this returns, and
+    :class:`RuntimeError` says so when a process of it outlives the kill."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    code: int | None = None
+    started = time.monotonic()
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                elapsed = time.monotonic() - started
+                if progress is not None:
+                    progress(f"{label}: {elapsed:.0f} s")
+                if elapsed > timeout_s:
+                    break
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the agent's group; its workers have sessions of their own
+        except ProcessLookupError:
+            pass
+        if code is None:
+            proc.wait(timeout=30)
+    return code
+
+
+def leftovers(run_dir: Path) -> list[int]:
+    """Processes still alive that were started for ``run_dir`` (their ``RESILIENT_RUN_DIR``): workers, spares."""
+    mark = f"RESILIENT_RUN_DIR={run_dir}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if state != "Z" and mark in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def tear_down(run_dir: Path, grace_s: float = 10.0) -> list[int]:
+    """Wait up to ``grace_s`` for the run's processes to end (workers die with their agent), SIGKILL those left;
+    returns the ones that had to be killed (a teardown that needs this is reported)."""
+    deadline = time.monotonic() + grace_s
+    while (left := leftovers(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line torn by a SIGKILL mid-write: not an event
+    return out
+
+
+def _final(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / "final.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _goodput(run_dir: Path) -> float | None:
+    from ..metrics.report import load
+
+    try:
+        accounts = [r.account for r in load(run_dir)]
+    except Exception:  # noqa: BLE001  no ledger (the run never started): goodput unknown, scored as such
+        return None
+    return min((a.goodput_ratio for a in accounts), default=None)
+
+
+def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) -> DrillResult:
+    """Run ``drill`` (reference first when it expects equality), score it, write its report."""
+    from .report import render
+
+    out = out_root.resolve() / drill.name  # absolute: the workers' RESILIENT_RUN_DIR, which teardown looks for
+    for stale in ("reference", "faulted"):  # an earlier run's checkpoints would be restored, its ledger continued
+        shutil.rmtree(out / stale, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda line: None)
+    reference = None
+    if drill.expect.equal == "bitwise":
+        ref = out / "reference"
+        say(f"{drill.name}: reference run (no faults)")
+        try:
+            code = run_once(agent_command(drill, ref / "run", ref, None, f"{drill.name}-ref"), ref / "agent.log",
+                            drill.timeout_s, progress, f"{drill.name} reference")
+        finally:
+            tear_down(ref / "run")
+        reference = _final(ref)
+        if code != 0 or reference is None:
+            raise RuntimeError(f"drill {drill.name}: the reference run exited {code} without a final state; "
+                               f"see {ref / 'agent.log'}")
+    plan = drill.plan()
+    plan_path = out / "plan.json"
+    plan.dump(plan_path)
+    faulted = out / "faulted"
+    say(f"{drill.name}: faulted run, {len(plan.faults)} fault(s): "
+        + "; ".join(f.describe() for f in plan.faults))
+    try:
+        code = run_once(agent_command(drill, faulted / "run", faulted, plan_path, drill.name),
+                        faulted / "agent.log", drill.timeout_s, progress, f"{drill.name} faulted")
+    finally:
+        killed = tear_down(faulted / "run")
+    obs = Observed(events=_read_jsonl(faulted / "run" / "events.jsonl"), trace=_read_jsonl(faulted / "trace.jsonl"),
+                   final=_final(faulted), reference=reference, goodput=_goodput(faulted / "run"), exit_code=code,
+                   left_behind=len(killed))
+    measured, verdicts = judge(drill, obs)
+    record = to_json(drill, obs, measured, verdicts)
+    (out / f"{drill.name}.json").write_text(json.dumps(record, indent=1) + "\n")
+    report = out / f"{drill.name}.md"
+    report.write_text(render([record]))
+    return DrillResult(drill, obs, measured, verdicts, record, report)

@@ -1,0 +1,192 @@
+"""Chaos drills: drill files checked before anything runs, seeded schedules, the runner on real agents, the score.
+
+The live tests run the shipped drills (``chaos/*.toml``) under ``resilient drill run`` on this machine: a
+reference run and a faulted run each, real ``resilient run`` agents with gloo ranks and warm spares.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient.chaos.drill import DrillError, load_drill
+from resilient.chaos.report import compare
+from resilient.chaos.runner import leftovers
+from resilient.chaos.score import Observed, judge
+
+from .agent_helpers import agent_env
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "chaos").glob("*.toml"))
+
+MINIMAL = """
+[drill]
+name = "d"
+[[faults]]
+kind = "kill"
+rank = 1
+step = 5
+"""
+
+
+def drill_file(tmp_path: Path, text: str, name: str = "d.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resilient", "drill", *args], capture_output=True, text=True,
+                          timeout=timeout, env=agent_env(), check=False)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[drill]\nname = 'd'\n[nodes]\nx = 1\n", "[nodes]: unknown table"),
+    ("[drill]\nname = 'd'\n[workload]\nstep = 10\n" + MINIMAL.split("[drill]\nname = \"d\"")[1],
+     "[workload] step: unknown key; [workload] has"),
+    (MINIMAL + "[expect]\nrung = 'teleport'\n", "[expect] rung = 'teleport': use one of retry_in_place"),
+    (MINIMAL.replace("rank = 1", "rank = 7"), "rank 7 is outside the world of 2 ranks"),
+    (MINIMAL.replace("step = 5", "step = 500"), "step 500 is past the workload's 120 steps"),
+    (MINIMAL + "[random]\ncount = 2\n", "give one schedule, not both"),
+    ("[drill]\nseed = 1\n", "[drill] name: missing"),
+    ("[drill]\nname = 'd'\n", "no faults: add a [[faults]] table"),
+    ("[drill\nname = 'd'\n", "is not valid TOML"),
+    (MINIMAL + "[expect]\nmin_goodput = 1.5\n", "a share between 0 and 1"),
+    (MINIMAL + "[topology]\nsection_timeouts = ['step']\n", "must be \"SECTION=SECONDS\""),
+    (MINIMAL.replace("kind = \"kill\"", "kind = \"melt\""), "'melt' is not a fault kind"),
+])
+def test_a_bad_drill_file_is_refused_before_anything_runs_naming_the_key_and_the_fix(tmp_path, text, message):
+    path = drill_file(tmp_path, text)
+    with pytest.raises(DrillError) as err:
+        load_drill(path)
+    assert message in str(err.value) and str(path) in str(err.value), str(err.value)
+
+
+def test_the_same_seed_gives_the_same_schedule_and_another_seed_another():
+    text = "[drill]\nname = 'g'\nseed = {seed}\n[workload]\nsteps = 400\n[topology]\nnproc_per_node = 4\n" \
+           "[random]\ncount = 5\nkinds = ['kill', 'exit', 'hang']\nfirst_step = 20\nhang_s = 30.0\n"
+    def plan(tmp: Path, seed: int) -> list[dict]:
+        return [f.to_dict() for f in load_drill(drill_file(tmp, text.format(seed=seed), f"s{seed}.toml")).plan().faults]
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        first, again, other = plan(Path(a), 7), plan(Path(b), 7), plan(Path(a), 8)
+    assert first == again and first != other
+    assert len(first) == 5 and all(20 <= f["step"] < 400 and 0 <= f["rank"] < 4 for f in first)
+    assert [f["attempt"] for f in first] == [0, 1, 2, 3, 4]  # one per restart: the run meets them in turn
+
+
+def test_every_shipped_drill_loads():
+    assert len(SHIPPED) >= 3
+    names = [load_drill(p).name for p in SHIPPED]
+    assert len(set(names)) == len(names)
+
+
+def _obs(**over) -> Observed:
+    t0 = 1000.0
+    events = [{"kind": "fault_injected", "time": t0, "rank": 1},
+              {"kind": "recovery_decided", "time": t0 + 0.5, "action": "promote_spare", "generation": 1},
+              {"kind": "recovered_in_process", "time": t0 + 1.5, "generation": 2}]
+    trace = [{"rank": r, "step": s} for r in (0, 1) for s in range(10)] + [{"rank": 0, "step": 4}]
+    base = dict(events=events, trace=trace, final={"params": "a", "optimizer": "b", "step": 10, "samples": 40},
+                reference={"params": "a", "optimizer": "b", "step": 10, "samples": 40}, goodput=0.4, exit_code=0)
+    return Observed(**{**base, **over})
+
+
+def test_the_score_measures_from_the_events_and_gives_the_margin_of_each_expectation(tmp_path):
+    drill = load_drill(drill_file(tmp_path, MINIMAL + "[expect]\ndetected_within_s = 0.2\nresumed_within_s = 5\n"
+                                  "max_redone_steps = 0\nrung = 'shrink'\nequal = 'bitwise'\nmin_goodput = 0.5\n"
+                                  "no_events = ['restart']\n"))
+    m, verdicts = judge(drill, _obs())
+    assert (m.detect_s, m.resume_s, m.rung, m.redone_steps, m.equal) == (0.5, 1.0, "promote_spare", 1, True)
+    by = {v.expectation: v for v in verdicts}
+    assert not by["detected within"].ok and by["detected within"].margin == "0.30 s late"
+    assert by["resumed within"].ok and by["resumed within"].margin == "4.00 s to spare"
+    assert not by["re-done steps"].ok and by["re-done steps"].margin == "1 too many"
+    assert not by["rung"].ok and by["rung"].got == "promote_spare"
+    assert by["equal to the reference"].ok and not by["goodput"].ok and by["goodput"].margin == "-0.100"
+    assert by["event restart"].ok and by["teardown"].ok and by["exit code"].ok
+    _, verdicts = judge(drill, _obs(final={"params": "x", "optimizer": "b", "step": 10, "samples": 40},
+                                    exit_code=None, left_behind=2))
+    by = {v.expectation: v for v in verdicts}
+    assert by["equal to the reference"].got == "differs" and not by["equal to the reference"].ok
+    assert by["exit code"].got == "killed at the timeout" and by["teardown"].got == "2 left"
+    _, verdicts = judge(drill, _obs(events=[]))
+    assert [v.expectation for v in verdicts if not v.ok][:2] == ["fault injected", "detected within"]
+
+
+def test_teardown_finds_a_process_of_the_run_by_its_run_dir_and_kills_it(tmp_path):
+    from resilient.chaos.runner import tear_down
+
+    run_dir = tmp_path / "run"
+    env = {**agent_env(), "RESILIENT_RUN_DIR": str(run_dir)}
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                             env={**env, "RESILIENT_RUN_DIR": str(tmp_path / "another")})
+    try:
+        assert leftovers(run_dir) == [proc.pid]
+        assert tear_down(run_dir, grace_s=0.2) == [proc.pid]
+        assert proc.wait(timeout=10) == -9 and other.poll() is None  # another run's process is left alone
+        assert leftovers(run_dir) == []
+    finally:
+        proc.kill()
+        other.kill()
+
+
+def test_compare_names_each_regression_between_two_releases():
+    def record(name, passed, detect, goodput):
+        return {"drill": name, "passed": passed, "verdicts": [{"expectation": "rung", "ok": passed}],
+                "measured": {"detect_s": detect, "resume_s": 1.0, "redone_steps": 0, "goodput": goodput}}
+    before = [record("a", True, 1.0, 0.5), record("b", True, 1.0, 0.5), record("gone", True, 1.0, 0.5)]
+    after = [record("a", True, 1.2, 0.49), record("b", False, 3.0, 0.3), record("new", True, 1.0, 0.5)]
+    text, regressions = compare(before, after)
+    assert regressions == 3, text  # b: the verdict, its detection (+2 s) and its goodput (-40%); a's changes are noise
+    assert "| b | verdict | PASS | FAIL | **regression** (rung) |" in text
+    assert "| a | detect | 1.00 s | 1.20 s | ok |" in text and "| gone | - | PASS | - | not run |" in text
+    assert "| new | - | - | PASS | new drill |" in text
+
+
+@pytest.mark.timeout(900)
+def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_path):
+    out = tmp_path / "results"
+    done = cli("run", str(ROOT / "chaos"), "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    records = json.loads((out / "drills.json").read_text())
+    assert {r["drill"] for r in records} == {load_drill(p).name for p in SHIPPED}
+    for r in records:
+        assert r["passed"], r
+        assert r["measured"]["fault_at"] is not None and r["measured"]["detect_s"] is not None
+        for run in ("reference", "faulted"):
+            run_dir = out / r["drill"] / run / "run"
+            if run_dir.exists():
+                assert leftovers(run_dir) == [], (r["drill"], run)
+        report = (out / r["drill"] / f"{r['drill']}.md").read_text()
+        assert "| expectation | wanted | got | verdict | margin |" in report
+    table = (out / "drills.md").read_text()
+    assert all(f"| {r['drill']} |" in table for r in records)
+    # The same suite compared with itself: no regression.
+    same = cli("compare", str(out / "drills.json"), str(out / "drills.json"))
+    assert same.returncode == 0 and "0 regression(s)" in same.stdout, same.stdout
+
+
+@pytest.mark.timeout(600)
+def test_a_drill_with_an_impossible_expectation_fails_and_says_which_and_by_how_much(tmp_path):
+    text = (ROOT / "chaos" / "kill-rank.toml").read_text()
+    text = text.replace('name = "kill-rank"', 'name = "impossible"').replace('equal = "bitwise"', 'equal = "none"')
+    text = text.replace("detected_within_s = 3", "detected_within_s = 0.000001").replace(
+        'rung = "promote_spare"', 'rung = "shrink"')
+    path = drill_file(tmp_path, text, "impossible.toml")
+    out = tmp_path / "results"
+    done = cli("run", str(path), "--out", str(out))
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert "impossible: FAIL" in done.stdout
+    assert "FAIL detected within: wanted 1e-06 s, got " in done.stdout and " s late)" in done.stdout, done.stdout
+    assert "FAIL rung: wanted shrink, got promote_spare" in done.stdout
+    [record] = json.loads((out / "drills.json").read_text())
+    failed = {v["expectation"] for v in record["verdicts"] if not v["ok"]}
+    assert failed == {"detected within", "rung"}, record["verdicts"]
+    assert leftovers(out / "impossible" / "faulted" / "run") == []
