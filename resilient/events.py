@@ -186,6 +186,11 @@ class EventLog:
         self._events: list[Event] = []
         self._lock = threading.Lock()
 
+    @property
+    def path(self) -> str | None:
+        """The file the events are appended to (None: kept in memory only)."""
+        return self._path
+
     def emit(self, kind: EventKind, **fields: Any) -> Event:
         event = Event(kind=str(kind), wall_time=time.time(), fields=fields)
         with self._lock:

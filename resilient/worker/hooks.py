@@ -152,7 +152,11 @@ class WorkerHooks:
 
         if self.env.run_dir is None:
             return None
-        return EventLog(os.path.join(self.env.run_dir, "events.jsonl"))
+        path = os.path.join(self.env.run_dir, "events.jsonl")
+        if self.events is not None and self.events.path is not None and \
+                os.path.abspath(self.events.path) == os.path.abspath(path):
+            return None  # the Run's own log is that file already: the event is written once
+        return EventLog(path)
 
     def uninstall(self) -> None:
         """Undo :meth:`install` (for tests and for processes that outlive their Run)."""
