@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError
+from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 
 RUNGS = ("retry_in_place", "promote_spare", "shrink", "restart")
 """What an expectation's ``rung`` may name: the recovery ladder's rungs, cheapest first."""
@@ -195,15 +195,13 @@ def _drill(raw: Mapping[str, Any], path: Path) -> Drill:
     faults_raw = raw.get("faults", [])
     if not isinstance(faults_raw, list):
         raise DrillError("faults: write each fault as a [[faults]] table")
-    faults = []
-    for i, item in enumerate(faults_raw):
-        try:
-            faults.append(Fault.from_dict(item))
-        except (FaultPlanError, TypeError) as e:
-            raise DrillError(f"[[faults]] #{i + 1}: {e}") from None
+    try:
+        faults = parse_faults(faults_raw, lambda i: f"[[faults]] #{i + 1}: ")
+    except FaultPlanError as e:
+        raise DrillError(str(e)) from None
     rnd = _build(RandomFaults, "random", _table(raw, "random")) if "random" in raw else None
     drill = Drill(name=name, path=path, description=str(head.get("description", "")), seed=seed, workload=workload,
-                  topology=topology, faults=tuple(faults), random=rnd, expect=expect, timeout_s=timeout)
+                  topology=topology, faults=faults, random=rnd, expect=expect, timeout_s=timeout)
     _check(drill)
     return drill
 

@@ -34,7 +34,7 @@ import json
 import math
 import os
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -200,13 +200,8 @@ class FaultPlan:
         faults_raw = raw.get("faults", [])
         if not isinstance(faults_raw, list):
             raise FaultPlanError(f"faults: must be a list of fault objects, got {type(faults_raw).__name__}")
-        faults = []
-        for i, item in enumerate(faults_raw):
-            try:
-                faults.append(Fault.from_dict(item))
-            except (FaultPlanError, TypeError) as e:
-                raise FaultPlanError(f"faults[{i}].{e}") from None
-        return cls(faults=tuple(faults), seed=raw.get("seed"), version=raw["version"])
+        faults = parse_faults(faults_raw, lambda i: f"faults[{i}].")
+        return cls(faults=faults, seed=raw.get("seed"), version=raw["version"])
 
     def dumps(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -282,6 +277,17 @@ class FaultPlan:
                 duration_s=hang_s if kind == "hang" else None,
             ))
         return cls(faults=tuple(faults), seed=seed)
+
+
+def parse_faults(items: Sequence[Any], where: Callable[[int], str]) -> tuple[Fault, ...]:
+    """Faults from their objects; an error names the fault by ``where(index)`` (how its file calls it)."""
+    faults = []
+    for i, item in enumerate(items):
+        try:
+            faults.append(Fault.from_dict(item))
+        except (FaultPlanError, TypeError) as e:
+            raise FaultPlanError(f"{where(i)}{e}") from None
+    return tuple(faults)
 
 
 def _check_int(name: str, value: Any, *, minimum: int | None, what: str | None = None) -> None:
