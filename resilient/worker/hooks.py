@@ -7,9 +7,10 @@
 - stack dumps: faulthandler writes every thread's stack to the rank's stack
   file when the agent sends ``RESILIENT_STACK_SIGNAL`` (it runs in C, so it
   works while the main thread is stuck in a lock or a sleep);
-- the error file: an uncaught exception is written as JSON for the agent's
-  first-failure report, then announced by a line starting with
-  :data:`UNCAUGHT_PREFIX` before the traceback is printed (the agent keeps
+- the error file: an uncaught exception is announced by a line starting
+  with :data:`UNCAUGHT_PREFIX`, its traceback printed, and only then
+  written as JSON for the agent's first-failure report, so an error file
+  always has its traceback in the rank's log (the agent keeps
   the rest of that worker's output out of its console and shows the error
   under the incident, as the first failure or as one line of consequence);
   exceptions under the exit-code contract
@@ -277,41 +278,51 @@ class WorkerHooks:
 
     # -------------------------------------------------------------- errors
     def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        # The traceback reaches the log before the error file exists: the agent may stop this process as soon as
+        # it sees the file (or a peer's death), and an error file then always has its traceback in the log.
+        raised_at = (time.time(), time.monotonic())
         code = None
         try:
             from ..exitcodes import exit_code_for
 
             code = exit_code_for(exc)
-            self.write_error(exc_type, exc, tb, code)
-            if self.env.error_file is not None:
-                print(f"{UNCAUGHT_PREFIX}{exc_type.__qualname__} in rank {self.rank}, written to "
-                      f"{self.env.error_file}; traceback follows", file=sys.stderr, flush=True)
         except Exception as e:  # noqa: BLE001  the hook must still print the original error
-            print(f"resilient: could not write the error file: {e}", file=sys.stderr)
+            print(f"resilient: could not map the error to an exit code: {e}", file=sys.stderr)
+        if self.env.error_file is not None:
+            print(f"{UNCAUGHT_PREFIX}{exc_type.__qualname__} in rank {self.rank}; traceback follows, then it is "
+                  f"written to {self.env.error_file}", file=sys.stderr, flush=True)
         (self._prev_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        try:
+            self.write_error(exc_type, exc, tb, code, raised_at)
+        except Exception as e:  # noqa: BLE001  the traceback is printed already; say why the file is missing
+            print(f"resilient: could not write the error file: {e}", file=sys.stderr, flush=True)
         if code is not None:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except (OSError, ValueError, AttributeError):
-                    pass
             os._exit(code)
 
     def write_error(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None,
-                    exit_code: int | None) -> None:
-        """Write the error file atomically (nothing when the agent gave none)."""
+                    exit_code: int | None, raised_at: tuple[float, float] | None = None) -> None:
+        """Write the error file atomically (nothing when the agent gave none).
+
+        ``raised_at`` is (clock time, monotonic time) when the exception reached the hook; default now.
+        """
         path = self.env.error_file
         if path is None:
             return
+        wall, mono = raised_at if raised_at is not None else (time.time(), time.monotonic())
         section = self._raised_in[1] if self._raised_in and self._raised_in[0] is exc else self.section
         module = exc_type.__module__
         record = {
             "rank": self.rank,
             "pid": os.getpid(),
-            "time": time.time(),
+            "time": wall,
             # The host's CLOCK_MONOTONIC, which the agent's clock is: it tells an error raised after a peer's death
             # was seen (a consequence) from one that came first.
-            "monotonic": time.monotonic(),
+            "monotonic": mono,
             "exc_type": exc_type.__qualname__ if module == "builtins" else f"{module}.{exc_type.__qualname__}",
             "message": str(exc),
             "traceback": "".join(traceback.format_exception(exc_type, exc, tb)),
