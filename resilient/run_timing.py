@@ -16,12 +16,18 @@ stall at the boundary counts), is split into the sections of
   name a straggler;
 - ``compute``: the rest of the step (forward, backward, the user's code).
 
+Beside the sections, each window says how long the training thread was
+runnable but waiting for a CPU, per step (``cpu``: the run-queue delay the
+kernel keeps in ``/proc/thread-self/schedstat``; left out where there is no
+such file).  A rank that is slower only because the host's scheduler kept it
+waiting is told apart that way from one that is slower at its own work.
+
 The hook all-reduces exactly as DDP's built-in path does (gradients scaled
 by ``1 / world_size``, then summed), so results are bitwise the same with
 and without it.  A user's own hook is kept: pass it as
 ``Run(ddp={"comm_hook": hook, "comm_state": state})`` and it is timed the
 same way.  Cost: two clock reads per section change and per bucket, and a
-report every :data:`WINDOW_STEPS` steps.
+report (with one read of the schedstat file) every :data:`WINDOW_STEPS` steps.
 """
 
 from __future__ import annotations
@@ -43,6 +49,17 @@ if TYPE_CHECKING:
 
 _BUCKETS = {"step": COMPUTE, "": COMPUTE, "data": DATA, "checkpoint": CHECKPOINT}
 """Run section -> timing section; any other name (a user's section) is its own."""
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def run_queue_wait(path: str = SCHEDSTAT) -> float | None:
+    """Seconds the calling thread has spent runnable but not running (its run-queue delay); None where unknown."""
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def step_timer(hooks: WorkerHooks | None, optimizer: Any) -> StepTimer | None:
@@ -60,10 +77,14 @@ class StepTimer:
     """Splits each step's wall time into sections and hands a report to ``send`` at the end of every window."""
 
     def __init__(self, send: Callable[[dict[str, Any]], None], *, window: int = WINDOW_STEPS,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 cpu_wait: Callable[[], float | None] = run_queue_wait) -> None:
         self.window = window
         self._send = send
         self._clock = clock
+        self._cpu_wait = cpu_wait
+        self._wait_mark: float | None = None
+        """The thread's run-queue delay when the window's first measured step began."""
         self._acc: dict[str, float] = {}
         self._bucket = COMPUTE
         self._mark: float | None = None
@@ -88,6 +109,8 @@ class StepTimer:
         now = self._clock()
         self._acc, self._mark, self._started = {}, now, now
         self._handed = self._done = None
+        if not self._steps:
+            self._wait_mark = self._cpu_wait()
 
     def switch(self, section: str) -> None:
         """The rank entered ``section`` (a Run section name): charge the time since the last change."""
@@ -139,6 +162,9 @@ class StepTimer:
             report["left"] = self._left
         if self.world is not None:
             report["world"] = self.world
+        waited, self._wait_mark = self._wait_mark, self._cpu_wait()
+        if waited is not None and self._wait_mark is not None and self._wait_mark >= waited:
+            report["cpu"] = round((self._wait_mark - waited) / len(steps), 6)
         self._send(report)
 
     # ---------------------------------------------------------------- hooks

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resilient.run_timing import StepTimer
+from resilient.run_timing import StepTimer, run_queue_wait
 
 
 class Clock:
@@ -74,6 +74,47 @@ def test_buckets_reduced_under_the_backward_are_not_counted_as_waiting():
     assert sent[0]["s"]["comm"] == pytest.approx(0.001) and sent[0]["s"]["compute"] == pytest.approx(0.010)
 
 
+def test_each_window_says_how_long_the_thread_waited_for_a_cpu_per_step():
+    clock, sent, waited = Clock(), [], [1.0]
+    timer = StepTimer(sent.append, window=2, clock=clock, cpu_wait=lambda: waited[0])
+    timer.begin()
+    for step in range(4):
+        clock.t += 0.01
+        waited[0] += 0.003 if step < 2 else 0.0005   # the scheduler kept it waiting in the first window
+        timer.end_step(step)
+    assert [r["cpu"] for r in sent] == pytest.approx([0.003, 0.0005])
+    blind = []
+    timer = StepTimer(blind.append, window=1, clock=clock, cpu_wait=lambda: None)  # no schedstat here
+    timer.begin()
+    timer.end_step(0)
+    assert "cpu" not in blind[0]
+
+
+def test_the_run_queue_wait_is_read_from_the_kernel_and_grows_while_other_threads_hog_the_cpus(tmp_path):
+    before = run_queue_wait()
+    assert before is not None and before >= 0  # Linux keeps it for every thread
+    # More busy processes than CPUs: this thread, spinning too, must wait its turn.
+    hogs = [mp.get_context("spawn").Process(target=_spin, args=(1.5,)) for _ in range((os.cpu_count() or 1) * 2)]
+    for h in hogs:
+        h.start()
+    try:
+        _spin(1.0)
+    finally:
+        for h in hogs:
+            h.join()
+    assert run_queue_wait() - before > 0.05
+    (tmp_path / "bad").write_text("not numbers")
+    assert run_queue_wait(str(tmp_path / "bad")) is None and run_queue_wait(str(tmp_path / "none")) is None
+
+
+def _spin(seconds: float) -> None:
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 def test_a_checkpoint_at_the_boundary_counts_in_the_next_step_and_rare_sections_report_their_mean():
     clock, sent = Clock(), []
     timer = StepTimer(sent.append, window=4, clock=clock)
@@ -93,7 +134,7 @@ def test_a_checkpoint_at_the_boundary_counts_in_the_next_step_and_rare_sections_
 
 def test_a_resume_mid_window_sends_the_partial_window_and_a_retried_step_is_dropped():
     clock, sent = Clock(), []
-    timer = StepTimer(sent.append, window=5, clock=clock)
+    timer = StepTimer(sent.append, window=5, clock=clock, cpu_wait=lambda: None)
     timer.begin()
     for step in (7, 8):                     # resumed at step 7: window 1 has steps 7, 8, 9
         clock.t += 0.01

@@ -11,6 +11,14 @@ cannot inflate the noise that is meant to expose it).  A rank is flagged in
 a section after the CUSUM passes its decision level with ``consecutive``
 slow windows in a row, and cleared with hysteresis.
 
+A rank whose extra time is mostly waiting for a CPU (its training thread
+runnable but not running, as the window's ``cpu_wait`` says) is slower
+because of its host's scheduler, not its own work: on a busy host the
+scheduler keeps one rank waiting for a while and then another.  Such a flag
+needs ``contention_windows`` windows in a row; a CPU quota or a neighbour
+that goes on starving the rank is then flagged, and the reason says how
+much of the extra time was the wait.
+
 Its **individual** value, the window against the rank's own recent best
 (its 10th percentile over ``history`` windows), is reported beside it: it
 tells a rank that got slower from one that always was.
@@ -57,9 +65,12 @@ class StragglerConfig:
     min_share: float = 0.05
     """A rank is flagged only when its extra time in the section is at least this share of the job's step
     (0.05: 5%): a tiny section that is 40% slower costs the job nothing worth a page."""
+    contention_windows: int = 12
+    """Windows in a row a flag needs when, without the rank's extra wait for a CPU over its peers', its extra
+    time would be under ``min_share`` of a step (a busy host's scheduler, unless it persists)."""
 
     def __post_init__(self) -> None:
-        for name in ("warmup_windows", "history", "min_history"):
+        for name in ("warmup_windows", "history", "min_history", "contention_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"StragglerConfig.{name}={value!r} must be an int >= 0 (windows)")
@@ -92,6 +103,8 @@ class StragglerChange:
     steps: int
     """Steps in the evidence windows."""
     reason: str
+    cpu_wait_s: float | None = None
+    """The rank's wait for a CPU per step over its peers' median, over the evidence windows (None: unmeasured)."""
 
 
 @dataclass(frozen=True)
@@ -116,8 +129,12 @@ class _Series:
     own: deque[float]
     peers: deque[float]
     steps: deque[int]
+    waits: deque[float | None]
+    """The rank's run-queue wait per step in each window (None where not measured)."""
     node: str = ""
     cusum: Cusum = Cusum()
+    held: int = 0
+    """Windows in a row this series' flag was held back as the host's contention."""
 
 
 class StragglerDetector:
@@ -166,12 +183,14 @@ class StragglerDetector:
                 if ser is None:
                     n = cfg.history
                     ser = self._series[(rank, section)] = _Series(deque(maxlen=n), deque(maxlen=n),
-                                                                  deque(maxlen=n), deque(maxlen=n))
+                                                                  deque(maxlen=n), deque(maxlen=n),
+                                                                  deque(maxlen=n))
                 ser.node = windows[rank].node
                 ser.x.append(math.log(value / ref))
                 ser.own.append(value)
                 ser.peers.append(ref)
                 ser.steps.append(windows[rank].steps)
+                ser.waits.append(windows[rank].cpu_wait)
             sigma = self._noise(section)
             if sigma is None:
                 continue
@@ -182,6 +201,12 @@ class StragglerDetector:
                 ser.cusum = advance(ser.cusum, ser.x[-1], sigma, cfg.rule)
                 if ser.cusum.flagged and not was and not self._material(ser, step_s):
                     ser.cusum = replace(ser.cusum, flagged=False)  # real but too small to matter: keep watching
+                if ser.cusum.flagged and not was and self._contended(rank, section, step_s):
+                    ser.held += 1
+                    if ser.held < cfg.contention_windows:
+                        ser.cusum = replace(ser.cusum, flagged=False)  # the scheduler's doing, unless it persists
+                elif not ser.cusum.flagged:
+                    ser.held = 0
                 if ser.cusum.flagged != was:
                     changes.append(self._change("flagged" if ser.cusum.flagged else "cleared", rank, section, ser,
                                                 index, sigma))
@@ -202,6 +227,27 @@ class StragglerDetector:
         extra = statistics.median(list(ser.own)[-n:]) - statistics.median(list(ser.peers)[-n:])
         return extra >= self.config.min_share * step_s
 
+    def _extra_wait(self, rank: int, section: str) -> float | None:
+        """The rank's wait for a CPU per step over its peers' median, over the evidence windows; None if unmeasured."""
+        n = max(1, min(self.config.rule.consecutive, len(self._series[(rank, section)].waits)))
+        mine = list(self._series[(rank, section)].waits)[-n:]
+        peers = [list(ser.waits)[-n:] for (r, s), ser in self._series.items() if s == section and r != rank]
+        if any(w is None for w in mine) or not peers or any(w is None for p in peers for w in p) or \
+                any(len(p) != len(mine) for p in peers):
+            return None
+        return statistics.median(mine) - statistics.median(statistics.median(p[i] for p in peers)
+                                                           for i in range(len(mine)))
+
+    def _contended(self, rank: int, section: str, step_s: float) -> bool:
+        """Whether the rank's extra time in the section, less its extra wait for a CPU, is under ``min_share``."""
+        wait = self._extra_wait(rank, section)
+        if wait is None or wait <= 0:
+            return False
+        ser = self._series[(rank, section)]
+        n = max(1, min(self.config.rule.consecutive, len(ser.own)))
+        extra = statistics.median(list(ser.own)[-n:]) - statistics.median(list(ser.peers)[-n:])
+        return extra - wait < self.config.min_share * step_s
+
     def _noise(self, section: str) -> float | None:
         """The section's noise: the median over ranks of each series' own noise; None before ``min_history``."""
         cfg = self.config
@@ -218,6 +264,10 @@ class StragglerDetector:
         ratio = rank_s / peers_s
         sigma = self._noise(section) if sigma is None else sigma
         noise_text = "" if sigma is None else f"; noise {sigma * 100:.1f}% per window"
+        wait = self._extra_wait(rank, section)
+        if kind == "flagged" and wait is not None and wait > 0.1 * max(rank_s - peers_s, 0.0):
+            noise_text += (f"; {wait * 1e3:.1f} ms per step more than its peers waiting for a CPU (the host's CPUs "
+                           f"are oversubscribed or a CPU quota throttles it)")
         where = f"rank {rank}" + (f" (node {ser.node})" if ser.node else "")
         if kind == "flagged":
             reason = (f"{where} is a straggler in {section}: {rank_s * 1e3:.1f} ms per step against its peers' "
@@ -227,7 +277,7 @@ class StragglerDetector:
             reason = (f"{where} is no longer a straggler in {section}: {rank_s * 1e3:.1f} ms per step against its "
                       f"peers' median {peers_s * 1e3:.1f} ms ({(ratio - 1) * 100:+.0f}%) over the last {steps} steps")
         return StragglerChange(kind, rank, ser.node, section, window, ratio, rank_s, peers_s, _individual(ser),
-                               sigma or 0.0, steps, reason)
+                               sigma or 0.0, steps, reason, None if wait is None else round(wait, 6))
 
 
 def _individual(ser: _Series) -> float:

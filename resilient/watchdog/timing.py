@@ -59,6 +59,8 @@ class RankWindow:
     """Steps still to do after this window (from ``Run.steps(total)``); None when the script did not say."""
     world: int | None = None
     """Ranks in the rank's process group when the window ended (None from a runtime that did not say)."""
+    cpu_wait: float | None = None
+    """Seconds per step the rank's training thread was runnable but waiting for a CPU (None: not measured)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sections", MappingProxyType(dict(self.sections)))
@@ -74,14 +76,15 @@ def parse_window(rank: int, node: str, payload: Mapping[str, Any]) -> RankWindow
         sections = {str(k): float(v) for k, v in raw.items()}
         remaining = None if payload.get("left") is None else int(payload["left"])
         world = None if payload.get("world") is None else int(payload["world"])
+        cpu_wait = None if payload.get("cpu") is None else float(payload["cpu"])
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"timing report of rank {rank} is malformed ({type(e).__name__}: {e})") from e
-    values = [step_s, *sections.values()]
+    values = [step_s, *sections.values(), *([] if cpu_wait is None else [cpu_wait])]
     if window < 0 or steps < 1 or (world is not None and world < 1) or \
             not all(math.isfinite(v) and v >= 0 for v in values):
         raise ValueError(f"timing report of rank {rank} has a negative or non-finite number: {dict(payload)}")
     return RankWindow(rank=rank, window=window, steps=steps, step_s=step_s, sections=sections, node=node,
-                      remaining=remaining, world=world)
+                      remaining=remaining, world=world, cpu_wait=cpu_wait)
 
 
 def window_payload(w: RankWindow) -> dict[str, Any]:
@@ -91,4 +94,6 @@ def window_payload(w: RankWindow) -> dict[str, Any]:
         payload["left"] = w.remaining
     if w.world is not None:
         payload["world"] = w.world
+    if w.cpu_wait is not None:
+        payload["cpu"] = w.cpu_wait
     return payload
