@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, unique
 from typing import Any, Literal, Protocol, get_args
@@ -210,3 +211,41 @@ class EventLog:
     def all(self) -> list[Event]:
         with self._lock:
             return list(self._events)
+
+
+FORWARDED = frozenset({
+    EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_CONFLICT, EventKind.CHECKPOINT_FENCED,
+    EventKind.CHECKPOINT_FALLBACK, EventKind.CHECKPOINT_QUARANTINED, EventKind.CHECKPOINT_QUARANTINE_FAILED,
+    EventKind.CHECKPOINT_RETENTION_FAILED,
+})
+"""What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong, which whoever
+reads the run's events (an operator, a drill's score) must see without opening every rank's log."""
+
+
+class ForwardingLog(EventLog):
+    """A Run's event log under an agent: every event goes to ``inner`` as before; the kinds in :data:`FORWARDED`
+    are also appended to ``agent`` (the run directory's ``events.jsonl``) with the fields of ``where()`` (the
+    rank and node), so the run's own record shows them."""
+
+    def __init__(self, inner: EventLog, agent: EventLog, where: Callable[[], dict[str, Any]]) -> None:
+        super().__init__(inner.path)
+        self._inner, self._agent, self._where = inner, agent, where
+
+    @property
+    def path(self) -> str | None:
+        return self._inner.path
+
+    def emit(self, kind: EventKind, **fields: Any) -> Event:
+        event = self._inner.emit(kind, **fields)
+        if kind in FORWARDED:
+            try:
+                self._agent.emit(kind, **{**self._where(), **fields})
+            except OSError as e:  # the run directory went away: the Run's own log still has the event
+                logger.warning("could not forward %s to the agent's event log: %s", kind, e)
+        return event
+
+    def of_kind(self, kind: str) -> list[Event]:
+        return self._inner.of_kind(kind)
+
+    def all(self) -> list[Event]:
+        return self._inner.all()

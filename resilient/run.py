@@ -33,7 +33,7 @@ from .checkpoint.restore import Restored
 from .data.loader import ElasticLoader
 from .elastic.batch import BatchPlan
 from .errors import ConfigError
-from .events import EventKind, EventLog
+from .events import EventKind, EventLog, ForwardingLog
 from .mesh import take_joined, worker_hooks
 from .run_payloads import (
     apply_restored,
@@ -98,6 +98,10 @@ class Run:
         spare = env is not None and env.role == "spare"
         joined = take_joined() if spare else None  # a sharded spare promoted in resilient.device_mesh()
         self._hooks: WorkerHooks | None = worker_hooks(env, self.events, joined)  # first: errors below get a file
+        if self._hooks is not None and (agent_log := self._hooks.agent_log()) is not None:
+            node = env.node_id if env is not None else None
+            self.events = ForwardingLog(self.events, agent_log, lambda: {"rank": self._hooks.rank if self._hooks
+                                                                         else None, "node": node, "source": "worker"})
         if self._hooks is not None:
             self._hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
             for note in self._hooks.notes:

@@ -37,13 +37,15 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from ..errors import ConfigError
+from .host import HostFault, HostFaultError, parse_host_faults
 from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 
 RUNGS = ("retry_in_place", "promote_spare", "shrink", "restart")
@@ -85,6 +87,10 @@ class Topology:
     """Per-section hang timeouts (``--section-timeout NAME=S``), e.g. (("step", 3.0),)."""
     agent_args: tuple[str, ...] = ()
     """Further ``resilient run`` flags, as given."""
+    monitoring: bool = False
+    """Prometheus (scraping the agent) and Alertmanager (the shipped rules and routes) for the faulted run."""
+    alert_for_s: float = 1.0
+    """Every alert rule's ``for:`` is cut to this for the drill (the production values outlast a drill)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +116,12 @@ class Expect:
     """Event kinds that must occur (e.g. "straggler_flagged")."""
     no_events: tuple[str, ...] = ()
     """Event kinds that must not occur."""
+    alerts: tuple[str, ...] = ()
+    """Alerts that must reach a receiver firing (needs ``[topology] monitoring = true``)."""
+    no_alerts: tuple[str, ...] = ()
+    """Alerts that must not."""
+    alerted_within_s: float | None = None
+    """From the first fault to each expected alert's first firing notification."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +145,8 @@ class Drill:
     workload: Workload = field(default_factory=Workload)
     topology: Topology = field(default_factory=Topology)
     faults: tuple[Fault, ...] = ()
+    host_faults: tuple[HostFault, ...] = ()
+    """Faults the runner injects from outside the workers (cgroups, the checkpoint store)."""
     random: RandomFaults | None = None
     expect: Expect = field(default_factory=Expect)
     timeout_s: float = 300.0
@@ -157,7 +171,7 @@ class Drill:
         return (self.path.parent / self.workload.script).resolve()
 
 
-TABLES = ("drill", "workload", "topology", "faults", "random", "expect")
+TABLES = ("drill", "workload", "topology", "faults", "host_faults", "random", "expect")
 
 
 def load_drill(path: str | os.PathLike[str]) -> Drill:
@@ -199,9 +213,13 @@ def _drill(raw: Mapping[str, Any], path: Path) -> Drill:
         faults = parse_faults(faults_raw, lambda i: f"[[faults]] #{i + 1}: ")
     except FaultPlanError as e:
         raise DrillError(str(e)) from None
+    try:
+        host = parse_host_faults(raw.get("host_faults", []))
+    except HostFaultError as e:
+        raise DrillError(str(e)) from None
     rnd = _build(RandomFaults, "random", _table(raw, "random")) if "random" in raw else None
     drill = Drill(name=name, path=path, description=str(head.get("description", "")), seed=seed, workload=workload,
-                  topology=topology, faults=faults, random=rnd, expect=expect, timeout_s=timeout)
+                  topology=topology, faults=faults, host_faults=host, random=rnd, expect=expect, timeout_s=timeout)
     _check(drill)
     return drill
 
@@ -223,6 +241,13 @@ def _check(d: Drill) -> None:
     if t.min_ranks is not None and not 1 <= t.min_ranks <= t.nproc_per_node:
         raise DrillError(f"[topology] min_ranks = {t.min_ranks}: must be between 1 and nproc_per_node "
                          f"({t.nproc_per_node})")
+    if (e.alerts or e.no_alerts or e.alerted_within_s is not None) and not t.monitoring:
+        raise DrillError("[expect] alerts, no_alerts and alerted_within_s need Prometheus and Alertmanager: set "
+                         "[topology] monitoring = true")
+    if e.alerted_within_s is not None and not e.alerts:
+        raise DrillError("[expect] alerted_within_s: name the alerts it applies to, e.g. alerts = [\"HangDetected\"]")
+    if t.alert_for_s <= 0:
+        raise DrillError(f"[topology] alert_for_s = {t.alert_for_s}: must be seconds > 0")
     if e.rung is not None and e.rung not in RUNGS:
         raise DrillError(f"[expect] rung = {e.rung!r}: use one of {', '.join(RUNGS)}")
     if e.equal not in EQUALITY:
@@ -238,8 +263,18 @@ def _check(d: Drill) -> None:
         bad = [k for k in d.random.kinds if k not in FAULT_KINDS]
         if bad:
             raise DrillError(f"[random] kinds: {bad[0]!r} is not a fault kind; use {', '.join(FAULT_KINDS)}")
-    if not d.faults and d.random is None:
-        raise DrillError("no faults: add a [[faults]] table (kind, step, rank, ...) or a [random] schedule")
+    for i, hf in enumerate(d.host_faults):
+        where = f"[[host_faults]] #{i + 1} ({hf.kind}): "
+        if hf.rank >= d.world:
+            raise DrillError(f"{where}rank {hf.rank} is outside the world of {d.world} ranks")
+        if hf.step is not None and hf.step >= w.steps:
+            raise DrillError(f"{where}step {hf.step} is past the workload's {w.steps} steps")
+        if hf.step is not None and w.script != REFERENCE_WORKLOAD:
+            raise DrillError(f"{where}step = {hf.step} reads the bundled workload's trace (and its checkpoint "
+                             "directory); with a script of yours, trigger by time: at_s = SECONDS")
+    if not d.faults and not d.host_faults and d.random is None:
+        raise DrillError("no faults: add a [[faults]] table (kind, step, rank, ...), a [[host_faults]] table or a "
+                         "[random] schedule")
 
 
 def _table(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
@@ -283,7 +318,7 @@ def _build(cls: Any, table: str, values: Mapping[str, Any]) -> Any:
 
 
 _INTS = {"max_redone_steps", "min_ranks"}
-_FLOATS = {"detected_within_s", "resumed_within_s", "min_goodput", "hang_s"}
+_FLOATS = {"detected_within_s", "resumed_within_s", "min_goodput", "hang_s", "alerted_within_s"}
 _STRS = {"rung"}
 
 

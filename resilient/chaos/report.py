@@ -35,7 +35,10 @@ def render(records: Sequence[Mapping[str, Any]]) -> str:
         if r.get("skipped"):
             lines.append(f"Skipped: {r['skipped']}")
             continue
+        if r.get("timeline"):
+            lines += [f"Timeline: `{r['timeline']}`", ""]
         lines += ["Faults: " + "; ".join(
+            f"{f['kind']}: {f['description']}" if f.get("source") == "host" else
             f"{f['kind']} rank {f.get('rank', '*')} at step {f['step']} ({f.get('section', 'step')})"
             for f in r["faults"]), "",
             "| expectation | wanted | got | verdict | margin |", "|---|---|---|---|---|"]
@@ -68,6 +71,10 @@ def compare(before: Sequence[Mapping[str, Any]], after: Sequence[Mapping[str, An
     for r in after:
         name = r["drill"]
         prev = old.get(name)
+        if r.get("skipped"):
+            lines.append(f"| {name} | - | {'-' if prev is None else ('PASS' if prev['passed'] else 'FAIL')} | "
+                         f"skipped | not run here: {r['skipped']} |")
+            continue
         if prev is None:
             lines.append(f"| {name} | - | - | {'PASS' if r['passed'] else 'FAIL'} | new drill |")
             continue

@@ -12,7 +12,8 @@ it is still alive afterwards.
 Each drill writes into ``OUT/<name>/``: ``reference/`` and ``faulted/``
 (the run directories, traces, checkpoints and final states: those of an
 earlier run of the drill are removed first), ``plan.json`` (the fault
-schedule as the workers got it), ``<name>.json`` and ``<name>.md``.
+schedule as the workers got it), ``<name>.json``, ``<name>.md`` and the
+timeline ``<name>.png`` (:mod:`resilient.chaos.timeline`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+from . import monitor
 from .drill import Drill
+from .host import HostInjector, unavailable
 from .score import Measured, Observed, Verdict, judge, to_json
+from .timeline import draw
 
 Progress = Callable[[str], None]
 
@@ -50,7 +55,8 @@ class DrillResult:
         return bool(self.record["passed"])
 
 
-def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run_id: str) -> list[str]:
+def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run_id: str,
+                  metrics_port: int | None = None) -> list[str]:
     """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares)."""
     t, w = drill.topology, drill.workload
     ranks = str(t.nproc_per_node) if t.min_ranks is None or plan is None else f"{t.min_ranks}:{t.nproc_per_node}"
@@ -61,6 +67,8 @@ def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run
         for name, seconds in t.section_timeouts:
             cmd += ["--section-timeout", f"{name}={seconds:g}"]
         cmd += list(t.agent_args)
+    if metrics_port is not None:
+        cmd += ["--metrics-port", str(metrics_port)]
     script = drill.script_path()
     if script is None:
         cmd += ["-m", "resilient.chaos.workload", "--steps", str(w.steps), "--out", str(out),
@@ -73,11 +81,11 @@ def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run
 
 
 def run_once(cmd: list[str], log: Path, timeout_s: float, progress: Progress | None = None,
-             label: str = "") -> int | None:
+             label: str = "", tick: Callable[[], None] | None = None) -> int | None:
     """Run ``cmd`` in a process group of its own; its exit status, or None when it overran ``timeout_s``.
 
-    Whatever happens (the timeout, Ctrl-C, an error here), the whole group is killed before this returns, and
-    :class:`RuntimeError` says so when a process of it outlives the kill."""
+    ``tick`` is called ten times a second while it runs (the host faults' injector).  Whatever happens (the
+    timeout, Ctrl-C, an error here), the whole group is killed before this returns."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -86,9 +94,11 @@ def run_once(cmd: list[str], log: Path, timeout_s: float, progress: Progress | N
     try:
         while True:
             try:
-                code = proc.wait(timeout=1.0)
+                code = proc.wait(timeout=0.1 if tick is not None else 1.0)
                 break
             except subprocess.TimeoutExpired:
+                if tick is not None:
+                    tick()
                 elapsed = time.monotonic() - started
                 if progress is not None:
                     progress(f"{label}: {elapsed:.0f} s")
@@ -165,14 +175,22 @@ def _goodput(run_dir: Path) -> float | None:
 
 
 def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) -> DrillResult:
-    """Run ``drill`` (reference first when it expects equality), score it, write its report."""
-    from .report import render
-
+    """Run ``drill`` (reference first when it expects equality), score it, write its report; a drill whose host
+    faults this machine cannot produce is skipped with the reason, and nothing runs."""
     out = out_root.resolve() / drill.name  # absolute: the workers' RESILIENT_RUN_DIR, which teardown looks for
     for stale in ("reference", "faulted"):  # an earlier run's checkpoints would be restored, its ledger continued
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: None)
+    skipped = next((f"{hf.kind}: {why}" for hf in drill.host_faults if (why := unavailable(hf.kind))), None)
+    if skipped is None and drill.topology.monitoring:
+        why = monitor.unavailable()
+        skipped = None if why is None else f"monitoring: {why}"
+    if skipped is not None:
+        say(f"{drill.name}: skipped, {skipped}")
+        obs = Observed(events=[], trace=[], final=None, reference=None, goodput=None, exit_code=None,
+                       skipped=skipped)
+        return _finish(drill, obs, out)
     reference = None
     if drill.expect.equal == "bitwise":
         ref = out / "reference"
@@ -190,18 +208,51 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     plan_path = out / "plan.json"
     plan.dump(plan_path)
     faulted = out / "faulted"
-    say(f"{drill.name}: faulted run, {len(plan.faults)} fault(s): "
-        + "; ".join(f.describe() for f in plan.faults))
+    faulted.mkdir(parents=True, exist_ok=True)
+    host = HostInjector(drill.host_faults, faulted, faulted / "ckpt", drill.name) if drill.host_faults else None
+    say(f"{drill.name}: faulted run, {len(plan.faults) + len(drill.host_faults)} fault(s): "
+        + "; ".join([*(f.describe() for f in plan.faults), *(h.describe() for h in drill.host_faults)]))
+    stuck: list[str] = []
+    watch: monitor.Monitoring | None = None
+    notified: list[dict[str, Any]] = []
     try:
-        code = run_once(agent_command(drill, faulted / "run", faulted, plan_path, drill.name),
-                        faulted / "agent.log", drill.timeout_s, progress, f"{drill.name} faulted")
+        port = None
+        if drill.topology.monitoring:
+            watch = monitor.Monitoring(faulted / "monitoring", for_s=drill.topology.alert_for_s)
+            port = monitor.free_port()
+            watch.scrape("n0", f"127.0.0.1:{port}")
+        code = run_once(agent_command(drill, faulted / "run", faulted, plan_path, drill.name, port),
+                        faulted / "agent.log", drill.timeout_s, progress, f"{drill.name} faulted",
+                        tick=None if host is None else host.poll)
     finally:
+        if host is not None:  # thawed first: a frozen process cannot die, not even of SIGKILL
+            stuck = host.close()
         killed = tear_down(faulted / "run")
-    obs = Observed(events=_read_jsonl(faulted / "run" / "events.jsonl"), trace=_read_jsonl(faulted / "trace.jsonl"),
-                   final=_final(faulted), reference=reference, goodput=_goodput(faulted / "run"), exit_code=code,
-                   left_behind=len(killed))
+        if host is not None:
+            stuck = sorted(set(stuck) | set(host.leftovers()))
+        if watch is not None:
+            notified = [{**n, "kind": "alert_notified"} for n in watch.notifications()]
+            watch.close()
+            killed = [*killed, *watch.pids()]  # a server that outlived close() is a process left behind
+    events = _read_jsonl(faulted / "run" / "events.jsonl") + ([] if host is None else host.events()) + notified
+    obs = Observed(events=events, trace=_read_jsonl(faulted / "trace.jsonl"), final=_final(faulted),
+                   reference=reference, goodput=_goodput(faulted / "run"), exit_code=code, left_behind=len(killed),
+                   cgroups_left=len(stuck))
+    return _finish(drill, obs, out)
+
+
+def _finish(drill: Drill, obs: Observed, out: Path) -> DrillResult:
+    from .report import render
+
     measured, verdicts = judge(drill, obs)
     record = to_json(drill, obs, measured, verdicts)
+    record["timeline"] = None
+    if obs.skipped is None:
+        try:
+            record["timeline"] = str(draw(obs.events, obs.trace, out / f"{drill.name}.png",
+                                          f"{drill.name}: " + "; ".join(f["kind"] for f in record["faults"])))
+        except ConfigError as e:
+            record["timeline_missing"] = str(e)  # the scores stand without the picture
     (out / f"{drill.name}.json").write_text(json.dumps(record, indent=1) + "\n")
     report = out / f"{drill.name}.md"
     report.write_text(render([record]))

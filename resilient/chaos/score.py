@@ -8,14 +8,21 @@ reference, the ledger's goodput and the agent's exit status.
 
 - **detect**: from the first fault's injection to the first detection after
   it (a worker failed, a hang, a straggler flag, a lost or unhealthy node, a
-  slowdown, an incident or the ladder's decision);
+  slowdown, an incident or the ladder's decision).  A *latent* fault (a
+  damaged checkpoint) does nothing until it is read, so the first other
+  fault is the anchor; each latent fault is scored on its own: caught when
+  a restore refused the damaged checkpoint (``checkpoint_quarantined`` or
+  ``checkpoint_fallback`` after it), and how long after the damage;
 - **resume**: from that detection to training going on (every member
   rejoined in process, or the restarted workers reported their restore);
 - **rung**: the recovery ladder's first answer after the fault
   (``recovery_decided``), or ``restart`` when the policy restarted;
 - **re-done steps**: steps some rank completed more than once;
 - **equality**: the final parameters' and optimizer state's digests
-  against the reference's.
+  against the reference's;
+- **alerts**: each alert that reached the drill's receiver firing
+  (``alert_notified`` events, from :mod:`resilient.chaos.monitor`), and how
+  long after the first fault.
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ from .drill import Drill
 DETECTIONS = ("worker_failed", "hang_detected", "straggler_flagged", "node_lost", "node_unhealthy",
               "slowdown_began", "incident", "recovery_decided")
 """Events that mean the agent noticed a fault (an in-process rung records its incident and decision at once)."""
+LATENT = ("corrupt_checkpoint", "truncate_checkpoint")
+"""Faults that act only when what they damaged is read."""
+CAUGHT = ("checkpoint_quarantined", "checkpoint_fallback")
+"""Events that mean a restore refused a damaged checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +58,8 @@ class Observed:
     """Why the drill could not run on this machine (nothing else is then measured)."""
     left_behind: int = 0
     """Processes of the run still alive after its agent ended (killed by the teardown)."""
+    cgroups_left: int = 0
+    """Cgroups the host faults made that the teardown could not remove."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +73,10 @@ class Measured:
     goodput: float | None
     exit_code: int | None
     detected_by: str | None
+    latent: tuple[dict[str, Any], ...] = ()
+    """Per latent fault: its kind, the checkpoint it damaged, and ``caught_s`` (None: never caught)."""
+    alerts: tuple[tuple[str, float], ...] = ()
+    """Each alert that reached a receiver firing, with the seconds from the first fault to its first notification."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +91,15 @@ class Verdict:
 
 def measure(obs: Observed) -> Measured:
     events = sorted(obs.events, key=lambda e: float(e.get("time", 0.0)))
-    fault = next((e for e in events if e.get("kind") == "fault_injected"), None)
+    injected = [e for e in events if e.get("kind") == "fault_injected"]
+    latent_faults = [e for e in injected if (e.get("fault") or {}).get("kind") in LATENT]
+    fault = next((e for e in injected if e not in latent_faults), injected[0] if injected else None)
+    latent = []
+    for e in latent_faults:
+        caught = next((c for c in events if c.get("kind") in CAUGHT and float(c["time"]) >= float(e["time"])), None)
+        latent.append({"kind": e["fault"]["kind"], "checkpoint": e.get("checkpoint"), "caught_by": None if caught is
+                       None else caught["kind"], "caught_s": None if caught is None else
+                       round(float(caught["time"]) - float(e["time"]), 3)})
     fault_at = float(fault["time"]) if fault is not None else None
     detected = None if fault_at is None else next(
         (e for e in events if e.get("kind") in DETECTIONS and float(e["time"]) >= fault_at), None)
@@ -91,6 +116,10 @@ def measure(obs: Observed) -> Measured:
                             and int(e.get("generation") or 0) > int(generation))), None)
         if resumed is not None:
             resume_s = float(resumed["time"]) - float(detected["time"])
+    alerted: dict[str, float] = {}
+    for e in events:
+        if e.get("kind") == "alert_notified" and e.get("status") == "firing" and fault_at is not None:
+            alerted.setdefault(str(e["alertname"]), round(float(e["time"]) - fault_at, 3))
     done = Counter((int(t["rank"]), int(t["step"])) for t in obs.trace)
     redone = len({step for (_, step), n in done.items() if n > 1})
     equal = None
@@ -98,19 +127,29 @@ def measure(obs: Observed) -> Measured:
         equal = all(obs.final.get(k) == obs.reference.get(k) for k in ("params", "optimizer", "step", "samples"))
     return Measured(fault_at=fault_at, detect_s=detect_s, resume_s=resume_s, rung=rung, redone_steps=redone,
                     equal=equal, goodput=obs.goodput, exit_code=obs.exit_code,
-                    detected_by=None if detected is None else str(detected["kind"]))
+                    detected_by=None if detected is None else str(detected["kind"]), latent=tuple(latent),
+                    alerts=tuple(sorted(alerted.items())))
 
 
 def judge(drill: Drill, obs: Observed) -> tuple[Measured, list[Verdict]]:
     """Every expectation of ``drill`` against what ``obs`` shows."""
     m = measure(obs)
+    if obs.skipped is not None:
+        return m, []  # nothing ran: nothing to judge (the record says why)
     e = drill.expect
     out = [Verdict("exit code", str(e.exit_code), "killed at the timeout" if m.exit_code is None else str(m.exit_code),
                    m.exit_code == e.exit_code)]
     out.append(Verdict("teardown", "no process left", f"{obs.left_behind} left", obs.left_behind == 0))
+    if drill.host_faults:
+        out.append(Verdict("teardown of cgroups", "none left", f"{obs.cgroups_left} left", obs.cgroups_left == 0))
     if m.fault_at is None:
         out.append(Verdict("fault injected", "yes", "no fault_injected event", False,
                            "the schedule never struck: check its steps, ranks and attempts"))
+    for lf in m.latent:
+        got = "never" if lf["caught_s"] is None else f"{lf['caught_by']} {lf['caught_s']:.2f} s after the damage"
+        out.append(Verdict(f"{lf['kind']} of {lf['checkpoint']} caught", "refused by a restore", got,
+                           lf["caught_s"] is not None,
+                           "" if lf["caught_s"] is not None else "a restore used the damaged checkpoint or none ran"))
     if e.detected_within_s is not None:
         out.append(_within("detected", e.detected_within_s, m.detect_s))
     if e.resumed_within_s is not None:
@@ -134,6 +173,18 @@ def judge(drill: Drill, obs: Observed) -> tuple[Measured, list[Verdict]]:
         out.append(Verdict(f"event {kind}", "occurs", f"{kinds[kind]} times", kinds[kind] > 0))
     for kind in e.no_events:
         out.append(Verdict(f"event {kind}", "does not occur", f"{kinds[kind]} times", kinds[kind] == 0))
+    alerted = dict(m.alerts)
+    for name in e.alerts:
+        got = "never notified" if name not in alerted else f"notified {alerted[name]:.2f} s after the fault"
+        ok = name in alerted and (e.alerted_within_s is None or alerted[name] <= e.alerted_within_s)
+        wanted = "fires" + ("" if e.alerted_within_s is None else f" within {e.alerted_within_s:g} s")
+        margin = "" if name not in alerted or e.alerted_within_s is None else (
+            f"{alerted[name] - e.alerted_within_s:.2f} s late" if not ok else
+            f"{e.alerted_within_s - alerted[name]:.2f} s to spare")
+        out.append(Verdict(f"alert {name}", wanted, got, ok, margin))
+    for name in e.no_alerts:
+        got = "never notified" if name not in alerted else f"notified {alerted[name]:.2f} s after the fault"
+        out.append(Verdict(f"alert {name}", "does not fire", got, name not in alerted))
     return m, out
 
 
@@ -147,5 +198,7 @@ def _within(what: str, limit: float, got: float | None) -> Verdict:
 def to_json(drill: Drill, obs: Observed, m: Measured, verdicts: Sequence[Verdict]) -> dict[str, Any]:
     """The drill's record (``resilient drill compare`` reads two of them)."""
     return {"drill": drill.name, "file": str(drill.path), "seed": drill.seed, "skipped": obs.skipped,
-            "faults": [f.to_dict() for f in drill.plan().faults], "measured": asdict(m),
+            "faults": [f.to_dict() for f in drill.plan().faults]
+            + [{**hf.to_dict(), "source": "host", "description": hf.describe()} for hf in drill.host_faults],
+            "measured": asdict(m),
             "verdicts": [asdict(v) for v in verdicts], "passed": obs.skipped is None and all(v.ok for v in verdicts)}

@@ -7,8 +7,8 @@ regression set, AdamW and a learning-rate schedule, data from
 rungs can recover it), a checkpoint every ``--every`` steps.
 
 Each rank appends one line per completed step to ``DIR/trace.jsonl`` (the
-step, the rank, its worker id, the world size: a step done twice is a step
-re-done), and rank 0 writes ``DIR/final.json`` at the end: the SHA-256 of
+step, the rank, its worker id, the world size, the clock time: a step done
+twice is a step re-done), and rank 0 writes ``DIR/final.json`` at the end: the SHA-256 of
 every parameter's and optimizer state tensor's bytes, the step and the
 samples seen.  Two runs are bitwise equal when their digests are.
 """
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             optimizer.zero_grad()
             run.report(loss=loss)
-            line = {"step": step, "rank": run.rank, "world": run.world_size, "worker": worker}
+            line = {"step": step, "rank": run.rank, "world": run.world_size, "worker": worker, "time": time.time()}
             os.write(fd, (json.dumps(line) + "\n").encode())
     params = list(model.parameters())
     state = [v for _, s in sorted(optimizer.state_dict()["state"].items()) for _, v in sorted(s.items())

@@ -4,7 +4,8 @@
 runs them one after another on this machine, prints a line of progress
 every few seconds and each drill's verdicts, and writes per drill
 ``OUT/<name>/<name>.md`` and ``.json`` and for the suite ``OUT/drills.md``
-and ``OUT/drills.json``.  Exit 0 when every expectation held, 1 otherwise.
+and ``OUT/drills.json``.  Exit 0 when every expectation held (a drill this
+machine cannot run is skipped and says why), 1 otherwise.
 ``compare`` prints what changed between two suites' records (or two
 drills') and exits 1 on a regression.  The work is in :mod:`resilient.chaos`.
 """
@@ -76,7 +77,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     for drill in drills:
         result = run_drill(drill, args.out, progress)
         records.append(result.record)
-        verdict = "PASS" if result.passed else "FAIL"
+        skipped = result.record.get("skipped")
+        verdict = f"SKIPPED ({skipped})" if skipped else ("PASS" if result.passed else "FAIL")
         print(f"{drill.name}: {verdict}")
         for v in result.verdicts:
             print(f"  {'ok ' if v.ok else 'FAIL'} {v.expectation}: wanted {v.wanted}, got {v.got}"
@@ -85,7 +87,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     (args.out / "drills.json").write_text(json.dumps(records, indent=1) + "\n")
     (args.out / "drills.md").write_text(render(records))
     print(f"wrote {args.out / 'drills.md'} and {args.out / 'drills.json'}")
-    return 0 if all(r["passed"] for r in records) else 1
+    return 0 if all(r["passed"] or r.get("skipped") for r in records) else 1
 
 
 def _records(path: Path) -> list[dict[str, Any]]:

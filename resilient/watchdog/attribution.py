@@ -4,7 +4,8 @@ When one rank stops making progress, its peers soon block in a collective
 waiting for it, so several ranks overrun together.  The culprit is, in
 order of the strength of the evidence:
 
-1. a process the kernel reports as stopped (SIGSTOP, a debugger);
+1. a process the kernel reports as stopped (SIGSTOP, a debugger), or whose
+   cgroup is frozen (a paused container or VM slice);
 2. a rank whose stacks show it is *not* waiting inside a collective, while
    others are (they wait for someone, it does not);
 3. the rank that has been in its current section longest: the first to get
@@ -70,10 +71,11 @@ def _main_thread(stacks: str) -> list[str]:
 def attribute_hang(suspects: Sequence[Suspect]) -> Attribution:
     """Name the rank that most likely caused the hang, with the evidence used."""
     assert suspects, "attribute_hang needs at least one suspect"
-    stopped = [s for s in suspects if s.state == "stopped"]
+    stopped = [s for s in suspects if s.state in ("stopped", "frozen")]
     if stopped:
         s = min(stopped, key=lambda s: s.rank)
-        return Attribution(s.rank, f"rank {s.rank}'s process is stopped (SIGSTOP or a debugger)")
+        how = "stopped (SIGSTOP or a debugger)" if s.state == "stopped" else "frozen (its cgroup's freezer)"
+        return Attribution(s.rank, f"rank {s.rank}'s process is {how}")
     waiting = {s.rank for s in suspects if s.stacks and waits_in_collective(s.stacks)}
     with_stacks = [s for s in suspects if s.stacks]
     not_waiting = [s for s in with_stacks if s.rank not in waiting]

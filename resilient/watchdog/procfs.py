@@ -38,3 +38,29 @@ def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
     # The command name (field 2) is in parentheses and may hold spaces and ')': split after the last one.
     rest = text[text.rindex(")") + 2:].split()
     return ProcStat(pid=pid, state=rest[0], pgid=int(rest[2]), start_ticks=int(rest[19]))
+
+
+def frozen_by_cgroup(pid: int, proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:
+    """Whether ``pid``'s cgroup is frozen: the v1 freezer's ``freezer.state`` (FROZEN or FREEZING), or cgroup v2's
+    ``cgroup.events`` saying ``frozen 1``.  A frozen process runs nothing, not even a signal handler."""
+    try:
+        lines = (proc_root / str(pid) / "cgroup").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        try:
+            if "freezer" in controllers.split(","):
+                state = (cgroup_root / "freezer" / path.lstrip("/") / "freezer.state").read_text().strip()
+                if state in ("FROZEN", "FREEZING"):
+                    return True
+            elif controllers == "":
+                events = (cgroup_root / path.lstrip("/") / "cgroup.events").read_text().split("\n")
+                if "frozen 1" in events:
+                    return True
+        except OSError:
+            continue
+    return False

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .procfs import read_stat
+from .procfs import frozen_by_cgroup, read_stat
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,11 @@ def process_state(pid: int, proc_root: str = "/proc") -> str:
         st = read_stat(pid, Path(proc_root))
     except (OSError, ValueError, IndexError):
         return "gone"
-    return "gone" if st is None else st.state_word
+    if st is None:
+        return "gone"
+    if st.state not in ("Z", "X") and frozen_by_cgroup(pid, Path(proc_root)):
+        return "frozen"
+    return st.state_word
 
 
 def find_py_spy() -> str | None:
@@ -65,10 +69,13 @@ def find_py_spy() -> str | None:
     return shutil.which("py-spy")
 
 
-def dump_with_py_spy(pid: int, py_spy: str, timeout_s: float = 15.0) -> tuple[str, str]:
-    """Return (stack text, note); text is empty when py-spy failed, and the note says why."""
+def dump_with_py_spy(pid: int, py_spy: str, timeout_s: float = 15.0, *, nonblocking: bool = False) -> tuple[str, str]:
+    """Return (stack text, note); text is empty when py-spy failed, and the note says why.
+
+    ``nonblocking``: read the memory without pausing the process (for one that cannot be paused: frozen)."""
     try:
-        out = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
+        out = subprocess.run([py_spy, "dump", "--pid", str(pid), *(["--nonblocking"] if nonblocking else [])],
+                             capture_output=True, text=True,
                              timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return "", f"py-spy dump timed out after {timeout_s:.0f} s"
@@ -126,6 +133,14 @@ def capture(pid: int, stack_file: Path, signum: int, py_spy: str | None) -> Stac
         text = dump_with_signal(pid, stack_file, signum)
         os.kill(pid, signal.SIGSTOP)
         return StackCapture(pid, state, "faulthandler after SIGCONT", text, note)
+    if state == "frozen":
+        # A frozen process cannot run a signal handler, and py-spy's default attach would wait for the thaw:
+        # read its memory without stopping it, or say that nothing can be had.
+        if py_spy is None:
+            return StackCapture(pid, state, "none", "", "the process is frozen (its cgroup's freezer) and py-spy is "
+                                                       "not installed (pip install 'resilient-train[hang]')")
+        text, note = dump_with_py_spy(pid, py_spy, nonblocking=True)
+        return StackCapture(pid, state, "py-spy" if text else "none", text, note)
     text = dump_with_signal(pid, stack_file, signum)
     if not text and py_spy is not None:
         text, note = dump_with_py_spy(pid, py_spy)

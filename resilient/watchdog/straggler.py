@@ -230,11 +230,12 @@ class StragglerDetector:
     def _extra_wait(self, rank: int, section: str) -> float | None:
         """The rank's wait for a CPU per step over its peers' median, over the evidence windows; None if unmeasured."""
         n = max(1, min(self.config.rule.consecutive, len(self._series[(rank, section)].waits)))
-        mine = list(self._series[(rank, section)].waits)[-n:]
-        peers = [list(ser.waits)[-n:] for (r, s), ser in self._series.items() if s == section and r != rank]
-        if any(w is None for w in mine) or not peers or any(w is None for p in peers for w in p) or \
-                any(len(p) != len(mine) for p in peers):
-            return None
+        raw_mine = list(self._series[(rank, section)].waits)[-n:]
+        raw_peers = [list(ser.waits)[-n:] for (r, s), ser in self._series.items() if s == section and r != rank]
+        mine = [w for w in raw_mine if w is not None]
+        peers = [[w for w in p if w is not None] for p in raw_peers]
+        if len(mine) != len(raw_mine) or not peers or any(len(p) != len(raw_mine) for p in peers):
+            return None  # not measured on some rank or window
         return statistics.median(mine) - statistics.median(statistics.median(p[i] for p in peers)
                                                            for i in range(len(mine)))
 

@@ -147,6 +147,11 @@ class WorkerHooks:
                 self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events,
                                               record=self._fault_record())
 
+    def agent_log(self) -> EventLog | None:
+        """The agent's run-level event log, where a fault's ``fault_injected`` event and the Run's forwarded
+        events also go (None without a run directory, or when the Run's own log is that file already)."""
+        return self._fault_record()
+
     def _fault_record(self) -> EventLog | None:
         """The agent's event log, where a fault's ``fault_injected`` event also goes (None without an agent)."""
         from ..events import EventLog

@@ -1,0 +1,349 @@
+"""Faults the drill runner injects from outside the workers: cgroups and the checkpoint store.
+
+A worker fault (:mod:`resilient.chaos.plan`) fires inside the rank, at a
+section of a step.  These come from the host, as the world does it to a
+training job:
+
+- ``freeze``: the rank's process is put in a cgroup v1 freezer cgroup and
+  frozen (a VM paused, a node stalled); thawed after ``duration_s``.  A
+  frozen process cannot even die: a SIGKILL waits for the thaw.
+- ``cpu_quota``: the rank's process gets ``quota`` of one CPU through a CPU
+  cgroup (v1 ``cpu.cfs_quota_us``, or v2 ``cpu.max`` where that is what the
+  machine has), lifted after ``duration_s`` (never, when left out).
+- ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
+  newest committed checkpoint at or after ``step`` has bytes flipped in its
+  middle, or is cut to half its length, after its commit (bit rot, a torn
+  copy).  The next restore must refuse it and use an older one.
+
+A fault is triggered when ``rank`` has completed ``step`` (read from the
+bundled workload's trace), or ``at_s`` seconds after the faulted run began.
+:func:`unavailable` says why this machine cannot produce a kind; a drill
+that needs one is then skipped with that reason, never faked.
+:class:`HostInjector` records each injection (and each lift) as an event in
+``host_faults.jsonl`` beside the run, which the score reads with the agent's
+events; :meth:`HostInjector.close` thaws, lifts and removes every cgroup it
+made, also when the drill failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+HOST_FAULT_KINDS = ("freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+MANIFEST = "manifest.json"
+PERIOD_US = 100_000
+
+
+class HostFaultError(ConfigError):
+    """A host fault in a drill file is invalid: the message names the key and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostFault:
+    kind: str
+    rank: int = 0
+    step: int | None = None
+    """When ``rank`` has completed this step (checkpoint faults: once a commit at or after it exists)."""
+    at_s: float | None = None
+    """Or this many seconds after the faulted run began."""
+    duration_s: float | None = None
+    """``freeze``: thawed after this; ``cpu_quota``: lifted after this (None: to the end of the run)."""
+    quota: float = 0.25
+    """``cpu_quota``: the share of one CPU the rank may use."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in HOST_FAULT_KINDS:
+            raise HostFaultError(f"kind: {self.kind!r} is not a host fault; use one of {', '.join(HOST_FAULT_KINDS)}")
+        if (self.step is None) == (self.at_s is None):
+            raise HostFaultError(f"{self.kind}: give one trigger, step = N (the rank completed step N) or at_s = S")
+        if self.kind in ("corrupt_checkpoint", "truncate_checkpoint") and self.step is None:
+            raise HostFaultError(f"{self.kind}: give step = N (the first commit at or after step N is damaged)")
+        if self.kind == "freeze" and self.duration_s is None:
+            raise HostFaultError("freeze: give duration_s (a rank frozen for good is a hang no drill can end)")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise HostFaultError(f"{self.kind}: duration_s = {self.duration_s}: must be seconds > 0")
+        if not 0.01 <= self.quota <= 1.0:
+            raise HostFaultError(f"cpu_quota: quota = {self.quota}: a share of one CPU between 0.01 and 1")
+        if self.rank < 0:
+            raise HostFaultError(f"{self.kind}: rank = {self.rank}: must be >= 0")
+
+    def describe(self) -> str:
+        when = f"after rank {self.rank} completes step {self.step}" if self.step is not None else f"at {self.at_s:g} s"
+        if self.kind == "freeze":
+            what = f"freeze rank {self.rank} for {self.duration_s:g} s"
+        elif self.kind == "cpu_quota":
+            what = f"limit rank {self.rank} to {self.quota:g} of a CPU" + \
+                (f" for {self.duration_s:g} s" if self.duration_s else "")
+        elif self.kind == "corrupt_checkpoint":
+            what = "flip bytes in the newest committed checkpoint"
+        else:
+            what = "cut the newest committed checkpoint's largest file in half"
+        return f"{what} {when}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
+    """``[[host_faults]]`` tables as faults; HostFaultError naming the table and the key."""
+    if not isinstance(raw, list):
+        raise HostFaultError("host_faults: write each host fault as a [[host_faults]] table")
+    known = {"kind", "rank", "step", "at_s", "duration_s", "quota"}
+    out = []
+    for i, table in enumerate(raw):
+        where = f"[[host_faults]] #{i + 1}: "
+        if not isinstance(table, Mapping):
+            raise HostFaultError(f"{where}must be a table")
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise HostFaultError(f"{where}{unknown[0]}: unknown key; a host fault has {', '.join(sorted(known))}")
+        for key in ("rank", "step"):
+            if key in table and (isinstance(table[key], bool) or not isinstance(table[key], int)):
+                raise HostFaultError(f"{where}{key} = {table[key]!r}: must be an integer")
+        for key in ("at_s", "duration_s", "quota"):
+            if key in table and (isinstance(table[key], bool) or not isinstance(table[key], (int, float))):
+                raise HostFaultError(f"{where}{key} = {table[key]!r}: must be a number")
+        values: dict[str, Any] = {k: (float(v) if k in ("at_s", "duration_s", "quota") else v)
+                                  for k, v in table.items()}
+        try:
+            out.append(HostFault(**values))
+        except HostFaultError as e:
+            raise HostFaultError(f"{where}{e}") from None
+    return tuple(out)
+
+
+def _cgroup_v2() -> bool:
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def unavailable(kind: str) -> str | None:
+    """Why this machine cannot produce ``kind`` (None: it can)."""
+    if kind in ("corrupt_checkpoint", "truncate_checkpoint"):
+        return None
+    if os.geteuid() != 0:
+        return f"{kind} needs root to create cgroups (this runner runs as uid {os.geteuid()})"
+    if kind == "freeze":
+        if (CGROUP_ROOT / "freezer" / "freezer.state").exists() or (CGROUP_ROOT / "freezer").is_dir():
+            return None
+        if _cgroup_v2():
+            return "freeze uses the cgroup v1 freezer; this machine has cgroup v2 only (no v1 freezer hierarchy)"
+        return f"no cgroup freezer hierarchy under {CGROUP_ROOT}"
+    if kind == "cpu_quota":
+        if (CGROUP_ROOT / "cpu" / "cpu.cfs_quota_us").exists():
+            return None
+        if _cgroup_v2() and "cpu" in (CGROUP_ROOT / "cgroup.controllers").read_text().split():
+            return None
+        return f"no CPU controller: neither {CGROUP_ROOT / 'cpu' / 'cpu.cfs_quota_us'} (v1) nor cpu in cgroup v2"
+    return f"unknown host fault {kind!r}"
+
+
+def _write(path: Path, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+class _Cgroup:
+    """One cgroup made for one fault: a process moved in, moved back and the cgroup removed on release."""
+
+    def __init__(self, hierarchy: Path, name: str, pid: int) -> None:
+        self.hierarchy, self.path, self.pid = hierarchy, hierarchy / name, pid
+        self.path.mkdir()
+        _write(self.path / "cgroup.procs", str(pid))
+
+    def release(self) -> None:
+        """Move every process back to the hierarchy's root and remove the cgroup (its processes may be gone)."""
+        if not self.path.exists():
+            return
+        try:
+            pids = (self.path / "cgroup.procs").read_text().split()
+        except OSError:
+            pids = []
+        for pid in pids:
+            try:
+                _write(self.hierarchy / "cgroup.procs", pid)
+            except OSError:
+                pass  # exited meanwhile
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+
+class HostInjector:
+    """Fires a drill's host faults as the faulted run reaches them, records them, and undoes them on close."""
+
+    def __init__(self, faults: tuple[HostFault, ...], run_out: Path, ckpt_dir: Path, label: str) -> None:
+        self.faults = faults
+        self.run_out, self.ckpt_dir, self.label = run_out, ckpt_dir, label
+        self.log = run_out / "host_faults.jsonl"
+        self.started = time.monotonic()
+        self._fired: set[int] = set()
+        self._undo: list[tuple[float | None, HostFault, _Cgroup]] = []
+        self._done: dict[int, int] = {}
+        """Highest completed step by rank, from the trace."""
+        self._trace_at = 0
+        self._prefix = f"resilient-drill-{label}-{os.getpid()}-"
+        self._made: list[str] = []
+
+    # ------------------------------------------------------------ progress
+    def _read_trace(self) -> None:
+        path = self.run_out / "trace.jsonl"
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._trace_at)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n") + 1  # a line being written is read next time
+        self._trace_at += end
+        for line in chunk[:end].splitlines():
+            try:
+                rec = json.loads(line)
+                rank, step = int(rec["rank"]), int(rec["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            self._done[rank] = max(step, self._done.get(rank, -1))
+
+    def _due(self, fault: HostFault) -> bool:
+        if fault.at_s is not None:
+            return time.monotonic() - self.started >= fault.at_s
+        assert fault.step is not None
+        if fault.kind in ("corrupt_checkpoint", "truncate_checkpoint"):
+            return self._commit(fault.step) is not None
+        return self._done.get(fault.rank, -1) >= fault.step
+
+    def _commit(self, step: int) -> Path | None:
+        """The newest committed checkpoint at or after ``step`` (its manifest written), or None."""
+        found = []
+        for d in self.ckpt_dir.glob("step_*"):
+            try:
+                n = int(d.name.split("_", 1)[1])
+            except ValueError:
+                continue
+            if n >= step and (d / MANIFEST).exists():
+                found.append((n, d))
+        return max(found)[1] if found else None
+
+    def _pid(self, rank: int) -> int | None:
+        """The pid of the member with ``rank`` on node n0, from the agent's pids.json."""
+        for path in (self.run_out / "run" / "nodes").glob("*/pids.json"):
+            try:
+                workers = json.loads(path.read_text()).get("workers") or []
+            except (OSError, json.JSONDecodeError):
+                continue
+            for w in workers:
+                if w.get("rank") == rank:
+                    return int(w["pid"])
+        return None
+
+    # ------------------------------------------------------------ acting
+    def poll(self) -> None:
+        """Fire what is due, lift what has run its time."""
+        self._read_trace()
+        for i, fault in enumerate(self.faults):
+            if i not in self._fired and self._due(fault):
+                detail = self._fire(fault)
+                if detail is not None:
+                    self._fired.add(i)
+                    self._record("fault_injected", fault, detail)
+        now = time.monotonic()
+        for entry in list(self._undo):
+            until, fault, group = entry
+            if until is not None and now >= until:
+                self._lift(fault, group)
+                self._undo.remove(entry)
+
+    def _fire(self, fault: HostFault) -> dict[str, Any] | None:
+        if fault.kind in ("corrupt_checkpoint", "truncate_checkpoint"):
+            assert fault.step is not None
+            commit = self._commit(fault.step)
+            assert commit is not None
+            files = [p for p in commit.rglob("*") if p.is_file() and p.name != MANIFEST]
+            target = max(files, key=lambda p: (p.stat().st_size, str(p)))
+            size = target.stat().st_size
+            if fault.kind == "truncate_checkpoint":
+                os.truncate(target, size // 2)
+                return {"checkpoint": commit.name, "file": str(target.relative_to(commit)), "bytes": size,
+                        "now_bytes": size // 2}
+            with open(target, "r+b") as f:
+                f.seek(size // 2)
+                chunk = f.read(16)
+                f.seek(size // 2)
+                f.write(bytes(b ^ 0xFF for b in chunk))
+                f.flush()
+                os.fsync(f.fileno())
+            return {"checkpoint": commit.name, "file": str(target.relative_to(commit)), "flipped_bytes": len(chunk),
+                    "at": size // 2}
+        pid = self._pid(fault.rank)
+        if pid is None:
+            return None  # the rank's process is not known yet: try again at the next poll
+        name = f"{self._prefix}{len(self._made)}-{fault.kind}"
+        self._made.append(name)
+        until = None if fault.duration_s is None else time.monotonic() + fault.duration_s
+        if fault.kind == "freeze":
+            group = _Cgroup(CGROUP_ROOT / "freezer", name, pid)
+            _write(group.path / "freezer.state", "FROZEN")
+            self._undo.append((until, fault, group))
+            return {"pid": pid, "cgroup": str(group.path)}
+        quota_us = max(1000, int(fault.quota * PERIOD_US))
+        if (CGROUP_ROOT / "cpu" / "cpu.cfs_quota_us").exists():
+            group = _Cgroup(CGROUP_ROOT / "cpu", name, pid)
+            _write(group.path / "cpu.cfs_period_us", str(PERIOD_US))
+            _write(group.path / "cpu.cfs_quota_us", str(quota_us))
+        else:
+            group = _Cgroup(CGROUP_ROOT, name, pid)
+            _write(group.path / "cpu.max", f"{quota_us} {PERIOD_US}")
+        self._undo.append((until, fault, group))
+        return {"pid": pid, "cgroup": str(group.path), "quota_us": quota_us, "period_us": PERIOD_US}
+
+    def _lift(self, fault: HostFault, group: _Cgroup) -> None:
+        if fault.kind == "freeze" and group.path.exists():
+            _write(group.path / "freezer.state", "THAWED")
+        group.release()
+        self._record("fault_lifted", fault, {"pid": group.pid})
+
+    def _record(self, kind: str, fault: HostFault, detail: dict[str, Any]) -> None:
+        line = {"time": time.time(), "kind": kind, "source": "host", "fault": fault.to_dict(),
+                "description": fault.describe(), **detail}
+        with open(self.log, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def close(self) -> list[str]:
+        """Thaw, lift and remove every cgroup still in place; returns the cgroups that could not be removed."""
+        left = []
+        for _, fault, group in self._undo:
+            try:
+                self._lift(fault, group)
+            except OSError:
+                left.append(str(group.path))
+        self._undo.clear()
+        return left
+
+    def events(self) -> list[dict[str, Any]]:
+        try:
+            return [json.loads(line) for line in self.log.read_text().splitlines() if line.strip()]
+        except FileNotFoundError:
+            return []
+
+
+    def leftovers(self) -> list[str]:
+        """Cgroups this injector made that still exist (a teardown that missed one is reported)."""
+        found = []
+        for hierarchy in (CGROUP_ROOT / "freezer", CGROUP_ROOT / "cpu", CGROUP_ROOT):
+            if hierarchy.is_dir():
+                found += [str(p) for p in hierarchy.glob(f"{self._prefix}*") if p.is_dir()]
+        return sorted(set(found))

@@ -1,0 +1,186 @@
+"""Host faults of the drills: parsed and checked, injected on real processes through real cgroups, undone.
+
+The cgroup tests move a real sleeping process into a freezer and a CPU cgroup of this machine (cgroup v1 here,
+as root) and read the kernel's view back: its state, its cgroup, its quota.  The skip test points the injector
+at a cgroup tree that has neither, as on a machine without them, and the drill is reported as skipped with why.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.chaos import host
+from resilient.chaos.drill import DrillError, load_drill
+from resilient.chaos.host import HostFault, HostFaultError, HostInjector, parse_host_faults, unavailable
+from resilient.chaos.runner import run_drill
+from resilient.events import EventKind, EventLog, ForwardingLog
+from resilient.watchdog.attribution import Suspect, attribute_hang
+from resilient.watchdog.procfs import frozen_by_cgroup
+from resilient.watchdog.stacks import capture, process_state
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ({"kind": "melt", "step": 3}, "'melt' is not a host fault"),
+    ({"kind": "freeze", "rank": 0}, "give one trigger"),
+    ({"kind": "freeze", "step": 3, "at_s": 1.0, "duration_s": 1.0}, "give one trigger"),
+    ({"kind": "freeze", "step": 3}, "freeze: give duration_s"),
+    ({"kind": "corrupt_checkpoint", "at_s": 2.0}, "give step = N"),
+    ({"kind": "cpu_quota", "step": 3, "quota": 2.0}, "between 0.01 and 1"),
+    ({"kind": "cpu_quota", "step": 3, "speed": 2.0}, "speed: unknown key"),
+    ({"kind": "cpu_quota", "step": "3"}, "step = '3': must be an integer"),
+])
+def test_a_bad_host_fault_is_refused_naming_the_table_and_the_fix(table, message):
+    with pytest.raises(HostFaultError, match="host_faults") as err:
+        parse_host_faults([table])
+    assert message in str(err.value), str(err.value)
+
+
+def test_a_drill_checks_its_host_faults_against_its_workload(tmp_path):
+    path = tmp_path / "d.toml"
+    path.write_text("[drill]\nname = 'd'\n[workload]\nscript = 'train.py'\n"
+                    "[[host_faults]]\nkind = 'freeze'\nstep = 5\nduration_s = 2\n")
+    with pytest.raises(DrillError, match="with a script of yours, trigger by time: at_s"):
+        load_drill(path)
+    path.write_text("[drill]\nname = 'd'\n[[host_faults]]\nkind = 'cpu_quota'\nrank = 4\nstep = 5\n")
+    with pytest.raises(DrillError, match="rank 4 is outside the world of 2 ranks"):
+        load_drill(path)
+    path.write_text("[drill]\nname = 'd'\n[[host_faults]]\nkind = 'cpu_quota'\nrank = 1\nstep = 5\n")
+    drill = load_drill(path)  # host faults alone are a schedule
+    assert drill.host_faults == (HostFault(kind="cpu_quota", rank=1, step=5),) and drill.faults == ()
+
+
+def sleeper() -> subprocess.Popen:
+    """A process in its loop (it said so): frozen there, not in its interpreter's start-up."""
+    code = "import time\nprint('ready', flush=True)\nwhile True: time.sleep(0.02)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def run_out(tmp_path: Path, pid: int, done_step: int) -> Path:
+    """What the injector reads of a faulted run: the agent's pids.json and the workload's trace."""
+    out = tmp_path / "faulted"
+    (out / "run" / "nodes" / "n0").mkdir(parents=True)
+    (out / "run" / "nodes" / "n0" / "pids.json").write_text(json.dumps({"workers": [{"rank": 0, "pid": pid}]}))
+    (out / "trace.jsonl").write_text("".join(json.dumps({"rank": 0, "step": s}) + "\n" for s in range(done_step)))
+    return out
+
+
+def until(predicate, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+
+
+def test_a_frozen_rank_is_frozen_for_its_duration_named_frozen_and_its_cgroup_removed(tmp_path):
+    assert unavailable("freeze") is None, unavailable("freeze")  # this machine has the v1 freezer, as root
+    proc = sleeper()
+    try:
+        out = run_out(tmp_path, proc.pid, 3)
+        inj = HostInjector((HostFault(kind="freeze", rank=0, step=5, duration_s=0.6),), out, out / "ckpt", "t")
+        inj.poll()
+        assert inj.events() == [] and process_state(proc.pid) in ("sleeping", "running")  # step 5 not reached
+        with open(out / "trace.jsonl", "a") as f:
+            f.write(json.dumps({"rank": 0, "step": 5}) + "\n")
+        inj.poll()
+        [fired] = inj.events()
+        assert fired["kind"] == "fault_injected" and fired["source"] == "host" and fired["pid"] == proc.pid
+        until(lambda: frozen_by_cgroup(proc.pid))
+        assert process_state(proc.pid) == "frozen"
+        # Its stacks are still read (py-spy without pausing it), and the hang is pinned on it, not on a peer.
+        got = capture(proc.pid, tmp_path / "stacks.txt", 10, host_py_spy())
+        assert got.state == "frozen" and "MainThread" in got.text and "<module> (<string>:3)" in got.text, got
+        blamed = attribute_hang([Suspect(0, "step", 5, 2.0, "frozen", got.text),
+                                 Suspect(1, "step", 6, 2.5, "sleeping", "Current thread:\n  File \"x.py\"")])
+        assert blamed.rank == 0 and "frozen (its cgroup's freezer)" in blamed.reason
+        time.sleep(0.7)
+        inj.poll()
+        assert [e["kind"] for e in inj.events()] == ["fault_injected", "fault_lifted"]
+        assert process_state(proc.pid) in ("sleeping", "running") and inj.leftovers() == []
+    finally:
+        inj.close()
+        proc.kill()
+        proc.wait()
+
+
+def host_py_spy() -> str:
+    from resilient.watchdog.stacks import find_py_spy
+
+    found = find_py_spy()
+    assert found is not None, "py-spy is a test dependency (resilient-train[hang])"
+    return found
+
+
+def test_a_cpu_quota_throttles_the_rank_in_the_kernel_and_close_lifts_it(tmp_path):
+    assert unavailable("cpu_quota") is None, unavailable("cpu_quota")
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        out = run_out(tmp_path, proc.pid, 1)
+        inj = HostInjector((HostFault(kind="cpu_quota", rank=0, at_s=0.0, quota=0.1),), out, out / "ckpt", "t")
+        inj.poll()
+        [fired] = inj.events()
+        group = Path(fired["cgroup"])
+        assert fired["quota_us"] == 10_000 and (group / "cpu.cfs_quota_us").read_text().strip() == "10000"
+        assert str(proc.pid) in (group / "cgroup.procs").read_text().split()
+        time.sleep(1.0)
+        stat = dict(line.split() for line in (group / "cpu.stat").read_text().splitlines())
+        assert int(stat["nr_throttled"]) > 0  # the kernel held the spinning process back
+        assert inj.close() == [] and inj.leftovers() == [] and not group.exists()
+        assert [e["kind"] for e in inj.events()] == ["fault_injected", "fault_lifted"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_checkpoint_fault_damages_the_newest_commit_at_or_after_its_step(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    for step, committed in ((10, True), (20, True), (30, False)):  # step 30 is still being written
+        d = ckpt / f"step_{step:010d}"
+        d.mkdir(parents=True)
+        (d / "rank00000.shard").write_bytes(bytes(range(256)) * 4)
+        (d / "small").write_bytes(b"x")
+        if committed:
+            (d / "manifest.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    inj = HostInjector((HostFault(kind="corrupt_checkpoint", step=15),
+                        HostFault(kind="truncate_checkpoint", step=10)), out, ckpt, "t")
+    inj.poll()
+    corrupt, truncate = inj.events()
+    assert corrupt["checkpoint"] == truncate["checkpoint"] == "step_0000000020"
+    data = (ckpt / "step_0000000020" / "rank00000.shard").read_bytes()
+    assert corrupt["file"] == "rank00000.shard" and truncate["bytes"] == 1024 and len(data) == 512
+    # The flip landed at the middle before the cut: the first half is intact except the 16 flipped bytes.
+    assert data[:512] == (bytes(range(256)) * 4)[:512]
+    assert (ckpt / "step_0000000010" / "rank00000.shard").read_bytes() == bytes(range(256)) * 4
+
+
+def test_a_drill_whose_fault_this_machine_cannot_produce_is_skipped_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(host, "CGROUP_ROOT", tmp_path / "no-cgroups")  # a machine with no cgroup hierarchies
+    why = unavailable("freeze")
+    assert why is not None and "no cgroup freezer hierarchy" in why
+    path = tmp_path / "d.toml"
+    path.write_text("[drill]\nname = 'frz'\n[[host_faults]]\nkind = 'freeze'\nstep = 5\nduration_s = 2\n"
+                    "[expect]\nequal = 'bitwise'\n")
+    result = run_drill(load_drill(path), tmp_path / "out")
+    assert result.record["skipped"] == f"freeze: {why}" and result.verdicts == [] and not result.passed
+    assert not (tmp_path / "out" / "frz" / "reference").exists()  # nothing ran, not even the reference
+    assert "Skipped: freeze: no cgroup freezer hierarchy" in result.report.read_text()
+
+
+def test_a_runs_checkpoint_trouble_also_reaches_the_agents_event_log(tmp_path):
+    own, agent = EventLog(), EventLog(tmp_path / "events.jsonl")
+    log = ForwardingLog(own, agent, lambda: {"rank": 3, "node": "n1", "source": "worker"})
+    log.emit(EventKind.CHECKPOINT_COMMITTED, name="step_10")
+    log.emit(EventKind.CHECKPOINT_QUARANTINED, name="step_20", reason="digest mismatch")
+    assert [e.kind for e in log.all()] == ["checkpoint_committed", "checkpoint_quarantined"]
+    [forwarded] = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert forwarded["kind"] == "checkpoint_quarantined" and forwarded["rank"] == 3 and forwarded["node"] == "n1"
+    assert forwarded["reason"] == "digest mismatch" and log.path is None
