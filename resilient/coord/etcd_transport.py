@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import ssl
 import threading
 import time
@@ -221,9 +222,12 @@ class EtcdTransport:
                     "give the CA that signed etcd's certificate as ca_file"
                 ) from None
             except ssl.SSLError as e:
-                if "CERTIFICATE" in str(e.reason) or "UNKNOWN_CA" in str(e.reason):
+                reason = str(e.reason)
+                if not ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason) and isinstance(e, ssl.SSLEOFError):
+                    reason = self._why_closed(url) or reason
+                if "CERTIFICATE" in reason or "UNKNOWN_CA" in reason:
                     raise StoreAuthError(
-                        f"etcd at {url} rejected our TLS client certificate ({e.reason}); give cert_file and "
+                        f"etcd at {url} rejected our TLS client certificate ({reason}); give cert_file and "
                         "key_file signed by a CA that etcd trusts (--trusted-ca-file)"
                     ) from None
                 errors.append(f"{url}: {type(e).__name__}: {e}")
@@ -258,6 +262,31 @@ class EtcdTransport:
                 " with read-write access to the run's keys"
             )
         raise StoreRequestError(f"etcd at {url} rejected {path} (HTTP {status}): {message}", code)
+
+    def _why_closed(self, url: str) -> str | None:
+        """Why an https endpoint closed the connection in the TLS exchange: the reason of a certificate alert, or
+        None.  Under TLS 1.3 a server that wants a client certificate judges it after the handshake, and may
+        close the connection before the client reads its alert, which then looks like an outage.  Under TLS 1.2
+        the certificate is judged inside the handshake, so one handshake capped at 1.2 hears the alert."""
+        if self._ssl is None or not url.startswith("https://"):
+            return None
+        parts = urlsplit(url)
+        probe = ssl.create_default_context(cafile=self.config.ca_file)
+        if self.config.cert_file and self.config.key_file:
+            probe.load_cert_chain(self.config.cert_file, self.config.key_file)
+        probe.maximum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            with socket.create_connection((parts.hostname or "", parts.port or 443),
+                                          timeout=self.config.timeout_s) as raw, \
+                    probe.wrap_socket(raw, server_hostname=parts.hostname):
+                pass  # the handshake went through: the closed connection was not about a certificate
+        except ssl.SSLError as e:
+            reason = str(e.reason)
+            without_one = not (self.config.cert_file and self.config.key_file)
+            return reason if "CERTIFICATE" in reason or ("HANDSHAKE_FAILURE" in reason and without_one) else None
+        except (OSError, ValueError):
+            return None
+        return None
 
     def _post(self, url: str, path: str, payload: bytes, token: str | None) -> tuple[int, dict[str, Any]]:
         parts = urlsplit(url)
