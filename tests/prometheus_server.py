@@ -37,6 +37,8 @@ from typing import Any
 import pytest
 import yaml
 
+from resilient.chaos.monitor import alertmanager_copy, rules_copy
+
 from .servers import server_binary
 
 REPO = Path(__file__).resolve().parent.parent
@@ -50,7 +52,7 @@ BINARIES = {  # our name -> (Debian's binary, its package)
     "amtool": ("amtool", "prometheus-alertmanager"),
 }
 STARTUP_TIMEOUT_S = 30.0
-TEST_FOR = "1s"
+TEST_FOR_S = 1.0
 
 
 def binary(name: str) -> str:
@@ -88,37 +90,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
-
-
-def rules_for_tests(src: Path, dst: Path, for_: str = TEST_FOR) -> Path:
-    """Copy a rule file with every ``for:`` cut to ``for_``; expressions, labels and annotations unchanged."""
-    doc = yaml.safe_load(src.read_text())
-    for group in doc["groups"]:
-        for rule in group["rules"]:
-            if "for" in rule:
-                rule["for"] = for_
-    dst.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return dst
-
-
-def alertmanager_for_tests(example: Path, webhook_url: str) -> dict[str, Any]:
-    """The example Alertmanager config with webhook URLs re-based onto ``webhook_url`` and 1 s group timing."""
-    doc = yaml.safe_load(example.read_text())
-    for receiver in doc["receivers"]:
-        extra = sorted(k for k in receiver if k.endswith("_configs") and k != "webhook_configs")
-        assert not extra, f"receiver {receiver['name']} has {extra}: the test can only redirect webhooks"
-        for hook in receiver.get("webhook_configs") or []:
-            hook["url"] = webhook_url + urllib.parse.urlsplit(hook["url"]).path
-
-    def fast(route: dict[str, Any]) -> None:
-        for key in ("group_wait", "group_interval"):
-            if key in route or route is doc["route"]:
-                route[key] = "1s"
-        for child in route.get("routes") or []:
-            fast(child)
-
-    fast(doc["route"])
-    return doc
 
 
 class Webhook:
@@ -207,7 +178,7 @@ class Alertmanager(_Process):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.config = root / "alertmanager.yml"
-        self.config.write_text(yaml.safe_dump(alertmanager_for_tests(AM_EXAMPLE, webhook.url), sort_keys=False))
+        alertmanager_copy(AM_EXAMPLE, self.config, webhook.url)  # the drills' adaptation of the shipped config
         cmd = [exe, f"--config.file={self.config}", f"--storage.path={root / 'data'}",
                f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address=", "--log.level=warn"]
         super().__init__(cmd, root / "alertmanager.log", f"{self.url}/-/ready")
@@ -223,7 +194,7 @@ class Prometheus(_Process):
         exe = binary("prometheus")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.rules = rules_for_tests(RULES, root / "alerts.yml")
+        self.rules = rules_copy(RULES, root / "alerts.yml", TEST_FOR_S)
         self.targets_file = root / "targets" / "resilient.json"
         self.targets_file.parent.mkdir()
         self._targets: dict[str, str] = {}

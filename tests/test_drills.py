@@ -60,6 +60,10 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     (MINIMAL.replace("kind = \"kill\"", "kind = \"melt\""), "'melt' is not a fault kind"),
     (MINIMAL + "[expect]\nalerts = ['HangDetected']\n", "set [topology] monitoring = true"),
     (MINIMAL + "[topology]\nmonitoring = true\n[expect]\nalerted_within_s = 5\n", "name the alerts it applies to"),
+    ("[drill]\nname = 'd'\n[gameday]\nduration_s = 60\n", "[gameday] mtbf_s: missing"),
+    ("[drill]\nname = 'd'\n[topology]\nspares = 1\n[gameday]\nduration_s = 60\nmtbf_s = 10\n",
+     "leave out [topology] spares and min_ranks"),
+    ("[drill]\nname = 'd'\n[gameday]\nduration_s = 60\nmtbf_s = 10\nstart_after_s = 90\n", "leaves no time"),
 ])
 def test_a_bad_drill_file_is_refused_before_anything_runs_naming_the_key_and_the_fix(tmp_path, text, message):
     path = drill_file(tmp_path, text)
@@ -83,7 +87,7 @@ def test_the_same_seed_gives_the_same_schedule_and_another_seed_another():
 
 
 def test_every_shipped_drill_loads():
-    assert len(SHIPPED) >= 11
+    assert len(SHIPPED) >= 13
     names = [load_drill(p).name for p in SHIPPED]
     assert len(set(names)) == len(names)
 
@@ -195,7 +199,7 @@ def test_compare_names_each_regression_between_two_releases():
 @pytest.mark.timeout(900)
 def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_path):
     out = tmp_path / "results"
-    done = cli("run", str(ROOT / "chaos"), "--out", str(out))
+    done = cli("run", str(ROOT / "chaos"), "--quick", "--out", str(out))  # the game day a third as long
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     records = json.loads((out / "drills.json").read_text())
     assert {r["drill"] for r in records} == {load_drill(p).name for p in SHIPPED}
@@ -205,7 +209,8 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
         for latent in r["measured"]["latent"]:  # a damaged checkpoint was refused, not restored
             assert latent["caught_by"] == "checkpoint_quarantined" and latent["caught_s"] is not None, r
         if any(f.get("source") == "host" for f in r["faults"]):
-            assert [v["got"] for v in r["verdicts"] if v["expectation"] == "teardown of cgroups"] == ["0 left"]
+            assert [v["got"] for v in r["verdicts"] if v["expectation"] == "teardown of cgroups and mounts"] == \
+                ["0 left"]
         for run in ("reference", "faulted"):
             run_dir = out / r["drill"] / run / "run"
             if run_dir.exists():
@@ -216,6 +221,10 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
     # The page an on-call gets: HangDetected went through the shipped rules and routes to a receiver.
     [alerted] = [r for r in records if r["drill"] == "hang-alert"]
     assert dict(alerted["measured"]["alerts"])["HangDetected"] > alerted["measured"]["detect_s"]
+    # The quick game day: its two kills struck, each a restart, and the ledger agreed with Young/Daly.
+    [day] = [r for r in records if r["drill"] == "gameday"]
+    assert day["gameday"]["faults"] == 2 and day["gameday"]["incidents"] == 2, day["gameday"]
+    assert abs(day["gameday"]["relative_error"]) <= 0.15 and day["gameday"]["young_interval_steps"] > 0
     table = (out / "drills.md").read_text()
     assert all(f"| {r['drill']} |" in table for r in records)
     # The same suite compared with itself: no regression.
@@ -240,3 +249,37 @@ def test_a_drill_with_an_impossible_expectation_fails_and_says_which_and_by_how_
     failed = {v["expectation"] for v in record["verdicts"] if not v["ok"]}
     assert failed == {"detected within", "rung"}, record["verdicts"]
     assert leftovers(out / "impossible" / "faulted" / "run") == []
+
+
+def test_a_game_day_draws_the_same_kills_from_the_same_seed_at_its_mtbf():
+    from resilient.chaos.gameday import GameDay
+
+    day = GameDay(duration_s=3600.0, mtbf_s=60.0, start_after_s=5.0)
+    first, again, other = day.schedule(3, 4), day.schedule(3, 4), day.schedule(4, 4)
+    assert first == again and first != other
+    times = [f.at_s for f in first]
+    assert all(f.kind == "kill" and 0 <= f.rank < 4 for f in first) and times == sorted(times)
+    assert 5.0 < times[0] and times[-1] < 3600.0
+    # About 60 kills an hour: the mean gap is the MTBF (within the spread of ~60 exponential draws).
+    gaps = [b - a for a, b in zip([5.0, *times], times)]
+    assert 40 <= len(first) <= 85 and 45 < sum(gaps) / len(gaps) < 80
+
+
+def test_the_young_daly_prediction_adds_the_restart_and_half_an_interval_per_fault():
+    from types import SimpleNamespace
+
+    from resilient.chaos.gameday import predict
+    from resilient.metrics.ledger_state import IncidentCost
+
+    def cost(detect, recover, replay):
+        return IncidentCost(id="i", kind="signal", detection_s=detect, recovery_s=recover, replay_s=replay,
+                            total_s=detect + recover + replay, started_t=0.0, detected_t=0.0, open=False)
+    reference = SimpleNamespace(ideal_step_s=0.1, committed_step=200, wall_s=50.0, goodput_ratio=0.8,
+                                seconds={"productive": 40.0, "checkpoint_stall": 2.0})
+    faulted = SimpleNamespace(ideal_step_s=0.1, goodput_ratio=0.55, incidents=(cost(0.5, 4.5, 1.0), cost(0.5, 5.5, 0.8)))
+    g = predict(reference=reference, faulted=faulted, checkpoint_every=20, injected=2, mtbf_s=30.0)
+    # C = 2 s / 10 commits; tau = 20 x 0.1 s; R = mean(5, 6) = 5.5 s; predicted 40 / (50 + 2 x (5.5 + 1)) = 0.635
+    assert (g["checkpoint_cost_s"], g["interval_s"], g["restart_cost_s"], g["replay_s"]) == (0.2, 2.0, 5.5, 0.9)
+    assert g["predicted_goodput"] == pytest.approx(40 / 63, abs=1e-4)
+    assert g["relative_error"] == pytest.approx(0.55 / (40 / 63) - 1, abs=1e-4)
+    assert g["young_interval_s"] == pytest.approx((2 * 0.2 * 30) ** 0.5, abs=1e-3) and g["young_interval_steps"] == 35

@@ -184,3 +184,33 @@ def test_a_runs_checkpoint_trouble_also_reaches_the_agents_event_log(tmp_path):
     [forwarded] = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert forwarded["kind"] == "checkpoint_quarantined" and forwarded["rank"] == 3 and forwarded["node"] == "n1"
     assert forwarded["reason"] == "digest mismatch" and log.path is None
+
+
+def test_a_full_disk_is_a_tmpfs_filled_to_the_last_byte_then_freed_and_unmounted(tmp_path):
+    assert unavailable("fill_disk") is None, unavailable("fill_disk")
+    out = tmp_path / "faulted"
+    out.mkdir()
+    ckpt = out / "ckpt"
+    inj = HostInjector((HostFault(kind="fill_disk", at_s=0.0, duration_s=0.3, size_mb=2),), out, ckpt, "t")
+    inj.prepare()
+    try:
+        assert inj.mounts() == [str(ckpt.resolve())]
+        inj.poll()
+        [fired] = inj.events()
+        assert fired["free_bytes"] == 0 and fired["filler_bytes"] > 1_900_000
+        with pytest.raises(OSError, match="No space left on device"):
+            (ckpt / "step_0000000010.tmp").write_bytes(b"x" * 10_000)  # what a save meets
+        time.sleep(0.4)
+        inj.poll()
+        assert [e["kind"] for e in inj.events()] == ["fault_injected", "fault_lifted"]
+        (ckpt / "after").write_bytes(b"x" * 10_000)  # space is back
+    finally:
+        inj.close()
+        left = inj.unmount()
+    assert left == [] and not (ckpt / "after").exists()  # the tmpfs and what was on it are gone
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "ckpt").mkdir()
+    (tmp_path / "other" / "ckpt" / "step_0000000010").mkdir()
+    busy = HostInjector((HostFault(kind="fill_disk", step=1),), tmp_path / "other", tmp_path / "other" / "ckpt", "t")
+    with pytest.raises(RuntimeError, match="is not empty: a tmpfs mounted over it would hide a checkpoint"):
+        busy.prepare()

@@ -38,13 +38,14 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
 from ..errors import ConfigError
+from .gameday import GameDay
 from .host import HostFault, HostFaultError, parse_host_faults
 from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 
@@ -146,7 +147,9 @@ class Drill:
     topology: Topology = field(default_factory=Topology)
     faults: tuple[Fault, ...] = ()
     host_faults: tuple[HostFault, ...] = ()
-    """Faults the runner injects from outside the workers (cgroups, the checkpoint store)."""
+    """Faults the runner injects from outside the workers (cgroups, the checkpoint store), as listed."""
+    gameday: GameDay | None = None
+    """A seeded random schedule of rank kills at an MTBF, scored against the Young/Daly prediction."""
     random: RandomFaults | None = None
     expect: Expect = field(default_factory=Expect)
     timeout_s: float = 300.0
@@ -164,6 +167,28 @@ class Drill:
         return FaultPlan.random(self.seed, world_size=self.world, steps=self.workload.steps, count=r.count,
                                 kinds=r.kinds, first_step=r.first_step, hang_s=r.hang_s)
 
+    def quick(self, factor: int = 3) -> Drill:
+        """This drill for CI: a game day ``factor`` times shorter (its duration and its workload's steps);
+        any other drill unchanged."""
+        if self.gameday is None:
+            return self
+        day = replace(self.gameday, duration_s=self.gameday.duration_s / factor)
+        if day.start_after_s >= day.duration_s:
+            raise DrillError(f"drill {self.path}: --quick leaves [gameday] no time after start_after_s = "
+                             f"{day.start_after_s:g}; lower it, or run without --quick")
+        return replace(self, gameday=day, workload=replace(self.workload, steps=-(-self.workload.steps // factor)))
+
+    @property
+    def all_host_faults(self) -> tuple[HostFault, ...]:
+        """The listed host faults, then the game day's kills (drawn from the seed)."""
+        drawn = () if self.gameday is None else self.gameday.schedule(self.seed, self.world)
+        return (*self.host_faults, *drawn)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the uninterrupted reference runs first (equality, or the game day's baseline)."""
+        return self.expect.equal == "bitwise" or self.gameday is not None
+
     def script_path(self) -> Path | None:
         """The user's script (None: the bundled workload)."""
         if self.workload.script == REFERENCE_WORKLOAD:
@@ -171,7 +196,7 @@ class Drill:
         return (self.path.parent / self.workload.script).resolve()
 
 
-TABLES = ("drill", "workload", "topology", "faults", "host_faults", "random", "expect")
+TABLES = ("drill", "workload", "topology", "faults", "host_faults", "random", "gameday", "expect")
 
 
 def load_drill(path: str | os.PathLike[str]) -> Drill:
@@ -218,8 +243,12 @@ def _drill(raw: Mapping[str, Any], path: Path) -> Drill:
     except HostFaultError as e:
         raise DrillError(str(e)) from None
     rnd = _build(RandomFaults, "random", _table(raw, "random")) if "random" in raw else None
+    if "gameday" in raw and "random" in raw:
+        raise DrillError("[gameday] and [random]: give one random schedule, not both")
+    day = _gameday(_table(raw, "gameday")) if "gameday" in raw else None
     drill = Drill(name=name, path=path, description=str(head.get("description", "")), seed=seed, workload=workload,
-                  topology=topology, faults=faults, host_faults=host, random=rnd, expect=expect, timeout_s=timeout)
+                  topology=topology, faults=faults, host_faults=host, gameday=day, random=rnd, expect=expect,
+                  timeout_s=timeout)
     _check(drill)
     return drill
 
@@ -272,9 +301,24 @@ def _check(d: Drill) -> None:
         if hf.step is not None and w.script != REFERENCE_WORKLOAD:
             raise DrillError(f"{where}step = {hf.step} reads the bundled workload's trace (and its checkpoint "
                              "directory); with a script of yours, trigger by time: at_s = SECONDS")
-    if not d.faults and not d.host_faults and d.random is None:
+    if d.gameday is not None and (t.spares or t.min_ranks is not None):
+        raise DrillError("[gameday] measures restarts against Young/Daly: leave out [topology] spares and min_ranks")
+    if not d.faults and not d.host_faults and d.random is None and d.gameday is None:
         raise DrillError("no faults: add a [[faults]] table (kind, step, rank, ...), a [[host_faults]] table or a "
                          "[random] schedule")
+
+
+def _gameday(values: Mapping[str, Any]) -> GameDay:
+    _known("gameday", values, {"duration_s", "mtbf_s", "start_after_s", "max_error"})
+    for key in ("duration_s", "mtbf_s"):
+        if key not in values:
+            raise DrillError(f"[gameday] {key}: missing; a game day needs duration_s and mtbf_s (seconds)")
+    nums = {k: _num("gameday", k, v, positive=k in ("duration_s", "mtbf_s")) for k, v in values.items()}
+    day = GameDay(**nums)
+    if day.start_after_s >= day.duration_s:
+        raise DrillError(f"[gameday] start_after_s = {day.start_after_s:g} leaves no time before duration_s = "
+                         f"{day.duration_s:g}")
+    return day
 
 
 def _table(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:

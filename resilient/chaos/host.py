@@ -4,12 +4,18 @@ A worker fault (:mod:`resilient.chaos.plan`) fires inside the rank, at a
 section of a step.  These come from the host, as the world does it to a
 training job:
 
+- ``kill``: the rank's process is sent SIGKILL (the game day's faults,
+  :mod:`resilient.chaos.gameday`: a machine that dies under it);
 - ``freeze``: the rank's process is put in a cgroup v1 freezer cgroup and
   frozen (a VM paused, a node stalled); thawed after ``duration_s``.  A
   frozen process cannot even die: a SIGKILL waits for the thaw.
 - ``cpu_quota``: the rank's process gets ``quota`` of one CPU through a CPU
   cgroup (v1 ``cpu.cfs_quota_us``, or v2 ``cpu.max`` where that is what the
   machine has), lifted after ``duration_s`` (never, when left out).
+- ``fill_disk``: the checkpoint directory is a tmpfs of ``size_mb`` mounted
+  for the run (:meth:`HostInjector.prepare`); at the trigger a file fills
+  it to the last byte, so saves fail with ENOSPC, and it is removed after
+  ``duration_s`` (never, when left out);
 - ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
   newest committed checkpoint at or after ``step`` has bytes flipped in its
   middle, or is cut to half its length, after its commit (bit rot, a torn
@@ -27,8 +33,12 @@ made, also when the drill failed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import signal
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -36,9 +46,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..watchdog.procfs import read_stat
 
-HOST_FAULT_KINDS = ("freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint")
+HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+FILLER = ".drill-disk-filler"
 MANIFEST = "manifest.json"
 PERIOD_US = 100_000
 
@@ -59,6 +71,8 @@ class HostFault:
     """``freeze``: thawed after this; ``cpu_quota``: lifted after this (None: to the end of the run)."""
     quota: float = 0.25
     """``cpu_quota``: the share of one CPU the rank may use."""
+    size_mb: int = 64
+    """``fill_disk``: the size of the tmpfs mounted at the checkpoint directory."""
 
     def __post_init__(self) -> None:
         if self.kind not in HOST_FAULT_KINDS:
@@ -75,13 +89,20 @@ class HostFault:
             raise HostFaultError(f"cpu_quota: quota = {self.quota}: a share of one CPU between 0.01 and 1")
         if self.rank < 0:
             raise HostFaultError(f"{self.kind}: rank = {self.rank}: must be >= 0")
+        if not 1 <= self.size_mb <= 4096:
+            raise HostFaultError(f"fill_disk: size_mb = {self.size_mb}: between 1 and 4096 (MB of memory)")
 
     def describe(self) -> str:
         when = f"after rank {self.rank} completes step {self.step}" if self.step is not None else f"at {self.at_s:g} s"
-        if self.kind == "freeze":
+        if self.kind == "kill":
+            what = f"SIGKILL rank {self.rank}"
+        elif self.kind == "freeze":
             what = f"freeze rank {self.rank} for {self.duration_s:g} s"
         elif self.kind == "cpu_quota":
             what = f"limit rank {self.rank} to {self.quota:g} of a CPU" + \
+                (f" for {self.duration_s:g} s" if self.duration_s else "")
+        elif self.kind == "fill_disk":
+            what = f"fill the checkpoint disk ({self.size_mb} MB tmpfs)" + \
                 (f" for {self.duration_s:g} s" if self.duration_s else "")
         elif self.kind == "corrupt_checkpoint":
             what = "flip bytes in the newest committed checkpoint"
@@ -90,14 +111,15 @@ class HostFault:
         return f"{what} {when}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in asdict(self).items() if v is not None and (k != "size_mb" or self.kind == "fill_disk")
+                and (k != "quota" or self.kind == "cpu_quota")}
 
 
 def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
     """``[[host_faults]]`` tables as faults; HostFaultError naming the table and the key."""
     if not isinstance(raw, list):
         raise HostFaultError("host_faults: write each host fault as a [[host_faults]] table")
-    known = {"kind", "rank", "step", "at_s", "duration_s", "quota"}
+    known = {"kind", "rank", "step", "at_s", "duration_s", "quota", "size_mb"}
     out = []
     for i, table in enumerate(raw):
         where = f"[[host_faults]] #{i + 1}: "
@@ -106,7 +128,7 @@ def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
         unknown = sorted(set(table) - known)
         if unknown:
             raise HostFaultError(f"{where}{unknown[0]}: unknown key; a host fault has {', '.join(sorted(known))}")
-        for key in ("rank", "step"):
+        for key in ("rank", "step", "size_mb"):
             if key in table and (isinstance(table[key], bool) or not isinstance(table[key], int)):
                 raise HostFaultError(f"{where}{key} = {table[key]!r}: must be an integer")
         for key in ("at_s", "duration_s", "quota"):
@@ -127,9 +149,11 @@ def _cgroup_v2() -> bool:
 
 def unavailable(kind: str) -> str | None:
     """Why this machine cannot produce ``kind`` (None: it can)."""
-    if kind in ("corrupt_checkpoint", "truncate_checkpoint"):
+    if kind in ("kill", "corrupt_checkpoint", "truncate_checkpoint"):
         return None
     if os.geteuid() != 0:
+        if kind == "fill_disk":
+            return f"fill_disk needs root to mount a tmpfs (this runner runs as uid {os.geteuid()})"
         return f"{kind} needs root to create cgroups (this runner runs as uid {os.geteuid()})"
     if kind == "freeze":
         if (CGROUP_ROOT / "freezer" / "freezer.state").exists() or (CGROUP_ROOT / "freezer").is_dir():
@@ -143,6 +167,15 @@ def unavailable(kind: str) -> str | None:
         if _cgroup_v2() and "cpu" in (CGROUP_ROOT / "cgroup.controllers").read_text().split():
             return None
         return f"no CPU controller: neither {CGROUP_ROOT / 'cpu' / 'cpu.cfs_quota_us'} (v1) nor cpu in cgroup v2"
+    if kind == "fill_disk":
+        if shutil.which("mount") is None or shutil.which("umount") is None:
+            return "fill_disk needs mount and umount (util-linux)"
+        try:
+            if "tmpfs" not in Path("/proc/filesystems").read_text():
+                return "the kernel has no tmpfs"
+        except OSError:
+            return "cannot read /proc/filesystems"
+        return None
     return f"unknown host fault {kind!r}"
 
 
@@ -198,6 +231,62 @@ class HostInjector:
         self._trace_at = 0
         self._prefix = f"resilient-drill-{label}-{os.getpid()}-"
         self._made: list[str] = []
+        self._mounted = False
+        self._filled: list[tuple[float | None, HostFault]] = []
+
+    # ------------------------------------------------------------ mounts
+    def prepare(self) -> None:
+        """Mount what the faults need before the run starts: a tmpfs at the checkpoint directory (fill_disk)."""
+        sizes = [f.size_mb for f in self.faults if f.kind == "fill_disk"]
+        if not sizes:
+            return
+        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if any(self.ckpt_dir.iterdir()):
+            raise RuntimeError(f"{self.ckpt_dir} is not empty: a tmpfs mounted over it would hide a checkpoint")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={max(sizes)}m,mode=0755", "tmpfs",
+                               str(self.ckpt_dir)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"could not mount a tmpfs at {self.ckpt_dir}: {done.stderr.strip()}")
+        self._mounted = True
+
+    def unmount(self) -> list[str]:
+        """Unmount what :meth:`prepare` mounted (after the run's processes are gone); returns what is still mounted."""
+        if self._mounted:
+            subprocess.run(["umount", str(self.ckpt_dir)], capture_output=True, check=False)
+        return self.mounts()
+
+    def mounts(self) -> list[str]:
+        """This injector's mounts still in the mount table."""
+        if not self._mounted:
+            return []
+        target = str(self.ckpt_dir.resolve())
+        try:
+            table = Path("/proc/self/mounts").read_text().splitlines()
+        except OSError:
+            return []
+        return [line.split()[1] for line in table if len(line.split()) > 1 and line.split()[1] == target]
+
+    def _fill(self) -> dict[str, Any]:
+        """Write a file until the filesystem has no byte left (unbuffered: every write meets ENOSPC itself)."""
+        fd = os.open(self.ckpt_dir / FILLER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        written = 0
+        try:
+            for size in (1 << 20, 65536, 4096, 512, 1):
+                chunk = bytes(size)
+                while True:
+                    try:
+                        n = os.write(fd, chunk)
+                    except OSError as e:
+                        if e.errno != errno.ENOSPC:
+                            raise
+                        break
+                    written += n
+                    if n < size:
+                        break
+        finally:
+            os.close(fd)
+        st = os.statvfs(self.ckpt_dir)
+        return {"filler_bytes": written, "free_bytes": st.f_bavail * st.f_frsize}
 
     # ------------------------------------------------------------ progress
     def _read_trace(self) -> None:
@@ -261,6 +350,10 @@ class HostInjector:
                     self._fired.add(i)
                     self._record("fault_injected", fault, detail)
         now = time.monotonic()
+        for filled in list(self._filled):
+            if filled[0] is not None and now >= filled[0]:
+                self._unfill(filled[1])
+                self._filled.remove(filled)
         for entry in list(self._undo):
             until, fault, group = entry
             if until is not None and now >= until:
@@ -268,6 +361,9 @@ class HostInjector:
                 self._undo.remove(entry)
 
     def _fire(self, fault: HostFault) -> dict[str, Any] | None:
+        if fault.kind == "fill_disk":
+            self._filled.append((None if fault.duration_s is None else time.monotonic() + fault.duration_s, fault))
+            return self._fill()
         if fault.kind in ("corrupt_checkpoint", "truncate_checkpoint"):
             assert fault.step is not None
             commit = self._commit(fault.step)
@@ -291,6 +387,15 @@ class HostInjector:
         pid = self._pid(fault.rank)
         if pid is None:
             return None  # the rank's process is not known yet: try again at the next poll
+        if fault.kind == "kill":
+            st = read_stat(pid)
+            if st is None or st.state in ("Z", "X"):
+                return None  # that process is gone (its generation is restarting): the next one is the target
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+            return {"pid": pid}
         name = f"{self._prefix}{len(self._made)}-{fault.kind}"
         self._made.append(name)
         until = None if fault.duration_s is None else time.monotonic() + fault.duration_s
@@ -310,6 +415,10 @@ class HostInjector:
         self._undo.append((until, fault, group))
         return {"pid": pid, "cgroup": str(group.path), "quota_us": quota_us, "period_us": PERIOD_US}
 
+    def _unfill(self, fault: HostFault) -> None:
+        (self.ckpt_dir / FILLER).unlink(missing_ok=True)
+        self._record("fault_lifted", fault, {})
+
     def _lift(self, fault: HostFault, group: _Cgroup) -> None:
         if fault.kind == "freeze" and group.path.exists():
             _write(group.path / "freezer.state", "THAWED")
@@ -323,7 +432,11 @@ class HostInjector:
             f.write(json.dumps(line) + "\n")
 
     def close(self) -> list[str]:
-        """Thaw, lift and remove every cgroup still in place; returns the cgroups that could not be removed."""
+        """Thaw, lift and remove every cgroup still in place, remove a disk filler; returns the cgroups that could
+        not be removed (the tmpfs is unmounted by :meth:`unmount`, once the run's processes are gone)."""
+        for _, fault in self._filled:
+            self._unfill(fault)
+        self._filled.clear()
         left = []
         for _, fault, group in self._undo:
             try:

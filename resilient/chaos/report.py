@@ -45,7 +45,27 @@ def render(records: Sequence[Mapping[str, Any]]) -> str:
         for v in r["verdicts"]:
             lines.append(f"| {v['expectation']} | {v['wanted']} | {v['got']} | "
                          f"{'PASS' if v['ok'] else '**FAIL**'} | {v['margin']} |")
+        if r.get("gameday"):
+            lines += ["", *gameday_lines(r["gameday"])]
     return "\n".join(lines) + "\n"
+
+
+def gameday_lines(g: Mapping[str, Any]) -> list[str]:
+    """A game day's Young/Daly comparison as a table."""
+    def v(key: str, unit: str = "") -> str:
+        return "-" if g.get(key) is None else f"{g[key]:g}{unit}"
+    return ["Young/Daly:", "", "| quantity | value | from |", "|---|---|---|",
+            f"| faults that struck | {v('faults')} | the host faults' log |",
+            f"| checkpoint cost C | {v('checkpoint_cost_s', ' s')} | the reference's checkpoint stall per commit |",
+            f"| checkpoint interval tau | {v('interval_s', ' s')} | checkpoint_every x the reference's ideal step |",
+            f"| restart cost R | {v('restart_cost_s', ' s')} | detection + recovery per incident (ledger) |",
+            (f"| work lost per failure | {v('replay_s', ' s')} measured, {v('model_replay_s', ' s')} modelled "
+             "(tau/2) | the ledger's replay |"),
+            (f"| goodput | {v('measured_goodput')} measured, {v('predicted_goodput')} predicted "
+             f"({'-' if g.get('relative_error') is None else format(g['relative_error'], '+.1%')}) | "
+             f"reference {v('reference_goodput')} |"),
+            (f"| Young's interval for MTBF {v('mtbf_s', ' s')} | {v('young_interval_s', ' s')} "
+             f"({v('young_interval_steps')} steps) | sqrt(2 C M) |")]
 
 
 def _fmt(key: str, value: float, unit: str) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from ..errors import ConfigError
 from . import monitor
 from .drill import Drill
+from .gameday import predict
 from .host import HostInjector, unavailable
 from .score import Measured, Observed, Verdict, judge, to_json
 from .timeline import draw
@@ -60,8 +61,9 @@ def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run
     """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares)."""
     t, w = drill.topology, drill.workload
     ranks = str(t.nproc_per_node) if t.min_ranks is None or plan is None else f"{t.min_ranks}:{t.nproc_per_node}"
+    restarts = 3 + len(drill.all_host_faults) + len(drill.faults)
     cmd = [sys.executable, "-m", "resilient", "run", "--run-dir", str(run_dir), "--quiet", "--run-id", run_id,
-           "--node-id", "n0", "--nproc-per-node", ranks, "--max-restarts", "3"]
+           "--node-id", "n0", "--nproc-per-node", ranks, "--max-restarts", str(restarts)]
     if plan is not None:
         cmd += ["--fault-plan", str(plan), *(["--spares", str(t.spares)] if t.spares else [])]
         for name, seconds in t.section_timeouts:
@@ -164,14 +166,44 @@ def _final(out: Path) -> dict[str, Any] | None:
         return None
 
 
-def _goodput(run_dir: Path) -> float | None:
+def _accounts(run_dir: Path) -> list[Any]:
     from ..metrics.report import load
 
     try:
-        accounts = [r.account for r in load(run_dir)]
+        return [r.account for r in load(run_dir)]
     except Exception:  # noqa: BLE001  no ledger (the run never started): goodput unknown, scored as such
+        return []
+
+
+def _goodput(run_dir: Path) -> float | None:
+    return min((a.goodput_ratio for a in _accounts(run_dir)), default=None)
+
+
+def _verify_commits(drill: Drill, ckpt: Path) -> tuple[int, list[str]] | None:
+    """(committed checkpoints, the problems of those that do not verify) in the bundled workload's checkpoint
+    directory; None with a script of the user's (its checkpoints are where it keeps them)."""
+    if drill.script_path() is not None or not ckpt.is_dir():
         return None
-    return min((a.goodput_ratio for a in accounts), default=None)
+    from ..checkpoint.inspect import list_checkpoints, verify_checkpoint
+    from ..checkpoint.storage import open_storage
+
+    storage = open_storage(ckpt)
+    names = [c.name for c in list_checkpoints(storage)]
+    bad = [f"{r.name}: {r.problem}" for r in (verify_checkpoint(storage, n) for n in names) if not r.ok]
+    return len(names), bad
+
+
+def _gameday(drill: Drill, out: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The Young/Daly comparison of a game day (None for another drill, or without both runs' ledgers)."""
+    if drill.gameday is None:
+        return None
+    ref, faulted = _accounts(out / "reference" / "run"), _accounts(out / "faulted" / "run")
+    if not ref or not faulted:
+        return None
+    injected = sum(1 for e in events if e.get("kind") == "fault_injected" and e.get("source") == "host"
+                   and (e.get("fault") or {}).get("kind") == "kill")
+    return predict(reference=ref[0], faulted=faulted[0], checkpoint_every=drill.workload.checkpoint_every,
+                   injected=injected, mtbf_s=drill.gameday.mtbf_s)
 
 
 def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) -> DrillResult:
@@ -182,7 +214,8 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
         shutil.rmtree(out / stale, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     say = progress or (lambda line: None)
-    skipped = next((f"{hf.kind}: {why}" for hf in drill.host_faults if (why := unavailable(hf.kind))), None)
+    hosted = drill.all_host_faults
+    skipped = next((f"{hf.kind}: {why}" for hf in hosted if (why := unavailable(hf.kind))), None)
     if skipped is None and drill.topology.monitoring:
         why = monitor.unavailable()
         skipped = None if why is None else f"monitoring: {why}"
@@ -192,7 +225,7 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
                        skipped=skipped)
         return _finish(drill, obs, out)
     reference = None
-    if drill.expect.equal == "bitwise":
+    if drill.needs_reference:
         ref = out / "reference"
         say(f"{drill.name}: reference run (no faults)")
         try:
@@ -209,13 +242,16 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     plan.dump(plan_path)
     faulted = out / "faulted"
     faulted.mkdir(parents=True, exist_ok=True)
-    host = HostInjector(drill.host_faults, faulted, faulted / "ckpt", drill.name) if drill.host_faults else None
-    say(f"{drill.name}: faulted run, {len(plan.faults) + len(drill.host_faults)} fault(s): "
-        + "; ".join([*(f.describe() for f in plan.faults), *(h.describe() for h in drill.host_faults)]))
+    host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name) if hosted else None
+    say(f"{drill.name}: faulted run, {len(plan.faults) + len(hosted)} fault(s): "
+        + "; ".join([*(f.describe() for f in plan.faults), *(h.describe() for h in hosted)]))
     stuck: list[str] = []
     watch: monitor.Monitoring | None = None
     notified: list[dict[str, Any]] = []
+    commits: tuple[int, list[str]] | None = None
     try:
+        if host is not None:
+            host.prepare()
         port = None
         if drill.topology.monitoring:
             watch = monitor.Monitoring(faulted / "monitoring", for_s=drill.topology.alert_for_s)
@@ -228,8 +264,11 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
         if host is not None:  # thawed first: a frozen process cannot die, not even of SIGKILL
             stuck = host.close()
         killed = tear_down(faulted / "run")
-        if host is not None:
-            stuck = sorted(set(stuck) | set(host.leftovers()))
+        try:
+            commits = _verify_commits(drill, faulted / "ckpt")  # before a tmpfs under it goes
+        finally:
+            if host is not None:
+                stuck = sorted(set(stuck) | set(host.leftovers()) | set(host.unmount()))
         if watch is not None:
             notified = [{**n, "kind": "alert_notified"} for n in watch.notifications()]
             watch.close()
@@ -237,7 +276,7 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     events = _read_jsonl(faulted / "run" / "events.jsonl") + ([] if host is None else host.events()) + notified
     obs = Observed(events=events, trace=_read_jsonl(faulted / "trace.jsonl"), final=_final(faulted),
                    reference=reference, goodput=_goodput(faulted / "run"), exit_code=code, left_behind=len(killed),
-                   cgroups_left=len(stuck))
+                   cgroups_left=len(stuck), gameday=_gameday(drill, out, events), commits=commits)
     return _finish(drill, obs, out)
 
 

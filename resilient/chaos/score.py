@@ -37,6 +37,8 @@ from .drill import Drill
 DETECTIONS = ("worker_failed", "hang_detected", "straggler_flagged", "node_lost", "node_unhealthy",
               "slowdown_began", "incident", "recovery_decided")
 """Events that mean the agent noticed a fault (an in-process rung records its incident and decision at once)."""
+FAULT_DETECTIONS: dict[str, tuple[str, ...]] = {"fill_disk": ("checkpoint_failed",)}
+"""Faults whose detection is an event of their own: a full disk is noticed by the save that fails."""
 LATENT = ("corrupt_checkpoint", "truncate_checkpoint")
 """Faults that act only when what they damaged is read."""
 CAUGHT = ("checkpoint_quarantined", "checkpoint_fallback")
@@ -59,7 +61,11 @@ class Observed:
     left_behind: int = 0
     """Processes of the run still alive after its agent ended (killed by the teardown)."""
     cgroups_left: int = 0
-    """Cgroups the host faults made that the teardown could not remove."""
+    """Cgroups and mounts the host faults made that the teardown could not remove."""
+    gameday: Mapping[str, Any] | None = None
+    """A game day's Young/Daly comparison (:func:`resilient.chaos.gameday.predict`)."""
+    commits: tuple[int, Sequence[str]] | None = None
+    """(checkpoints committed at the end, the problems of those that do not verify); None: not checked."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +107,10 @@ def measure(obs: Observed) -> Measured:
                        None else caught["kind"], "caught_s": None if caught is None else
                        round(float(caught["time"]) - float(e["time"]), 3)})
     fault_at = float(fault["time"]) if fault is not None else None
+    own = None if fault is None else FAULT_DETECTIONS.get(str((fault.get("fault") or {}).get("kind")))
+    kinds: tuple[str, ...] = DETECTIONS if own is None else own
     detected = None if fault_at is None else next(
-        (e for e in events if e.get("kind") in DETECTIONS and float(e["time"]) >= fault_at), None)
+        (e for e in events if e.get("kind") in kinds and float(e["time"]) >= fault_at), None)
     detect_s = None if detected is None or fault_at is None else float(detected["time"]) - fault_at
     resume_s, rung = None, None
     if detected is not None:
@@ -140,8 +148,13 @@ def judge(drill: Drill, obs: Observed) -> tuple[Measured, list[Verdict]]:
     out = [Verdict("exit code", str(e.exit_code), "killed at the timeout" if m.exit_code is None else str(m.exit_code),
                    m.exit_code == e.exit_code)]
     out.append(Verdict("teardown", "no process left", f"{obs.left_behind} left", obs.left_behind == 0))
-    if drill.host_faults:
-        out.append(Verdict("teardown of cgroups", "none left", f"{obs.cgroups_left} left", obs.cgroups_left == 0))
+    if obs.commits is not None:
+        n, bad = obs.commits
+        out.append(Verdict("committed checkpoints verify", "all", f"{n - len(bad)} of {n}" +
+                           (f" ({'; '.join(bad)[:300]})" if bad else ""), not bad))
+    if drill.all_host_faults:
+        out.append(Verdict("teardown of cgroups and mounts", "none left", f"{obs.cgroups_left} left",
+                           obs.cgroups_left == 0))
     if m.fault_at is None:
         out.append(Verdict("fault injected", "yes", "no fault_injected event", False,
                            "the schedule never struck: check its steps, ranks and attempts"))
@@ -173,6 +186,16 @@ def judge(drill: Drill, obs: Observed) -> tuple[Measured, list[Verdict]]:
         out.append(Verdict(f"event {kind}", "occurs", f"{kinds[kind]} times", kinds[kind] > 0))
     for kind in e.no_events:
         out.append(Verdict(f"event {kind}", "does not occur", f"{kinds[kind]} times", kinds[kind] == 0))
+    day = drill.gameday
+    if day is not None and day.max_error is not None:
+        g = obs.gameday or {}
+        err = g.get("relative_error")
+        got = "no prediction (a run without a ledger, or no fault struck)" if err is None else (
+            f"measured {g['measured_goodput']:.3f} against predicted {g['predicted_goodput']:.3f} ({err:+.1%})")
+        ok = err is not None and g.get("faults", 0) > 0 and abs(err) <= day.max_error
+        margin = "" if err is None else (f"{abs(err) - day.max_error:.1%} beyond" if not ok else
+                                         f"{day.max_error - abs(err):.1%} to spare")
+        out.append(Verdict("goodput against Young/Daly", f"within {day.max_error:.0%}", got, ok, margin))
     alerted = dict(m.alerts)
     for name in e.alerts:
         got = "never notified" if name not in alerted else f"notified {alerted[name]:.2f} s after the fault"
@@ -199,6 +222,7 @@ def to_json(drill: Drill, obs: Observed, m: Measured, verdicts: Sequence[Verdict
     """The drill's record (``resilient drill compare`` reads two of them)."""
     return {"drill": drill.name, "file": str(drill.path), "seed": drill.seed, "skipped": obs.skipped,
             "faults": [f.to_dict() for f in drill.plan().faults]
-            + [{**hf.to_dict(), "source": "host", "description": hf.describe()} for hf in drill.host_faults],
+            + [{**hf.to_dict(), "source": "host", "description": hf.describe()} for hf in drill.all_host_faults],
             "measured": asdict(m),
-            "verdicts": [asdict(v) for v in verdicts], "passed": obs.skipped is None and all(v.ok for v in verdicts)}
+            "verdicts": [asdict(v) for v in verdicts], "gameday": None if obs.gameday is None else dict(obs.gameday),
+            "passed": obs.skipped is None and all(v.ok for v in verdicts)}
