@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -37,6 +36,7 @@ from typing import Any
 import pytest
 import yaml
 
+from resilient.chaos.monitor import ServerProcess as _Process
 from resilient.chaos.monitor import alertmanager_copy, rules_copy
 
 from .servers import server_binary
@@ -51,7 +51,6 @@ BINARIES = {  # our name -> (Debian's binary, its package)
     "alertmanager": ("prometheus-alertmanager", "prometheus-alertmanager"),
     "amtool": ("amtool", "prometheus-alertmanager"),
 }
-STARTUP_TIMEOUT_S = 30.0
 TEST_FOR_S = 1.0
 
 
@@ -136,40 +135,6 @@ class Webhook:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-
-
-class _Process:
-    """A server process with its log; ``stop()`` terminates it and waits."""
-
-    def __init__(self, cmd: list[str], log: Path, ready_url: str) -> None:
-        self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            wait_until(lambda: self.proc.poll() is not None or self._ready(ready_url), STARTUP_TIMEOUT_S,
-                       f"{cmd[0]} to be ready")
-        except AssertionError:
-            self.stop()
-            raise
-        if self.proc.poll() is not None:
-            raise AssertionError(f"{cmd[0]} exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-
-    @staticmethod
-    def _ready(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                return bool(r.status == 200)
-        except (OSError, ValueError):
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
 
 
 class Alertmanager(_Process):

@@ -114,7 +114,9 @@ class Receiver:
         self._server.server_close()
 
 
-class _Server:
+class ServerProcess:
+    """A server process with its log, ready once ``ready`` answers 200; ``stop()`` terminates it and waits."""
+
     def __init__(self, cmd: list[str], log: Path, ready: str) -> None:
         self.log = log
         with open(log, "ab") as out:
@@ -189,14 +191,14 @@ class Monitoring:
         board = dashboards or dashboards_dir()
         root.mkdir(parents=True, exist_ok=True)
         self.receiver = Receiver()
-        self._servers: list[_Server] = []
+        self._servers: list[ServerProcess] = []
         try:
             am_port = free_port()
             am = alertmanager_copy(board / "alertmanager" / "alertmanager.example.yml", root / "alertmanager.yml",
                                    self.receiver.url)
             am_exe = _binary("alertmanager")
             assert am_exe is not None
-            self._servers.append(_Server(
+            self._servers.append(ServerProcess(
                 [am_exe, f"--config.file={am}", f"--storage.path={root / 'alertmanager-data'}",
                  f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address=", "--log.level=warn"],
                 root / "alertmanager.log", f"http://127.0.0.1:{am_port}/-/ready"))
@@ -218,7 +220,7 @@ class Monitoring:
             self.url = f"http://127.0.0.1:{self.port}"
             prom_exe = _binary("prometheus")
             assert prom_exe is not None
-            self._servers.append(_Server(
+            self._servers.append(ServerProcess(
                 [prom_exe, f"--config.file={root / 'prometheus.yml'}", f"--storage.tsdb.path={root / 'prometheus-data'}",
                  f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
                 root / "prometheus.log", f"{self.url}/-/ready"))

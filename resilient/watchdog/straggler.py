@@ -221,11 +221,14 @@ class StragglerDetector:
         """(rank, section) of every standing flag."""
         return [key for key, ser in sorted(self._series.items()) if ser.cusum.flagged]
 
+    def _extra(self, ser: _Series) -> float:
+        """The rank's seconds per step over its peers' median, over the evidence windows."""
+        n = max(1, min(self.config.rule.consecutive, len(ser.own)))
+        return statistics.median(list(ser.own)[-n:]) - statistics.median(list(ser.peers)[-n:])
+
     def _material(self, ser: _Series, step_s: float) -> bool:
         """Whether the rank's extra time over its peers, over the evidence windows, is worth flagging."""
-        n = max(1, min(self.config.rule.consecutive, len(ser.own)))
-        extra = statistics.median(list(ser.own)[-n:]) - statistics.median(list(ser.peers)[-n:])
-        return extra >= self.config.min_share * step_s
+        return self._extra(ser) >= self.config.min_share * step_s
 
     def _extra_wait(self, rank: int, section: str) -> float | None:
         """The rank's wait for a CPU per step over its peers' median, over the evidence windows; None if unmeasured."""
@@ -244,10 +247,7 @@ class StragglerDetector:
         wait = self._extra_wait(rank, section)
         if wait is None or wait <= 0:
             return False
-        ser = self._series[(rank, section)]
-        n = max(1, min(self.config.rule.consecutive, len(ser.own)))
-        extra = statistics.median(list(ser.own)[-n:]) - statistics.median(list(ser.peers)[-n:])
-        return extra - wait < self.config.min_share * step_s
+        return self._extra(self._series[(rank, section)]) - wait < self.config.min_share * step_s
 
     def _noise(self, section: str) -> float | None:
         """The section's noise: the median over ranks of each series' own noise; None before ``min_history``."""
