@@ -37,6 +37,10 @@ def test_the_verdict_compares_the_slowest_ranks_and_leaves_the_noise_out():
     noisy = [{"w": i, "n": 5, "step": (45 + (6 if i % 2 else -6)) / 1e3, "s": {"data": 0.0}} for i in range(6)]
     assert not judge_input({0: {"windows": {"real": [{**w, "step": w["step"] + 0.002} for w in noisy],
                                             "resident": noisy}}}).input_bound
+    # Slower steps on the real path that the wait for data does not explain are not the input path's doing.
+    v = judge_input({0: {"windows": {"real": _windows(50, 0.3), "resident": _windows(45, 0.1)}}})
+    assert not v.input_bound and v.cost_s == pytest.approx(0.005, abs=1e-6), v
+    assert "waits only 0.2 ms more for its batches" in v.reason
     assert phase_times(_windows(50, 1)).windows == 5  # the first window is left out
     with pytest.raises(ValueError, match="no rank reported"):
         judge_input({})

@@ -9,7 +9,12 @@ so each phase's step time is the slowest rank's median over its windows
 (the first window of each phase is left out: start-up, and the loader's
 first fill).  The run is called input-bound when that cost is at least
 ``min_share`` of a step with the batches in memory and three times the
-noise of the windows (1.4826 MAD); otherwise the input path is cleared.
+noise of the windows (1.4826 MAD), and the loop's wait for data accounts
+for it: the wait grows by at least half the cost and by ``min_share`` of a
+step.  A step that is slower on the real path while the loop hardly waits
+longer for its batches is not the input path's doing (noise on a loaded
+host, or loader workers competing with compute for CPUs, which the verdict
+names); otherwise the input path is cleared.
 """
 
 from __future__ import annotations
@@ -72,9 +77,16 @@ def judge_input(results: Mapping[int, Mapping[str, Any]], min_share: float = 0.0
     numbers = (f"{cost * 1e3:.1f} ms of a {real.step_s * 1e3:.1f} ms step ({share:.0%}); with the batches in memory "
                f"a step takes {resident.step_s * 1e3:.1f} ms, and the wait for data goes from "
                f"{real.data_s * 1e3:.1f} ms to {resident.data_s * 1e3:.1f} ms")
-    if cost >= min_share * resident.step_s and cost >= 3 * noise:
+    waited = real.data_s - resident.data_s
+    slower = cost >= min_share * resident.step_s and cost >= 3 * noise
+    if slower and waited >= 0.5 * cost and waited >= min_share * resident.step_s:
         return InputVerdict(True, f"the run is input-bound: the input path costs {numbers}. Look at the loader "
                             "(workers, prefetch, decoding, storage) before the hardware", cost, share, real, resident)
+    if slower:
+        return InputVerdict(False, f"the input path is not what limits this run: a step is {numbers}, but the "
+                            f"loop waits only {waited * 1e3:.1f} ms more for its batches, so the difference is not "
+                            "the wait for data (noise on a loaded host, or loader workers competing with compute for "
+                            "CPUs: compare with fewer loader workers)", cost, share, real, resident)
     return InputVerdict(False, f"the input path is not what limits this run: it costs {numbers} (noise "
                         f"{noise * 1e3:.1f} ms); a slowdown is elsewhere (compute, communication, storage)",
                         cost, share, real, resident)
