@@ -62,7 +62,11 @@ def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     (MINIMAL + "[topology]\nmonitoring = true\n[expect]\nalerted_within_s = 5\n", "name the alerts it applies to"),
     ("[drill]\nname = 'd'\n[gameday]\nduration_s = 60\n", "[gameday] mtbf_s: missing"),
     ("[drill]\nname = 'd'\n[topology]\nspares = 1\n[gameday]\nduration_s = 60\nmtbf_s = 10\n",
-     "leave out [topology] spares and min_ranks"),
+     "leave out [topology] spares, spare_nodes"),
+    (MINIMAL + "[topology]\nnodes = 2\nmin_nodes = 3\n", "min_nodes = 3: must be between 1 and nodes (2)"),
+    (MINIMAL + "[topology]\nnodes = 2\nmin_ranks = 1\n", "across nodes give min_nodes"),
+    ("[drill]\nname = 'd'\n[[host_faults]]\nkind = 'kill_node'\nrank = 1\nstep = 5\n",
+     "needs agents meeting through etcd: give [topology] nodes = 2"),
     ("[drill]\nname = 'd'\n[gameday]\nduration_s = 60\nmtbf_s = 10\nstart_after_s = 90\n", "leaves no time"),
 ])
 def test_a_bad_drill_file_is_refused_before_anything_runs_naming_the_key_and_the_fix(tmp_path, text, message):
@@ -87,7 +91,7 @@ def test_the_same_seed_gives_the_same_schedule_and_another_seed_another():
 
 
 def test_every_shipped_drill_loads():
-    assert len(SHIPPED) >= 13
+    assert len(SHIPPED) >= 16
     names = [load_drill(p).name for p in SHIPPED]
     assert len(set(names)) == len(names)
 

@@ -34,6 +34,7 @@ from resilient.watchdog.stacks import capture, process_state
     ({"kind": "cpu_quota", "step": 3, "quota": 2.0}, "between 0.01 and 1"),
     ({"kind": "cpu_quota", "step": 3, "speed": 2.0}, "speed: unknown key"),
     ({"kind": "cpu_quota", "step": "3"}, "step = '3': must be an integer"),
+    ({"kind": "store_outage", "step": 3}, "store_outage: give duration_s"),
 ])
 def test_a_bad_host_fault_is_refused_naming_the_table_and_the_fix(table, message):
     with pytest.raises(HostFaultError, match="host_faults") as err:
@@ -214,3 +215,63 @@ def test_a_full_disk_is_a_tmpfs_filled_to_the_last_byte_then_freed_and_unmounted
     busy = HostInjector((HostFault(kind="fill_disk", step=1),), tmp_path / "other", tmp_path / "other" / "ckpt", "t")
     with pytest.raises(RuntimeError, match="is not empty: a tmpfs mounted over it would hide a checkpoint"):
         busy.prepare()
+
+
+def test_a_lost_node_is_its_agent_killed_and_named(tmp_path):
+    """kill_node finds the node that runs the rank in the agents' pids.json and SIGKILLs that node's agent."""
+    agent, worker = sleeper(), sleeper()
+    try:
+        out = run_out(tmp_path, worker.pid, done_step=6)
+        (out / "run" / "nodes" / "n1").mkdir()
+        (out / "run" / "nodes" / "n1" / "pids.json").write_text(json.dumps(
+            {"agent": {"pid": agent.pid}, "workers": [{"rank": 1, "pid": worker.pid}]}))
+        (out / "run" / "nodes" / "n0" / "pids.json").write_text(json.dumps(
+            {"agent": {"pid": worker.pid}, "workers": [{"rank": 0, "pid": worker.pid}]}))
+        with open(out / "trace.jsonl", "a") as f:
+            f.write(json.dumps({"rank": 1, "step": 5}) + "\n")
+        inj = HostInjector((HostFault(kind="kill_node", rank=1, step=5),), out, out / "ckpt", "t")
+        inj.poll()
+        assert agent.wait(timeout=5) == -9 and worker.poll() is None  # the agent, not the rank's own process
+        [fired] = inj.events()
+        assert fired["node"] == "n1" and fired["agent_pid"] == agent.pid and inj.killed_nodes() == {"n1"}
+    finally:
+        for proc in (agent, worker):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_store_outage_stops_the_real_etcd_and_starts_it_again_with_its_data(tmp_path):
+    import urllib.request
+
+    from resilient.chaos.cluster import Etcd
+
+    etcd = Etcd(tmp_path / "etcd")
+    endpoint = etcd.url.replace("etcd://", "http://")
+
+    def put_get(key: str, value: str | None = None) -> str:
+        import base64
+
+        b64 = base64.b64encode(key.encode()).decode()
+        if value is not None:
+            body = json.dumps({"key": b64, "value": base64.b64encode(value.encode()).decode()}).encode()
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/v3/kv/put", body), timeout=5).read()
+        got = json.load(urllib.request.urlopen(urllib.request.Request(
+            f"{endpoint}/v3/kv/range", json.dumps({"key": b64}).encode()), timeout=5))
+        return base64.b64decode(got["kvs"][0]["value"]).decode()
+
+    try:
+        assert put_get("k", "before") == "before"
+        out = tmp_path / "faulted"
+        out.mkdir()
+        inj = HostInjector((HostFault(kind="store_outage", at_s=0.0, duration_s=1.0),), out, out / "ckpt", "t",
+                           store=etcd)
+        inj.poll()
+        assert etcd.pids() == []
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{endpoint}/health", timeout=2)
+        until(lambda: (inj.poll(), [e["kind"] for e in inj.events()])[1] == ["fault_injected", "fault_lifted"], 30)
+        assert len(etcd.pids()) == 1 and put_get("k") == "before"  # the same ports, the same data
+        inj.close()
+    finally:
+        etcd.close()
+    assert etcd.pids() == [] and not etcd.data.exists()

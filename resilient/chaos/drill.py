@@ -79,7 +79,13 @@ class Topology:
     """What the runner brings up on this machine."""
 
     nodes: int = 1
+    """Nodes of the world: one agent each (``--node-id n0``, ``n1``, ...); more than one meet through an etcd
+    the runner starts on loopback."""
     nproc_per_node: int = 2
+    spare_nodes: int = 0
+    """Agents started as ``--role spare`` (``spare0``, ...): hot-standby nodes in the launch's pool."""
+    min_nodes: int | None = None
+    """Fewest nodes the run may shrink to (``--nnodes MIN:MAX``); None: the world keeps every node."""
     spares: int = 0
     """Warm spare processes on the node (in-process promotion)."""
     min_ranks: int | None = None
@@ -185,6 +191,11 @@ class Drill:
         return (*self.host_faults, *drawn)
 
     @property
+    def clustered(self) -> bool:
+        """Whether the runner brings up several agents meeting through etcd (more nodes, or spare nodes)."""
+        return self.topology.nodes > 1 or self.topology.spare_nodes > 0
+
+    @property
     def needs_reference(self) -> bool:
         """Whether the uninterrupted reference runs first (equality, or the game day's baseline)."""
         return self.expect.equal == "bitwise" or self.gameday is not None
@@ -262,9 +273,13 @@ def _check(d: Drill) -> None:
     if w.args and w.script == REFERENCE_WORKLOAD:
         raise DrillError("[workload] args: the bundled workload takes steps, checkpoint_every and step_sleep_s; "
                          "args are for a script of yours (script = \"train.py\")")
-    if t.nodes != 1:
-        raise DrillError(f"[topology] nodes = {t.nodes}: this runner brings up one node (several ranks and spares "
-                         "on it); set nodes = 1")
+    if t.nodes < 1 or t.spare_nodes < 0:
+        raise DrillError(f"[topology] nodes = {t.nodes}, spare_nodes = {t.spare_nodes}: nodes must be >= 1 and "
+                         "spare_nodes >= 0")
+    if t.min_nodes is not None and not 1 <= t.min_nodes <= t.nodes:
+        raise DrillError(f"[topology] min_nodes = {t.min_nodes}: must be between 1 and nodes ({t.nodes})")
+    if t.nodes > 1 and t.min_ranks is not None:
+        raise DrillError("[topology] min_ranks shrinks the ranks of one node; across nodes give min_nodes")
     if t.nproc_per_node < 1 or t.spares < 0:
         raise DrillError("[topology] nproc_per_node must be >= 1 and spares >= 0")
     if t.min_ranks is not None and not 1 <= t.min_ranks <= t.nproc_per_node:
@@ -301,8 +316,11 @@ def _check(d: Drill) -> None:
         if hf.step is not None and w.script != REFERENCE_WORKLOAD:
             raise DrillError(f"{where}step = {hf.step} reads the bundled workload's trace (and its checkpoint "
                              "directory); with a script of yours, trigger by time: at_s = SECONDS")
-    if d.gameday is not None and (t.spares or t.min_ranks is not None):
-        raise DrillError("[gameday] measures restarts against Young/Daly: leave out [topology] spares and min_ranks")
+        if hf.kind in ("kill_node", "store_outage") and not d.clustered:
+            raise DrillError(f"{where}needs agents meeting through etcd: give [topology] nodes = 2 or more")
+    if d.gameday is not None and (t.spares or t.min_ranks is not None or t.spare_nodes or t.min_nodes is not None):
+        raise DrillError("[gameday] measures restarts against Young/Daly: leave out [topology] spares, spare_nodes, "
+                         "min_ranks and min_nodes")
     if not d.faults and not d.host_faults and d.random is None and d.gameday is None:
         raise DrillError("no faults: add a [[faults]] table (kind, step, rank, ...), a [[host_faults]] table or a "
                          "[random] schedule")
@@ -361,7 +379,7 @@ def _build(cls: Any, table: str, values: Mapping[str, Any]) -> Any:
     return cls(**out)
 
 
-_INTS = {"max_redone_steps", "min_ranks"}
+_INTS = {"max_redone_steps", "min_ranks", "min_nodes"}
 _FLOATS = {"detected_within_s", "resumed_within_s", "min_goodput", "hang_s", "alerted_within_s"}
 _STRS = {"rung"}
 

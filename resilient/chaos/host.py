@@ -16,6 +16,12 @@ training job:
   for the run (:meth:`HostInjector.prepare`); at the trigger a file fills
   it to the last byte, so saves fail with ENOSPC, and it is removed after
   ``duration_s`` (never, when left out);
+- ``kill_node``: the agent of the node that runs ``rank`` is sent SIGKILL,
+  and its workers and spares die with it (a machine lost, with its agent):
+  the other nodes see its lease lapse;
+- ``store_outage``: the run's etcd (started by the runner for a drill of
+  several nodes) is stopped, and started again after ``duration_s`` on the
+  same ports with the same data (a control plane that goes away);
 - ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
   newest committed checkpoint at or after ``step`` has bytes flipped in its
   middle, or is cut to half its length, after its commit (bit rot, a torn
@@ -48,7 +54,10 @@ from typing import Any
 from ..errors import ConfigError
 from ..watchdog.procfs import read_stat
 
-HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk")
+HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk",
+                    "kill_node", "store_outage")
+NEEDS_STORE = ("store_outage",)
+"""Host faults that act on the etcd of a drill of several nodes."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 FILLER = ".drill-disk-filler"
 MANIFEST = "manifest.json"
@@ -83,6 +92,8 @@ class HostFault:
             raise HostFaultError(f"{self.kind}: give step = N (the first commit at or after step N is damaged)")
         if self.kind == "freeze" and self.duration_s is None:
             raise HostFaultError("freeze: give duration_s (a rank frozen for good is a hang no drill can end)")
+        if self.kind == "store_outage" and self.duration_s is None:
+            raise HostFaultError("store_outage: give duration_s (how long etcd is down before it is started again)")
         if self.duration_s is not None and self.duration_s <= 0:
             raise HostFaultError(f"{self.kind}: duration_s = {self.duration_s}: must be seconds > 0")
         if not 0.01 <= self.quota <= 1.0:
@@ -96,6 +107,10 @@ class HostFault:
         when = f"after rank {self.rank} completes step {self.step}" if self.step is not None else f"at {self.at_s:g} s"
         if self.kind == "kill":
             what = f"SIGKILL rank {self.rank}"
+        elif self.kind == "kill_node":
+            what = f"SIGKILL the agent of rank {self.rank}'s node"
+        elif self.kind == "store_outage":
+            what = f"stop etcd for {self.duration_s:g} s"
         elif self.kind == "freeze":
             what = f"freeze rank {self.rank} for {self.duration_s:g} s"
         elif self.kind == "cpu_quota":
@@ -149,7 +164,7 @@ def _cgroup_v2() -> bool:
 
 def unavailable(kind: str) -> str | None:
     """Why this machine cannot produce ``kind`` (None: it can)."""
-    if kind in ("kill", "corrupt_checkpoint", "truncate_checkpoint"):
+    if kind in ("kill", "corrupt_checkpoint", "truncate_checkpoint", "kill_node", "store_outage"):
         return None
     if os.geteuid() != 0:
         if kind == "fill_disk":
@@ -219,8 +234,12 @@ class _Cgroup:
 class HostInjector:
     """Fires a drill's host faults as the faulted run reaches them, records them, and undoes them on close."""
 
-    def __init__(self, faults: tuple[HostFault, ...], run_out: Path, ckpt_dir: Path, label: str) -> None:
+    def __init__(self, faults: tuple[HostFault, ...], run_out: Path, ckpt_dir: Path, label: str,
+                 store: Any = None) -> None:
         self.faults = faults
+        self.store = store
+        """The drill's etcd (``stop()`` and ``start()``, same ports and data), for ``store_outage``."""
+        self._down: list[tuple[float, HostFault]] = []
         self.run_out, self.ckpt_dir, self.label = run_out, ckpt_dir, label
         self.log = run_out / "host_faults.jsonl"
         self.started = time.monotonic()
@@ -327,17 +346,23 @@ class HostInjector:
                 found.append((n, d))
         return max(found)[1] if found else None
 
-    def _pid(self, rank: int) -> int | None:
-        """The pid of the member with ``rank`` on node n0, from the agent's pids.json."""
-        for path in (self.run_out / "run" / "nodes").glob("*/pids.json"):
+    def _member(self, rank: int) -> tuple[str, int, int | None] | None:
+        """(node, worker pid, agent pid) of the member with ``rank``, from the agents' pids.json files."""
+        for path in sorted((self.run_out / "run" / "nodes").glob("*/pids.json")):
             try:
-                workers = json.loads(path.read_text()).get("workers") or []
+                pids = json.loads(path.read_text())
             except (OSError, json.JSONDecodeError):
                 continue
-            for w in workers:
+            for w in pids.get("workers") or []:
                 if w.get("rank") == rank:
-                    return int(w["pid"])
+                    agent = (pids.get("agent") or {}).get("pid")
+                    return path.parent.name, int(w["pid"]), None if agent is None else int(agent)
         return None
+
+    def _pid(self, rank: int) -> int | None:
+        """The pid of the member with ``rank``, on whichever node runs it."""
+        member = self._member(rank)
+        return None if member is None else member[1]
 
     # ------------------------------------------------------------ acting
     def poll(self) -> None:
@@ -345,11 +370,16 @@ class HostInjector:
         self._read_trace()
         for i, fault in enumerate(self.faults):
             if i not in self._fired and self._due(fault):
+                at = time.time()  # the moment the fault begins (stopping a server takes a while)
                 detail = self._fire(fault)
                 if detail is not None:
                     self._fired.add(i)
-                    self._record("fault_injected", fault, detail)
+                    self._record("fault_injected", fault, detail, at)
         now = time.monotonic()
+        for down in list(self._down):
+            if now >= down[0]:
+                self._restore_store(down[1])
+                self._down.remove(down)
         for filled in list(self._filled):
             if filled[0] is not None and now >= filled[0]:
                 self._unfill(filled[1])
@@ -384,6 +414,26 @@ class HostInjector:
                 os.fsync(f.fileno())
             return {"checkpoint": commit.name, "file": str(target.relative_to(commit)), "flipped_bytes": len(chunk),
                     "at": size // 2}
+        if fault.kind == "store_outage":
+            if self.store is None:
+                raise RuntimeError("store_outage needs the drill's etcd: give [topology] nodes > 1")
+            assert fault.duration_s is not None
+            self.store.stop()
+            self._down.append((time.monotonic() + fault.duration_s, fault))
+            return {"store": getattr(self.store, "url", "etcd")}
+        if fault.kind == "kill_node":
+            member = self._member(fault.rank)
+            if member is None or member[2] is None:
+                return None
+            node, agent = member[0], member[2]
+            st = read_stat(agent)
+            if st is None or st.state in ("Z", "X"):
+                return None
+            try:
+                os.kill(agent, signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+            return {"node": node, "agent_pid": agent}
         pid = self._pid(fault.rank)
         if pid is None:
             return None  # the rank's process is not known yet: try again at the next poll
@@ -415,6 +465,15 @@ class HostInjector:
         self._undo.append((until, fault, group))
         return {"pid": pid, "cgroup": str(group.path), "quota_us": quota_us, "period_us": PERIOD_US}
 
+    def _restore_store(self, fault: HostFault) -> None:
+        self.store.start()
+        self._record("fault_lifted", fault, {})
+
+    def killed_nodes(self) -> set[str]:
+        """The nodes whose agents a ``kill_node`` fault killed (their exit status is the drill's doing)."""
+        return {str(e["node"]) for e in self.events() if e.get("kind") == "fault_injected" and "node" in e
+                and (e.get("fault") or {}).get("kind") == "kill_node"}
+
     def _unfill(self, fault: HostFault) -> None:
         (self.ckpt_dir / FILLER).unlink(missing_ok=True)
         self._record("fault_lifted", fault, {})
@@ -425,8 +484,8 @@ class HostInjector:
         group.release()
         self._record("fault_lifted", fault, {"pid": group.pid})
 
-    def _record(self, kind: str, fault: HostFault, detail: dict[str, Any]) -> None:
-        line = {"time": time.time(), "kind": kind, "source": "host", "fault": fault.to_dict(),
+    def _record(self, kind: str, fault: HostFault, detail: dict[str, Any], at: float | None = None) -> None:
+        line = {"time": time.time() if at is None else at, "kind": kind, "source": "host", "fault": fault.to_dict(),
                 "description": fault.describe(), **detail}
         with open(self.log, "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -437,6 +496,9 @@ class HostInjector:
         for _, fault in self._filled:
             self._unfill(fault)
         self._filled.clear()
+        for _, fault in self._down:
+            self._restore_store(fault)  # a store left down would make the teardown's agents wait on it
+        self._down.clear()
         left = []
         for _, fault, group in self._undo:
             try:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import monitor
+from . import cluster, monitor
 from .drill import Drill
 from .gameday import predict
 from .host import HostInjector, unavailable
@@ -57,13 +57,23 @@ class DrillResult:
 
 
 def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run_id: str,
-                  metrics_port: int | None = None) -> list[str]:
-    """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares)."""
+                  metrics_port: int | None = None, *, node: str = "n0", spare: bool = False,
+                  store: str | None = None) -> list[str]:
+    """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares).
+
+    The reference of a drill of several nodes is one agent with every rank of the world (the same world, the
+    same data split, the same sums); its faulted run is one agent per ``node``, meeting through ``store``."""
     t, w = drill.topology, drill.workload
     ranks = str(t.nproc_per_node) if t.min_ranks is None or plan is None else f"{t.min_ranks}:{t.nproc_per_node}"
+    if plan is None and drill.clustered:
+        ranks = str(drill.world)
     restarts = 3 + len(drill.all_host_faults) + len(drill.faults)
     cmd = [sys.executable, "-m", "resilient", "run", "--run-dir", str(run_dir), "--quiet", "--run-id", run_id,
-           "--node-id", "n0", "--nproc-per-node", ranks, "--max-restarts", str(restarts)]
+           "--node-id", node, "--nproc-per-node", ranks, "--max-restarts", str(restarts)]
+    if plan is not None and store is not None:
+        nnodes = str(t.nodes) if t.min_nodes is None else f"{t.min_nodes}:{t.nodes}"
+        cmd += ["--nnodes", nnodes, "--store", store, "--local-addr", "127.0.0.1", "--rdzv-last-call", "1",
+                *(["--role", "spare"] if spare else [])]
     if plan is not None:
         cmd += ["--fault-plan", str(plan), *(["--spares", str(t.spares)] if t.spares else [])]
         for name, seconds in t.section_timeouts:
@@ -88,32 +98,45 @@ def run_once(cmd: list[str], log: Path, timeout_s: float, progress: Progress | N
 
     ``tick`` is called ten times a second while it runs (the host faults' injector).  Whatever happens (the
     timeout, Ctrl-C, an error here), the whole group is killed before this returns."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    code: int | None = None
+    return run_agents({"": (cmd, log)}, timeout_s, progress, label, tick)[""]
+
+
+def run_agents(agents: dict[str, tuple[list[str], Path]], timeout_s: float, progress: Progress | None = None,
+               label: str = "", tick: Callable[[], None] | None = None) -> dict[str, int | None]:
+    """Run every agent (``{node: (command, log)}``), each in a process group of its own, until all have ended;
+    each one's exit status, None for those still running at ``timeout_s``.  Every group is killed before this
+    returns, whatever happens."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    codes: dict[str, int | None] = {name: None for name in agents}
     started = time.monotonic()
     try:
+        for name, (cmd, log) in agents.items():
+            log.parent.mkdir(parents=True, exist_ok=True)
+            with open(log, "w") as out:
+                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         while True:
-            try:
-                code = proc.wait(timeout=0.1 if tick is not None else 1.0)
+            for name, proc in procs.items():
+                if codes[name] is None:
+                    codes[name] = proc.poll()
+            if all(c is not None for c in codes.values()):
                 break
-            except subprocess.TimeoutExpired:
-                if tick is not None:
-                    tick()
-                elapsed = time.monotonic() - started
-                if progress is not None:
-                    progress(f"{label}: {elapsed:.0f} s")
-                if elapsed > timeout_s:
-                    break
+            time.sleep(0.1 if tick is not None else 0.5)
+            if tick is not None:
+                tick()
+            elapsed = time.monotonic() - started
+            if progress is not None:
+                progress(f"{label}: {elapsed:.0f} s")
+            if elapsed > timeout_s:
+                break
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent's group; its workers have sessions of their own
-        except ProcessLookupError:
-            pass
-        if code is None:
-            proc.wait(timeout=30)
-    return code
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the agent's group; its workers have sessions of their own
+            except ProcessLookupError:
+                pass
+            if proc.poll() is None:
+                proc.wait(timeout=30)
+    return codes
 
 
 def leftovers(run_dir: Path) -> list[int]:
@@ -216,6 +239,9 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     say = progress or (lambda line: None)
     hosted = drill.all_host_faults
     skipped = next((f"{hf.kind}: {why}" for hf in hosted if (why := unavailable(hf.kind))), None)
+    if skipped is None and drill.clustered:
+        why = cluster.unavailable()
+        skipped = None if why is None else f"nodes: {why}"
     if skipped is None and drill.topology.monitoring:
         why = monitor.unavailable()
         skipped = None if why is None else f"monitoring: {why}"
@@ -229,37 +255,50 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
         ref = out / "reference"
         say(f"{drill.name}: reference run (no faults)")
         try:
-            code = run_once(agent_command(drill, ref / "run", ref, None, f"{drill.name}-ref"), ref / "agent.log",
-                            drill.timeout_s, progress, f"{drill.name} reference")
+            ref_code = run_once(agent_command(drill, ref / "run", ref, None, f"{drill.name}-ref"),
+                                ref / "agent.log", drill.timeout_s, progress, f"{drill.name} reference")
         finally:
             tear_down(ref / "run")
         reference = _final(ref)
-        if code != 0 or reference is None:
-            raise RuntimeError(f"drill {drill.name}: the reference run exited {code} without a final state; "
+        if ref_code != 0 or reference is None:
+            raise RuntimeError(f"drill {drill.name}: the reference run exited {ref_code} without a final state; "
                                f"see {ref / 'agent.log'}")
     plan = drill.plan()
     plan_path = out / "plan.json"
     plan.dump(plan_path)
     faulted = out / "faulted"
     faulted.mkdir(parents=True, exist_ok=True)
-    host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name) if hosted else None
+    host: HostInjector | None = None
     say(f"{drill.name}: faulted run, {len(plan.faults) + len(hosted)} fault(s): "
         + "; ".join([*(f.describe() for f in plan.faults), *(h.describe() for h in hosted)]))
     stuck: list[str] = []
     watch: monitor.Monitoring | None = None
     notified: list[dict[str, Any]] = []
     commits: tuple[int, list[str]] | None = None
+    etcd: cluster.Etcd | None = None
+    code: int | None = None
     try:
-        if host is not None:
+        if drill.clustered:
+            etcd = cluster.Etcd(faulted / "etcd")
+        if hosted:
+            host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name, store=etcd)
             host.prepare()
-        port = None
         if drill.topology.monitoring:
             watch = monitor.Monitoring(faulted / "monitoring", for_s=drill.topology.alert_for_s)
-            port = monitor.free_port()
-            watch.scrape("n0", f"127.0.0.1:{port}")
-        code = run_once(agent_command(drill, faulted / "run", faulted, plan_path, drill.name, port),
-                        faulted / "agent.log", drill.timeout_s, progress, f"{drill.name} faulted",
-                        tick=None if host is None else host.poll)
+        names = cluster.node_names(drill.topology.nodes, drill.topology.spare_nodes) if drill.clustered \
+            else [("n0", False)]
+        agents = {}
+        for node, spare in names:
+            port = None
+            if watch is not None:
+                port = monitor.free_port()
+                watch.scrape(node, f"127.0.0.1:{port}")
+            cmd = agent_command(drill, faulted / "run", faulted, plan_path, drill.name, port, node=node, spare=spare,
+                                store=None if etcd is None else etcd.url)
+            agents[node] = (cmd, faulted / ("agent.log" if not drill.clustered else f"agent-{node}.log"))
+        codes = run_agents(agents, drill.timeout_s, progress, f"{drill.name} faulted",
+                           tick=None if host is None else host.poll)
+        code = _exit_code(codes, set() if host is None else host.killed_nodes())
     finally:
         if host is not None:  # thawed first: a frozen process cannot die, not even of SIGKILL
             stuck = host.close()
@@ -273,11 +312,23 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
             notified = [{**n, "kind": "alert_notified"} for n in watch.notifications()]
             watch.close()
             killed = [*killed, *watch.pids()]  # a server that outlived close() is a process left behind
+        if etcd is not None:
+            etcd.close()
+            killed = [*killed, *etcd.pids()]
     events = _read_jsonl(faulted / "run" / "events.jsonl") + ([] if host is None else host.events()) + notified
     obs = Observed(events=events, trace=_read_jsonl(faulted / "trace.jsonl"), final=_final(faulted),
                    reference=reference, goodput=_goodput(faulted / "run"), exit_code=code, left_behind=len(killed),
                    cgroups_left=len(stuck), gameday=_gameday(drill, out, events), commits=commits)
     return _finish(drill, obs, out)
+
+
+def _exit_code(codes: dict[str, int | None], killed: set[str]) -> int | None:
+    """The run's exit status from its agents': None when one overran the timeout, else the first non-zero of
+    the agents the drill did not kill itself (a node lost by ``kill_node`` dies of SIGKILL by design)."""
+    if any(c is None for c in codes.values()):
+        return None
+    kept = [c for node, c in codes.items() if node not in killed]
+    return next((c for c in kept if c != 0), 0)
 
 
 def _finish(drill: Drill, obs: Observed, out: Path) -> DrillResult:

@@ -37,8 +37,12 @@ from .drill import Drill
 DETECTIONS = ("worker_failed", "hang_detected", "straggler_flagged", "node_lost", "node_unhealthy",
               "slowdown_began", "incident", "recovery_decided")
 """Events that mean the agent noticed a fault (an in-process rung records its incident and decision at once)."""
-FAULT_DETECTIONS: dict[str, tuple[str, ...]] = {"fill_disk": ("checkpoint_failed",)}
-"""Faults whose detection is an event of their own: a full disk is noticed by the save that fails."""
+FAULT_DETECTIONS: dict[str, tuple[str, ...]] = {"fill_disk": ("checkpoint_failed",),
+                                                "store_outage": ("store_outage_start",)}
+"""Faults whose detection is an event of their own: a full disk is noticed by the save that fails, a store
+outage by the agents' losing it."""
+FAULT_RESUMES: dict[str, tuple[str, ...]] = {"store_outage": ("store_outage_end",)}
+"""Faults that do not stop training, whose end is an event of its own: the agents have their store back."""
 LATENT = ("corrupt_checkpoint", "truncate_checkpoint")
 """Faults that act only when what they damaged is read."""
 CAUGHT = ("checkpoint_quarantined", "checkpoint_fallback")
@@ -119,7 +123,8 @@ def measure(obs: Observed) -> Measured:
         if decided is not None:
             rung = "restart" if decided["kind"] == "restart" else str(decided.get("action"))
         generation = detected.get("generation")
-        resumed = next((e for e in after if e.get("kind") == "recovered_in_process"
+        ends = FAULT_RESUMES.get(str((fault or {}).get("fault", {}).get("kind")), ("recovered_in_process",))
+        resumed = next((e for e in after if e.get("kind") in ends
                         or (e.get("kind") == "restored" and generation is not None
                             and int(e.get("generation") or 0) > int(generation))), None)
         if resumed is not None:
