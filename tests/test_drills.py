@@ -207,9 +207,12 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     records = json.loads((out / "drills.json").read_text())
     assert {r["drill"] for r in records} == {load_drill(p).name for p in SHIPPED}
+    drills = {load_drill(p).name: load_drill(p) for p in SHIPPED}
     for r in records:
         assert r["passed"], r  # none skipped: this machine has the cgroups (v1, as root) the host faults need
-        assert r["measured"]["fault_at"] is not None and r["measured"]["detect_s"] is not None
+        assert r["measured"]["fault_at"] is not None
+        if drills[r["drill"]].expect.detected_within_s is not None:
+            assert r["measured"]["detect_s"] is not None, r
         for latent in r["measured"]["latent"]:  # a damaged checkpoint was refused, not restored
             assert latent["caught_by"] == "checkpoint_quarantined" and latent["caught_s"] is not None, r
         if any(f.get("source") == "host" for f in r["faults"]):
@@ -229,6 +232,20 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
     [day] = [r for r in records if r["drill"] == "gameday"]
     assert day["gameday"]["faults"] == 2 and day["gameday"]["incidents"] == 2, day["gameday"]
     assert abs(day["gameday"]["relative_error"]) <= 0.15 and day["gameday"]["young_interval_steps"] > 0
+    # The flaky store's faults struck requests (counted by the proxy as each window closed), and the S3
+    # client's retries absorbed them; the store that answered only 503 failed saves, reported as such.
+    lifted = [json.loads(line) for line in (out / "s3-flaky" / "faulted" / "host_faults.jsonl").read_text()
+              .splitlines() if '"fault_lifted"' in line]
+    assert [e["fault"]["kind"] for e in lifted] == ["s3_errors", "s3_drop"], lifted
+    assert lifted[0]["requests"]["errors"] > 0 and lifted[1]["requests"]["drop"] > 0, lifted
+    failed = [json.loads(line) for line in (out / "s3-outage" / "faulted" / "run" / "events.jsonl").read_text()
+              .splitlines() if '"checkpoint_failed"' in line]
+    assert failed and all("the store is throttling or unavailable (SlowDown" in e["error"] for e in failed), failed
+    # Several nodes: the spare node's worker took rank 1; the shrink left two ranks.
+    trace = [json.loads(line) for line in (out / "kill-node" / "faulted" / "trace.jsonl").read_text().splitlines()]
+    assert {t["worker"] for t in trace if t["rank"] == 1 and t["step"] > 31} == {"spare0.s0"}
+    trace = [json.loads(line) for line in (out / "shrink-node" / "faulted" / "trace.jsonl").read_text().splitlines()]
+    assert {t["world"] for t in trace if t["step"] > 35} == {2} and {t["world"] for t in trace if t["step"] < 25} == {3}
     table = (out / "drills.md").read_text()
     assert all(f"| {r['drill']} |" in table for r in records)
     # The same suite compared with itself: no regression.

@@ -300,3 +300,45 @@ def test_missing_boto3_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_url() -> None:
     with pytest.raises(StorageError, match="names no bucket"):
         S3Storage("s3:///prefix")
+
+
+def test_a_store_in_trouble_is_named_as_such_and_retries_absorb_a_flaky_one(s3_url: tuple[str, str]) -> None:
+    """Through the drills' fault proxy in front of the real server: 503s and dropped connections."""
+    from urllib.parse import urlsplit
+
+    from resilient.chaos.s3proxy import FaultProxy
+
+    up = urlsplit(s3_url[1])
+    proxy = FaultProxy((str(up.hostname), int(up.port or 80)), seed=3)
+    try:
+        store = store_for((s3_url[0], proxy.url), max_attempts=3)
+        body = [memoryview(os.urandom(4096))]
+        staging = store.begin("step_0000000001", "tokA")
+        before = proxy.counts()["forwarded"]
+        proxy.set_fault("errors", rate=1.0)
+        with pytest.raises(StorageError) as err:
+            store.write_file(staging, "a.bin", body, CHUNK)
+        assert "the store is throttling or unavailable (SlowDown" in str(err.value), str(err.value)
+        assert "after 4 attempts" in str(err.value) and "permissions" not in str(err.value)
+        # The first attempt and its 3 retries, and no more: nothing got through.
+        assert proxy.counts()["errors"] == 4 and proxy.counts()["forwarded"] == before, proxy.counts()
+        proxy.set_fault("drop", rate=1.0)
+        with pytest.raises(StorageError, match="cannot reach S3"):
+            store.write_file(staging, "a.bin", body, CHUNK)
+        proxy.set_fault("drop", rate=0.3)
+        for i in range(10):  # a fault-tolerant client: each write lands despite the drops
+            store.write_file(staging, f"f{i}.bin", body, CHUNK)
+        proxy.set_fault("errors", rate=0.3)
+        for i in range(10, 20):
+            store.write_file(staging, f"f{i}.bin", body, CHUNK)
+        counts = proxy.counts()
+        assert counts["drop"] > 3 + 0 and counts["errors"] > 3, counts  # the shares struck (beyond the 1.0 phases)
+        proxy.set_fault("slow", delay_s=0.3)
+        started = time.monotonic()
+        store.write_file(staging, "slow.bin", body, CHUNK)
+        assert time.monotonic() - started >= 0.3
+        proxy.clear()
+        assert sorted(k.rsplit("/", 1)[1] for k in keys(s3_url)) == sorted(
+            [f"f{i}.bin" for i in range(20)] + ["slow.bin"])
+    finally:
+        proxy.close()

@@ -46,12 +46,13 @@ import tomllib
 
 from ..errors import ConfigError
 from .gameday import GameDay
-from .host import HostFault, HostFaultError, parse_host_faults
+from .host import STORAGE_FAULTS, HostFault, HostFaultError, parse_host_faults
 from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 
 RUNGS = ("retry_in_place", "promote_spare", "shrink", "restart")
 """What an expectation's ``rung`` may name: the recovery ladder's rungs, cheapest first."""
 EQUALITY = ("bitwise", "none")
+STORAGE = ("local", "s3")
 REFERENCE_WORKLOAD = "reference"
 """``workload.script`` for the bundled workload (:mod:`resilient.chaos.workload`)."""
 
@@ -94,6 +95,9 @@ class Topology:
     """Per-section hang timeouts (``--section-timeout NAME=S``), e.g. (("step", 3.0),)."""
     agent_args: tuple[str, ...] = ()
     """Further ``resilient run`` flags, as given."""
+    storage: str = "local"
+    """Where the faulted run checkpoints: "local" (a directory), or "s3" (a bucket on moto's S3 server on loopback,
+    through the fault proxy of :mod:`resilient.chaos.s3proxy`)."""
     monitoring: bool = False
     """Prometheus (scraping the agent) and Alertmanager (the shipped rules and routes) for the faulted run."""
     alert_for_s: float = 1.0
@@ -278,6 +282,11 @@ def _check(d: Drill) -> None:
                          "spare_nodes >= 0")
     if t.min_nodes is not None and not 1 <= t.min_nodes <= t.nodes:
         raise DrillError(f"[topology] min_nodes = {t.min_nodes}: must be between 1 and nodes ({t.nodes})")
+    if t.storage not in STORAGE:
+        raise DrillError(f"[topology] storage = {t.storage!r}: use one of {', '.join(STORAGE)}")
+    if t.storage == "s3" and w.script != REFERENCE_WORKLOAD:
+        raise DrillError("[topology] storage = \"s3\" points the bundled workload's checkpoints at the drill's S3 "
+                         "server; a script of yours keeps its checkpoints where it does: leave storage out")
     if t.nodes > 1 and t.min_ranks is not None:
         raise DrillError("[topology] min_ranks shrinks the ranks of one node; across nodes give min_nodes")
     if t.nproc_per_node < 1 or t.spares < 0:
@@ -316,6 +325,10 @@ def _check(d: Drill) -> None:
         if hf.step is not None and w.script != REFERENCE_WORKLOAD:
             raise DrillError(f"{where}step = {hf.step} reads the bundled workload's trace (and its checkpoint "
                              "directory); with a script of yours, trigger by time: at_s = SECONDS")
+        if hf.kind in STORAGE_FAULTS and t.storage != "s3":
+            raise DrillError(f"{where}acts on the drill's S3 endpoint: give [topology] storage = \"s3\"")
+        if hf.kind in ("fill_disk", "corrupt_checkpoint", "truncate_checkpoint") and t.storage != "local":
+            raise DrillError(f"{where}acts on a local checkpoint directory: leave [topology] storage out")
         if hf.kind in ("kill_node", "store_outage") and not d.clustered:
             raise DrillError(f"{where}needs agents meeting through etcd: give [topology] nodes = 2 or more")
     if d.gameday is not None and (t.spares or t.min_ranks is not None or t.spare_nodes or t.min_nodes is not None):

@@ -22,6 +22,10 @@ training job:
 - ``store_outage``: the run's etcd (started by the runner for a drill of
   several nodes) is stopped, and started again after ``duration_s`` on the
   same ports with the same data (a control plane that goes away);
+- ``s3_errors`` / ``s3_drop`` / ``s3_slow``: for ``duration_s`` the proxy in
+  front of the drill's S3 server (:mod:`resilient.chaos.s3proxy`) answers a
+  share ``rate`` of requests ``503 SlowDown``, closes a share ``rate`` of
+  connections unanswered, or holds every request ``delay_s``;
 - ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
   newest committed checkpoint at or after ``step`` has bytes flipped in its
   middle, or is cut to half its length, after its commit (bit rot, a torn
@@ -55,7 +59,9 @@ from ..errors import ConfigError
 from ..watchdog.procfs import read_stat
 
 HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk",
-                    "kill_node", "store_outage")
+                    "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow")
+STORAGE_FAULTS = ("s3_errors", "s3_drop", "s3_slow")
+"""Host faults of the drill's S3 endpoint (``[topology] storage = "s3"``)."""
 NEEDS_STORE = ("store_outage",)
 """Host faults that act on the etcd of a drill of several nodes."""
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -82,6 +88,10 @@ class HostFault:
     """``cpu_quota``: the share of one CPU the rank may use."""
     size_mb: int = 64
     """``fill_disk``: the size of the tmpfs mounted at the checkpoint directory."""
+    rate: float = 1.0
+    """``s3_errors`` / ``s3_drop``: the share of requests that fail."""
+    delay_s: float = 0.5
+    """``s3_slow``: how long each request is held."""
 
     def __post_init__(self) -> None:
         if self.kind not in HOST_FAULT_KINDS:
@@ -92,6 +102,12 @@ class HostFault:
             raise HostFaultError(f"{self.kind}: give step = N (the first commit at or after step N is damaged)")
         if self.kind == "freeze" and self.duration_s is None:
             raise HostFaultError("freeze: give duration_s (a rank frozen for good is a hang no drill can end)")
+        if self.kind in STORAGE_FAULTS and self.duration_s is None:
+            raise HostFaultError(f"{self.kind}: give duration_s (how long the store is troubled)")
+        if not 0 < self.rate <= 1:
+            raise HostFaultError(f"{self.kind}: rate = {self.rate}: a share of requests, above 0 and at most 1")
+        if not 0 < self.delay_s <= 60:
+            raise HostFaultError(f"{self.kind}: delay_s = {self.delay_s}: seconds above 0 and at most 60")
         if self.kind == "store_outage" and self.duration_s is None:
             raise HostFaultError("store_outage: give duration_s (how long etcd is down before it is started again)")
         if self.duration_s is not None and self.duration_s <= 0:
@@ -111,6 +127,12 @@ class HostFault:
             what = f"SIGKILL the agent of rank {self.rank}'s node"
         elif self.kind == "store_outage":
             what = f"stop etcd for {self.duration_s:g} s"
+        elif self.kind == "s3_errors":
+            what = f"answer {self.rate:.0%} of S3 requests 503 SlowDown for {self.duration_s:g} s"
+        elif self.kind == "s3_drop":
+            what = f"drop {self.rate:.0%} of S3 connections unanswered for {self.duration_s:g} s"
+        elif self.kind == "s3_slow":
+            what = f"hold every S3 request {self.delay_s:g} s for {self.duration_s:g} s"
         elif self.kind == "freeze":
             what = f"freeze rank {self.rank} for {self.duration_s:g} s"
         elif self.kind == "cpu_quota":
@@ -127,14 +149,15 @@ class HostFault:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and (k != "size_mb" or self.kind == "fill_disk")
-                and (k != "quota" or self.kind == "cpu_quota")}
+                and (k != "quota" or self.kind == "cpu_quota")
+                and (k != "rate" or self.kind in ("s3_errors", "s3_drop")) and (k != "delay_s" or self.kind == "s3_slow")}
 
 
 def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
     """``[[host_faults]]`` tables as faults; HostFaultError naming the table and the key."""
     if not isinstance(raw, list):
         raise HostFaultError("host_faults: write each host fault as a [[host_faults]] table")
-    known = {"kind", "rank", "step", "at_s", "duration_s", "quota", "size_mb"}
+    known = {"kind", "rank", "step", "at_s", "duration_s", "quota", "size_mb", "rate", "delay_s"}
     out = []
     for i, table in enumerate(raw):
         where = f"[[host_faults]] #{i + 1}: "
@@ -146,10 +169,11 @@ def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
         for key in ("rank", "step", "size_mb"):
             if key in table and (isinstance(table[key], bool) or not isinstance(table[key], int)):
                 raise HostFaultError(f"{where}{key} = {table[key]!r}: must be an integer")
-        for key in ("at_s", "duration_s", "quota"):
+        floats = ("at_s", "duration_s", "quota", "rate", "delay_s")
+        for key in floats:
             if key in table and (isinstance(table[key], bool) or not isinstance(table[key], (int, float))):
                 raise HostFaultError(f"{where}{key} = {table[key]!r}: must be a number")
-        values: dict[str, Any] = {k: (float(v) if k in ("at_s", "duration_s", "quota") else v)
+        values: dict[str, Any] = {k: (float(v) if k in floats else v)
                                   for k, v in table.items()}
         try:
             out.append(HostFault(**values))
@@ -166,6 +190,10 @@ def unavailable(kind: str) -> str | None:
     """Why this machine cannot produce ``kind`` (None: it can)."""
     if kind in ("kill", "corrupt_checkpoint", "truncate_checkpoint", "kill_node", "store_outage"):
         return None
+    if kind in STORAGE_FAULTS:
+        from .s3proxy import unavailable as storage_unavailable
+
+        return storage_unavailable()
     if os.geteuid() != 0:
         if kind == "fill_disk":
             return f"fill_disk needs root to mount a tmpfs (this runner runs as uid {os.geteuid()})"
@@ -235,9 +263,12 @@ class HostInjector:
     """Fires a drill's host faults as the faulted run reaches them, records them, and undoes them on close."""
 
     def __init__(self, faults: tuple[HostFault, ...], run_out: Path, ckpt_dir: Path, label: str,
-                 store: Any = None) -> None:
+                 store: Any = None, s3: Any = None) -> None:
         self.faults = faults
         self.store = store
+        self.s3 = s3
+        """The drill's S3 fault proxy (:class:`resilient.chaos.s3proxy.FaultProxy`), for the storage faults."""
+        self._troubled: list[tuple[float, HostFault]] = []
         """The drill's etcd (``stop()`` and ``start()``, same ports and data), for ``store_outage``."""
         self._down: list[tuple[float, HostFault]] = []
         self.run_out, self.ckpt_dir, self.label = run_out, ckpt_dir, label
@@ -376,6 +407,10 @@ class HostInjector:
                     self._fired.add(i)
                     self._record("fault_injected", fault, detail, at)
         now = time.monotonic()
+        for troubled in list(self._troubled):
+            if now >= troubled[0]:
+                self._clear_s3(troubled[1])
+                self._troubled.remove(troubled)
         for down in list(self._down):
             if now >= down[0]:
                 self._restore_store(down[1])
@@ -414,6 +449,13 @@ class HostInjector:
                 os.fsync(f.fileno())
             return {"checkpoint": commit.name, "file": str(target.relative_to(commit)), "flipped_bytes": len(chunk),
                     "at": size // 2}
+        if fault.kind in STORAGE_FAULTS:
+            if self.s3 is None:
+                raise RuntimeError(f"{fault.kind} needs the drill's S3 endpoint: give [topology] storage = \"s3\"")
+            assert fault.duration_s is not None
+            self.s3.set_fault(fault.kind.removeprefix("s3_"), rate=fault.rate, delay_s=fault.delay_s)
+            self._troubled.append((time.monotonic() + fault.duration_s, fault))
+            return {"proxy": self.s3.url}
         if fault.kind == "store_outage":
             if self.store is None:
                 raise RuntimeError("store_outage needs the drill's etcd: give [topology] nodes > 1")
@@ -465,6 +507,10 @@ class HostInjector:
         self._undo.append((until, fault, group))
         return {"pid": pid, "cgroup": str(group.path), "quota_us": quota_us, "period_us": PERIOD_US}
 
+    def _clear_s3(self, fault: HostFault) -> None:
+        self.s3.clear()
+        self._record("fault_lifted", fault, {"requests": self.s3.counts()})
+
     def _restore_store(self, fault: HostFault) -> None:
         self.store.start()
         self._record("fault_lifted", fault, {})
@@ -496,6 +542,9 @@ class HostInjector:
         for _, fault in self._filled:
             self._unfill(fault)
         self._filled.clear()
+        for _, fault in self._troubled:
+            self._clear_s3(fault)
+        self._troubled.clear()
         for _, fault in self._down:
             self._restore_store(fault)  # a store left down would make the teardown's agents wait on it
         self._down.clear()

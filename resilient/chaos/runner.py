@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import cluster, monitor
+from . import cluster, monitor, s3proxy
 from .drill import Drill
 from .gameday import predict
 from .host import HostInjector, unavailable
@@ -58,7 +58,7 @@ class DrillResult:
 
 def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run_id: str,
                   metrics_port: int | None = None, *, node: str = "n0", spare: bool = False,
-                  store: str | None = None) -> list[str]:
+                  store: str | None = None, ckpt: str | None = None, endpoint: str | None = None) -> list[str]:
     """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares).
 
     The reference of a drill of several nodes is one agent with every rank of the world (the same world, the
@@ -84,7 +84,8 @@ def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run
     script = drill.script_path()
     if script is None:
         cmd += ["-m", "resilient.chaos.workload", "--steps", str(w.steps), "--out", str(out),
-                "--ckpt", str(out / "ckpt"), "--every", str(w.checkpoint_every)]
+                "--ckpt", ckpt or str(out / "ckpt"), "--every", str(w.checkpoint_every),
+                *(["--endpoint-url", endpoint] if endpoint else [])]
         if w.step_sleep_s:
             cmd += ["--step-sleep", f"{w.step_sleep_s:g}"]
     else:
@@ -102,7 +103,8 @@ def run_once(cmd: list[str], log: Path, timeout_s: float, progress: Progress | N
 
 
 def run_agents(agents: dict[str, tuple[list[str], Path]], timeout_s: float, progress: Progress | None = None,
-               label: str = "", tick: Callable[[], None] | None = None) -> dict[str, int | None]:
+               label: str = "", tick: Callable[[], None] | None = None,
+               env: dict[str, str] | None = None) -> dict[str, int | None]:
     """Run every agent (``{node: (command, log)}``), each in a process group of its own, until all have ended;
     each one's exit status, None for those still running at ``timeout_s``.  Every group is killed before this
     returns, whatever happens."""
@@ -113,7 +115,8 @@ def run_agents(agents: dict[str, tuple[list[str], Path]], timeout_s: float, prog
         for name, (cmd, log) in agents.items():
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "w") as out:
-                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                               env=env)
         while True:
             for name, proc in procs.items():
                 if codes[name] is None:
@@ -216,6 +219,18 @@ def _verify_commits(drill: Drill, ckpt: Path) -> tuple[int, list[str]] | None:
     return len(names), bad
 
 
+def _verify_s3_commits(s3: s3proxy.S3Endpoint, url: str) -> tuple[int, list[str]]:
+    """The same check on the drill's bucket, read from the server directly (not through the fault proxy)."""
+    from ..checkpoint.inspect import list_checkpoints, verify_checkpoint
+    from ..checkpoint.storage import open_storage
+
+    with s3proxy.credentials():
+        storage = open_storage(url, endpoint_url=s3.direct)
+        names = [c.name for c in list_checkpoints(storage)]
+        bad = [f"{r.name}: {r.problem}" for r in (verify_checkpoint(storage, n) for n in names) if not r.ok]
+    return len(names), bad
+
+
 def _gameday(drill: Drill, out: Path, events: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The Young/Daly comparison of a game day (None for another drill, or without both runs' ledgers)."""
     if drill.gameday is None:
@@ -239,6 +254,9 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     say = progress or (lambda line: None)
     hosted = drill.all_host_faults
     skipped = next((f"{hf.kind}: {why}" for hf in hosted if (why := unavailable(hf.kind))), None)
+    if skipped is None and drill.topology.storage == "s3":
+        why = s3proxy.unavailable()
+        skipped = None if why is None else f"storage: {why}"
     if skipped is None and drill.clustered:
         why = cluster.unavailable()
         skipped = None if why is None else f"nodes: {why}"
@@ -276,12 +294,20 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     notified: list[dict[str, Any]] = []
     commits: tuple[int, list[str]] | None = None
     etcd: cluster.Etcd | None = None
+    s3: s3proxy.S3Endpoint | None = None
     code: int | None = None
+    ckpt, endpoint, env = str(faulted / "ckpt"), None, None
     try:
         if drill.clustered:
             etcd = cluster.Etcd(faulted / "etcd")
+        if drill.topology.storage == "s3":
+            s3 = s3proxy.S3Endpoint(faulted / "s3", bucket="drill-" + "".join(
+                c if c.isalnum() else "-" for c in drill.name.lower())[:50], seed=drill.seed)
+            ckpt, endpoint = f"s3://{s3.bucket}/ckpt", s3.url
+            env = s3proxy.run_env()
         if hosted:
-            host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name, store=etcd)
+            host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name, store=etcd,
+                                s3=None if s3 is None else s3.proxy)
             host.prepare()
         if drill.topology.monitoring:
             watch = monitor.Monitoring(faulted / "monitoring", for_s=drill.topology.alert_for_s)
@@ -294,17 +320,20 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
                 port = monitor.free_port()
                 watch.scrape(node, f"127.0.0.1:{port}")
             cmd = agent_command(drill, faulted / "run", faulted, plan_path, drill.name, port, node=node, spare=spare,
-                                store=None if etcd is None else etcd.url)
+                                store=None if etcd is None else etcd.url, ckpt=ckpt, endpoint=endpoint)
             agents[node] = (cmd, faulted / ("agent.log" if not drill.clustered else f"agent-{node}.log"))
         codes = run_agents(agents, drill.timeout_s, progress, f"{drill.name} faulted",
-                           tick=None if host is None else host.poll)
+                           tick=None if host is None else host.poll, env=env)
         code = _exit_code(codes, set() if host is None else host.killed_nodes())
     finally:
         if host is not None:  # thawed first: a frozen process cannot die, not even of SIGKILL
             stuck = host.close()
         killed = tear_down(faulted / "run")
         try:
-            commits = _verify_commits(drill, faulted / "ckpt")  # before a tmpfs under it goes
+            if s3 is not None:
+                commits = _verify_s3_commits(s3, ckpt)
+            else:
+                commits = _verify_commits(drill, faulted / "ckpt")  # before a tmpfs under it goes
         finally:
             if host is not None:
                 stuck = sorted(set(stuck) | set(host.leftovers()) | set(host.unmount()))
@@ -315,6 +344,9 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
         if etcd is not None:
             etcd.close()
             killed = [*killed, *etcd.pids()]
+        if s3 is not None:
+            s3.close()
+            killed = [*killed, *s3.pids()]
     events = _read_jsonl(faulted / "run" / "events.jsonl") + ([] if host is None else host.events()) + notified
     obs = Observed(events=events, trace=_read_jsonl(faulted / "trace.jsonl"), final=_final(faulted),
                    reference=reference, goodput=_goodput(faulted / "run"), exit_code=code, left_behind=len(killed),

@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--ckpt", required=True)
+    p.add_argument("--ckpt", required=True, help="a checkpoint directory, or s3://bucket/prefix")
+    p.add_argument("--endpoint-url", default=None, help="the S3-compatible endpoint of an s3:// --ckpt")
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.01 * s))
     data = resilient.ElasticLoader(Synthetic(args.samples), batch_size=args.batch, seed=11)
-    ckpt = resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every, async_save=False, when_busy="wait",
+    ckpt = resilient.CheckpointConfig(dir=args.ckpt, endpoint_url=args.endpoint_url, every_steps=args.every,
+                                      async_save=False, when_busy="wait",
                                       timeout_s=60)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt, ddp=True,
                         seed=0)

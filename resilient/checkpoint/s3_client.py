@@ -19,6 +19,9 @@ LIST_PAGE = 1000
 READ_ATTEMPTS = 3  # a body that breaks mid-stream is fetched again (the SDK retries only the request)
 ABSENT = ("NoSuchKey", "404", "NotFound")
 CONFLICT = ("PreconditionFailed", "ConditionalRequestConflict", "412", "409")
+_UNAVAILABLE = ("SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                "ThrottlingException", "RequestLimitExceeded", "503", "500")
+"""Answers of a store in trouble (retried by the SDK, then reported as such), not of a wrong bucket or key."""
 _AUTH = ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken")
 
 
@@ -42,6 +45,8 @@ class S3Bucket:
         self.bucket, self.prefix = parse_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._root = f"{self.prefix}/" if self.prefix else ""
+        self.max_attempts = max_attempts
+        """Retries after the first attempt (the SDK's ``retries.max_attempts``: a request is tried this plus once)."""
         boto3, Config = import_boto()
         config = Config(
             connect_timeout=connect_timeout,
@@ -84,6 +89,12 @@ class S3Bucket:
                 why = (
                     f"access denied ({code}); check the AWS credentials (AWS_PROFILE, AWS_ACCESS_KEY_ID, "
                     f"instance role) and that they may read, write and list bucket {self.bucket}"
+                )
+            elif code in _UNAVAILABLE or int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0) >= 500:
+                why = (
+                    f"the store is throttling or unavailable ({code}: {message}) after {self.max_attempts + 1} attempts; "
+                    "nothing was committed by this request. If it lasts, check the store's health and request "
+                    "rate (fewer ranks writing at once, a larger CheckpointConfig interval)"
                 )
             else:
                 why = f"S3 error {code}: {message}; check the bucket, prefix and permissions"
