@@ -75,3 +75,19 @@ class DataFetchError(ResilientError):
         self.cause_type = cause_type
         self.cause = cause
         super().__init__(message)
+
+
+class NonFiniteGradientsError(ResilientError):
+    """A gradient held NaN or Inf when the optimizer was about to apply it; the update was not applied."""
+
+    def __init__(self, message: str, *, step: int, rank: int, params: tuple[str, ...] = ()) -> None:
+        self.step = step
+        self.rank = rank
+        self.params = params
+        """Names of (the first few) parameters whose gradient was not finite on this rank."""
+        super().__init__(message)
+
+
+class PersistentNonFiniteError(NonFiniteGradientsError):
+    """Every try of the same step, on the same batch, gave non-finite gradients: the data or the model diverges,
+    and a restart would replay the same (an exit code the agent does not restart)."""

@@ -37,6 +37,7 @@ class EventKind(str, Enum):
     GRACEFUL_STOP = "graceful_stop"  # the worker reached the stop step, committed and stops
     FAULT_INJECTED = "fault_injected"  # a planned chaos fault fires in this worker
     BATCH_PLANNED = "batch_planned"  # run.micro_batches() split the global batch for this world size (or could not)
+    NONFINITE_GRADIENTS = "nonfinite_gradients"  # a gradient held NaN/Inf before the update: not applied, retried
     ATTEMPT_RETRIED = "attempt_retried"  # a step's attempt failed with a peer error, was recovered and is retried
     GROUP_REJOINED = "group_rejoined"  # this worker is in a re-formed group (survivor or promoted spare), state synced
     RECOVERY_GAVE_UP = "recovery_gave_up"  # in-process recovery failed here: the error propagates, the agent restarts
@@ -151,6 +152,7 @@ FAILURE_KINDS: tuple[FailureKind, ...] = get_args(FailureKind)
 
 _WARNING_KINDS = frozenset(
     {
+        EventKind.NONFINITE_GRADIENTS,
         EventKind.CHECKPOINT_FAILED,
         EventKind.CHECKPOINT_QUARANTINED,
         EventKind.CHECKPOINT_FALLBACK,
@@ -216,9 +218,10 @@ class EventLog:
 FORWARDED = frozenset({
     EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_CONFLICT, EventKind.CHECKPOINT_FENCED,
     EventKind.CHECKPOINT_FALLBACK, EventKind.CHECKPOINT_QUARANTINED, EventKind.CHECKPOINT_QUARANTINE_FAILED,
-    EventKind.CHECKPOINT_RETENTION_FAILED,
+    EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS,
 })
-"""What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong, which whoever
+"""What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong and gradients
+that were not finite, which whoever
 reads the run's events (an operator, a drill's score) must see without opening every rank's log."""
 
 

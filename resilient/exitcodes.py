@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import signal
 
-from .errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError
+from .errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, PersistentNonFiniteError
 
 EXIT_OK = 0
 """Finished (or preempted after committing a checkpoint)."""
 EXIT_CONFIG = 78
 """Bad configuration (sysexits' EX_CONFIG): restarting cannot help."""
 EXIT_UNRECOVERABLE = 79
-"""Unrecoverable state (no valid checkpoint, checkpoint does not fit the job)."""
+"""Unrecoverable state (no valid checkpoint, checkpoint does not fit the job, a step that diverges on every try)."""
 
 # The agent's own exit status (what ``resilient run`` returns to a scheduler).
 EXIT_PREEMPTED_AGENT = 75
@@ -54,7 +54,7 @@ def exit_code_for(exc: BaseException) -> int | None:
     """The contract's exit code for an uncaught ``exc``, or None for an ordinary (restartable) failure."""
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
-    if isinstance(exc, (NoValidCheckpointError, CheckpointMismatchError)):
+    if isinstance(exc, (NoValidCheckpointError, CheckpointMismatchError, PersistentNonFiniteError)):
         return EXIT_UNRECOVERABLE
     return None
 

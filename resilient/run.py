@@ -27,6 +27,7 @@ import torch
 from . import __version__
 from . import run_attempt as _attempt
 from . import run_audit as _audit
+from . import run_nonfinite as _nonfinite
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import Restored
@@ -81,6 +82,7 @@ class Run:
         ddp: bool | Mapping[str, Any] = False,
         seed: int = 0,
         audit_every: int = 100,
+        nonfinite: str = "retry",
     ) -> None:
         """``agent``: the agent contract; read from the environment unless given (None: no agent).
 
@@ -90,6 +92,9 @@ class Run:
         wrapped module.  ``seed``: the run's seed for the random streams of
         :meth:`attempt` and :meth:`micro_batches` (:mod:`resilient.run_attempt`).  ``audit_every``: compare
         replicated parameters across ranks every this many steps, 0 never (:mod:`resilient.run_audit`).
+        ``nonfinite``: a gradient with NaN or Inf is never applied; "retry" (the default) retries the step on
+        the same batch inside :meth:`attempt`, "raise" only raises, "off" does not check
+        (:mod:`resilient.run_nonfinite`).
         """
         self.events = events if events is not None else EventLog()
         self._section = "init"
@@ -127,6 +132,9 @@ class Run:
         self.model = model
         """The model to call: the DDP wrapper with ``ddp=True`` under a process group, else the module given."""
         self.optimizer = optimizer
+        self._nonfinite = _nonfinite.checked_mode(nonfinite)
+        self._nonfinite_tries: dict[int, int] = {}
+        self._nonfinite_hook = _nonfinite.install(self, optimizer, self._nonfinite)
         self.scheduler = scheduler
         self.scaler = scaler
         self.data = data

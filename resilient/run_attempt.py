@@ -46,7 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .agent.consequences import is_collective_error  # torch-free: the agent's own classification of peer failures
 from .elastic.batch import BatchPlan
-from .errors import ConfigError, ResilientError
+from .errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError, ResilientError
 from .events import EventKind
 from .run_timing import COMM_HOOK, COMM_STATE
 from .state import unwrap
@@ -263,6 +263,8 @@ def _micro_batches(run: Run, plan: BatchPlan, items: Iterator[Any],
     for k in range(a):
         torch.manual_seed(step_seed(run.seed, run.step, run.rank * a + k))  # before reading: augmentations draw too
         item = next(items)
+        if k == 0 and run._hooks is not None and run._hooks.injector is not None and run._hooks.injector.take_poison():
+            item = poisoned(item)  # a fault plan's "nan": one bad value in this rank's batch
         samples += plan.slot(run.rank, k)[1]
         run._micro_samples = samples  # what report() counts for this step
         if ddp is not None and k + 1 < a:
@@ -270,6 +272,31 @@ def _micro_batches(run: Run, plan: BatchPlan, items: Iterator[Any],
                 yield item
         else:
             yield item
+
+
+def poisoned(batch: Any) -> Any:
+    """``batch`` with its first floating-point tensor copied and its first element set to NaN (the loader's own
+    tensors, and so the retry's batch, stay clean)."""
+    done = False
+
+    def walk(obj: Any) -> Any:
+        nonlocal done
+        if done:
+            return obj
+        if isinstance(obj, torch.Tensor) and obj.is_floating_point() and obj.numel():
+            done = True
+            copy = obj.clone()
+            copy.view(-1)[0] = float("nan")
+            return copy
+        if isinstance(obj, tuple):
+            return type(obj)(*map(walk, obj)) if hasattr(obj, "_fields") else tuple(map(walk, obj))
+        if isinstance(obj, list):
+            return [walk(o) for o in obj]
+        if isinstance(obj, Mapping):
+            return {k: walk(v) for k, v in obj.items()}
+        return obj
+
+    return walk(batch)
 
 
 class Attempt:
@@ -303,6 +330,10 @@ class Attempt:
         run = self._run
         try:
             run._close_micro_batches()  # leaves DDP's no_sync if the body failed between micro-batches
+            if isinstance(exc, NonFiniteGradientsError) and not isinstance(exc, PersistentNonFiniteError):
+                from .run_nonfinite import retry
+
+                return retry(run, exc)  # the same step on the same batch; every rank saw the same verdict
             if exc is None or run._recovery is None or not run._attempt_failed(exc):
                 return False
             if not run._recovery(exc):  # it raises instead when it tried and failed

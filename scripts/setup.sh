@@ -54,6 +54,8 @@ servers=()
 if [ "$target" = tests ]; then
     command -v openssl >/dev/null || apt_packages+=(openssl)  # certificates for the etcd TLS test
     command -v mount >/dev/null || apt_packages+=(mount)      # a tiny tmpfs for the full-disk test
+    command -v ip >/dev/null || apt_packages+=(iproute2)      # network namespaces for the network drills
+    command -v iptables >/dev/null || apt_packages+=(iptables) # their packet loss (a command, no service)
     system_server=""
     command -v prometheus-alertmanager >/dev/null && command -v amtool >/dev/null || system_server=$SYSTEM_SERVER
     for package in "${!SERVER_BINARIES[@]}"; do

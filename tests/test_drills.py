@@ -91,7 +91,7 @@ def test_the_same_seed_gives_the_same_schedule_and_another_seed_another():
 
 
 def test_every_shipped_drill_loads():
-    assert len(SHIPPED) >= 16
+    assert len(SHIPPED) >= 21
     names = [load_drill(p).name for p in SHIPPED]
     assert len(set(names)) == len(names)
 
@@ -216,7 +216,7 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
         for latent in r["measured"]["latent"]:  # a damaged checkpoint was refused, not restored
             assert latent["caught_by"] == "checkpoint_quarantined" and latent["caught_s"] is not None, r
         if any(f.get("source") == "host" for f in r["faults"]):
-            assert [v["got"] for v in r["verdicts"] if v["expectation"] == "teardown of cgroups and mounts"] == \
+            assert [v["got"] for v in r["verdicts"] if v["expectation"] == "teardown of cgroups, mounts and namespaces"] == \
                 ["0 left"]
         for run in ("reference", "faulted"):
             run_dir = out / r["drill"] / run / "run"
@@ -241,6 +241,13 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
     failed = [json.loads(line) for line in (out / "s3-outage" / "faulted" / "run" / "events.jsonl").read_text()
               .splitlines() if '"checkpoint_failed"' in line]
     assert failed and all("the store is throttling or unavailable (SlowDown" in e["error"] for e in failed), failed
+    # The lossy link dropped packets (counted by iptables); the NaN was refused on both ranks and retried once.
+    lifted = [json.loads(line) for line in (out / "packet-loss" / "faulted" / "host_faults.jsonl").read_text()
+              .splitlines() if '"fault_lifted"' in line]
+    assert lifted[0]["dropped_packets"] > 0, lifted
+    nan = [json.loads(line) for line in (out / "nan-loss" / "faulted" / "run" / "events.jsonl").read_text()
+           .splitlines() if '"nonfinite_gradients"' in line]
+    assert sorted(e["rank"] for e in nan) == [0, 1] and all(e["retried"] and e["step"] == 40 for e in nan), nan
     # Several nodes: the spare node's worker took rank 1; the shrink left two ranks.
     trace = [json.loads(line) for line in (out / "kill-node" / "faulted" / "trace.jsonl").read_text().splitlines()]
     assert {t["worker"] for t in trace if t["rank"] == 1 and t["step"] > 31} == {"spare0.s0"}

@@ -36,7 +36,7 @@ def unavailable() -> str | None:
 class Etcd:
     """One etcd member on loopback for a drill; ``url`` is what the agents' ``--store`` takes."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, host: str = "127.0.0.1") -> None:
         exe = etcd_binary()
         if exe is None:
             raise RuntimeError(unavailable())
@@ -45,11 +45,11 @@ class Etcd:
         shm = Path("/dev/shm")
         self.data = Path(tempfile.mkdtemp(prefix="resilient-drill-etcd-", dir=shm if shm.is_dir() else None))
         client, peer = free_port(), free_port()
-        self.url = f"etcd://127.0.0.1:{client}"
-        self._health = f"http://127.0.0.1:{client}/health"
+        self.url = f"etcd://{host}:{client}"
+        self._health = f"http://{host}:{client}/health"
         self._cmd = [exe, "--name=drill", f"--data-dir={self.data}",
-                     f"--listen-client-urls=http://127.0.0.1:{client}",
-                     f"--advertise-client-urls=http://127.0.0.1:{client}",
+                     f"--listen-client-urls=http://{host}:{client}",
+                     f"--advertise-client-urls=http://{host}:{client}",
                      f"--listen-peer-urls=http://127.0.0.1:{peer}",
                      f"--initial-advertise-peer-urls=http://127.0.0.1:{peer}",
                      f"--initial-cluster=drill=http://127.0.0.1:{peer}", "--log-level=warn"]

@@ -46,13 +46,14 @@ import tomllib
 
 from ..errors import ConfigError
 from .gameday import GameDay
-from .host import STORAGE_FAULTS, HostFault, HostFaultError, parse_host_faults
+from .host import NETWORK_FAULTS, STORAGE_FAULTS, HostFault, HostFaultError, parse_host_faults
 from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 
 RUNGS = ("retry_in_place", "promote_spare", "shrink", "restart")
 """What an expectation's ``rung`` may name: the recovery ladder's rungs, cheapest first."""
 EQUALITY = ("bitwise", "none")
 STORAGE = ("local", "s3")
+NETWORKS = ("loopback", "netns")
 REFERENCE_WORKLOAD = "reference"
 """``workload.script`` for the bundled workload (:mod:`resilient.chaos.workload`)."""
 
@@ -95,6 +96,9 @@ class Topology:
     """Per-section hang timeouts (``--section-timeout NAME=S``), e.g. (("step", 3.0),)."""
     agent_args: tuple[str, ...] = ()
     """Further ``resilient run`` flags, as given."""
+    network: str = "loopback"
+    """How the nodes reach each other: "loopback", or "netns" (a network namespace per node on a bridge of their
+    own, :mod:`resilient.chaos.netns`: the network faults need it)."""
     storage: str = "local"
     """Where the faulted run checkpoints: "local" (a directory), or "s3" (a bucket on moto's S3 server on loopback,
     through the fault proxy of :mod:`resilient.chaos.s3proxy`)."""
@@ -282,6 +286,14 @@ def _check(d: Drill) -> None:
                          "spare_nodes >= 0")
     if t.min_nodes is not None and not 1 <= t.min_nodes <= t.nodes:
         raise DrillError(f"[topology] min_nodes = {t.min_nodes}: must be between 1 and nodes ({t.nodes})")
+    if t.network not in NETWORKS:
+        raise DrillError(f"[topology] network = {t.network!r}: use one of {', '.join(NETWORKS)}")
+    if t.network == "netns" and not d.clustered:
+        raise DrillError("[topology] network = \"netns\" puts each node in a namespace of its own: give nodes = 2 "
+                         "or more")
+    if t.network == "netns" and t.monitoring:
+        raise DrillError("[topology] network = \"netns\" and monitoring = true: Prometheus cannot reach agents in "
+                         "namespaces yet; run monitoring drills on loopback")
     if t.storage not in STORAGE:
         raise DrillError(f"[topology] storage = {t.storage!r}: use one of {', '.join(STORAGE)}")
     if t.storage == "s3" and w.script != REFERENCE_WORKLOAD:
@@ -329,6 +341,8 @@ def _check(d: Drill) -> None:
             raise DrillError(f"{where}acts on the drill's S3 endpoint: give [topology] storage = \"s3\"")
         if hf.kind in ("fill_disk", "corrupt_checkpoint", "truncate_checkpoint") and t.storage != "local":
             raise DrillError(f"{where}acts on a local checkpoint directory: leave [topology] storage out")
+        if hf.kind in NETWORK_FAULTS and t.network != "netns":
+            raise DrillError(f"{where}acts on the network between nodes: give [topology] network = \"netns\"")
         if hf.kind in ("kill_node", "store_outage") and not d.clustered:
             raise DrillError(f"{where}needs agents meeting through etcd: give [topology] nodes = 2 or more")
     if d.gameday is not None and (t.spares or t.min_ranks is not None or t.spare_nodes or t.min_nodes is not None):

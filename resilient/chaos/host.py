@@ -26,6 +26,10 @@ training job:
   front of the drill's S3 server (:mod:`resilient.chaos.s3proxy`) answers a
   share ``rate`` of requests ``503 SlowDown``, closes a share ``rate`` of
   connections unanswered, or holds every request ``delay_s``;
+- ``partition`` / ``packet_loss``: the network of the node that runs
+  ``rank`` (each node in a namespace of its own, :mod:`resilient.chaos.netns`)
+  is cut off for ``duration_s``, or drops a share ``rate`` of the packets it
+  receives;
 - ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
   newest committed checkpoint at or after ``step`` has bytes flipped in its
   middle, or is cut to half its length, after its commit (bit rot, a torn
@@ -59,7 +63,9 @@ from ..errors import ConfigError
 from ..watchdog.procfs import read_stat
 
 HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk",
-                    "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow")
+                    "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow", "partition", "packet_loss")
+NETWORK_FAULTS = ("partition", "packet_loss")
+"""Host faults of the network between nodes (``[topology] network = "netns"``)."""
 STORAGE_FAULTS = ("s3_errors", "s3_drop", "s3_slow")
 """Host faults of the drill's S3 endpoint (``[topology] storage = "s3"``)."""
 NEEDS_STORE = ("store_outage",)
@@ -102,8 +108,8 @@ class HostFault:
             raise HostFaultError(f"{self.kind}: give step = N (the first commit at or after step N is damaged)")
         if self.kind == "freeze" and self.duration_s is None:
             raise HostFaultError("freeze: give duration_s (a rank frozen for good is a hang no drill can end)")
-        if self.kind in STORAGE_FAULTS and self.duration_s is None:
-            raise HostFaultError(f"{self.kind}: give duration_s (how long the store is troubled)")
+        if self.kind in (*STORAGE_FAULTS, *NETWORK_FAULTS) and self.duration_s is None:
+            raise HostFaultError(f"{self.kind}: give duration_s (how long the fault lasts)")
         if not 0 < self.rate <= 1:
             raise HostFaultError(f"{self.kind}: rate = {self.rate}: a share of requests, above 0 and at most 1")
         if not 0 < self.delay_s <= 60:
@@ -127,6 +133,10 @@ class HostFault:
             what = f"SIGKILL the agent of rank {self.rank}'s node"
         elif self.kind == "store_outage":
             what = f"stop etcd for {self.duration_s:g} s"
+        elif self.kind == "partition":
+            what = f"cut rank {self.rank}'s node off the network for {self.duration_s:g} s"
+        elif self.kind == "packet_loss":
+            what = f"drop {self.rate:.0%} of the packets reaching rank {self.rank}'s node for {self.duration_s:g} s"
         elif self.kind == "s3_errors":
             what = f"answer {self.rate:.0%} of S3 requests 503 SlowDown for {self.duration_s:g} s"
         elif self.kind == "s3_drop":
@@ -150,7 +160,7 @@ class HostFault:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and (k != "size_mb" or self.kind == "fill_disk")
                 and (k != "quota" or self.kind == "cpu_quota")
-                and (k != "rate" or self.kind in ("s3_errors", "s3_drop")) and (k != "delay_s" or self.kind == "s3_slow")}
+                and (k != "rate" or self.kind in ("s3_errors", "s3_drop", "packet_loss")) and (k != "delay_s" or self.kind == "s3_slow")}
 
 
 def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
@@ -194,6 +204,10 @@ def unavailable(kind: str) -> str | None:
         from .s3proxy import unavailable as storage_unavailable
 
         return storage_unavailable()
+    if kind in NETWORK_FAULTS:
+        from .netns import unavailable as network_unavailable
+
+        return network_unavailable(packet_loss=kind == "packet_loss")
     if os.geteuid() != 0:
         if kind == "fill_disk":
             return f"fill_disk needs root to mount a tmpfs (this runner runs as uid {os.geteuid()})"
@@ -263,12 +277,15 @@ class HostInjector:
     """Fires a drill's host faults as the faulted run reaches them, records them, and undoes them on close."""
 
     def __init__(self, faults: tuple[HostFault, ...], run_out: Path, ckpt_dir: Path, label: str,
-                 store: Any = None, s3: Any = None) -> None:
+                 store: Any = None, s3: Any = None, network: Any = None) -> None:
         self.faults = faults
         self.store = store
         self.s3 = s3
         """The drill's S3 fault proxy (:class:`resilient.chaos.s3proxy.FaultProxy`), for the storage faults."""
         self._troubled: list[tuple[float, HostFault]] = []
+        self.network = network
+        """The nodes' namespaces (:class:`resilient.chaos.netns.Network`), for the network faults."""
+        self._cut: list[tuple[float, HostFault, str]] = []
         """The drill's etcd (``stop()`` and ``start()``, same ports and data), for ``store_outage``."""
         self._down: list[tuple[float, HostFault]] = []
         self.run_out, self.ckpt_dir, self.label = run_out, ckpt_dir, label
@@ -407,6 +424,10 @@ class HostInjector:
                     self._fired.add(i)
                     self._record("fault_injected", fault, detail, at)
         now = time.monotonic()
+        for cut in list(self._cut):
+            if now >= cut[0]:
+                self._mend(cut[1], cut[2])
+                self._cut.remove(cut)
         for troubled in list(self._troubled):
             if now >= troubled[0]:
                 self._clear_s3(troubled[1])
@@ -449,6 +470,20 @@ class HostInjector:
                 os.fsync(f.fileno())
             return {"checkpoint": commit.name, "file": str(target.relative_to(commit)), "flipped_bytes": len(chunk),
                     "at": size // 2}
+        if fault.kind in NETWORK_FAULTS:
+            if self.network is None:
+                raise RuntimeError(f"{fault.kind} needs the nodes' namespaces: give [topology] network = \"netns\"")
+            member = self._member(fault.rank)
+            if member is None:
+                return None
+            node = member[0]
+            assert fault.duration_s is not None
+            if fault.kind == "partition":
+                self.network.cut(node)
+            else:
+                self.network.drop(node, fault.rate)
+            self._cut.append((time.monotonic() + fault.duration_s, fault, node))
+            return {"node": node, "address": self.network.addresses[node]}
         if fault.kind in STORAGE_FAULTS:
             if self.s3 is None:
                 raise RuntimeError(f"{fault.kind} needs the drill's S3 endpoint: give [topology] storage = \"s3\"")
@@ -507,6 +542,15 @@ class HostInjector:
         self._undo.append((until, fault, group))
         return {"pid": pid, "cgroup": str(group.path), "quota_us": quota_us, "period_us": PERIOD_US}
 
+    def _mend(self, fault: HostFault, node: str) -> None:
+        if fault.kind == "partition":
+            self.network.mend(node)
+            self._record("fault_lifted", fault, {"node": node})
+        else:
+            dropped = self.network.dropped_packets(node)
+            self.network.undrop(node)
+            self._record("fault_lifted", fault, {"node": node, "dropped_packets": dropped})
+
     def _clear_s3(self, fault: HostFault) -> None:
         self.s3.clear()
         self._record("fault_lifted", fault, {"requests": self.s3.counts()})
@@ -519,6 +563,12 @@ class HostInjector:
         """The nodes whose agents a ``kill_node`` fault killed (their exit status is the drill's doing)."""
         return {str(e["node"]) for e in self.events() if e.get("kind") == "fault_injected" and "node" in e
                 and (e.get("fault") or {}).get("kind") == "kill_node"}
+
+    def cut_nodes(self) -> set[str]:
+        """The nodes a ``partition`` cut off (replaced while away, they end as the fencing says, not as a node
+        that saw the whole run)."""
+        return {str(e["node"]) for e in self.events() if e.get("kind") == "fault_injected" and "node" in e
+                and (e.get("fault") or {}).get("kind") == "partition"}
 
     def _unfill(self, fault: HostFault) -> None:
         (self.ckpt_dir / FILLER).unlink(missing_ok=True)
@@ -545,6 +595,9 @@ class HostInjector:
         for _, fault in self._troubled:
             self._clear_s3(fault)
         self._troubled.clear()
+        for _, fault, node in self._cut:
+            self._mend(fault, node)
+        self._cut.clear()
         for _, fault in self._down:
             self._restore_store(fault)  # a store left down would make the teardown's agents wait on it
         self._down.clear()

@@ -62,11 +62,18 @@ class FaultInjector:
         self._index: dict[tuple[str, int], list[Fault]] = {}
         self._slow: dict[str, tuple[float, int | None]] = {}
         """``slow`` faults in force: section -> (seconds per step, first step no longer slowed or None)."""
+        self._poison = False
+        """A ``nan`` fault fired and the Run has not yet poisoned a batch with it."""
         self._slowed: dict[str, int] = {}
         """The last step each slowed section was slowed at (once per step, however often it is re-entered)."""
         for fault in plan.for_worker(node, rank, attempt):
             if after_step is None or fault.step > after_step:
                 self._index.setdefault((fault.section, fault.step), []).append(fault)
+
+    def take_poison(self) -> bool:
+        """Whether a ``nan`` fault waits for the next micro-batch (it is then consumed)."""
+        poison, self._poison = self._poison, False
+        return poison
 
     @property
     def armed(self) -> bool:
@@ -129,6 +136,8 @@ class FaultInjector:
             self._slow[fault.section] = (fault.duration_s, None if fault.steps is None else step + fault.steps)
             self._slowed[fault.section] = step
             time.sleep(fault.duration_s)
+        elif fault.kind == "nan":
+            self._poison = True  # the Run's next micro-batch gets one NaN (resilient.run_attempt.poisoned)
         elif fault.kind == "sigstop":
             _flush_stdio()
             os.kill(os.getpid(), signal.SIGSTOP)

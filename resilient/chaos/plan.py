@@ -22,7 +22,11 @@ updates for ``checkpoint``, ``restore`` and ``init``.  Kinds:
 - ``slow``: from ``step`` on, sleep ``duration_s`` seconds once per step,
   when the section is first entered in that step, for ``steps`` steps
   (default: the rest of the run): a straggler (section ``step``) or a slow
-  input path (section ``data``).
+  input path (section ``data``);
+- ``nan``: the rank's next micro-batch (``run.micro_batches()``) carries one
+  NaN in its first floating-point tensor (a copy: the loader's data stays
+  clean), so its loss and, once all-reduced, every rank's gradients are not
+  finite (:mod:`resilient.run_nonfinite` catches them before the update).
 
 :meth:`FaultPlan.random` makes a plan from a seed, so a drill can ask for
 "three random crashes" and get the same three every time.
@@ -42,7 +46,7 @@ from ..errors import ConfigError
 from ..fsutil import write_text_atomic
 
 PLAN_VERSION = 1
-FAULT_KINDS = ("kill", "exit", "raise", "hang", "deadlock", "sigstop", "slow")
+FAULT_KINDS = ("kill", "exit", "raise", "hang", "deadlock", "sigstop", "slow", "nan")
 DEFAULT_EXIT_CODE = 1
 
 
@@ -128,7 +132,8 @@ class Fault:
         extra = {"exit": f" with code {self.code}",
                  "hang": f" for {'ever' if self.duration_s is None else f'{self.duration_s} s'}",
                  "slow": f" by {self.duration_s} s per step for "
-                         f"{'the rest of the run' if self.steps is None else f'{self.steps} steps'}"}.get(self.kind, "")
+                         f"{'the rest of the run' if self.steps is None else f'{self.steps} steps'}",
+                 "nan": " (one NaN in the rank's next batch)"}.get(self.kind, "")
         return f"{self.kind}{extra} entering section {self.section!r} at step {self.step} ({where})"
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from . import cluster, monitor, s3proxy
+from . import cluster, monitor, netns, s3proxy
 from .drill import Drill
 from .gameday import predict
 from .host import HostInjector, unavailable
@@ -58,7 +58,8 @@ class DrillResult:
 
 def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run_id: str,
                   metrics_port: int | None = None, *, node: str = "n0", spare: bool = False,
-                  store: str | None = None, ckpt: str | None = None, endpoint: str | None = None) -> list[str]:
+                  store: str | None = None, ckpt: str | None = None, endpoint: str | None = None,
+                  address: str = "127.0.0.1") -> list[str]:
     """``resilient run`` for one of the drill's runs (``plan`` None: the reference, without faults or spares).
 
     The reference of a drill of several nodes is one agent with every rank of the world (the same world, the
@@ -72,7 +73,7 @@ def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run
            "--node-id", node, "--nproc-per-node", ranks, "--max-restarts", str(restarts)]
     if plan is not None and store is not None:
         nnodes = str(t.nodes) if t.min_nodes is None else f"{t.min_nodes}:{t.nodes}"
-        cmd += ["--nnodes", nnodes, "--store", store, "--local-addr", "127.0.0.1", "--rdzv-last-call", "1",
+        cmd += ["--nnodes", nnodes, "--store", store, "--local-addr", address, "--rdzv-last-call", "1",
                 *(["--role", "spare"] if spare else [])]
     if plan is not None:
         cmd += ["--fault-plan", str(plan), *(["--spares", str(t.spares)] if t.spares else [])]
@@ -257,6 +258,9 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     if skipped is None and drill.topology.storage == "s3":
         why = s3proxy.unavailable()
         skipped = None if why is None else f"storage: {why}"
+    if skipped is None and drill.topology.network == "netns":
+        why = netns.unavailable()
+        skipped = None if why is None else f"network: {why}"
     if skipped is None and drill.clustered:
         why = cluster.unavailable()
         skipped = None if why is None else f"nodes: {why}"
@@ -294,12 +298,17 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     notified: list[dict[str, Any]] = []
     commits: tuple[int, list[str]] | None = None
     etcd: cluster.Etcd | None = None
+    net: netns.Network | None = None
     s3: s3proxy.S3Endpoint | None = None
     code: int | None = None
     ckpt, endpoint, env = str(faulted / "ckpt"), None, None
     try:
+        names = cluster.node_names(drill.topology.nodes, drill.topology.spare_nodes) if drill.clustered \
+            else [("n0", False)]
+        if drill.topology.network == "netns":
+            net = netns.Network([node for node, _ in names])
         if drill.clustered:
-            etcd = cluster.Etcd(faulted / "etcd")
+            etcd = cluster.Etcd(faulted / "etcd", host="127.0.0.1" if net is None else net.host_ip)
         if drill.topology.storage == "s3":
             s3 = s3proxy.S3Endpoint(faulted / "s3", bucket="drill-" + "".join(
                 c if c.isalnum() else "-" for c in drill.name.lower())[:50], seed=drill.seed)
@@ -307,12 +316,10 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
             env = s3proxy.run_env()
         if hosted:
             host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name, store=etcd,
-                                s3=None if s3 is None else s3.proxy)
+                                s3=None if s3 is None else s3.proxy, network=net)
             host.prepare()
         if drill.topology.monitoring:
             watch = monitor.Monitoring(faulted / "monitoring", for_s=drill.topology.alert_for_s)
-        names = cluster.node_names(drill.topology.nodes, drill.topology.spare_nodes) if drill.clustered \
-            else [("n0", False)]
         agents = {}
         for node, spare in names:
             port = None
@@ -320,7 +327,10 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
                 port = monitor.free_port()
                 watch.scrape(node, f"127.0.0.1:{port}")
             cmd = agent_command(drill, faulted / "run", faulted, plan_path, drill.name, port, node=node, spare=spare,
-                                store=None if etcd is None else etcd.url, ckpt=ckpt, endpoint=endpoint)
+                                store=None if etcd is None else etcd.url, ckpt=ckpt, endpoint=endpoint,
+                                address="127.0.0.1" if net is None else net.addresses[node])
+            if net is not None:
+                cmd = net.wrap(node, cmd)
             agents[node] = (cmd, faulted / ("agent.log" if not drill.clustered else f"agent-{node}.log"))
         codes = run_agents(agents, drill.timeout_s, progress, f"{drill.name} faulted",
                            tick=None if host is None else host.poll, env=env)
@@ -347,6 +357,9 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
         if s3 is not None:
             s3.close()
             killed = [*killed, *s3.pids()]
+        if net is not None:  # after every process in it is gone
+            net.close()
+            stuck = sorted(set(stuck) | set(net.leftovers()))
     events = _read_jsonl(faulted / "run" / "events.jsonl") + ([] if host is None else host.events()) + notified
     obs = Observed(events=events, trace=_read_jsonl(faulted / "trace.jsonl"), final=_final(faulted),
                    reference=reference, goodput=_goodput(faulted / "run"), exit_code=code, left_behind=len(killed),

@@ -16,7 +16,9 @@ reference, the ledger's goodput and the agent's exit status.
 - **resume**: from that detection to training going on (every member
   rejoined in process, or the restarted workers reported their restore);
 - **rung**: the recovery ladder's first answer after the fault
-  (``recovery_decided``), or ``restart`` when the policy restarted;
+  (``recovery_decided``), or ``restart`` when the policy restarted, or
+  ``retry_in_place`` when the ranks retried a step whose gradients were not
+  finite (``nonfinite_gradients``);
 - **re-done steps**: steps some rank completed more than once;
 - **equality**: the final parameters' and optimizer state's digests
   against the reference's;
@@ -38,7 +40,8 @@ DETECTIONS = ("worker_failed", "hang_detected", "straggler_flagged", "node_lost"
               "slowdown_began", "incident", "recovery_decided")
 """Events that mean the agent noticed a fault (an in-process rung records its incident and decision at once)."""
 FAULT_DETECTIONS: dict[str, tuple[str, ...]] = {"fill_disk": ("checkpoint_failed",),
-                                                "store_outage": ("store_outage_start",)}
+                                                "store_outage": ("store_outage_start",),
+                                                "nan": ("nonfinite_gradients",)}
 """Faults whose detection is an event of their own: a full disk is noticed by the save that fails, a store
 outage by the agents' losing it."""
 FAULT_RESUMES: dict[str, tuple[str, ...]] = {"store_outage": ("store_outage_end",)}
@@ -65,7 +68,7 @@ class Observed:
     left_behind: int = 0
     """Processes of the run still alive after its agent ended (killed by the teardown)."""
     cgroups_left: int = 0
-    """Cgroups and mounts the host faults made that the teardown could not remove."""
+    """Cgroups, mounts and network namespaces the drill made that the teardown could not remove."""
     gameday: Mapping[str, Any] | None = None
     """A game day's Young/Daly comparison (:func:`resilient.chaos.gameday.predict`)."""
     commits: tuple[int, Sequence[str]] | None = None
@@ -122,6 +125,8 @@ def measure(obs: Observed) -> Measured:
         decided = next((e for e in after if e.get("kind") in ("recovery_decided", "restart")), None)
         if decided is not None:
             rung = "restart" if decided["kind"] == "restart" else str(decided.get("action"))
+        elif detected.get("kind") == "nonfinite_gradients" and detected.get("retried"):
+            rung = "retry_in_place"  # the rank's own answer: the step again, on the same batch
         generation = detected.get("generation")
         ends = FAULT_RESUMES.get(str((fault or {}).get("fault", {}).get("kind")), ("recovered_in_process",))
         resumed = next((e for e in after if e.get("kind") in ends
@@ -157,8 +162,8 @@ def judge(drill: Drill, obs: Observed) -> tuple[Measured, list[Verdict]]:
         n, bad = obs.commits
         out.append(Verdict("committed checkpoints verify", "all", f"{n - len(bad)} of {n}" +
                            (f" ({'; '.join(bad)[:300]})" if bad else ""), not bad))
-    if drill.all_host_faults:
-        out.append(Verdict("teardown of cgroups and mounts", "none left", f"{obs.cgroups_left} left",
+    if drill.all_host_faults or drill.topology.network != "loopback":
+        out.append(Verdict("teardown of cgroups, mounts and namespaces", "none left", f"{obs.cgroups_left} left",
                            obs.cgroups_left == 0))
     if m.fault_at is None:
         out.append(Verdict("fault injected", "yes", "no fault_injected event", False,

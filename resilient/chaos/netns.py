@@ -1,0 +1,168 @@
+"""A network between a drill's nodes on one machine: a namespace per node, veth pairs and a bridge.
+
+With ``[topology] network = "netns"`` each node's agent (and its workers
+and spares) runs inside a network namespace of its own, with one address on
+a private /24 (``10.213.X.0/24``, ``X`` chosen free on this machine): a
+veth pair joins the namespace to a bridge in the runner's namespace, which
+holds ``.1``; the drill's etcd listens there.  Nothing of it reaches beyond
+this machine: the bridge has no uplink and no route leads out of it.
+
+The faults it makes possible (:mod:`resilient.chaos.host`):
+
+- ``partition``: the node's veth is set down on the bridge's side for
+  ``duration_s``: it reaches neither its peers nor etcd, and they do not
+  reach it; packets are lost, connections are not reset (a switch port
+  down, a cable pulled);
+- ``packet_loss``: iptables in the node's namespace drops a share ``rate``
+  of the packets arriving on its link (``-m statistic --mode random``);
+  TCP retransmits, so the run slows down rather than fails.
+
+Needs root, ``ip`` (Debian iproute2), a kernel with veth and bridge
+support, and for ``packet_loss`` ``iptables`` (Debian iptables);
+:func:`unavailable` says which is missing.  :meth:`Network.close` deletes
+the namespaces (and so their veth ends) and the bridge, and
+:meth:`Network.leftovers` lists any that survived (a drill that leaves one
+fails).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+SUBNET = "10.213"
+"""The drills' networks: ``10.213.X.0/24``, a private range."""
+
+
+def unavailable(packet_loss: bool = False) -> str | None:
+    """Why this machine cannot give a drill's nodes a network of their own (None: it can)."""
+    if os.geteuid() != 0:
+        return f"network namespaces need root (this runner runs as uid {os.geteuid()})"
+    if shutil.which("ip") is None:
+        return "network namespaces need ip (Debian: apt-get install iproute2)"
+    if packet_loss and shutil.which("iptables") is None:
+        return "packet_loss needs iptables (Debian: apt-get install iptables)"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {done.stderr.strip()}")
+    return done
+
+
+def _used_subnets() -> set[int]:
+    out = _ip("-o", "-4", "addr", "show", check=False).stdout
+    used = set()
+    for line in out.splitlines():
+        for word in line.split():
+            if word.startswith(f"{SUBNET}."):
+                try:
+                    used.add(int(word.split(".")[2]))
+                except (IndexError, ValueError):
+                    pass
+    return used
+
+
+class Network:
+    """One namespace per node on a bridge of their own (see the module's docstring)."""
+
+    def __init__(self, nodes: list[str]) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.prefix = f"rd{tag}"  # interface names: at most 15 characters
+        self.bridge = f"{self.prefix}br"
+        used = _used_subnets()
+        third = next((x for x in (*range(20 + os.getpid() % 200, 250), *range(20, 250)) if x not in used), None)
+        if third is None:
+            raise RuntimeError(f"no free {SUBNET}.X.0/24 subnet on this machine for the drill's network")
+        self.host_ip = f"{SUBNET}.{third}.1"
+        self.namespaces: dict[str, str] = {}
+        self.addresses: dict[str, str] = {}
+        self.host_links: dict[str, str] = {}
+        self.inner_links: dict[str, str] = {}
+        self._drops: set[str] = set()
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i, node in enumerate(nodes):
+                ns, host, inner = f"resilient-drill-{tag}-{node}", f"{self.prefix}h{i}", f"{self.prefix}n{i}"
+                address = f"{SUBNET}.{third}.{i + 2}"
+                _ip("netns", "add", ns)
+                self.namespaces[node] = ns
+                _ip("link", "add", host, "type", "veth", "peer", "name", inner)
+                _ip("link", "set", inner, "netns", ns)
+                _ip("link", "set", host, "master", self.bridge)
+                _ip("link", "set", host, "up")
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", inner)
+                _ip("-n", ns, "link", "set", inner, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                self.addresses[node], self.host_links[node], self.inner_links[node] = address, host, inner
+        except BaseException:
+            self.close()
+            raise
+
+    def wrap(self, node: str, cmd: list[str]) -> list[str]:
+        """``cmd`` run inside ``node``'s namespace, gloo bound to its veth."""
+        return ["ip", "netns", "exec", self.namespaces[node], "env", f"GLOO_SOCKET_IFNAME={self.inner_links[node]}",
+                *cmd]
+
+    def cut(self, node: str) -> None:
+        """Partition ``node``: its link to the bridge goes down (no packet passes, no connection is reset)."""
+        _ip("link", "set", self.host_links[node], "down")
+
+    def mend(self, node: str) -> None:
+        _ip("link", "set", self.host_links[node], "up")
+
+    def drop(self, node: str, rate: float) -> None:
+        """Drop a share ``rate`` of the packets ``node`` receives on its link (not on its loopback).
+
+        On arrival, as a lossy link does: a rule on the way out would fail the sender's own call (EPERM), which
+        no wire does.  Every TCP flow of the node loses data or acknowledgements, so both directions retransmit."""
+        self._iptables(node, "-A", "INPUT", "-i", self.inner_links[node], "-m", "statistic", "--mode", "random",
+                       "--probability", f"{rate:.4f}", "-j", "DROP")
+        self._drops.add(node)
+
+    def undrop(self, node: str) -> None:
+        if node in self._drops:
+            self._iptables(node, "-F", "INPUT")
+            self._drops.discard(node)
+
+    def dropped_packets(self, node: str) -> int:
+        """Packets the drop rules of ``node`` have dropped so far."""
+        out = self._iptables(node, "-L", "-n", "-v", "-x").stdout
+        total = 0
+        for line in out.splitlines():
+            words = line.split()
+            if "DROP" in words and words[0].isdigit():
+                total += int(words[0])
+        return total
+
+    def _iptables(self, node: str, *args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(["ip", "netns", "exec", self.namespaces[node], "iptables", *args], capture_output=True,
+                              text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"iptables {' '.join(args)} in {self.namespaces[node]} failed: {done.stderr.strip()}")
+        return done
+
+    def close(self) -> None:
+        """Delete every namespace (their veth ends go with them) and the bridge; safe to call twice."""
+        for ns in self.namespaces.values():
+            _ip("netns", "delete", ns, check=False)
+        for host in self.host_links.values():
+            _ip("link", "delete", host, check=False)  # gone with its peer already, unless a namespace outlived us
+        _ip("link", "delete", self.bridge, check=False)
+
+    def leftovers(self) -> list[str]:
+        """This network's namespaces and links still on the machine."""
+        left = [ns for ns in self.namespaces.values() if (Path("/run/netns") / ns).exists()]
+        ours = {self.bridge, *self.host_links.values(), *self.inner_links.values()}
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+            parts = line.split(":")
+            name = parts[1].strip().split("@")[0] if len(parts) > 1 else ""
+            if name in ours:
+                left.append(name)
+        return sorted(left)

@@ -1,0 +1,104 @@
+"""Non-finite gradients: never applied, the step retried on the same batch, a persistent one named and final.
+
+A real model and optimizer with ``Run`` and ``ElasticLoader`` in this process (no agent): a dataset whose one
+sample is NaN on its first read (an intermittent fault) or on every read (bad data).  The retried run's final
+parameters equal those of a run that never saw the fault, bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import resilient
+from resilient.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
+from resilient.exitcodes import EXIT_UNRECOVERABLE, exit_code_for
+from resilient.run_attempt import poisoned
+
+
+class Data:
+    """16 samples; sample ``bad`` is NaN on its first ``times`` reads."""
+
+    def __init__(self, bad: int | None = None, times: int = 0) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.x, self.y = torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        self.bad, self.times, self.reads = bad, times, 0
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        x = self.x[i]
+        if i == self.bad and self.reads < self.times:
+            self.reads += 1
+            x = torch.full_like(x, float("nan"))
+        return x, self.y[i]
+
+
+def train(data: Data, steps: int = 6, **kw) -> tuple[list[torch.Tensor], resilient.Run]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    run = resilient.Run(model=model, optimizer=opt, data=resilient.ElasticLoader(data, batch_size=4, seed=1),
+                        agent=None, **kw)
+    for _ in run.steps(steps):
+        with run.attempt():
+            for x, y in run.micro_batches():
+                torch.nn.functional.mse_loss(run.model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            run.report()
+    return [p.detach().clone() for p in model.parameters()], run
+
+
+def test_an_intermittent_nan_is_never_applied_and_the_retried_step_equals_the_clean_run():
+    clean, _ = train(Data())
+    for bad in (0, 5, 11):  # whichever step reads the sample (the shuffle decides)
+        got, run = train(Data(bad=bad, times=1))
+        assert all(torch.equal(a, b) for a, b in zip(clean, got)), f"sample {bad}: not the clean run's parameters"
+        [seen] = run.events.of_kind("nonfinite_gradients")
+        assert seen.fields["retried"] is True and seen.fields["tries"] == 1
+        assert seen.fields["params"] and "0.weight" in seen.fields["params"][0], seen.fields
+        assert run.step == 6 and all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+def test_a_nan_on_every_try_is_persistent_named_and_not_restarted():
+    data = Data(bad=5, times=100)
+    with pytest.raises(PersistentNonFiniteError) as err:
+        train(data)
+    text = str(err.value)
+    assert "were not finite in 3 tries of the same batch" in text and "stream positions" in text, text
+    assert "0.weight" in text and exit_code_for(err.value) == EXIT_UNRECOVERABLE
+    assert data.reads == 3  # the first try and two retries, each reading the batch again
+
+
+def _nan_step(nonfinite: str) -> tuple[torch.nn.Linear, torch.Tensor, torch.optim.Optimizer]:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    resilient.Run(model=model, optimizer=opt, agent=None, nonfinite=nonfinite)
+    model(torch.tensor([[float("nan"), 1.0]])).sum().backward()
+    return model, model.weight.detach().clone(), opt
+
+
+def test_outside_an_attempt_or_in_raise_mode_it_fails_before_the_update_and_off_applies_it():
+    for mode in ("retry", "raise"):
+        model, weight, opt = _nan_step(mode)
+        with pytest.raises(NonFiniteGradientsError) as err:
+            opt.step()
+        assert torch.equal(model.weight, weight), mode  # not applied
+        assert "not finite (NaN or Inf) on rank 0 before the optimizer's update (on this rank: weight" \
+            in str(err.value)
+        assert exit_code_for(err.value) is None  # a restart from the newest commit replays it cleanly
+    model, _, opt = _nan_step("off")
+    opt.step()
+    assert not torch.isfinite(model.weight).all()  # off: the user asked for no check
+    with pytest.raises(ConfigError, match="nonfinite='sometimes'"):
+        resilient.Run(model=model, optimizer=opt, agent=None, nonfinite="sometimes")
+
+
+def test_a_poisoned_batch_is_a_copy_with_one_nan():
+    x, y = torch.ones(2, 3), torch.ones(2, 1)
+    px, py = poisoned((x, y))
+    assert torch.isnan(px).sum() == 1 and torch.isnan(px.view(-1)[0]) and torch.equal(py, y)
+    assert torch.isfinite(x).all()  # the loader's tensor is untouched
+    assert poisoned({"ids": torch.arange(3), "v": x})["v"].isnan().sum() == 1
