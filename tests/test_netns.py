@@ -102,3 +102,41 @@ def test_nodes_reach_each_other_until_cut_lose_packets_when_told_and_leave_nothi
             proc.wait()
         net.close()
     assert net.leftovers() == []
+
+
+TIMED = """
+import socket, sys, time
+started = time.monotonic()
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+print(c.recv(2).decode(), time.monotonic() - started)
+"""
+
+
+def test_latency_is_a_proxy_in_the_path_from_the_start_that_delays_only_while_set():
+    net = Network(["n0", "n1"])
+    servers = []
+    try:
+        net.add_proxies()
+        tcp, port = _serve(net, "n1", SERVER)
+        servers.append(tcp)
+
+        def fetch() -> float:
+            said, seconds = _in(net, "n0", TIMED, net.addresses["n1"], str(port)).split()
+            assert said == "hi"  # carried through both nodes' proxies, to the original destination
+            return float(seconds)
+
+        assert fetch() < 0.3
+        net.set_delay("n1", 0.3)
+        time.sleep(0.3)  # the proxy reads its control file ten times a second
+        assert fetch() >= 0.3  # the server's answer waited in n1's proxy
+        net.set_delay("n1", 0.0)
+        time.sleep(0.3)
+        assert fetch() < 0.3
+        with pytest.raises(RuntimeError, match="no delaying proxy"):
+            Network.set_delay(net, "n9", 0.1)
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait()
+        net.close()
+    assert net.leftovers() == []

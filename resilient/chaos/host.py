@@ -26,10 +26,11 @@ training job:
   front of the drill's S3 server (:mod:`resilient.chaos.s3proxy`) answers a
   share ``rate`` of requests ``503 SlowDown``, closes a share ``rate`` of
   connections unanswered, or holds every request ``delay_s``;
-- ``partition`` / ``packet_loss``: the network of the node that runs
-  ``rank`` (each node in a namespace of its own, :mod:`resilient.chaos.netns`)
-  is cut off for ``duration_s``, or drops a share ``rate`` of the packets it
-  receives;
+- ``partition`` / ``packet_loss`` / ``latency``: the network of the node
+  that runs ``rank`` (each node in a namespace of its own,
+  :mod:`resilient.chaos.netns`) is cut off for ``duration_s``, drops a share
+  ``rate`` of the packets it receives, or holds every byte to and from it
+  ``delay_s`` each way;
 - ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
   newest committed checkpoint at or after ``step`` has bytes flipped in its
   middle, or is cut to half its length, after its commit (bit rot, a torn
@@ -63,8 +64,9 @@ from ..errors import ConfigError
 from ..watchdog.procfs import read_stat
 
 HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk",
-                    "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow", "partition", "packet_loss")
-NETWORK_FAULTS = ("partition", "packet_loss")
+                    "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow", "partition", "packet_loss",
+                    "latency")
+NETWORK_FAULTS = ("partition", "packet_loss", "latency")
 """Host faults of the network between nodes (``[topology] network = "netns"``)."""
 STORAGE_FAULTS = ("s3_errors", "s3_drop", "s3_slow")
 """Host faults of the drill's S3 endpoint (``[topology] storage = "s3"``)."""
@@ -135,6 +137,8 @@ class HostFault:
             what = f"stop etcd for {self.duration_s:g} s"
         elif self.kind == "partition":
             what = f"cut rank {self.rank}'s node off the network for {self.duration_s:g} s"
+        elif self.kind == "latency":
+            what = f"add {self.delay_s * 1e3:g} ms each way to rank {self.rank}'s node for {self.duration_s:g} s"
         elif self.kind == "packet_loss":
             what = f"drop {self.rate:.0%} of the packets reaching rank {self.rank}'s node for {self.duration_s:g} s"
         elif self.kind == "s3_errors":
@@ -160,7 +164,7 @@ class HostFault:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None and (k != "size_mb" or self.kind == "fill_disk")
                 and (k != "quota" or self.kind == "cpu_quota")
-                and (k != "rate" or self.kind in ("s3_errors", "s3_drop", "packet_loss")) and (k != "delay_s" or self.kind == "s3_slow")}
+                and (k != "rate" or self.kind in ("s3_errors", "s3_drop", "packet_loss")) and (k != "delay_s" or self.kind in ("s3_slow", "latency"))}
 
 
 def parse_host_faults(raw: Any) -> tuple[HostFault, ...]:
@@ -480,6 +484,8 @@ class HostInjector:
             assert fault.duration_s is not None
             if fault.kind == "partition":
                 self.network.cut(node)
+            elif fault.kind == "latency":
+                self.network.set_delay(node, fault.delay_s)
             else:
                 self.network.drop(node, fault.rate)
             self._cut.append((time.monotonic() + fault.duration_s, fault, node))
@@ -545,6 +551,9 @@ class HostInjector:
     def _mend(self, fault: HostFault, node: str) -> None:
         if fault.kind == "partition":
             self.network.mend(node)
+            self._record("fault_lifted", fault, {"node": node})
+        elif fault.kind == "latency":
+            self.network.set_delay(node, 0.0)
             self._record("fault_lifted", fault, {"node": node})
         else:
             dropped = self.network.dropped_packets(node)

@@ -15,7 +15,13 @@ The faults it makes possible (:mod:`resilient.chaos.host`):
   down, a cable pulled);
 - ``packet_loss``: iptables in the node's namespace drops a share ``rate``
   of the packets arriving on its link (``-m statistic --mode random``);
-  TCP retransmits, so the run slows down rather than fails.
+  TCP retransmits, so the run slows down rather than fails;
+- ``latency``: every TCP connection of the node to or from the bridge's
+  subnet goes through a delaying proxy in its namespace
+  (:mod:`resilient.chaos.delay`, put in place before the run by
+  :meth:`Network.add_proxies`: this kernel has no netem, and a redirect
+  applies to new connections only), which holds each byte ``delay_s`` each
+  way while the fault lasts.
 
 Needs root, ``ip`` (Debian iproute2), a kernel with veth and bridge
 support, and for ``packet_loss`` ``iptables`` (Debian iptables);
@@ -34,6 +40,10 @@ from pathlib import Path
 
 SUBNET = "10.213"
 """The drills' networks: ``10.213.X.0/24``, a private range."""
+PROXY_PORT = 15999
+"""The delaying proxy's port in each node's namespace (the namespace's own: no clash with this machine's)."""
+MARK = 0x2A
+"""``SO_MARK`` of the proxy's onward connections, which the redirect rules let through."""
 
 
 def unavailable(packet_loss: bool = False) -> str | None:
@@ -84,6 +94,8 @@ class Network:
         self.host_links: dict[str, str] = {}
         self.inner_links: dict[str, str] = {}
         self._drops: set[str] = set()
+        self._proxies: dict[str, subprocess.Popen[str]] = {}
+        self._control_dir: Path | None = None
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.host_ip}/24", "dev", self.bridge)
@@ -148,8 +160,49 @@ class Network:
             raise RuntimeError(f"iptables {' '.join(args)} in {self.namespaces[node]} failed: {done.stderr.strip()}")
         return done
 
+    def add_proxies(self) -> None:
+        """A delaying proxy (:mod:`resilient.chaos.delay`) in every node's namespace, with no delay yet, and the
+        rules that send each new TCP connection between the node and the bridge's subnet through it."""
+        import sys
+        import tempfile
+
+        self._control_dir = Path(tempfile.mkdtemp(prefix="resilient-drill-delay-"))
+        for node, ns in self.namespaces.items():
+            control = self._control_dir / f"{node}.ms"
+            control.write_text("0")
+            proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "resilient.chaos.delay",
+                                     "--port", str(PROXY_PORT), "--control", str(control), "--mark", str(MARK)],
+                                    stdout=subprocess.PIPE, text=True, start_new_session=True)
+            self._proxies[node] = proc
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the delaying proxy in {ns} did not start")
+            own, subnet = self.addresses[node], f"{self.host_ip.rsplit('.', 1)[0]}.0/24"
+            self._iptables(node, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", own, "-j", "RETURN")
+            self._iptables(node, "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", subnet, "-m", "mark", "!", "--mark",
+                           str(MARK), "-j", "REDIRECT", "--to-ports", str(PROXY_PORT))
+            self._iptables(node, "-t", "nat", "-A", "PREROUTING", "-p", "tcp", "-i", self.inner_links[node], "-j",
+                           "REDIRECT", "--to-ports", str(PROXY_PORT))
+
+    def set_delay(self, node: str, delay_s: float) -> None:
+        """Every byte to and from ``node`` ``delay_s`` later, each way (its proxy must be in place)."""
+        if node not in self._proxies or self._control_dir is None:
+            raise RuntimeError(f"no delaying proxy at {node}: call add_proxies() before the run starts")
+        tmp = self._control_dir / f"{node}.tmp"
+        tmp.write_text(f"{delay_s * 1e3:g}")
+        tmp.replace(self._control_dir / f"{node}.ms")
+
     def close(self) -> None:
         """Delete every namespace (their veth ends go with them) and the bridge; safe to call twice."""
+        for proc in self._proxies.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+        self._proxies.clear()
+        if self._control_dir is not None:
+            shutil.rmtree(self._control_dir, ignore_errors=True)
         for ns in self.namespaces.values():
             _ip("netns", "delete", ns, check=False)
         for host in self.host_links.values():

@@ -307,6 +307,8 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
             else [("n0", False)]
         if drill.topology.network == "netns":
             net = netns.Network([node for node, _ in names])
+            if any(hf.kind == "latency" for hf in hosted):
+                net.add_proxies()  # before the first connection: a redirect applies to new connections only
         if drill.clustered:
             etcd = cluster.Etcd(faulted / "etcd", host="127.0.0.1" if net is None else net.host_ip)
         if drill.topology.storage == "s3":
