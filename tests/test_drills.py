@@ -91,7 +91,7 @@ def test_the_same_seed_gives_the_same_schedule_and_another_seed_another():
 
 
 def test_every_shipped_drill_loads():
-    assert len(SHIPPED) >= 22
+    assert len(SHIPPED) >= 23
     names = [load_drill(p).name for p in SHIPPED]
     assert len(set(names)) == len(names)
 
@@ -248,6 +248,16 @@ def test_the_shipped_drills_pass_on_this_machine_and_leave_nothing_behind(tmp_pa
     nan = [json.loads(line) for line in (out / "nan-loss" / "faulted" / "run" / "events.jsonl").read_text()
            .splitlines() if '"nonfinite_gradients"' in line]
     assert sorted(e["rank"] for e in nan) == [0, 1] and all(e["retried"] and e["step"] == 40 for e in nan), nan
+    # The resubmitted job holds the fence: every save of the first (the zombie) after that was refused, and every
+    # checkpoint committed at the end is the new launch's.
+    zombie = out / "zombie-launch" / "faulted"
+    [joined] = [json.loads(line) for line in (zombie / "resubmitted" / "run" / "events.jsonl").read_text()
+                .splitlines() if '"launch_joined"' in line]
+    fenced = [json.loads(line) for line in (zombie / "run" / "events.jsonl").read_text().splitlines()
+              if '"checkpoint_fenced"' in line]
+    assert fenced and all(e["holder"]["launch"] == joined["launch_id"] for e in fenced), fenced[:2]
+    launches = {json.loads(m.read_text())["launch"] for m in (zombie / "ckpt").glob("step_*/manifest.json")}
+    assert launches == {joined["launch_id"]}, launches
     # Several nodes: the spare node's worker took rank 1; the shrink left two ranks.
     trace = [json.loads(line) for line in (out / "kill-node" / "faulted" / "trace.jsonl").read_text().splitlines()]
     assert {t["worker"] for t in trace if t["rank"] == 1 and t["step"] > 31} == {"spare0.s0"}

@@ -340,5 +340,13 @@ def test_a_store_in_trouble_is_named_as_such_and_retries_absorb_a_flaky_one(s3_u
         proxy.clear()
         assert sorted(k.rsplit("/", 1)[1] for k in keys(s3_url)) == sorted(
             [f"f{i}.bin" for i in range(20)] + ["slow.bin"])
+        # Held past the client's read timeout: a timeout, named as such, after the first attempt and one retry.
+        impatient = store_for((s3_url[0], proxy.url), max_attempts=1, read_timeout=1)
+        proxy.set_fault("slow", delay_s=3.0)
+        before = proxy.counts()["slow"]
+        with pytest.raises(StorageError) as err:
+            impatient.write_file(staging, "late.bin", body, CHUNK)
+        assert "did not answer within the read timeout (1 s) in 2 attempts" in str(err.value), str(err.value)
+        assert proxy.counts()["slow"] - before == 2
     finally:
         proxy.close()

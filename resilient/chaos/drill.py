@@ -343,6 +343,9 @@ def _check(d: Drill) -> None:
             raise DrillError(f"{where}acts on a local checkpoint directory: leave [topology] storage out")
         if hf.kind in NETWORK_FAULTS and t.network != "netns":
             raise DrillError(f"{where}acts on the network between nodes: give [topology] network = \"netns\"")
+        if hf.kind == "resubmit" and (d.clustered or w.script != REFERENCE_WORKLOAD):
+            raise DrillError(f"{where}resubmits the bundled workload on one node: leave out nodes, spare_nodes and "
+                             "script")
         if hf.kind in ("kill_node", "store_outage") and not d.clustered:
             raise DrillError(f"{where}needs agents meeting through etcd: give [topology] nodes = 2 or more")
     if d.gameday is not None and (t.spares or t.min_ranks is not None or t.spare_nodes or t.min_nodes is not None):

@@ -31,6 +31,10 @@ training job:
   :mod:`resilient.chaos.netns`) is cut off for ``duration_s``, drops a share
   ``rate`` of the packets it receives, or holds every byte to and from it
   ``delay_s`` each way;
+- ``resubmit``: the same job is submitted again (a new launch, its own run
+  directory, the same checkpoint location) while the first still runs: a
+  scheduler that thought it dead.  The first is then a zombie of an older
+  launch, and the checkpoint fence must refuse its saves;
 - ``corrupt_checkpoint`` / ``truncate_checkpoint``: the largest file of the
   newest committed checkpoint at or after ``step`` has bytes flipped in its
   middle, or is cut to half its length, after its commit (bit rot, a torn
@@ -65,7 +69,7 @@ from ..watchdog.procfs import read_stat
 
 HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk",
                     "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow", "partition", "packet_loss",
-                    "latency")
+                    "latency", "resubmit")
 NETWORK_FAULTS = ("partition", "packet_loss", "latency")
 """Host faults of the network between nodes (``[topology] network = "netns"``)."""
 STORAGE_FAULTS = ("s3_errors", "s3_drop", "s3_slow")
@@ -137,6 +141,8 @@ class HostFault:
             what = f"stop etcd for {self.duration_s:g} s"
         elif self.kind == "partition":
             what = f"cut rank {self.rank}'s node off the network for {self.duration_s:g} s"
+        elif self.kind == "resubmit":
+            what = "submit the same job again while it runs"
         elif self.kind == "latency":
             what = f"add {self.delay_s * 1e3:g} ms each way to rank {self.rank}'s node for {self.duration_s:g} s"
         elif self.kind == "packet_loss":
@@ -202,7 +208,7 @@ def _cgroup_v2() -> bool:
 
 def unavailable(kind: str) -> str | None:
     """Why this machine cannot produce ``kind`` (None: it can)."""
-    if kind in ("kill", "corrupt_checkpoint", "truncate_checkpoint", "kill_node", "store_outage"):
+    if kind in ("kill", "corrupt_checkpoint", "truncate_checkpoint", "kill_node", "store_outage", "resubmit"):
         return None
     if kind in STORAGE_FAULTS:
         from .s3proxy import unavailable as storage_unavailable
@@ -281,12 +287,14 @@ class HostInjector:
     """Fires a drill's host faults as the faulted run reaches them, records them, and undoes them on close."""
 
     def __init__(self, faults: tuple[HostFault, ...], run_out: Path, ckpt_dir: Path, label: str,
-                 store: Any = None, s3: Any = None, network: Any = None) -> None:
+                 store: Any = None, s3: Any = None, network: Any = None, resubmit: Any = None) -> None:
         self.faults = faults
         self.store = store
         self.s3 = s3
         """The drill's S3 fault proxy (:class:`resilient.chaos.s3proxy.FaultProxy`), for the storage faults."""
         self._troubled: list[tuple[float, HostFault]] = []
+        self.resubmit = resubmit
+        """Starts the job again (``resubmit``): returns what to record of it."""
         self.network = network
         """The nodes' namespaces (:class:`resilient.chaos.netns.Network`), for the network faults."""
         self._cut: list[tuple[float, HostFault, str]] = []
@@ -474,6 +482,10 @@ class HostInjector:
                 os.fsync(f.fileno())
             return {"checkpoint": commit.name, "file": str(target.relative_to(commit)), "flipped_bytes": len(chunk),
                     "at": size // 2}
+        if fault.kind == "resubmit":
+            if self.resubmit is None:
+                raise RuntimeError("resubmit needs the runner (it starts the job again)")
+            return dict(self.resubmit())
         if fault.kind in NETWORK_FAULTS:
             if self.network is None:
                 raise RuntimeError(f"{fault.kind} needs the nodes' namespaces: give [topology] network = \"netns\"")

@@ -35,6 +35,7 @@ from . import cluster, monitor, netns, s3proxy
 from .drill import Drill
 from .gameday import predict
 from .host import HostInjector, unavailable
+from .plan import FaultPlan
 from .score import Measured, Observed, Verdict, judge, to_json
 from .timeline import draw
 
@@ -105,20 +106,30 @@ def run_once(cmd: list[str], log: Path, timeout_s: float, progress: Progress | N
 
 def run_agents(agents: dict[str, tuple[list[str], Path]], timeout_s: float, progress: Progress | None = None,
                label: str = "", tick: Callable[[], None] | None = None,
-               env: dict[str, str] | None = None) -> dict[str, int | None]:
+               env: dict[str, str] | None = None,
+               late: dict[str, tuple[list[str], Path]] | None = None) -> dict[str, int | None]:
     """Run every agent (``{node: (command, log)}``), each in a process group of its own, until all have ended;
-    each one's exit status, None for those still running at ``timeout_s``.  Every group is killed before this
-    returns, whatever happens."""
+    each one's exit status, None for those still running at ``timeout_s``.  Agents put into ``late`` while this
+    runs (by ``tick``: a resubmitted job) are started then and waited for too.  Every group is killed before
+    this returns, whatever happens."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     codes: dict[str, int | None] = {name: None for name in agents}
     started = time.monotonic()
+
+    def start(name: str, cmd: list[str], log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as out:
+            procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                           env=env)
+        codes[name] = None
+
     try:
         for name, (cmd, log) in agents.items():
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "w") as out:
-                procs[name] = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                               env=env)
+            start(name, cmd, log)
         while True:
+            for name, (cmd, log) in list((late or {}).items()):
+                if name not in procs:
+                    start(name, cmd, log)
             for name, proc in procs.items():
                 if codes[name] is None:
                     codes[name] = proc.poll()
@@ -316,9 +327,21 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
                 c if c.isalnum() else "-" for c in drill.name.lower())[:50], seed=drill.seed)
             ckpt, endpoint = f"s3://{s3.bucket}/ckpt", s3.url
             env = s3proxy.run_env()
+        late: dict[str, tuple[list[str], Path]] = {}
+        resubmitted = faulted / "resubmitted"
+
+        def resubmit() -> dict[str, Any]:
+            """The same job submitted again (its own run directory, the same checkpoints), the first still running."""
+            empty = resubmitted / "plan.json"
+            resubmitted.mkdir(parents=True, exist_ok=True)
+            FaultPlan(faults=(), seed=drill.seed).dump(empty)
+            late["resubmitted"] = (agent_command(drill, resubmitted / "run", resubmitted, empty, drill.name,
+                                                 ckpt=ckpt, endpoint=endpoint), resubmitted / "agent.log")
+            return {"run_dir": str(resubmitted / "run")}
+
         if hosted:
             host = HostInjector(hosted, faulted, faulted / "ckpt", drill.name, store=etcd,
-                                s3=None if s3 is None else s3.proxy, network=net)
+                                s3=None if s3 is None else s3.proxy, network=net, resubmit=resubmit)
             host.prepare()
         if drill.topology.monitoring:
             watch = monitor.Monitoring(faulted / "monitoring", for_s=drill.topology.alert_for_s)
@@ -335,12 +358,12 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
                 cmd = net.wrap(node, cmd)
             agents[node] = (cmd, faulted / ("agent.log" if not drill.clustered else f"agent-{node}.log"))
         codes = run_agents(agents, drill.timeout_s, progress, f"{drill.name} faulted",
-                           tick=None if host is None else host.poll, env=env)
+                           tick=None if host is None else host.poll, env=env, late=late)
         code = _exit_code(codes, set() if host is None else host.killed_nodes())
     finally:
         if host is not None:  # thawed first: a frozen process cannot die, not even of SIGKILL
             stuck = host.close()
-        killed = tear_down(faulted / "run")
+        killed = tear_down(faulted / "run") + tear_down(faulted / "resubmitted" / "run")
         try:
             if s3 is not None:
                 commits = _verify_s3_commits(s3, ckpt)
@@ -363,8 +386,12 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
             net.close()
             stuck = sorted(set(stuck) | set(net.leftovers()))
     events = _read_jsonl(faulted / "run" / "events.jsonl") + ([] if host is None else host.events()) + notified
-    obs = Observed(events=events, trace=_read_jsonl(faulted / "trace.jsonl"), final=_final(faulted),
-                   reference=reference, goodput=_goodput(faulted / "run"), exit_code=code, left_behind=len(killed),
+    last = faulted
+    if (faulted / "resubmitted" / "run").is_dir():  # the resubmitted job is the run; the first, its zombie
+        last = faulted / "resubmitted"
+        events += _read_jsonl(last / "run" / "events.jsonl")
+    obs = Observed(events=events, trace=_read_jsonl(last / "trace.jsonl"), final=_final(last),
+                   reference=reference, goodput=_goodput(last / "run"), exit_code=code, left_behind=len(killed),
                    cgroups_left=len(stuck), gameday=_gameday(drill, out, events), commits=commits)
     return _finish(drill, obs, out)
 

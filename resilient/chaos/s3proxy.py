@@ -166,14 +166,17 @@ class FaultProxy:
             return
         finally:
             conn.close()
-        h.send_response(resp.status, resp.reason)
-        for k, v in resp.getheaders():
-            if k.lower() not in HOP and k.lower() != "content-length":
-                h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
-        h.end_headers()
-        if h.command != "HEAD":
-            h.wfile.write(data)
+        try:
+            h.send_response(resp.status, resp.reason)
+            for k, v in resp.getheaders():
+                if k.lower() not in HOP and k.lower() != "content-length":
+                    h.send_header(k, v)
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            if h.command != "HEAD":
+                h.wfile.write(data)
+        except OSError:
+            h.close_connection = True  # the client gave up waiting (its read timeout): nobody to answer
 
     def close(self) -> None:
         self._server.shutdown()

@@ -46,6 +46,7 @@ class S3Bucket:
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self._root = f"{self.prefix}/" if self.prefix else ""
         self.max_attempts = max_attempts
+        self.read_timeout = read_timeout
         """Retries after the first attempt (the SDK's ``retries.max_attempts``: a request is tried this plus once)."""
         boto3, Config = import_boto()
         config = Config(
@@ -100,6 +101,12 @@ class S3Bucket:
                 why = f"S3 error {code}: {message}; check the bucket, prefix and permissions"
         elif isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
             why = f"{e}; set AWS_PROFILE or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or run with an instance role"
+        elif isinstance(e, bx.ReadTimeoutError):
+            why = (
+                f"the store did not answer within the read timeout ({self.read_timeout:g} s) in "
+                f"{self.max_attempts + 1} attempts ({e}); it is overloaded or the network to it is slow: "
+                "nothing was committed by this request"
+            )
         elif isinstance(e, (bx.ConnectionError, bx.HTTPClientError)):
             why = (
                 f"cannot reach S3 at {self._client.meta.endpoint_url} ({e}); check CheckpointConfig.endpoint_url, "
