@@ -95,6 +95,22 @@ def test_a_slow_rank_is_flagged_in_compute_with_its_numbers_and_cleared_when_it_
     assert det.flagged() == [] and not any(s.flagged for s in det.scores())
 
 
+def test_the_committing_rank_is_not_compared_in_checkpoint_and_the_others_are():
+    """Seen in every S3 drill: rank 0 commits (manifest, fence, retention), 2.5x its peers' checkpoint time."""
+    for slow, flagged in ((0, []), (1, [("flagged", 1, "checkpoint")])):
+        rng = random.Random(5)
+        det = StragglerDetector()
+        changes = []
+        for w in range(60):
+            ws = windows(w, noisy(rng), checkpoint=0.004)
+            ckpt = ws[slow].sections["checkpoint"] * (2.5 if w >= 20 else 1.0) * math.exp(rng.gauss(0.0, 0.03))
+            ws[slow] = RankWindow(rank=slow, window=w, steps=5, step_s=ws[slow].step_s + ckpt - 0.004,
+                                  sections={**ws[slow].sections, "checkpoint": ckpt}, node=f"n{slow}")
+            changes += det.observe(ws)
+        assert [(c.kind, c.rank, c.section) for c in changes] == flagged, (slow, changes)
+        assert not any(s.rank == 0 and s.section == "checkpoint" for s in det.scores())
+
+
 def contended(index: int, rng: random.Random, *, extra: float, waited: float) -> dict[int, RankWindow]:
     """Rank 0's optimizer ``extra`` seconds slower per step; it also waited ``waited`` more for a CPU."""
     out = {}

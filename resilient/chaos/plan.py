@@ -12,7 +12,10 @@ A fault fires when a worker enters ``section`` at ``step`` on ``node`` as
 ``rank`` in restart ``attempt``; ``null`` (for rank, node and attempt)
 matches any.  ``step`` is the Run's step when the section is entered: the
 update about to be computed for ``step`` and ``data``, the completed
-updates for ``checkpoint``, ``restore`` and ``init``.  Kinds:
+updates for ``checkpoint``, ``restore`` and ``init``.  Section ``commit`` is
+a point, not a section the agent sees: rank 0's save of that step, with
+every rank's files staged and the manifest built, just before it is
+published (:func:`resilient.checkpoint.commit.set_fault_point`).  Kinds:
 
 - ``kill``: SIGKILL itself;  ``sigstop``: SIGSTOP itself (hangs until SIGCONT);
 - ``exit``: ``os._exit(exit_code)`` (default 1) after flushing output;

@@ -24,7 +24,19 @@ from .storage import Staging, Storage
 from .tree import flatten
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .writer import Job
+
+_fault_point: Callable[[str, int], None] | None = None
+"""Called as a commit reaches its point of no return (every rank's files staged, the manifest built, not yet
+published) with ``("commit", step)``: a worker's fault plan hooks in here (:mod:`resilient.chaos`), so that a drill
+can crash a save there.  None: nothing is called."""
+
+
+def set_fault_point(fn: Callable[[str, int], None] | None) -> None:
+    global _fault_point
+    _fault_point = fn
 
 
 def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[str, Any]], *, job: Job, name: str,
@@ -62,6 +74,8 @@ def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[
         schema=SCHEMA_SHARDED if index is not None else SCHEMA,
     )
     raw = manifest.to_bytes()
+    if _fault_point is not None:
+        _fault_point("commit", job.step)
     try:
         storage.commit(staging, raw, fence=fence)
     except FencedError as e:

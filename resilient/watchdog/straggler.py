@@ -25,6 +25,8 @@ tells a rank that got slower from one that always was.
 
 Communication is never scored here: ranks waiting for a straggler spend
 longer in it, the straggler shorter (:data:`~resilient.watchdog.timing.NOT_A_CULPRIT`).
+Nor is the checkpoint time of the rank that commits (:data:`COMMITTER`): it
+does work there that no other rank does.
 
 Pure: :meth:`StragglerDetector.observe` takes one window of every rank and
 returns what changed; no clock, no I/O.
@@ -41,7 +43,12 @@ from typing import Literal
 
 from ..errors import ConfigError
 from .cusum import Cusum, CusumRule, advance, noise
-from .timing import NOT_A_CULPRIT, RankWindow
+from .timing import CHECKPOINT, NOT_A_CULPRIT, RankWindow
+
+COMMITTER = 0
+"""The rank that commits every checkpoint (:mod:`resilient.checkpoint.commit`): its checkpoint time holds work no
+other rank does (the manifest, the fence, retention; tens of ms a save on S3), so it is compared with no one
+there, and the other ranks' checkpoint time is compared among themselves."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,8 +181,9 @@ class StragglerDetector:
         sections = sorted({s for w in windows.values() for s in w.sections} - NOT_A_CULPRIT)
         changes: list[StragglerChange] = []
         for section in sections:
-            values = {r: max(w.sections.get(section, 0.0), cfg.min_seconds) for r, w in windows.items()}
-            if all(v <= cfg.min_seconds for v in values.values()):
+            values = {r: max(w.sections.get(section, 0.0), cfg.min_seconds) for r, w in windows.items()
+                      if not (section == CHECKPOINT and r == COMMITTER)}
+            if len(values) < 2 or all(v <= cfg.min_seconds for v in values.values()):
                 continue
             for rank, value in values.items():
                 ref = statistics.median(v for r, v in values.items() if r != rank)

@@ -146,6 +146,14 @@ class WorkerHooks:
             if not self.standby:  # a spare has no rank to be struck as until it is promoted (rejoin)
                 self.injector = FaultInjector(plan, env.node_id, env.rank, env.attempt, events=self.events,
                                               record=self._fault_record())
+            if any(f.section == "commit" for f in plan.faults):
+                from ..checkpoint.commit import set_fault_point
+
+                set_fault_point(self._commit_point)  # a save's commit, once staged and before it is published
+
+    def _commit_point(self, section: str, step: int) -> None:
+        if self.injector is not None:
+            self.injector.at(section, step)
 
     def agent_log(self) -> EventLog | None:
         """The agent's run-level event log, where a fault's ``fault_injected`` event and the Run's forwarded
