@@ -12,6 +12,7 @@ from resilient.watchdog.sections import (
     calibration_summary,
     decide_hang,
     explain_timeout,
+    for_storage,
     observe,
     timeout_for,
 )
@@ -43,6 +44,23 @@ def test_calibration_never_below_floor_and_only_grows() -> None:
     assert "raised to the floor 5 s" in explain_timeout("step", stats, cfg)
     stats = stats_of("step", 4.0, 0.01, stats=stats)
     assert timeout_for("step", stats, cfg) == (12.0, "calibrated")
+
+
+def test_saves_to_an_object_store_get_a_floor_that_outlasts_the_clients_retries() -> None:
+    """Seen in the s3-outage drill: a save retrying against a store answering 503 was taken for a hang at 5 s."""
+    cfg = SectionTimeouts(warmup=2, factor=3.0, floor_s=5.0)
+    stats = stats_of("checkpoint", 0.05, 0.04, stats=stats_of("step", 0.05, 0.04))
+    remote = for_storage(cfg, "s3://bucket/ckpt")
+    assert timeout_for("checkpoint", stats, remote) == (90.0, "calibrated")
+    assert "raised to the floor 90 s (the section's own)" in explain_timeout("checkpoint", stats, remote)
+    assert timeout_for("step", stats, remote) == (5.0, "calibrated")  # only the saves
+    assert for_storage(cfg, "/mnt/ckpt") is cfg and for_storage(cfg, None) is cfg  # a local disk: as configured
+    told = SectionTimeouts(warmup=2, explicit={"checkpoint": 10.0})
+    assert timeout_for("checkpoint", stats, for_storage(told, "s3://b/p")) == (10.0, "explicit")  # the user asked
+    view = {0: RankView(section="checkpoint", step=20, entered_at=0.0, pid=1)}
+    assert decide_hang(view, stats, cfg, now=30.0) is not None  # local: 30 s in a save is a hang
+    assert decide_hang(view, stats, remote, now=30.0) is None  # on S3 it may be the client's backoff
+    assert decide_hang(view, stats, remote, now=91.0) is not None
 
 
 def test_explicit_overrides_calibration_and_unknown_sections_use_default() -> None:

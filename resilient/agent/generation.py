@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
-from ..watchdog.sections import decide_hang
+from ..watchdog.sections import decide_hang, for_storage
 from .continuation import Hold, continue_after, follow, start_spares
 from .eviction import weigh_straggler
 from .failures import (
@@ -327,7 +327,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 # decision on a lost node comes with its presence lease (5 s), as late as a step's timeout floor.
                 waiting = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
                 views = {r: v for r, v in views.items() if group.workers[r].worker_id not in waiting}
-            hang = decide_hang(views, ctx.tracker.stats, c.sections, now)
+            sections = for_storage(c.sections, ctx.tracker.checkpoint_location)  # saves to S3 ride out retries
+            hang = decide_hang(views, ctx.tracker.stats, sections, now)
             if hang is not None and hold is None:
                 ended = end_on_hang(ctx, group, a, gdir, hang, now)
                 if isinstance(ended, Outcome):

@@ -7,8 +7,10 @@ section comes from, in order of precedence:
 
 1. ``explicit``: the user's number for that section;
 2. ``calibrated``: once ``warmup`` durations of the section were observed,
-   ``max(floor_s, factor * longest observed duration)``; it only grows, as
-   the longest observation does;
+   ``max(floor, factor * longest observed duration)``; it only grows, as
+   the longest observation does.  The floor is ``floor_s``, or the
+   section's own in ``floors``: a run whose checkpoints go to an object
+   store gets :data:`REMOTE_SAVE_FLOOR_S` for its saves (:func:`for_storage`);
 3. ``initial``: the generous value for that section (or ``default``) used
    before calibration, when first steps compile, caches fill and nothing is
    known yet.
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
@@ -43,6 +45,7 @@ Source = Literal["explicit", "calibrated", "initial"]
 DEFAULT_SECTION = "default"
 """Key of ``initial`` used for sections it does not name (e.g. user sections)."""
 KNOWN_SECTIONS = ("init", "restore", "data", "step", "checkpoint")
+CHECKPOINT_SECTION = "checkpoint"
 """Sections the runtime itself reports, in the order a run goes through them."""
 
 _DEFAULT_INITIAL: Mapping[str, float] = MappingProxyType(
@@ -66,6 +69,8 @@ class SectionTimeouts:
     """Safety factor: a calibrated timeout is this times the longest observed duration."""
     floor_s: float = 5.0
     """A calibrated timeout is never below this (fast steps jitter by more than their length)."""
+    floors: Mapping[str, float] = field(default_factory=dict)
+    """A section's own floor, in place of ``floor_s`` (e.g. a save to an object store: :func:`for_storage`)."""
     initial: Mapping[str, float] = field(default_factory=lambda: _DEFAULT_INITIAL)
     """Seconds per section before calibration; the ``default`` key covers unnamed sections."""
 
@@ -73,7 +78,8 @@ class SectionTimeouts:
         # Copy the mappings so a caller mutating its dict cannot change a frozen config.
         object.__setattr__(self, "explicit", _frozen(self.explicit))
         object.__setattr__(self, "initial", _frozen(self.initial))
-        for what, mapping in (("explicit", self.explicit), ("initial", self.initial)):
+        object.__setattr__(self, "floors", _frozen(self.floors))
+        for what, mapping in (("explicit", self.explicit), ("initial", self.initial), ("floors", self.floors)):
             for section, seconds in mapping.items():
                 if not (seconds > 0 and math.isfinite(seconds)):
                     raise ConfigError(
@@ -99,9 +105,32 @@ class SectionTimeouts:
                     "would lengthen the timeout after warm-up; raise the initial value or lower floor_s"
                 )
 
+    def floor_for(self, section: str) -> float:
+        """The lowest calibrated timeout of ``section``."""
+        return self.floors.get(section, self.floor_s)
+
     def initial_for(self, section: str) -> float:
         """The pre-calibration timeout of ``section``."""
         return self.initial.get(section, self.initial[DEFAULT_SECTION])
+
+
+REMOTE_SAVE_FLOOR_S = 90.0
+"""The checkpoint section's floor when the checkpoints go to an object store: a save there rides out the S3
+client's retries (5 of them, up to 1 + 2 + 4 + 8 + 16 s of backoff for a throttled request) before it can fail
+and say so; a floor of a few seconds took a store's bad minute for a hang and restarted every rank, whose
+restores then waited on the same store."""
+REMOTE_PREFIXES = ("s3://",)
+
+
+def for_storage(cfg: SectionTimeouts, location: str | None) -> SectionTimeouts:
+    """``cfg`` for a run whose checkpoints are at ``location``: on an object store the checkpoint section's floor
+    is :data:`REMOTE_SAVE_FLOOR_S` (unless the user gave that section's timeout, or a higher floor)."""
+    if location is None or not location.startswith(REMOTE_PREFIXES) or CHECKPOINT_SECTION in cfg.explicit:
+        return cfg
+    if cfg.floor_for(CHECKPOINT_SECTION) >= REMOTE_SAVE_FLOOR_S:
+        return cfg
+    floor = min(REMOTE_SAVE_FLOOR_S, cfg.initial_for(CHECKPOINT_SECTION))
+    return replace(cfg, floors={**cfg.floors, CHECKPOINT_SECTION: floor})
 
 
 @dataclass(frozen=True)
@@ -149,7 +178,7 @@ def timeout_for(section: str, stats: SectionStats, cfg: SectionTimeouts) -> Time
         return Timeout(cfg.explicit[section], "explicit")
     stat = stats.get(section)
     if stat.count >= cfg.warmup:
-        return Timeout(max(cfg.floor_s, stat.max_s * cfg.factor), "calibrated")
+        return Timeout(max(cfg.floor_for(section), stat.max_s * cfg.factor), "calibrated")
     return Timeout(cfg.initial_for(section), "initial")
 
 
@@ -162,8 +191,10 @@ def explain_timeout(section: str, stats: SectionStats, cfg: SectionTimeouts) -> 
     if timeout.source == "initial":
         return f"initial: {stat.count} of {cfg.warmup} warm-up observations so far"
     text = f"calibrated: max {stat.max_s:.2f} s x {cfg.factor:g} after {stat.count} observations"
-    if stat.max_s * cfg.factor < cfg.floor_s:
-        text += f", raised to the floor {cfg.floor_s:g} s"
+    if stat.max_s * cfg.factor < cfg.floor_for(section):
+        text += f", raised to the floor {cfg.floor_for(section):g} s"
+        if section in cfg.floors:
+            text += " (the section's own)"
     return text
 
 
