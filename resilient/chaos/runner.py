@@ -256,9 +256,23 @@ def _gameday(drill: Drill, out: Path, events: list[dict[str, Any]]) -> dict[str,
                    injected=injected, mtbf_s=drill.gameday.mtbf_s)
 
 
-def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) -> DrillResult:
+def reference_key(drill: Drill) -> tuple[Any, ...] | None:
+    """What a drill's uninterrupted reference depends on: the same key, the same final state (the workload is
+    deterministic: seeded data, model and streams); None for a drill whose reference cannot be shared (a script of
+    the user's, whose outputs the runner does not know; a game day, whose prediction reads its own ledger)."""
+    if drill.script_path() is not None or drill.gameday is not None:
+        return None
+    w = drill.workload
+    return w.steps, w.checkpoint_every, w.step_sleep_s, drill.world
+
+
+def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None,
+              references: dict[tuple[Any, ...], dict[str, Any]] | None = None) -> DrillResult:
     """Run ``drill`` (reference first when it expects equality), score it, write its report; a drill whose host
-    faults this machine cannot produce is skipped with the reason, and nothing runs."""
+    faults this machine cannot produce is skipped with the reason, and nothing runs.
+
+    ``references``: final states of references already run in this suite, by :func:`reference_key`; a drill with
+    the same key reuses one (recorded as ``reference_from``) instead of running it again."""
     out = out_root.resolve() / drill.name  # absolute: the workers' RESILIENT_RUN_DIR, which teardown looks for
     for stale in ("reference", "faulted"):  # an earlier run's checkpoints would be restored, its ledger continued
         shutil.rmtree(out / stale, ignore_errors=True)
@@ -284,7 +298,12 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
                        skipped=skipped)
         return _finish(drill, obs, out)
     reference = None
-    if drill.needs_reference:
+    key = reference_key(drill)
+    shared = None if references is None or key is None else references.get(key)
+    if drill.needs_reference and shared is not None:
+        say(f"{drill.name}: the reference of {shared['drill']} (the same workload and world)")
+        reference = shared["final"]
+    elif drill.needs_reference:
         ref = out / "reference"
         say(f"{drill.name}: reference run (no faults)")
         try:
@@ -296,6 +315,8 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
         if ref_code != 0 or reference is None:
             raise RuntimeError(f"drill {drill.name}: the reference run exited {ref_code} without a final state; "
                                f"see {ref / 'agent.log'}")
+        if references is not None and key is not None:
+            references[key] = {"drill": drill.name, "final": reference}
     plan = drill.plan()
     plan_path = out / "plan.json"
     plan.dump(plan_path)
@@ -393,7 +414,11 @@ def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None) ->
     obs = Observed(events=events, trace=_read_jsonl(last / "trace.jsonl"), final=_final(last),
                    reference=reference, goodput=_goodput(last / "run"), exit_code=code, left_behind=len(killed),
                    cgroups_left=len(stuck), gameday=_gameday(drill, out, events), commits=commits)
-    return _finish(drill, obs, out)
+    result = _finish(drill, obs, out)
+    if shared is not None and drill.needs_reference:
+        result.record["reference_from"] = shared["drill"]
+        (out / f"{drill.name}.json").write_text(json.dumps(result.record, indent=1) + "\n")
+    return result
 
 
 def _exit_code(codes: dict[str, int | None], killed: set[str]) -> int | None:

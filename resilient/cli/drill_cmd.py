@@ -78,8 +78,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"resilient: drill {line}", file=sys.stderr, flush=True)
 
     records = []
+    references: dict = {}  # one uninterrupted run per workload and world, shared by the drills that have them
     for drill in drills:
-        result = run_drill(drill, args.out, progress)
+        result = run_drill(drill, args.out, progress, references)
         records.append(result.record)
         skipped = result.record.get("skipped")
         verdict = f"SKIPPED ({skipped})" if skipped else ("PASS" if result.passed else "FAIL")
