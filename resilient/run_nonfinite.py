@@ -4,8 +4,9 @@ One NaN or Inf in a gradient (a bad value in a batch, an overflow, a
 flipped bit) poisons every parameter the optimizer touches with it, and
 every checkpoint after that.  ``Run(nonfinite="retry")`` (the default)
 registers a step pre-hook on the optimizer that checks the gradients it is
-about to apply: one fused norm over them (``torch._foreach_norm``), finite
-or not.  With a data-parallel model every rank holds the same all-reduced
+about to apply: one fused max-norm over them (``torch._foreach_norm`` with
+``ord=inf``: the largest magnitude is finite exactly when every element is,
+where a 2-norm would overflow on huge finite gradients), finite or not.  With a data-parallel model every rank holds the same all-reduced
 gradient, so every rank sees the same verdict without a collective; with
 sharded parameters (DTensor) each rank checks its own shards and the
 verdict is all-reduced (MAX) so that no rank steps while another does not.
@@ -79,7 +80,7 @@ def check(run: Run, optimizer: torch.optim.Optimizer) -> None:
     if not grads and not sharded:
         return
     if grads:
-        norms = torch._foreach_norm(grads)
+        norms = torch._foreach_norm(grads, ord=float("inf"))  # max |g|: NaN and Inf only, a huge finite g never
         bad = torch.logical_not(torch.stack([n.float() for n in norms]).isfinite().all())
     else:
         bad = torch.zeros((), dtype=torch.bool)

@@ -96,6 +96,17 @@ def test_outside_an_attempt_or_in_raise_mode_it_fails_before_the_update_and_off_
         resilient.Run(model=model, optimizer=opt, agent=None, nonfinite="sometimes")
 
 
+def test_a_huge_finite_gradient_is_applied_not_taken_for_an_overflow():
+    """Seen in a loader test whose model diverges: gradients of 1e20 and more, finite, whose 2-norm overflows."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    resilient.Run(model=model, optimizer=opt, agent=None)
+    model(torch.tensor([[3e19, 3e19]])).sum().backward()
+    assert torch.isinf(torch.linalg.vector_norm(model.weight.grad)) and torch.isfinite(model.weight.grad).all()
+    opt.step()  # not refused
+    assert torch.isfinite(model.weight).all() and model.weight.abs().max() > 1e19
+
+
 def test_a_poisoned_batch_is_a_copy_with_one_nan():
     x, y = torch.ones(2, 3), torch.ones(2, 1)
     px, py = poisoned((x, y))
