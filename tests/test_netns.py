@@ -140,3 +140,29 @@ def test_latency_is_a_proxy_in_the_path_from_the_start_that_delays_only_while_se
             proc.wait()
         net.close()
     assert net.leftovers() == []
+
+
+def test_a_network_left_by_a_runner_that_is_gone_is_swept_before_a_new_one():
+    """A runner killed by SIGKILL cannot tear down: its namespaces and links carry its pid tag, and go."""
+    import os
+    import subprocess as sp
+
+    from resilient.chaos.netns import sweep_stale
+
+    dead = sp.Popen(["true"])
+    dead.wait()
+    tag = dead.pid % 100000
+    ns, link = f"resilient-drill-{tag}-n0", f"rd{tag}br"
+    assert sp.run(["ip", "netns", "add", ns], check=False).returncode == 0
+    assert sp.run(["ip", "link", "add", link, "type", "bridge"], check=False).returncode == 0
+    mine = f"resilient-drill-{os.getpid() % 100000}-keep"
+    sp.run(["ip", "netns", "add", mine], check=True)
+    try:
+        removed = sweep_stale()
+        assert ns in removed and link in removed and mine not in removed, removed
+        listed = sp.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+        assert ns not in listed and mine in listed
+    finally:
+        for name in (ns, mine):
+            sp.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+        sp.run(["ip", "link", "delete", link], capture_output=True, check=False)

@@ -34,6 +34,7 @@ fails).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -77,10 +78,32 @@ def _used_subnets() -> set[int]:
     return used
 
 
+def sweep_stale() -> list[str]:
+    """Remove the namespaces and links of drill networks whose runner is gone (a runner killed by SIGKILL cannot
+    tear down); returns what was removed.  A network is a runner's by its pid tag: ``resilient-drill-<tag>-<node>``
+    and ``rd<tag>br`` / ``rd<tag>h<i>`` / ``rd<tag>n<i>``, ``tag`` being the runner's pid modulo 100000."""
+    alive = {int(d.name) % 100000 for d in Path("/proc").iterdir() if d.name.isdigit()}
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        found = re.match(r"(resilient-drill-(\d+)-\S+)", line)
+        if found and int(found.group(2)) not in alive:
+            _ip("netns", "delete", found.group(1), check=False)
+            removed.append(found.group(1))
+    for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+        fields = line.split(":")
+        link = fields[1].strip().split("@")[0] if len(fields) > 1 else ""
+        found = re.fullmatch(r"rd(\d+)(br|h\d+|n\d+)", link)
+        if found and int(found.group(1)) not in alive:
+            _ip("link", "delete", link, check=False)
+            removed.append(link)
+    return removed
+
+
 class Network:
     """One namespace per node on a bridge of their own (see the module's docstring)."""
 
     def __init__(self, nodes: list[str]) -> None:
+        sweep_stale()  # what a runner killed by SIGKILL left: it would hold a subnet, and it is nobody's
         tag = f"{os.getpid() % 100000}"
         self.prefix = f"rd{tag}"  # interface names: at most 15 characters
         self.bridge = f"{self.prefix}br"
