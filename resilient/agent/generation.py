@@ -18,7 +18,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
-from ..watchdog.sections import decide_hang, for_storage
+from ..watchdog.sections import SectionTimeouts, decide_hang, for_storage
 from .continuation import Hold, continue_after, follow, start_spares
 from .eviction import weigh_straggler
 from .failures import (
@@ -261,6 +261,8 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
     stop_at: int | None = None
     hold: Hold | None = None
     next_health = ctx.clock() + c.health_interval_s
+    # The checkpoint location the ranks reported, and the section timeouts for it (saves to S3 ride out retries).
+    located: tuple[str | None, SectionTimeouts] = (None, c.sections)
     while True:
         now = ctx.clock()
         report_restores(False)
@@ -327,8 +329,9 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 # decision on a lost node comes with its presence lease (5 s), as late as a step's timeout floor.
                 waiting = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
                 views = {r: v for r, v in views.items() if group.workers[r].worker_id not in waiting}
-            sections = for_storage(c.sections, ctx.tracker.checkpoint_location)  # saves to S3 ride out retries
-            hang = decide_hang(views, ctx.tracker.stats, sections, now)
+            if located[0] != ctx.tracker.checkpoint_location:
+                located = (ctx.tracker.checkpoint_location, for_storage(c.sections, ctx.tracker.checkpoint_location))
+            hang = decide_hang(views, ctx.tracker.stats, located[1], now)
             if hang is not None and hold is None:
                 ended = end_on_hang(ctx, group, a, gdir, hang, now)
                 if isinstance(ended, Outcome):

@@ -38,7 +38,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from .monitor import free_port
+from .monitor import free_port, stop_process
 
 MODES = ("errors", "drop", "slow")
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "drill", "AWS_SECRET_ACCESS_KEY": "drill", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -235,13 +235,7 @@ class S3Endpoint:
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
 
     def pids(self) -> list[int]:
         return [self.proc.pid] if self.proc.poll() is None else []
