@@ -146,6 +146,52 @@ def test_a_rank_slower_only_by_waiting_for_a_cpu_is_flagged_only_when_that_persi
     assert 20 < at <= 23 and "waiting for a CPU" in part.reason
 
 
+def throttled(index: int, rng: random.Random, *, quota: bool) -> dict[int, RankWindow]:
+    """Windows like those recorded under a CPU quota on this machine (3 ranks, 2 cores): every rank waits 0.4 to
+    3.5 ms a step for a CPU; rank 1 under the quota 10 to 110 ms, its throttled time landing in compute in some
+    windows and in the all-reduce (never scored) in others, so its compute series is slow one window in two, and
+    then by what it waited."""
+    out = {}
+    for rank in range(3):
+        wait = rng.uniform(0.0004, 0.0035)
+        compute, comm, step = 0.024 * math.exp(rng.gauss(0.0, 0.03)), 0.004, 0.030
+        if quota:
+            step, comm = 0.14, 0.075
+            if rank == 1:
+                wait = rng.uniform(0.010, 0.110)
+                if rng.random() < 0.5:  # the throttled time is the wait, and here it landed in compute
+                    compute, comm = 0.024 + wait * rng.uniform(0.8, 1.0), 0.003
+        out[rank] = RankWindow(rank=rank, window=index, steps=5, step_s=step,
+                               sections={"compute": compute, "comm": comm, "optimizer": 0.0007}, node="n0",
+                               cpu_wait=wait)
+    return out
+
+
+def test_a_rank_a_cpu_quota_throttles_is_flagged_by_its_wait_for_a_cpu_whatever_section_it_lands_in():
+    """Seen in the cpu-quota-rank drill: the compute series of the throttled rank is slow in every other window,
+    so no section's flag persisted for 12 windows in a row; its wait for a CPU did, and names it."""
+    for seed in range(5):
+        rng, det, found = random.Random(seed), StragglerDetector(), []
+        for w in range(80):
+            found += [(w, c) for c in det.observe(throttled(w, rng, quota=w >= 20))]
+        flags = [(w, c) for w, c in found if c.kind == "flagged"]
+        assert [(c.rank, c.section) for _, c in flags] == [(1, "cpu_wait")], (seed, flags)
+        [(at, flag)] = flags
+        assert 20 + 12 <= at <= 20 + 20, (seed, at)
+        assert "rank 1 (node n0) is a straggler waiting for a CPU (cpu_wait)" in flag.reason
+        assert "a CPU quota throttles it" in flag.reason and flag.ratio > 5
+    # A healthy run whose ranks take turns waiting for a CPU: never flagged, over 2,000 windows.
+    rng, det = random.Random(99), StragglerDetector()
+    assert [c for w in range(2000) for c in det.observe(throttled(w, rng, quota=False))] == []
+    # The wait is scored only where every rank measured it.
+    rng, det = random.Random(3), StragglerDetector()
+    for w in range(40):
+        ws = throttled(w, rng, quota=w >= 10)
+        ws[0] = RankWindow(rank=0, window=w, steps=5, step_s=ws[0].step_s, sections=ws[0].sections, node="n0")
+        det.observe(ws)
+    assert not any(s.section == "cpu_wait" for s in det.scores())
+
+
 def test_waiting_in_communication_never_names_a_straggler():
     """The fast ranks wait for the slow one in comm: only the slow rank's compute is flagged, never their comm."""
     rng = random.Random(5)

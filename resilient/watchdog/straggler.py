@@ -12,12 +12,19 @@ a section after the CUSUM passes its decision level with ``consecutive``
 slow windows in a row, and cleared with hysteresis.
 
 A rank whose extra time is mostly waiting for a CPU (its training thread
-runnable but not running, as the window's ``cpu_wait`` says) is slower
+runnable but not running, as the window's ``cpu_wait`` says: half of it or
+more, or all but ``min_share`` of a step) is slower
 because of its host's scheduler, not its own work: on a busy host the
 scheduler keeps one rank waiting for a while and then another.  Such a flag
 needs ``contention_windows`` windows in a row; a CPU quota or a neighbour
 that goes on starving the rank is then flagged, and the reason says how
 much of the extra time was the wait.
+
+The wait is also scored on its own, as the series :data:`~resilient.watchdog.timing.CPU_WAIT`
+of each rank, with the same persistence.  A quota's throttling lands in
+whatever section the rank is in when its budget runs out: in compute one
+window, in the all-reduce (never scored) the next, so no section's series
+stays slow for long, while the wait itself does, window after window.
 
 Its **individual** value, the window against the rank's own recent best
 (its 10th percentile over ``history`` windows), is reported beside it: it
@@ -43,7 +50,7 @@ from typing import Literal
 
 from ..errors import ConfigError
 from .cusum import Cusum, CusumRule, advance, noise
-from .timing import CHECKPOINT, NOT_A_CULPRIT, RankWindow
+from .timing import CHECKPOINT, CPU_WAIT, NOT_A_CULPRIT, RankWindow
 
 COMMITTER = 0
 """The rank that commits every checkpoint (:mod:`resilient.checkpoint.commit`): its checkpoint time holds work no
@@ -73,8 +80,9 @@ class StragglerConfig:
     """A rank is flagged only when its extra time in the section is at least this share of the job's step
     (0.05: 5%): a tiny section that is 40% slower costs the job nothing worth a page."""
     contention_windows: int = 12
-    """Windows in a row a flag needs when, without the rank's extra wait for a CPU over its peers', its extra
-    time would be under ``min_share`` of a step (a busy host's scheduler, unless it persists)."""
+    """Windows in a row a flag needs when the rank's extra wait for a CPU over its peers' explains half or more of
+    its extra time, or all but ``min_share`` of a step of it (a busy host's scheduler, unless it persists); and a
+    flag of the wait itself (``cpu_wait``) always."""
 
     def __post_init__(self) -> None:
         for name in ("warmup_windows", "history", "min_history", "contention_windows"):
@@ -178,11 +186,14 @@ class StragglerDetector:
         if self._seen <= cfg.warmup_windows:
             return []
         index = max(w.window for w in windows.values())
-        sections = sorted({s for w in windows.values() for s in w.sections} - NOT_A_CULPRIT)
+        sections = sorted({s for w in windows.values() for s in w.sections} - NOT_A_CULPRIT - {CPU_WAIT})
+        series = {section: {r: w.sections.get(section, 0.0) for r, w in windows.items()
+                            if not (section == CHECKPOINT and r == COMMITTER)} for section in sections}
+        if all(w.cpu_wait is not None for w in windows.values()):
+            series[CPU_WAIT] = {r: w.cpu_wait or 0.0 for r, w in windows.items()}
         changes: list[StragglerChange] = []
-        for section in sections:
-            values = {r: max(w.sections.get(section, 0.0), cfg.min_seconds) for r, w in windows.items()
-                      if not (section == CHECKPOINT and r == COMMITTER)}
+        for section, raw in series.items():
+            values = {r: max(v, cfg.min_seconds) for r, v in raw.items()}
             if len(values) < 2 or all(v <= cfg.min_seconds for v in values.values()):
                 continue
             for rank, value in values.items():
@@ -211,8 +222,10 @@ class StragglerDetector:
                     ser.cusum = replace(ser.cusum, flagged=False)  # real but too small to matter: keep watching
                 if ser.cusum.flagged and not was and self._contended(rank, section, step_s):
                     ser.held += 1
-                    if ser.held < cfg.contention_windows:
-                        ser.cusum = replace(ser.cusum, flagged=False)  # the scheduler's doing, unless it persists
+                    if ser.held < cfg.contention_windows or self._standing(rank, section):
+                        # The scheduler's doing, unless it persists; and said once per rank (a flag in
+                        # another section, or of the wait itself, already names it).
+                        ser.cusum = replace(ser.cusum, flagged=False)
                 elif not ser.cusum.flagged:
                     ser.held = 0
                 if ser.cusum.flagged != was:
@@ -228,6 +241,10 @@ class StragglerDetector:
     def flagged(self) -> list[tuple[int, str]]:
         """(rank, section) of every standing flag."""
         return [key for key, ser in sorted(self._series.items()) if ser.cusum.flagged]
+
+    def _standing(self, rank: int, section: str) -> bool:
+        """Whether ``rank`` has a standing flag in a section other than ``section``."""
+        return any(ser.cusum.flagged for (r, s), ser in self._series.items() if r == rank and s != section)
 
     def _extra(self, ser: _Series) -> float:
         """The rank's seconds per step over its peers' median, over the evidence windows."""
@@ -251,11 +268,13 @@ class StragglerDetector:
                                                            for i in range(len(mine)))
 
     def _contended(self, rank: int, section: str, step_s: float) -> bool:
-        """Whether the rank's extra time in the section, less its extra wait for a CPU, is under ``min_share``."""
+        """Whether the rank's extra wait for a CPU explains most (half or more) of its extra time in the section,
+        or leaves less than ``min_share`` unexplained (always, for the wait itself: it is the host's contention)."""
         wait = self._extra_wait(rank, section)
         if wait is None or wait <= 0:
             return False
-        return self._extra(self._series[(rank, section)]) - wait < self.config.min_share * step_s
+        extra = self._extra(self._series[(rank, section)])
+        return section == CPU_WAIT or wait >= 0.5 * extra or extra - wait < self.config.min_share * step_s
 
     def _noise(self, section: str) -> float | None:
         """The section's noise: the median over ranks of each series' own noise; None before ``min_history``."""
@@ -278,7 +297,12 @@ class StragglerDetector:
             noise_text += (f"; {wait * 1e3:.1f} ms per step more than its peers waiting for a CPU (the host's CPUs "
                            f"are oversubscribed or a CPU quota throttles it)")
         where = f"rank {rank}" + (f" (node {ser.node})" if ser.node else "")
-        if kind == "flagged":
+        if section == CPU_WAIT and kind == "flagged":
+            reason = (f"{where} is a straggler waiting for a CPU ({CPU_WAIT}): runnable but not running "
+                      f"{rank_s * 1e3:.1f} ms per step against its peers' median {peers_s * 1e3:.1f} ms over the "
+                      f"last {steps} steps, whatever section it was in; a CPU quota throttles it or its host's "
+                      f"CPUs are oversubscribed{'' if sigma is None else f' (noise {sigma * 100:.1f}% per window)'}")
+        elif kind == "flagged":
             reason = (f"{where} is a straggler in {section}: {rank_s * 1e3:.1f} ms per step against its peers' "
                       f"median {peers_s * 1e3:.1f} ms ({(ratio - 1) * 100:+.0f}%) over the last {steps} steps"
                       f"{noise_text}")

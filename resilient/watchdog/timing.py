@@ -39,6 +39,9 @@ MEASURED = (DATA, COMPUTE, COMM, OPTIMIZER, CHECKPOINT)
 """The sections the runtime measures in every step, in the order a step goes through them."""
 NOT_A_CULPRIT = frozenset({COMM})
 """Sections never used to name a straggler (waiting there is what a slow peer causes)."""
+CPU_WAIT = "cpu_wait"
+"""Not a section: the name under which a rank's wait for a CPU (its training thread runnable but not running,
+whatever section it was in) is scored against its peers' (:mod:`resilient.watchdog.straggler`)."""
 
 
 @dataclass(frozen=True)
