@@ -46,6 +46,7 @@ class EventKind(str, Enum):
     # -- checkpoints
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save did not commit (a rank's write or the commit failed)
+    CHECKPOINT_STORE_RETRYING = "checkpoint_store_retrying"  # the checkpoint store failed requests; being retried
     CHECKPOINT_CONFLICT = "checkpoint_conflict"  # a checkpoint of that name already exists; never overwritten
     CHECKPOINT_DEFERRED = "checkpoint_deferred"  # a scheduled save fell due while the writer was busy: pending
     CHECKPOINT_DEFERRED_LANDED = "checkpoint_deferred_landed"  # a pending save was taken, at a later step
@@ -154,6 +155,7 @@ _WARNING_KINDS = frozenset(
     {
         EventKind.NONFINITE_GRADIENTS,
         EventKind.CHECKPOINT_FAILED,
+        EventKind.CHECKPOINT_STORE_RETRYING,
         EventKind.CHECKPOINT_QUARANTINED,
         EventKind.CHECKPOINT_FALLBACK,
         EventKind.CHECKPOINT_CONFLICT,
@@ -218,7 +220,7 @@ class EventLog:
 FORWARDED = frozenset({
     EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_CONFLICT, EventKind.CHECKPOINT_FENCED,
     EventKind.CHECKPOINT_FALLBACK, EventKind.CHECKPOINT_QUARANTINED, EventKind.CHECKPOINT_QUARANTINE_FAILED,
-    EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS,
+    EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS, EventKind.CHECKPOINT_STORE_RETRYING,
 })
 """What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong and gradients
 that were not finite, which whoever

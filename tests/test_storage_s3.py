@@ -16,8 +16,10 @@ from resilient.checkpoint import s3, s3_client
 from resilient.checkpoint.digest import digest_bytes
 from resilient.checkpoint.manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
 from resilient.checkpoint.s3 import S3Storage
-from resilient.checkpoint.storage import Staging, open_storage
+from resilient.checkpoint.storage import Staging, StoreRetry, open_storage
+from resilient.checkpoint.store_retries import RetryReports
 from resilient.errors import CommitConflictError, StorageError
+from resilient.events import EventLog
 
 CHUNK = 1 << 20
 MiB = 1 << 20
@@ -312,6 +314,8 @@ def test_a_store_in_trouble_is_named_as_such_and_retries_absorb_a_flaky_one(s3_u
     proxy = FaultProxy((str(up.hostname), int(up.port or 80)), seed=3)
     try:
         store = store_for((s3_url[0], proxy.url), max_attempts=3)
+        retried: list[StoreRetry] = []
+        store.observe_retries(retried.append)
         body = [memoryview(os.urandom(4096))]
         staging = store.begin("step_0000000001", "tokA")
         before = proxy.counts()["forwarded"]
@@ -322,9 +326,13 @@ def test_a_store_in_trouble_is_named_as_such_and_retries_absorb_a_flaky_one(s3_u
         assert "after 4 attempts" in str(err.value) and "permissions" not in str(err.value)
         # The first attempt and its 3 retries, and no more: nothing got through.
         assert proxy.counts()["errors"] == 4 and proxy.counts()["forwarded"] == before, proxy.counts()
+        # Each retry was seen as it happened, not only the last failure.
+        assert [(r.operation, r.attempt, r.attempts, r.error) for r in retried] == \
+            [("put_object", n, 4, "503 SlowDown") for n in (1, 2, 3)]
         proxy.set_fault("drop", rate=1.0)
         with pytest.raises(StorageError, match="cannot reach S3"):
             store.write_file(staging, "a.bin", body, CHUNK)
+        assert [r.attempt for r in retried[3:]] == [1, 2, 3] and "Connection" in retried[3].error, retried[3:]
         proxy.set_fault("drop", rate=0.3)
         for i in range(10):  # a fault-tolerant client: each write lands despite the drops
             store.write_file(staging, f"f{i}.bin", body, CHUNK)
@@ -333,6 +341,8 @@ def test_a_store_in_trouble_is_named_as_such_and_retries_absorb_a_flaky_one(s3_u
             store.write_file(staging, f"f{i}.bin", body, CHUNK)
         counts = proxy.counts()
         assert counts["drop"] > 3 + 0 and counts["errors"] > 3, counts  # the shares struck (beyond the 1.0 phases)
+        # Every struck request was retried, but the last attempt of each of the two that failed.
+        assert len(retried) == counts["errors"] + counts["drop"] - 2, (len(retried), counts)
         proxy.set_fault("slow", delay_s=0.3)
         started = time.monotonic()
         store.write_file(staging, "slow.bin", body, CHUNK)
@@ -342,11 +352,26 @@ def test_a_store_in_trouble_is_named_as_such_and_retries_absorb_a_flaky_one(s3_u
             [f"f{i}.bin" for i in range(20)] + ["slow.bin"])
         # Held past the client's read timeout: a timeout, named as such, after the first attempt and one retry.
         impatient = store_for((s3_url[0], proxy.url), max_attempts=1, read_timeout=1)
+        late: list[StoreRetry] = []
+        impatient.observe_retries(late.append)
         proxy.set_fault("slow", delay_s=3.0)
         before = proxy.counts()["slow"]
         with pytest.raises(StorageError) as err:
             impatient.write_file(staging, "late.bin", body, CHUNK)
         assert "did not answer within the read timeout (1 s) in 2 attempts" in str(err.value), str(err.value)
         assert proxy.counts()["slow"] - before == 2
+        assert [(r.attempt, r.attempts) for r in late] == [(1, 2)] and "ReadTimeout" in late[0].error, late
     finally:
         proxy.close()
+
+
+def test_retries_are_reported_at_once_then_at_most_every_ten_seconds_with_their_count() -> None:
+    events, now = EventLog(), [100.0]
+    reports = RetryReports(events, "s3://b/p", clock=lambda: now[0])
+    for t in (100.0, 101.0, 105.0, 110.5, 111.0):
+        now[0] = t
+        reports.report(StoreRetry(operation="put_object", attempt=1, attempts=6, error="503 SlowDown"))
+    seen = [e.fields for e in events.of_kind("checkpoint_store_retrying")]
+    assert [f["retries"] for f in seen] == [1, 3] and reports.total == 5
+    assert seen[0]["location"] == "s3://b/p" and seen[0]["error"] == "503 SlowDown"
+    assert "failed put_object (503 SlowDown) on attempt 1 of 6; retrying" in seen[0]["reason"]

@@ -214,7 +214,10 @@ def _accounts(run_dir: Path) -> list[Any]:
 
 
 def _goodput(run_dir: Path) -> float | None:
-    return min((a.goodput_ratio for a in _accounts(run_dir)), default=None)
+    """The run's goodput: the lowest of its nodes' that trained (a spare node that never held a rank has none)."""
+    accounts = _accounts(run_dir)
+    trained = [a for a in accounts if a.attempted_steps > 0] or accounts
+    return min((a.goodput_ratio for a in trained), default=None)
 
 
 def _verify_commits(drill: Drill, ckpt: Path) -> tuple[int, list[str]] | None:

@@ -40,14 +40,15 @@ DETECTIONS = ("worker_failed", "hang_detected", "straggler_flagged", "node_lost"
               "slowdown_began", "incident", "recovery_decided")
 """Events that mean the agent noticed a fault (an in-process rung records its incident and decision at once)."""
 FAULT_DETECTIONS: dict[str, tuple[str, ...]] = {"fill_disk": ("checkpoint_failed",),
-                                                "s3_errors": ("checkpoint_failed",),
-                                                "s3_drop": ("checkpoint_failed",),
-                                                "s3_slow": ("checkpoint_failed",),
+                                                "s3_errors": ("checkpoint_store_retrying", "checkpoint_failed"),
+                                                "s3_drop": ("checkpoint_store_retrying", "checkpoint_failed"),
+                                                "s3_slow": ("checkpoint_store_retrying", "checkpoint_failed"),
                                                 "store_outage": ("store_outage_start",),
                                                 "nan": ("nonfinite_gradients",),
                                                 "resubmit": ("checkpoint_fenced",)}
-"""Faults whose detection is an event of their own: a full disk or a store in trouble is noticed by the save that
-fails, an etcd outage by the agents' losing it, a resubmitted job by the first one's save the fence refuses."""
+"""Faults whose detection is an event of their own: a full disk is noticed by the save that fails, a store in
+trouble by its first request the client retries (or a save that fails), an etcd outage by the agents' losing it, a
+resubmitted job by the first one's save the fence refuses."""
 FAULT_RESUMES: dict[str, tuple[str, ...]] = {"store_outage": ("store_outage_end",)}
 """Faults that do not stop training, whose end is an event of its own: the agents have their store back."""
 LATENT = ("corrupt_checkpoint", "truncate_checkpoint")

@@ -41,6 +41,7 @@ from .restore import RANK, REPLICATED, Restored, Targets, restore_newest
 from .retention import decide_retention
 from .snapshot import HostBuffer, snapshot_bytes
 from .storage import Storage, open_storage
+from .store_retries import RetryReports
 from .writer import Job, SaveResult, Writer
 
 __all__ = ["RANK", "REPLICATED", "CheckpointManager", "Restored", "SaveResult", "file_name"]
@@ -80,6 +81,8 @@ class CheckpointManager:
         self.pending: Pending | None = None
         """A scheduled save deferred because the writer was busy (see :mod:`.pacing`)."""
         self._writer = Writer(self._write_job, background=config.async_save)
+        self._retries = RetryReports(events, self.storage.url)
+        self.storage.observe_retries(self._retries.report)
         # Rank 0 checks the store, claims the fence and then sweeps leftovers
         # of crashed (or stale) saves; every rank gets the save token, or the
         # same error (a refused claim is a FencedError everywhere).

@@ -7,11 +7,12 @@ protocol on top of it is :class:`resilient.checkpoint.s3.S3Storage`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import StorageError
 from .s3_support import import_boto, parse_url
+from .storage import StoreRetry
 
 COPY_LIMIT = 5 << 30  # copy_object's limit; larger objects are copied part by part
 COPY_PART_BYTES = 512 << 20
@@ -27,6 +28,26 @@ _AUTH = ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoe
 
 def _code(e: Any) -> str:
     return str(e.response.get("Error", {}).get("Code", "?"))
+
+
+def _retryable(response: Any, caught: Any) -> str | None:
+    """What failed in one attempt the SDK may retry (an exception, a 5xx, a throttle); None for an answer."""
+    if caught is not None:
+        return f"{type(caught).__name__}: {caught}"
+    if not response:
+        return None
+    http, parsed = response
+    status = int(getattr(http, "status_code", 0) or 0)
+    code = str((parsed or {}).get("Error", {}).get("Code", ""))
+    if status >= 500 or status == 429 or code in _UNAVAILABLE:
+        return f"{status} {code}".strip()
+    return None
+
+
+def _operation(operation: Any) -> str:
+    """An SDK operation model's name the way the client spells it (``PutObject``: ``put_object``)."""
+    name = str(getattr(operation, "name", "") or "?")
+    return "".join(f"_{c.lower()}" if c.isupper() and i else c.lower() for i, c in enumerate(name))
 
 
 
@@ -70,6 +91,21 @@ class S3Bucket:
             raise StorageError(
                 f"cannot set up an S3 client for {self.url}: {e} (check endpoint_url and the AWS config)"
             ) from e
+
+    def observe_retries(self, report: Callable[[StoreRetry], None]) -> None:
+        """Call ``report`` for every request the SDK is about to retry (a 5xx, a throttle, a timeout, a reset).
+
+        The SDK decides alone, and reports only the last failure; this hook on its ``needs-retry`` event sees
+        each one, so a store in trouble is known at its first failed request, not when the retries run out."""
+        def needs_retry(attempts: int = 0, response: Any = None, caught_exception: Any = None,
+                        operation: Any = None, **_: Any) -> None:
+            error = _retryable(response, caught_exception)
+            if error is not None and attempts <= self.max_attempts:
+                report(StoreRetry(operation=_operation(operation), attempt=attempts, attempts=self.max_attempts + 1,
+                                  error=error))
+            # None: no opinion; the SDK's own handler decides whether and when to retry
+
+        self._client.meta.events.register("needs-retry.s3", needs_retry)
 
     # ------------------------------------------------------------ plumbing
     def _key(self, name: str, path: str = "") -> str:

@@ -26,7 +26,7 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import CommitConflictError, StorageError
@@ -50,10 +50,29 @@ class Staging:
     file_prefix: str
 
 
+@dataclass(frozen=True)
+class StoreRetry:
+    """One request to the store that failed and is being tried again (the store is in trouble, for now)."""
+
+    operation: str
+    """The request (``put_object``, ``upload_part``, ...)."""
+    attempt: int
+    """The attempt that failed (1: the first)."""
+    attempts: int
+    """Attempts the client makes before the request fails."""
+    error: str
+    """What the store answered (``503 SlowDown``), or the exception of a request that got no answer."""
+
+
 class Storage(ABC):
     """A checkpoint store. Every method raises :class:`StorageError` on I/O failure."""
 
     url: str
+
+    def observe_retries(self, report: Callable[[StoreRetry], None]) -> None:
+        """Have ``report`` called (on the requesting thread) for every request the store's client retries.
+
+        A store without retries of its own (a local directory) never calls it."""
 
     def check_writable(self) -> None:
         """Raise :class:`StorageError` now if saves cannot succeed (called once at start)."""
