@@ -56,6 +56,8 @@ if [ "$target" = tests ]; then
     command -v mount >/dev/null || apt_packages+=(mount)      # a tiny tmpfs for the full-disk test
     command -v ip >/dev/null || apt_packages+=(iproute2)      # network namespaces for the network drills
     command -v iptables >/dev/null || apt_packages+=(iptables) # their packet loss (a command, no service)
+    command -v shellcheck >/dev/null || apt_packages+=(shellcheck)          # the rendered Slurm scripts
+    command -v docker-compose >/dev/null || apt_packages+=(docker-compose)  # `config -q` of the compose file
     system_server=""
     command -v prometheus-alertmanager >/dev/null && command -v amtool >/dev/null || system_server=$SYSTEM_SERVER
     for package in "${!SERVER_BINARIES[@]}"; do

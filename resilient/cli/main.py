@@ -19,6 +19,7 @@ from ..errors import ResilientError
 from . import (
     checkpoint_cmd,
     dashboards_cmd,
+    deploy_cmd,
     detectors_cmd,
     diagnose_cmd,
     drill_cmd,
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     report_cmd.add_parser(commands)
     checkpoint_cmd.add_parser(commands)
     dashboards_cmd.add_parser(commands)
+    deploy_cmd.add_parser(commands)
     return parser
 
 
