@@ -45,6 +45,7 @@ declare -A SERVER_BINARIES=(
     [prometheus]="prometheus promtool"
 )
 SYSTEM_SERVER=prometheus-alertmanager  # reads /usr/share/prometheus/alertmanager/*.tmpl: cannot run unpacked
+SLURM_PACKAGES=(slurmctld slurmd slurm-client munge)  # a single-node Slurm the deployment tests start and stop
 
 plan() { echo "setup ($target): $*"; }
 
@@ -58,8 +59,14 @@ if [ "$target" = tests ]; then
     command -v iptables >/dev/null || apt_packages+=(iptables) # their packet loss (a command, no service)
     command -v shellcheck >/dev/null || apt_packages+=(shellcheck)          # the rendered Slurm scripts
     command -v docker-compose >/dev/null || apt_packages+=(docker-compose)  # `config -q` of the compose file
-    system_server=""
-    command -v prometheus-alertmanager >/dev/null && command -v amtool >/dev/null || system_server=$SYSTEM_SERVER
+    system_servers=()
+    command -v prometheus-alertmanager >/dev/null && command -v amtool >/dev/null || system_servers+=("$SYSTEM_SERVER")
+    for bin in slurmctld slurmd sbatch munged; do
+        if ! command -v "$bin" >/dev/null && [ ! -x "/usr/sbin/$bin" ]; then
+            system_servers+=("${SLURM_PACKAGES[@]}")
+            break
+        fi
+    done
     for package in "${!SERVER_BINARIES[@]}"; do
         for bin in ${SERVER_BINARIES[$package]}; do
             if [ ! -x "$SERVERS_DIR/usr/bin/$bin" ]; then
@@ -71,7 +78,8 @@ if [ "$target" = tests ]; then
 fi
 
 as_root=()
-system_server=${system_server:-}
+system_servers=("${system_servers[@]}")
+system_server="${system_servers[*]}"
 if ((${#apt_packages[@]} || ${#servers[@]})) || [ -n "$system_server" ]; then
     if [ "$(id -u)" != 0 ]; then
         if command -v sudo >/dev/null; then
@@ -97,7 +105,7 @@ elif [ "$target" = tests ]; then
     plan "servers for the tests already in $SERVERS_DIR/"
 fi
 if [ -n "$system_server" ]; then
-    plan "install Debian $system_server system-wide without recommends; its service is neither started" \
+    plan "install Debian $system_server system-wide without recommends; their services are neither started" \
          "(policy-rc.d) nor enabled (deb-systemd-helper disable, update-rc.d disable)"
 fi
 [ -x .venv/bin/python ] || plan "create the virtualenv .venv (with --system-site-packages, reusing a torch you have)"
@@ -121,13 +129,16 @@ if [ -n "$system_server" ]; then
     fi
     ((${#apt_packages[@]})) || "${as_root[@]}" apt-get update -qq
     installed=0
-    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "$system_server" \
+    DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends "${system_servers[@]}" \
         && installed=1
     ((policy_made)) && "${as_root[@]}" rm -f /usr/sbin/policy-rc.d
     ((installed)) || { echo "setup.sh: could not install $system_server (see above)" >&2; exit 1; }
-    "${as_root[@]}" deb-systemd-helper disable "$system_server.service" >/dev/null 2>&1 || true
-    "${as_root[@]}" update-rc.d "$system_server" disable >/dev/null 2>&1 || true
-    echo "setup ($target): installed $system_server; its service is not enabled and was not started"
+    for package in "${system_servers[@]}"; do
+        [ "$package" = slurm-client ] && continue  # commands only
+        "${as_root[@]}" deb-systemd-helper disable "$package.service" >/dev/null 2>&1 || true
+        "${as_root[@]}" update-rc.d "$package" disable >/dev/null 2>&1 || true
+    done
+    echo "setup ($target): installed $system_server; their services are not enabled and were not started"
 fi
 
 if ((${#servers[@]})); then

@@ -129,15 +129,17 @@ def test_kubernetes_manifests_validate_strictly_and_the_rules_pass_promtool(tmp_
         assert (args.nnodes, args.nproc_per_node, args.metrics_port) == ("2", "2", 9400)
 
 
-def test_the_slurm_scripts_pass_shellcheck_and_start_the_agents_the_agent_accepts():
+def test_the_slurm_scripts_and_ours_pass_shellcheck_and_start_the_agents_the_agent_accepts():
     out = ROOT / "deploy" / "slurm"
-    checked = subprocess.run([tool("shellcheck"), "--severity=style", str(out / "demo.sbatch"),
-                              str(out / "prolog.sh")], capture_output=True, text=True, timeout=60, check=False)
+    scripts = [out / "demo.sbatch", out / "prolog.sh", *sorted((ROOT / "scripts").glob("*.sh")), ROOT / ".ci" / "run"]
+    checked = subprocess.run([tool("shellcheck"), "--severity=style", *map(str, scripts)], capture_output=True,
+                             text=True, timeout=60, check=False)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     script = (out / "demo.sbatch").read_text()
     assert "#SBATCH --nodes=3" in script and "#SBATCH --requeue" in script and "#SBATCH --partition=debug" in script
     [line] = [x for x in script.splitlines() if "-m resilient run" in x]
-    words = shlex.split(line.split("-m resilient ", 1)[1].replace('"${role[@]}"', "--role spare"))
+    words = shlex.split(line.split("-m resilient ", 1)[1].replace('"${role[@]}"', "--role spare")
+                        .replace('"${store[@]}"', '--store "$STORE"'))
     args = run_args(words)
     assert args.role == "spare" and args.node_id == "$SLURMD_NODENAME" and args.store == "$STORE"
     assert args.burn_in and args.health_path == ["/work/runs/demo/ckpt"]
@@ -203,3 +205,16 @@ def test_render_writes_every_target_and_never_over_a_users_edits(tmp_path):
     bad.write_text("[run]\nid = 'x'\n")
     refused = cli("render", "--target", "slurm", str(bad), "--out", str(tmp_path / "x"))
     assert refused.returncode == 2 and "bad.toml: [run] script: missing" in refused.stderr
+
+
+def test_under_slurm_the_agent_takes_its_run_node_and_launch_from_the_job():
+    from resilient.cli.run_cmd import build_config
+
+    slurm = {"SLURM_JOB_ID": "812", "SLURM_RESTART_COUNT": "2", "SLURMD_NODENAME": "gpu17"}
+    config = build_config(build_parser().parse_args(["run", "--store", "etcd://h:2379", "-m", "json.tool"]), slurm)
+    assert (config.run_id, config.node_id, config.launch_id) == ("slurm-812", "gpu17", "slurm-812-2")
+    given = build_config(build_parser().parse_args(["run", "--run-id", "r", "--node-id", "n", "-m", "json.tool"]),
+                         slurm)
+    assert (given.run_id, given.node_id) == ("r", "n")
+    with pytest.raises(Exception, match="--store needs --run-id"):
+        build_config(build_parser().parse_args(["run", "--store", "etcd://h:2379", "-m", "json.tool"]), {})

@@ -8,7 +8,8 @@ command line), and under Slurm ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT``,
 which name the launch (``slurm-<job>-<restart count>``) unless
 ``--launch-id`` does: every node of a job gets the same id and a requeue a
 new one, even when the previous submission was killed without ending its
-launch.
+launch.  Without ``--run-id`` and ``--node-id`` a Slurm job's run is
+``slurm-<job>`` and a node is ``SLURMD_NODENAME``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def launch_id_from(explicit: str | None, environ: dict[str, str]) -> str | None:
     if job:
         return f"slurm-{job}-{environ.get('SLURM_RESTART_COUNT') or 0}"
     return None
+
+
+def slurm_ids(run_id: str | None, node_id: str | None, environ: dict[str, str]) -> tuple[str | None, str | None]:
+    """``--run-id`` and ``--node-id``, else under Slurm ``slurm-<job id>`` (the same on every node of the job and
+    across its requeues) and ``SLURMD_NODENAME``; else None (the caller's defaults)."""
+    job = environ.get("SLURM_JOB_ID")
+    return (run_id or (f"slurm-{job}" if job else None),
+            node_id or environ.get("SLURMD_NODENAME") or None)
 
 
 def add_parser(commands: Any) -> None:
@@ -199,10 +208,11 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     if args.rdzv_backend in ("c10d", "static") and store is not None:
         print(f"resilient: warning: --rdzv-backend {args.rdzv_backend} has no effect: with --store the nodes meet "
               "through etcd", file=sys.stderr)
-    if store is not None and not args.run_id:
+    run_id, node_id = slurm_ids(args.run_id, args.node_id, environ)
+    if store is not None and not run_id:
         raise ConfigError("--store needs --run-id: every node of the run must give the same one")
-    run_id = args.run_id or time.strftime("run-%Y%m%d-%H%M%S")
-    node_id = args.node_id or socket.gethostname().split(".")[0]
+    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
+    node_id = node_id or socket.gethostname().split(".")[0]
     local_addr = args.local_addr or ("127.0.0.1" if store is None else socket.getfqdn())
     if args.no_python:
         entry = (args.script, *args.script_args)

@@ -44,8 +44,9 @@ KUBERNETES_VERSION = "1.30.0"
 """The Kubernetes version the manifests are validated against (``kubernetes-validate --strict``)."""
 SLURM_EXITS = {
     0: "the run finished: the job ends",
-    EXIT_PREEMPTED_AGENT: "preempted (the agents were asked to stop and did): requeued, it resumes from the "
-                          "newest commit",
+    EXIT_PREEMPTED_AGENT: "the agents checkpointed and stopped (the time limit's SIGTERM, 120 s before it): "
+                          "requeued, it resumes from the newest commit (a preemption, `scontrol requeue` or "
+                          "scancel ends the job from Slurm's side, which requeues it or not)",
     EXIT_UNHEALTHY: "a node failed its health check: requeued without that node",
     EXIT_STOPPED: "stopped with a verdict (restart budget spent, crash loop, a worker's do-not-restart code): "
                   "not requeued",
@@ -69,7 +70,7 @@ def agent_args(t: Topology, *, node_id: str, store: str | None, spare: bool = Fa
     """``resilient run`` options and the script, for one agent (the words after ``resilient``)."""
     args = ["run", "--run-id", t.run_id, "--node-id", node_id, "--nnodes", t.node_range,
             "--nproc-per-node", str(t.nproc_per_node), "--max-restarts", str(t.max_restarts),
-            "--metrics-port", str(t.metrics_port), "--metrics-addr", "0.0.0.0"]
+            "--metrics-port", str(t.metrics_port), "--metrics-addr", t.metrics_addr]
     if store:
         args += ["--store", store]
     if spare:
@@ -128,16 +129,19 @@ def _alert_groups(assets: Path) -> list[dict[str, Any]]:
 def _slurm(t: Topology, assets: Path, header: str) -> dict[str, str]:
     q = shlex.quote
     options = {"job-name": t.run_id, "nodes": str(t.total_nodes), "ntasks-per-node": "1",
-               "output": f"{t.workdir}/runs/{t.run_id}/slurm-%j.out", "open-mode": "append", **t.slurm}
+               "output": f"{t.workdir}/slurm-{t.run_id}-%j.out", "open-mode": "append", **t.slurm}
     sbatch = "\n".join(f"#SBATCH --{k}={v}" for k, v in options.items())
     agent = " ".join(q(a) for a in agent_args(t, node_id="__NODE__", store="__STORE__", spare=True,
-                                                local_addr="__ADDR__", run_dir="__RUNDIR__", burn_in=True))
-    agent = (agent.replace("--role spare", '"${role[@]}"').replace("__NODE__", '"$SLURMD_NODENAME"')
-             .replace("__ADDR__", '"$addr"').replace("__STORE__", '"$STORE"').replace("__RUNDIR__", '"$RUN_DIR"'))
+                                                local_addr="__ADDR__", run_dir="__RUNDIR__", burn_in=not t.embedded))
+    agent = (agent.replace("--role spare", '"${role[@]}"').replace("--store __STORE__", '"${store[@]}"')
+             .replace("__NODE__", '"$SLURMD_NODENAME"').replace("__ADDR__", '"$addr"')
+             .replace("__RUNDIR__", '"$RUN_DIR"'))
     exits = "\n".join(f"#   {code:>3}  {what}" for code, what in SLURM_EXITS.items())
     env = "\n".join(f"export {k}={q(v)}" for k, v in _env(t).items())
     if t.etcd:
         etcd = f'STORE={q(_store_url(list(t.etcd)))}\n'
+    elif t.embedded:
+        etcd = "# One node and no etcd in the topology: the agent's embedded store.\nSTORE=\n"
     else:
         etcd = f'''# No etcd in the topology: one member on the first node of the allocation, for this job only.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -176,7 +180,8 @@ trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
 # One agent per node; the last {t.spare_nodes} node(s) of the allocation are the spares.
 # shellcheck disable=SC2317  # run on every node by srun, through bash -c
 agent() {{
-    local addr role=()
+    local addr role=() store=()
+    [ -z "$STORE" ] || store=(--store "$STORE")
     addr=$(getent hosts "$SLURMD_NODENAME" | awk '{{print $1; exit}}')
     [ -n "$addr" ] || addr=$(hostname -I | awk '{{print $1}}')
     if [ "$SLURM_NODEID" -ge {t.nodes} ]; then
@@ -195,6 +200,12 @@ while kill -0 "$srun_pid" 2>/dev/null; do  # a trapped signal interrupted the fi
     status=$?
 done
 restarts=${{SLURM_RESTART_COUNT:-0}}
+state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)
+if [ "$status" != 0 ] && [ -n "$state" ] && [ "$state" != RUNNING ]; then
+    # Slurm itself is ending this job (a preemption, `scontrol requeue`, scancel): it requeues, or not.
+    echo "resilient: agents exited $status while Slurm ends the job ($state): left to Slurm"
+    exit "$status"
+fi
 case "$status" in
     0)
         echo "resilient: run {t.run_id} finished" ;;
@@ -207,7 +218,7 @@ case "$status" in
         if [ -n "$bad" ]; then scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$bad"; fi
         scontrol requeue "$SLURM_JOB_ID" ;;
     {EXIT_PREEMPTED_AGENT})
-        echo "resilient: preempted: requeued (restart $restarts)"
+        echo "resilient: the agents checkpointed and stopped (the time limit's signal): requeued"
         scontrol requeue "$SLURM_JOB_ID" ;;
     *)
         if [ "$restarts" -lt {t.max_restarts} ]; then
@@ -247,7 +258,7 @@ exit 0
 
 ```bash
 sbatch {t.run_id}.sbatch          # {t.total_nodes} node(s): {t.nodes} training, {t.spare_nodes} spare
-squeue -j JOBID; tail -f {t.workdir}/runs/{t.run_id}/slurm-JOBID.out
+squeue -j JOBID; tail -f {t.workdir}/slurm-{t.run_id}-JOBID.out
 scontrol requeue JOBID            # a preemption by hand: the run resumes from its newest commit
 ```
 
@@ -264,7 +275,13 @@ Exit status of the agents and what the script does with it:
 
 
 # ---------------------------------------------------------------------------------------------------- k8s
+def _fixed_port(t: Topology, target: str) -> None:
+    if t.metrics_port == 0:
+        raise ConfigError(f"--target {target} scrapes every agent on a fixed port: give [metrics] port (e.g. 9400)")
+
+
 def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
+    _fixed_port(t, "k8s")
     ns, name = t.namespace, t.run_id
     labels = {"app.kubernetes.io/name": "resilient", "app.kubernetes.io/instance": name}
 
@@ -383,6 +400,7 @@ Kubeflow PyTorchJob.
 
 # ---------------------------------------------------------------------------------------------------- compose
 def _compose(t: Topology, assets: Path, header: str) -> dict[str, str]:
+    _fixed_port(t, "compose")
     env = _env(t)
     etcd = list(t.etcd) or ["etcd:2379"]
     store = _store_url(etcd)

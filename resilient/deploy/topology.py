@@ -26,7 +26,7 @@ go, and how metrics are scraped::
     endpoint_url = "http://minio:9000"
 
     [metrics]
-    port = 9400
+    port = 9400                    # every agent's /metrics, on addr (default 0.0.0.0)
 
 Pure: :func:`load_topology` reads and checks a file (a :class:`TopologyError`
 naming the table, the key and the fix); :mod:`resilient.deploy.render`
@@ -79,6 +79,10 @@ class Topology:
     """Where the script's checkpoints go (passed to it as RESILIENT_CHECKPOINT_DIR); empty: the script decides."""
     checkpoint_endpoint: str = ""
     metrics_port: int = 9400
+    """Every agent's /metrics port (0: a free one, for Slurm and systemd; Kubernetes and compose scrape a fixed
+    one)."""
+    metrics_addr: str = "0.0.0.0"
+    """The address the agents serve /metrics on (every interface, for a Prometheus on another host)."""
     extra_agent_args: tuple[str, ...] = ()
     """More ``resilient run`` options, the same on every node (e.g. ``--section-timeout step=600``)."""
     slurm: Mapping[str, str] = field(default_factory=dict)
@@ -106,7 +110,7 @@ _TABLES = {
     "nodes": {"count", "nproc_per_node", "spares", "max_restarts"},
     "store": {"etcd"},
     "checkpoint": {"dir", "endpoint_url"},
-    "metrics": {"port"},
+    "metrics": {"port", "addr"},
     "slurm": None,  # any #SBATCH option
     "k8s": {"namespace"},
 }
@@ -161,7 +165,7 @@ def parse_topology(raw: Mapping[str, Any]) -> Topology:
     namespace = _str("k8s", "namespace", tables["k8s"].get("namespace", "default"))
     if not NAME.match(namespace):
         raise TopologyError(f"[k8s] namespace = {namespace!r}: not a Kubernetes namespace name")
-    port = _int("metrics", "port", tables["metrics"].get("port", 9400), minimum=1)
+    port = _int("metrics", "port", tables["metrics"].get("port", 9400), minimum=0)
     if port > 65535:
         raise TopologyError(f"[metrics] port = {port}: a port is at most 65535")
     return Topology(
@@ -183,6 +187,7 @@ def parse_topology(raw: Mapping[str, Any]) -> Topology:
         checkpoint_dir=_opt("checkpoint", "dir", tables["checkpoint"]),
         checkpoint_endpoint=_opt("checkpoint", "endpoint_url", tables["checkpoint"]),
         metrics_port=port,
+        metrics_addr=_str("metrics", "addr", tables["metrics"].get("addr", "0.0.0.0")),
         slurm=slurm,
         namespace=namespace,
     )

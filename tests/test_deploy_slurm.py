@@ -1,0 +1,136 @@
+"""The rendered sbatch script on a real Slurm (one node: munged, slurmctld and slurmd started by the fixture).
+
+A 2-process training under the agent, requeued by hand in the middle (what a preemption does): the job runs
+again with ``SLURM_RESTART_COUNT`` 1, which the agent takes as a new launch of the same run, and resumes from
+the newest commit, ending bitwise equal to an uninterrupted run.  A script that fails on every try ends with
+the agent's crash-loop verdict (exit 80), which the script does not requeue.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from resilient.deploy.render import render
+from resilient.deploy.topology import load_topology
+
+from .agent_helpers import agent_env
+from .slurm_cluster import SlurmCluster
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    # Not under pytest's tmp_path: its directories are private to root, and munged runs as munge.
+    root = Path(tempfile.mkdtemp(prefix="resilient-slurm-"))
+    cluster = SlurmCluster(root)
+    try:
+        yield cluster
+    finally:
+        left = cluster.close()
+        shutil.rmtree(root, ignore_errors=True)
+        assert left == [], left
+
+
+def sbatch_for(tmp_path: Path, run_id: str, script: str, args: list[str], *, module: bool,
+               max_restarts: int = 3) -> Path:
+    topology = tmp_path / "topology.toml"
+    topology.write_text(f"""
+[run]
+id = "{run_id}"
+script = "{script}"
+args = {json.dumps(args)}
+module = {"true" if module else "false"}
+workdir = "{tmp_path}"
+python = "{sys.executable}"
+agent_args = ["--crash-loop-restarts", "2"]
+
+[nodes]
+count = 1
+nproc_per_node = 2
+max_restarts = {max_restarts}
+
+[metrics]
+port = 0
+addr = "127.0.0.1"
+
+[slurm]
+partition = "debug"
+""")
+    files = render(load_topology(topology), "slurm", assets=ROOT / "dashboards")
+    path = tmp_path / f"{run_id}.sbatch"
+    path.write_text(files[f"{run_id}.sbatch"])
+    return path
+
+
+def output(workdir: Path, run_id: str, job: int) -> str:
+    """The job's output (the batch script's and the agents' logs), as far as it is written."""
+    path = workdir / f"slurm-{run_id}-{job}.out"
+    return path.read_text() if path.exists() else f"(no {path})"
+
+
+def events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def steps(out: Path) -> list[dict]:
+    path = out / "trace.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def committed(ckpt: Path) -> list[int]:
+    """Steps of the committed checkpoints (a local directory: step_N/ with its manifest)."""
+    return sorted(int(p.name.split("_")[1]) for p in ckpt.glob("step_*") if (p / "manifest.json").exists())
+
+
+def test_a_requeued_job_resumes_from_the_newest_commit_as_a_new_launch(slurm, tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = ["--steps", "500", "--every", "20", "--out", str(out), "--ckpt", str(ckpt), "--step-sleep", "0.1"]
+    job = slurm.sbatch(sbatch_for(tmp_path, "requeue", "resilient.chaos.workload", args, module=True),
+                       agent_env())
+    run_dir = tmp_path / "runs" / "requeue"
+    deadline = time.monotonic() + 120
+    while not [s for s in committed(ckpt) if s >= 100]:
+        assert time.monotonic() < deadline, (slurm.job(job), output(tmp_path, "requeue", job))
+        time.sleep(0.5)
+    requeued = slurm.run("scontrol", "requeue", str(job))
+    assert requeued.returncode == 0, requeued.stderr
+    committed_before = committed(ckpt)[-1]
+    done = slurm.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=300)
+    log = output(tmp_path, "requeue", job)
+    assert done["JobState"] == "COMPLETED" and done["Restarts"] == "1" and done["ExitCode"] == "0:0", (done, log)
+    assert "left to Slurm" in log and "run requeue finished" in log, log
+    seen = events(run_dir)
+    launches = [e["launch_id"] for e in seen if e["kind"] == "launch_joined"]
+    assert launches == [f"slurm-{job}-0", f"slurm-{job}-1"], launches
+    [preempted] = [e for e in seen if e["kind"] == "agent_finished" and e["exit_code"] != 0]
+    assert preempted["verdict"] == "preempted", preempted
+    final = json.loads((out / "final.json").read_text())
+    assert final["step"] == 500
+    # The second launch began at the newest commit, which the stopping agents took (a preemption's save) or
+    # the one before: every step was done, none lost, at most one checkpoint interval re-done.
+    trace = [t for t in steps(out) if t["rank"] == 0]
+    assert {t["step"] for t in trace} == set(range(500))
+    redone = len(trace) - 500
+    assert 0 <= redone < 20, (redone, committed_before)
+
+
+def test_a_crash_loop_verdict_is_not_requeued(slurm, tmp_path):
+    fail = tmp_path / "fail.py"
+    fail.write_text("import sys\nprint('failing on purpose', flush=True)\nsys.exit(3)\n")
+    job = slurm.sbatch(sbatch_for(tmp_path, "crashloop", str(fail), [], module=False, max_restarts=5), agent_env())
+    done = slurm.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=180)
+    run_dir = tmp_path / "runs" / "crashloop"
+    log = output(tmp_path, "crashloop", job)
+    assert done["JobState"] == "FAILED" and done["ExitCode"] == "80:0" and done["Restarts"] == "0", (done, log)
+    assert "stopped with a verdict (exit 80): not requeued" in log, log
+    [finished] = [e for e in events(run_dir) if e["kind"] == "agent_finished"]
+    assert finished["exit_code"] == 80, finished
