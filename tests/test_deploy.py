@@ -21,7 +21,7 @@ import yaml
 from resilient.cli.main import build_parser
 from resilient.deploy.render import KUBERNETES_VERSION, TARGETS, render
 from resilient.deploy.topology import TopologyError, load_topology, parse_topology
-from resilient.exitcodes import EXIT_CONFIG, EXIT_STOPPED, EXIT_UNRECOVERABLE
+from resilient.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNRECOVERABLE
 
 from .agent_helpers import agent_env
 
@@ -99,14 +99,25 @@ def test_kubernetes_manifests_validate_strictly_and_the_rules_pass_promtool(tmp_
             ("PyTorchJob", "demo-pytorchjob")} <= kinds, kinds
     passed = done.stdout + done.stderr
     for kind, name in kinds:
-        if kind in ("StatefulSet", "Service", "Job", "ConfigMap"):
+        if kind in ("StatefulSet", "Service", "Job", "ConfigMap", "PersistentVolumeClaim"):
             assert f"passed for resource {kind.lower()}/{name}" in passed, (kind, name, passed)
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     # The Job follows the agents' exit codes: a verdict fails it, a disruption is not counted.
     rules = by[("Job", "demo-workers")]["spec"]["podFailurePolicy"]["rules"]
-    assert rules[0]["action"] == "FailJob" and set(rules[0]["onExitCodes"]["values"]) == {
-        EXIT_STOPPED, EXIT_CONFIG, EXIT_UNRECOVERABLE}
-    assert rules[1] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # (The API server wants the codes in order: the schema does not say so.)
+    assert rules[0]["action"] == "FailJob" and rules[0]["onExitCodes"]["values"] == sorted(
+        [EXIT_STOPPED, EXIT_CONFIG, EXIT_UNRECOVERABLE])
+    assert rules[1] == {"action": "Ignore", "onExitCodes": {"containerName": "agent", "operator": "In",
+                                                             "values": [EXIT_PREEMPTED_AGENT]}}
+    assert rules[2] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    # Every agent's pod shares the run directory (the token every node must have) on one ReadWriteMany volume.
+    assert by[("PersistentVolumeClaim", "demo-runs")]["spec"]["accessModes"] == ["ReadWriteMany"]
+    for name in ("demo-workers", "demo-spares"):
+        pod = by[("Job", name)]["spec"]["template"]["spec"]
+        assert pod["volumes"] == [{"name": "runs", "persistentVolumeClaim": {"claimName": "demo-runs"}}]
+        assert pod["containers"][0]["volumeMounts"] == [{"name": "runs", "mountPath": "/work/runs"}]
+    worker = by[("PyTorchJob", "demo-pytorchjob")]["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "Never" and worker["template"]["metadata"]["labels"]["resilient/agent"] == "true"
     # The PodMonitor and the headless Service select the agents' pods, and not etcd's.
     pod_labels = by[("Job", "demo-workers")]["spec"]["template"]["metadata"]["labels"]
     etcd_labels = by[("StatefulSet", "demo-etcd")]["spec"]["template"]["metadata"]["labels"]
@@ -156,7 +167,7 @@ def test_the_compose_file_is_valid_and_scrapes_every_agent(tmp_path):
     compose = yaml.safe_load((out / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"etcd", "node0", "node1", "spare0", "s3", "prometheus", "alertmanager", "grafana"} <= set(services)
-    assert run_args(services["spare0"]["command"]).role == "spare"
+    assert run_args(services["spare0"]["command"]).role == "spare" and services["node0"]["entrypoint"] == ["resilient"]
     assert run_args(services["node1"]["command"]).node_id == "node1"
     scrape = yaml.safe_load((out / "prometheus.yml").read_text())["scrape_configs"][0]["static_configs"][0]
     assert scrape["targets"] == ["node0:9400", "node1:9400", "spare0:9400"]
@@ -180,9 +191,15 @@ def test_systemd_units_start_the_agent_and_keep_a_verdict_final():
         assert words[:3] == ["/srv/train/.venv/bin/python", "-m", "resilient"]
         args = run_args(words[3:])
         assert args.role == role and args.node_id == "host1" and args.store.startswith("etcd://10.0.0.5:2379,")
+        assert str(args.token_file) == "/etc/resilient/demo.token"
         assert set(service["RestartPreventExitStatus"].split()) >= {str(EXIT_STOPPED), str(EXIT_CONFIG)}
         assert service["Restart"] == "on-failure" and service["EnvironmentFile"] == "-/etc/resilient/demo.env"
     assert "RESILIENT_S3_ENDPOINT_URL=http://10.0.0.9:9000" in (out / "demo.env").read_text()
+    # systemd would expand $ and % in ExecStart: a script's own are doubled, and only the node id is %H.
+    t = load_topology(HOSTS)
+    odd = render(parse_topology({"run": {"id": "x", "script": "t.py", "args": ["--fmt", "%H:$HOME 100%"]},
+                                 "store": {"etcd": list(t.etcd)}}), "systemd", assets=ASSETS)
+    assert '--fmt "%%H:$$HOME 100%%"' in odd["resilient-x.service"] and "--node-id %H " in odd["resilient-x.service"]
     # Hosts need etcd beside them: a multi-node topology without endpoints is refused, saying so.
     with pytest.raises(Exception, match="needs \\[store\\] etcd endpoints"):
         render(load_topology(EXAMPLE), "systemd", assets=ASSETS)

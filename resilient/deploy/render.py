@@ -39,20 +39,26 @@ from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UN
 from .topology import Topology
 
 TARGETS = ("slurm", "k8s", "compose", "systemd")
+NO_RESTART = (EXIT_STOPPED, EXIT_CONFIG, EXIT_UNRECOVERABLE)
+"""The agents' final exit codes: a verdict, and the workers' do-not-restart codes it passes on."""
 ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
 KUBERNETES_VERSION = "1.30.0"
 """The Kubernetes version the manifests are validated against (``kubernetes-validate --strict``)."""
 SLURM_EXITS = {
     0: "the run finished: the job ends",
     EXIT_PREEMPTED_AGENT: "the agents checkpointed and stopped (the time limit's SIGTERM, 120 s before it): "
-                          "requeued, it resumes from the newest commit (a preemption, `scontrol requeue` or "
-                          "scancel ends the job from Slurm's side, which requeues it or not)",
+                          "requeued, however many times, it resumes from the newest commit (a preemption, "
+                          "`scontrol requeue` or scancel ends the job from Slurm's side, which requeues it or not; "
+                          "give KillWait and GraceTime at least the agents' --preempt-grace, 60 s, so the "
+                          "agents can checkpoint first)",
     EXIT_UNHEALTHY: "a node failed its health check: requeued without that node",
     EXIT_STOPPED: "stopped with a verdict (restart budget spent, crash loop, a worker's do-not-restart code): "
                   "not requeued",
 }
-"""What the sbatch script does with the agents' exit status; any other status (an agent that crashed or was
-killed) is requeued while ``SLURM_RESTART_COUNT`` is under the topology's max_restarts."""
+"""What the sbatch script does with the agents' exit status (each agent's, from a file it writes: a verdict on
+any node decides, then all 0, then an unhealthy node, then a stop); any other status (an agent that crashed or
+was killed) is requeued while ``SLURM_RESTART_COUNT`` (which counts every requeue, the time limit's too) is under
+the topology's max_restarts."""
 HEADER = "Rendered by `resilient deploy render` from {source}; edit freely (render again to start over)."
 
 
@@ -175,29 +181,48 @@ RUN_DIR={q(f"{t.workdir}/runs/{t.run_id}")}
 mkdir -p "$RUN_DIR"
 {env}
 {etcd}
-# Preemption or scancel --signal: SIGTERM to the agents, which checkpoint and stop (exit {EXIT_PREEMPTED_AGENT}).
+# The time limit's warning (--signal=B:TERM@120) reaches this script: SIGTERM to the agents, which checkpoint
+# and stop (exit {EXIT_PREEMPTED_AGENT}).  A preemption, `scontrol requeue` or scancel signal the job steps themselves.
 trap 'kill -TERM "$srun_pid" 2>/dev/null' TERM
-# One agent per node; the last {t.spare_nodes} node(s) of the allocation are the spares.
+# One agent per node; the last {t.spare_nodes} node(s) of the allocation are the spares.  Each writes its exit
+# status to a file of its own: srun's status is only the highest of them.
+EXITS="$RUN_DIR/exits-$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}"
+rm -rf "$EXITS" && mkdir -p "$EXITS"
 # shellcheck disable=SC2317  # run on every node by srun, through bash -c
 agent() {{
-    local addr role=() store=()
+    local addr role=() store=() code
     [ -z "$STORE" ] || store=(--store "$STORE")
     addr=$(getent hosts "$SLURMD_NODENAME" | awk '{{print $1; exit}}')
     [ -n "$addr" ] || addr=$(hostname -I | awk '{{print $1}}')
     if [ "$SLURM_NODEID" -ge {t.nodes} ]; then
         role=(--role spare)
     fi
-    exec {q(t.python)} -m resilient {agent}
+    {q(t.python)} -m resilient {agent}
+    code=$?
+    echo "$code $SLURMD_NODENAME" >"$EXITS/$SLURM_NODEID"
+    return "$code"
 }}
 export -f agent
-export STORE RUN_DIR
-srun --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes={t.total_nodes} bash -c agent &
+export STORE RUN_DIR EXITS
+srun --overlap --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes={t.total_nodes} bash -c agent &
 srun_pid=$!
 wait "$srun_pid"
 status=$?
 while kill -0 "$srun_pid" 2>/dev/null; do  # a trapped signal interrupted the first wait
     wait "$srun_pid"
     status=$?
+done
+# The job's verdict from every agent's: a verdict anywhere stops it; all 0 is finished; then an unhealthy
+# node, then a stop; a node that wrote nothing (its agent killed) is a crash, srun's own status.
+codes=$(cat "$EXITS"/* 2>/dev/null | awk '{{print $1}}' | sort -u | paste -sd' ' -)
+reported=$(find "$EXITS" -type f | wc -l)
+for verdict in {EXIT_STOPPED} {EXIT_CONFIG} {EXIT_UNRECOVERABLE} 0 {EXIT_UNHEALTHY} {EXIT_PREEMPTED_AGENT}; do
+    if [ "$verdict" = 0 ]; then
+        if [ "$codes" = 0 ] && [ "$reported" -eq {t.total_nodes} ]; then status=0; break; fi
+    elif [[ " $codes " == *" $verdict "* ]]; then
+        status=$verdict
+        break
+    fi
 done
 restarts=${{SLURM_RESTART_COUNT:-0}}
 state=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)
@@ -212,11 +237,11 @@ case "$status" in
     {EXIT_STOPPED}|{EXIT_CONFIG}|{EXIT_UNRECOVERABLE})
         echo "resilient: run {t.run_id} stopped with a verdict (exit $status): not requeued; see $RUN_DIR" ;;
     {EXIT_UNHEALTHY})
-        bad=$(grep -h '"kind": "agent_finished"' "$RUN_DIR/events.jsonl" | grep '"exit_code": {EXIT_UNHEALTHY}' |
-              sed -n 's/.*"node": "\\([^"]*\\)".*/\\1/p' | sort -u | paste -sd, -)
-        echo "resilient: an unhealthy node stepped out (${{bad:-unknown}}): requeued without it"
-        if [ -n "$bad" ]; then scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$bad"; fi
-        scontrol requeue "$SLURM_JOB_ID" ;;
+        bad=$(grep -h "^{EXIT_UNHEALTHY} " "$EXITS"/* | awk '{{print $2}}' | sort -u | paste -sd, -)
+        echo "resilient: unhealthy node(s) stepped out ($bad): requeued without them"
+        scontrol requeuehold "$SLURM_JOB_ID"  # a pending job's node list can be changed, a running one's not
+        scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$bad"
+        scontrol release "$SLURM_JOB_ID" ;;
     {EXIT_PREEMPTED_AGENT})
         echo "resilient: the agents checkpointed and stopped (the time limit's signal): requeued"
         scontrol requeue "$SLURM_JOB_ID" ;;
@@ -230,23 +255,24 @@ case "$status" in
 esac
 exit "$status"
 '''
+    python = t.python if t.python.startswith("/") else f"/usr/bin/{t.python}"
+    partition = t.slurm.get("partition")
+    only = ("# Only jobs of the partition this run uses (a prolog is the whole cluster's, and gets no job name).\n"
+            f'[ "${{SLURM_JOB_PARTITION:-}}" = {q(partition)} ] || exit 0\n') if partition else ""
     prolog = f'''#!/bin/bash
 # {header}
 #
 # A Slurm prolog (slurm.conf: Prolog=/etc/slurm/prolog.d/resilient.sh) that runs the node burn-in
-# measurement (a matmul, a disk write with fsync, a local gloo all-reduce) before a job of run {t.run_id}
-# starts here; a node that cannot do them is drained with the reason, and the job goes elsewhere.  The
-# agents (started with --burn-in) also judge each node's numbers against the fleet's before it trains.
+# measurement (a matmul, a disk write with fsync, a local gloo all-reduce) before a job starts here.  A node
+# that cannot do them fails the prolog: Slurm drains it (the reason is in slurmd's log) and requeues the job,
+# held.  The agents (started with --burn-in) also judge each node's numbers against the fleet's.
 set -uo pipefail
-case "${{SLURM_JOB_NAME:-}}" in
-    {t.run_id}) ;;
-    *) exit 0 ;;
-esac
-scratch=${{RESILIENT_BURNIN_SCRATCH:-/tmp}}/resilient-burnin-$SLURM_JOB_ID
+PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin  # a prolog gets no search path
+{only}scratch=${{RESILIENT_BURNIN_SCRATCH:-/tmp}}/resilient-burnin-$SLURM_JOB_ID
 mkdir -p "$scratch"
-if ! report=$({q(t.python)} -m resilient.watchdog.burnin --scratch "$scratch" 2>&1); then
+if ! report=$({q(python)} -m resilient.watchdog.burnin --scratch "$scratch" 2>&1); then
     rm -rf "$scratch"
-    scontrol update NodeName="$SLURMD_NODENAME" State=DRAIN Reason="resilient burn-in failed: ${{report:0:200}}"
+    echo "resilient burn-in failed on $(hostname): ${{report:0:400}}" >&2
     exit 1
 fi
 rm -rf "$scratch"
@@ -282,6 +308,10 @@ def _fixed_port(t: Topology, target: str) -> None:
 
 def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
     _fixed_port(t, "k8s")
+    runs = f"{t.workdir.rstrip('/')}/runs"
+    if t.checkpoint_dir and "://" not in t.checkpoint_dir and not t.checkpoint_dir.startswith(runs + "/"):
+        raise ConfigError(f"[checkpoint] dir = {t.checkpoint_dir!r}: pods share no disk but the run volume at {runs}; "
+                          f"put local checkpoints under it (e.g. {runs}/{t.run_id}/ckpt) or use s3://")
     ns, name = t.namespace, t.run_id
     labels = {"app.kubernetes.io/name": "resilient", "app.kubernetes.io/instance": name}
 
@@ -331,20 +361,29 @@ def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
             "completionMode": "Indexed", "completions": count, "parallelism": count,
             "backoffLimit": t.max_restarts * count,
             # The agents' exit codes: a verdict ends the Job; a preemption (the pod disrupted) is not counted.
+            # A stop (75: a peer's agent was asked to stop, and every node checkpointed) is not counted either.
             "podFailurePolicy": {"rules": [
                 {"action": "FailJob", "onExitCodes": {"containerName": "agent", "operator": "In",
-                                                      "values": [EXIT_STOPPED, EXIT_CONFIG, EXIT_UNRECOVERABLE]}},
+                                                      "values": sorted(NO_RESTART)}},
+                {"action": "Ignore", "onExitCodes": {"containerName": "agent", "operator": "In",
+                                                     "values": [EXIT_PREEMPTED_AGENT]}},
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
             "template": {"metadata": {"labels": role_labels}, "spec": {
                 "restartPolicy": "Never", "subdomain": f"{name}-agents",
                 "terminationGracePeriodSeconds": 120,
+                "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}],
                 "containers": [{
                     "name": "agent", "image": t.image, "workingDir": t.workdir,
                     "command": ["resilient"],
                     "args": agent_args(t, node_id=node_id, store=store, spare=spare, local_addr="$(POD_IP)"),
                     "env": env,
+                    "volumeMounts": [{"name": "runs", "mountPath": runs}],
                     "ports": [{"name": "metrics", "containerPort": t.metrics_port}]}]}}}}
 
+    # The run directory (its token, which every node must share, its events) and local checkpoints: one volume
+    # every agent's pod mounts, so it needs a ReadWriteMany storage class (NFS, CephFS, a cloud file store).
+    docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta(f"{name}-runs"), "spec": {
+        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "50Gi"}}}})
     docs.append({"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{name}-agents"), "spec": {
         "clusterIP": "None", "selector": agents, "ports": [{"name": "metrics", "port": t.metrics_port}]}})
     docs.append(job("workers", t.nodes, False))
@@ -365,15 +404,23 @@ def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
                        "ConfigMaps labelled grafana_dashboard=1.")
     pytorchjob = _yaml([{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta(f"{name}-pytorchjob"),
                          "spec": {"pytorchReplicaSpecs": {"Worker": {
-                             "replicas": t.nodes, "restartPolicy": "OnFailure",
-                             "template": {"spec": {"containers": [{
+                             # Never: a verdict (exit 80) must not be restarted in place; runPolicy counts the rest.
+                             "replicas": t.nodes, "restartPolicy": "Never",
+                             "template": {"metadata": {"labels": {**agents, "app.kubernetes.io/component": "workers"}},
+                                          "spec": {
+                                 "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}],
+                                 "containers": [{
                                  "name": "pytorch", "image": t.image, "workingDir": t.workdir,
                                  "command": ["resilient"],
                                  "args": agent_args(t, node_id="$(POD_NAME)", store=store, local_addr="$(POD_IP)"),
                                  "env": [*env[:-1], {"name": "POD_NAME", "valueFrom": {"fieldRef": {
-                                     "fieldPath": "metadata.name"}}}]}]}}}}}}],
-                       header + " An alternative to workers.yaml for clusters that run the Kubeflow training "
-                       "operator: the agents inside a PyTorchJob's workers (needs its CRD).")
+                                     "fieldPath": "metadata.name"}}}],
+                                 "volumeMounts": [{"name": "runs", "mountPath": runs}],
+                                 "ports": [{"name": "metrics", "containerPort": t.metrics_port}]}]}}}},
+                                  "runPolicy": {"backoffLimit": t.max_restarts}}}],
+                       header + " An alternative to the workers' Job of manifests.yaml for clusters that run the "
+                       "Kubeflow training operator: the agents inside a PyTorchJob's workers (needs its CRD, and "
+                       "the etcd, the volume and the Service of manifests.yaml).")
     return {"manifests.yaml": manifests, "monitoring.yaml": monitoring, "dashboards.yaml": dashboards,
             "pytorchjob.yaml": pytorchjob, "README.md": _k8s_readme(t, header)}
 
@@ -392,9 +439,12 @@ kubectl -n {t.namespace} get pods -l app.kubernetes.io/instance={t.run_id}
 
 The workers are an indexed Job of {t.nodes} pod(s), node ids `node0`, `node1`, ...; the spares a Job of
 {t.spare_nodes} pod(s), `spare0`, ...  The pod failure policy follows the agents' exit codes: {EXIT_STOPPED}
-(a verdict), {EXIT_CONFIG} and {EXIT_UNRECOVERABLE} fail the Job; a disrupted pod (preemption, eviction) is not
-counted against `backoffLimit`; any other failure is retried.  `pytorchjob.yaml` is the same agents as a
-Kubeflow PyTorchJob.
+(a verdict), {EXIT_CONFIG} and {EXIT_UNRECOVERABLE} fail the Job; a disrupted pod (preemption, eviction) and a
+stop ({EXIT_PREEMPTED_AGENT}: one agent was asked to stop, and every node checkpointed) are not counted against
+`backoffLimit`; any other failure is retried.  Every agent's pod mounts the volume `{t.run_id}-runs`
+(ReadWriteMany: NFS, CephFS, a cloud file store) at `{t.workdir.rstrip("/")}/runs`: the run directory, whose
+token every node must share, and local checkpoints.  `pytorchjob.yaml` is the same agents as a Kubeflow
+PyTorchJob.
 '''
 
 
@@ -412,7 +462,7 @@ def _compose(t: Topology, assets: Path, header: str) -> dict[str, str]:
     agents = [(f"node{i}", False) for i in range(t.nodes)] + [(f"spare{i}", True) for i in range(t.spare_nodes)]
     for node, spare in agents:
         services[node] = {"build": {"context": ".", "dockerfile": "Dockerfile"}, "image": t.image,
-                          "hostname": node, "working_dir": t.workdir,
+                          "hostname": node, "working_dir": t.workdir, "entrypoint": ["resilient"],
                           "command": agent_args(t, node_id=node, store=store, spare=spare, local_addr=node),
                           "environment": {**env, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"},
                           "volumes": ["runs:" + f"{t.workdir}/runs"],
@@ -475,7 +525,10 @@ docker-compose kill node1          # a node lost: {"a spare takes its ranks" if 
 docker-compose down -v
 ```
 
-Services: {", ".join(services)}. The S3-compatible store is moto's server (`http://s3:5000`).
+Services: {", ".join(services)}. The S3-compatible store is moto's server at `http://s3:5000`, for a script
+given `--ckpt-dir s3://BUCKET/...` and that endpoint (`[checkpoint] endpoint_url`): it keeps objects in memory
+and starts with no bucket, so create one first (`docker-compose exec node0 python -c "import boto3;
+boto3.client('s3', endpoint_url='http://s3:5000').create_bucket(Bucket='BUCKET')"`).
 '''
     return files
 
@@ -488,8 +541,10 @@ def _systemd(t: Topology, assets: Path, header: str) -> dict[str, str]:
                           "through an etcd that runs beside them (e.g. etcd = [\"10.0.0.5:2379\"])")
 
     def unit(spare: bool) -> str:
-        args = agent_args(t, node_id="%H", store=store, spare=spare)
-        exec_start = " ".join([shlex.quote(t.python), "-m", "resilient", *(_systemd_word(a) for a in args)])
+        args = agent_args(t, node_id=_HOST, store=store, spare=spare)
+        args[1:1] = ["--token-file", f"/etc/resilient/{t.run_id}.token"]
+        words = [_systemd_word(a).replace(_HOST, "%H") for a in args]
+        exec_start = " ".join([_systemd_word(t.python), "-m", "resilient", *words])
         what = "spare node" if spare else "worker node"
         return f'''# {header}
 # The resilient agent of run {t.run_id} on a {what}; node id: the host name (%H).
@@ -521,7 +576,12 @@ WantedBy=multi-user.target
             f"{t.run_id}.env": f"# {header}\n# Install as /etc/resilient/{t.run_id}.env\n{env}"}
 
 
+_HOST = "@NODE@"
+"""Stands for the node id in a unit's ExecStart until the words are escaped: then it becomes %H (the host)."""
+
+
 def _systemd_word(word: str) -> str:
-    """One ExecStart argument: quoted where systemd would split it, %% for a literal % (but %H)."""
-    word = word.replace("%", "%%").replace("%%H", "%H")
-    return json.dumps(word) if any(c in word for c in " \t\"'\\;$") else word
+    """One ExecStart argument, as systemd reads it back: %% for a literal %, $$ for a literal $, quoted where
+    systemd would split it."""
+    word = word.replace("%", "%%").replace("$", "$$")
+    return json.dumps(word) if any(c in word for c in " \t\"'\\;") else word
