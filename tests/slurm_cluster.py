@@ -19,13 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from .prometheus_server import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SlurmCluster:

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-TARGETS = ("slurm", "k8s", "compose", "systemd")
+from ..deploy.render import TARGETS
 
 
 def add_parser(commands: Any) -> None:
