@@ -65,6 +65,7 @@ class EventKind(str, Enum):
     AGENT_STARTED = "agent_started"  # the agent starts supervising this node
     AGENT_FINISHED = "agent_finished"  # the agent ends, with its verdict and exit code
     LEFTOVERS_SWEPT = "leftovers_swept"  # an earlier agent's workers were killed at start
+    PREVIOUS_AGENT_LOST = "previous_agent_lost"  # the node's earlier agent died without ending; this one replaces it
     LAUNCH_JOINED = "launch_joined"  # the agent created, joined or replaced the run's launch record
     TOKEN_MISMATCH = "token_mismatch"  # this agent's token is not the run's: it stops
     METRICS_LISTENING = "metrics_listening"  # the /metrics endpoint is up

@@ -62,6 +62,10 @@ def test_a_sigkilled_agent_takes_its_workers_and_the_next_agent_completes_the_ru
     proc = run_agent(run_dir, *flags, script_args=train_args(tmp_path, steps), timeout=240)
     assert proc.returncode == 0, explain(proc)
     assert not events(run_dir, "leftovers_swept"), "the parent-death signal left nothing to sweep"
+    [lost] = events(run_dir, "previous_agent_lost")
+    assert lost["previous_agent"] == agent.pid and lost["generation"] == 1, lost
+    record = json.loads((run_dir / "nodes" / NODE / "pids.json").read_text())
+    assert record["finished"] is True and record["agent"]["pid"] != agent.pid, record
     for rank in (0, 1):
         trace = read_trace(tmp_path / "trace", rank)
         assert len(trace.starts) == 2 and trace.starts[1]["restored_from"] is not None

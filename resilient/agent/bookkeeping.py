@@ -27,6 +27,10 @@ class ProcessBookkeeping:
         self._record_incident = record_incident
         self.processes = NodeProcesses(node_dir)
         swept = self.processes.claim()
+        if swept.lost:
+            emit(EventKind.PREVIOUS_AGENT_LOST, previous_agent=swept.previous_agent, generation=swept.generation,
+                 reason=f"the previous agent of node {node_id} (pid {swept.previous_agent}) died without ending "
+                        "(killed, or its machine lost); this agent takes the node's place")
         if swept.killed:
             emit(EventKind.LEFTOVERS_SWEPT, previous_agent=swept.previous_agent, pids=list(swept.killed),
                  stuck=[s.describe() for s in swept.stuck])

@@ -9,11 +9,15 @@ record in its node directory::
 
     <run_dir>/nodes/<node>/agent.lock   flock()ed for the agent's lifetime
     <run_dir>/nodes/<node>/pids.json    {"agent": {pid, start_ticks}, "generation": G,
-                                         "workers": [{rank, pid, start_ticks}, ...]}
+                                         "workers": [{rank, pid, start_ticks}, ...],
+                                         "finished": false}
 
 and a new agent on the same run directory and node id first takes the lock
 (refusing to start, naming the pid, while the earlier agent still holds it),
 then SIGKILLs the process group of every recorded worker that is still there.
+An agent that ends marks its record ``finished``; a record that is not was
+left by an agent that died (SIGKILL, a lost machine restarted under the same
+node id), which the new agent reports (:attr:`SweepResult.lost`).
 A pid is only trusted together with its start time (``/proc/<pid>/stat``
 field 22, clock ticks since boot), so a reused pid is never signalled.
 
@@ -73,6 +77,10 @@ class SweepResult:
     """Processes that were alive and were SIGKILLed."""
     stuck: tuple[Stuck, ...]
     """Of those, the ones still there after :data:`KILL_WAIT_S`."""
+    lost: bool = False
+    """The earlier agent died without ending (its record is not marked finished)."""
+    generation: int | None = None
+    """The generation the earlier agent's workers last ran."""
 
 
 def group_members(pgid: int, proc_root: Path = Path("/proc")) -> list[ProcStat]:
@@ -163,7 +171,9 @@ class NodeProcesses:
                 killed.append(m.pid)
                 targets[m.pid] = (rank if m.pid == pid else None, m.start_ticks)
         stuck = self.wait_gone(targets, KILL_WAIT_S)
-        return SweepResult(previous_agent=agent.get("pid"), killed=tuple(killed), stuck=stuck)
+        lost = bool(agent) and earlier.get("finished") is False
+        return SweepResult(previous_agent=agent.get("pid"), killed=tuple(killed), stuck=stuck, lost=lost,
+                           generation=earlier.get("generation"))
 
     # ------------------------------------------------------------ record
     def record_workers(self, generation: int, pids: Mapping[int, int]) -> None:
@@ -183,11 +193,14 @@ class NodeProcesses:
 
     def _write(self, generation: int | None, workers: Mapping[int, Mapping[str, Any]]) -> None:
         write_json_atomic(self.pid_file, {"agent": self._me, "generation": generation,
-                                          "workers": [workers[k] for k in sorted(workers)]})
+                                          "workers": [workers[k] for k in sorted(workers)], "finished": False})
 
     def release(self) -> None:
-        """At the agent's end: nothing of ours is left to sweep (stuck workers stay recorded)."""
+        """At the agent's end: mark the record finished (stuck workers stay recorded) and let the lock go."""
         if self._lock_fd is not None:
+            record = read_json(self.pid_file) or {}
+            if self._me is not None and record.get("agent") == self._me:
+                write_json_atomic(self.pid_file, {**record, "finished": True})
             os.close(self._lock_fd)
             self._lock_fd = None
 

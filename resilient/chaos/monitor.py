@@ -13,7 +13,8 @@
   copy of the shipped alert rules (``dashboards/prometheus/alerts.yml``)
   every second, with every ``for:`` cut to ``for_s`` (expressions, labels
   and annotations unchanged: a drill lasts a minute, the rules' production
-  ``for:`` would outlast it).
+  ``for:`` would outlast it; None keeps them, as ``resilient local-cluster``
+  does unless told).
 
 :func:`unavailable` says why this machine cannot (a binary or pyyaml
 missing, naming what to install); a drill that needs monitoring is then
@@ -151,14 +152,14 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-def rules_copy(src: Path, dst: Path, for_s: float) -> Path:
-    """The rule file with every ``for:`` cut to ``for_s``; nothing else changed."""
+def rules_copy(src: Path, dst: Path, for_s: float | None) -> Path:
+    """The rule file with every ``for:`` cut to ``for_s`` (None: kept); nothing else changed."""
     import yaml
 
     doc = yaml.safe_load(src.read_text())
     for group in doc["groups"]:
         for rule in group["rules"]:
-            if "for" in rule:
+            if "for" in rule and for_s is not None:
                 rule["for"] = f"{for_s:g}s"
     dst.write_text(yaml.safe_dump(doc, sort_keys=False))
     return dst
@@ -192,13 +193,14 @@ def alertmanager_copy(src: Path, dst: Path, receiver_url: str) -> Path:
 class Monitoring:
     """Alertmanager, Prometheus and the receiver for one drill (see the module's docstring)."""
 
-    def __init__(self, root: Path, *, for_s: float = 1.0, dashboards: Path | None = None) -> None:
+    def __init__(self, root: Path, *, for_s: float | None = 1.0, dashboards: Path | None = None) -> None:
         board = dashboards or dashboards_dir()
         root.mkdir(parents=True, exist_ok=True)
         self.receiver = Receiver()
         self._servers: list[ServerProcess] = []
         try:
             am_port = free_port()
+            self.alertmanager_url = f"http://127.0.0.1:{am_port}"
             am = alertmanager_copy(board / "alertmanager" / "alertmanager.example.yml", root / "alertmanager.yml",
                                    self.receiver.url)
             am_exe = _binary("alertmanager")

@@ -23,6 +23,7 @@ from . import (
     detectors_cmd,
     diagnose_cmd,
     drill_cmd,
+    local_cluster_cmd,
     quarantine_cmd,
     report_cmd,
     run_cmd,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint_cmd.add_parser(commands)
     dashboards_cmd.add_parser(commands)
     deploy_cmd.add_parser(commands)
+    local_cluster_cmd.add_parser(commands)
     return parser
 
 
