@@ -59,8 +59,11 @@ if [ "$target" = tests ]; then
     command -v iptables >/dev/null || apt_packages+=(iptables) # their packet loss (a command, no service)
     command -v shellcheck >/dev/null || apt_packages+=(shellcheck)          # the rendered Slurm scripts
     command -v docker-compose >/dev/null || apt_packages+=(docker-compose)  # `config -q` of the compose file
+    command -v debootstrap >/dev/null || apt_packages+=(debootstrap)  # the compose test's base image, built here
     system_servers=()
     command -v prometheus-alertmanager >/dev/null && command -v amtool >/dev/null || system_servers+=("$SYSTEM_SERVER")
+    # a container engine the compose test starts by hand on a socket of its own (docker.io: dockerd, containerd)
+    command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || system_servers+=(docker.io)
     for bin in slurmctld slurmd sbatch munged; do
         if ! command -v "$bin" >/dev/null && [ ! -x "/usr/sbin/$bin" ]; then
             system_servers+=("${SLURM_PACKAGES[@]}")
@@ -135,8 +138,13 @@ if [ -n "$system_server" ]; then
     ((installed)) || { echo "setup.sh: could not install $system_server (see above)" >&2; exit 1; }
     for package in "${system_servers[@]}"; do
         [ "$package" = slurm-client ] && continue  # commands only
-        "${as_root[@]}" deb-systemd-helper disable "$package.service" >/dev/null 2>&1 || true
-        "${as_root[@]}" update-rc.d "$package" disable >/dev/null 2>&1 || true
+        services=("$package")
+        [ "$package" = docker.io ] && services=(docker containerd)
+        for service in "${services[@]}"; do
+            "${as_root[@]}" deb-systemd-helper disable "$service.service" >/dev/null 2>&1 || true
+            "${as_root[@]}" update-rc.d "$service" disable >/dev/null 2>&1 || true
+        done
+        [ "$package" = docker.io ] && { "${as_root[@]}" deb-systemd-helper disable docker.socket >/dev/null 2>&1 || true; }
     done
     echo "setup ($target): installed $system_server; their services are not enabled and were not started"
 fi

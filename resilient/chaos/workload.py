@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..tensors import tensor_bytes
+
 
 class Synthetic:
     """``n`` samples of ``y = w . x + noise`` from a fixed seed; item ``i`` is the same on every rank and run."""
@@ -47,7 +49,7 @@ def digest(tensors: list[Any]) -> str:
     """SHA-256 over the raw bytes of ``tensors``, in order."""
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -498,8 +498,12 @@ def _compose(t: Topology, assets: Path, header: str) -> dict[str, str]:
     dockerfile = f'''# {header}
 # The agent image: Python, PyTorch's CPU build (installed first, so pip never resolves a CUDA build), this
 # project, and the training script's directory. For GPUs, start FROM an image with CUDA and install torch for it.
-FROM python:3.11-slim
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+# Without a registry: `docker-compose build --build-arg BASE=<an image you imported>` (one with Python 3.11;
+# pip finds nothing to do for what it already has).
+ARG BASE=python:3.11-slim
+FROM ${{BASE}}
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir torch==2.13.0 --index-url ${{TORCH_INDEX_URL}}
 COPY resilient-src /opt/resilient
 RUN pip install --no-cache-dir "/opt/resilient[s3,metrics]" "moto[server]>=5"
 WORKDIR {t.workdir}
@@ -515,7 +519,10 @@ COPY work/ {t.workdir}/
 {header}
 
 Before `build`, put this project's source in `resilient-src/` and the training script's directory in
-`work/` (the image's {t.workdir}).
+`work/` (the image's {t.workdir}). Where no registry is reachable, import a Python 3.11 image (with PyTorch
+and the project's dependencies, or a pip that finds them) and build on it:
+`docker-compose build --build-arg BASE=<that image>`; the etcd, Prometheus and Alertmanager images must be
+imported (`docker load`) under the names `docker-compose.yml` gives them.
 
 ```bash
 docker-compose build && docker-compose up -d

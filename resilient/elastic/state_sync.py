@@ -39,6 +39,7 @@ from ..checkpoint.shard import DTYPE_NAMES, DTYPES
 from ..checkpoint.tree import flatten, unflatten
 from ..errors import ResilientError
 from ..state import unwrap
+from ..tensors import tensor_bytes
 
 DIRECT_BYTES = 1 << 20
 """Tensors at least this large (and contiguous) are broadcast as they are; smaller ones are packed."""
@@ -237,7 +238,7 @@ def _broadcast_bytes(payload: bytes | None, source: int, group: Any) -> bytes:
     if payload is not None:
         buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
     dist.broadcast(buf, src=_global(source, group), group=group)
-    return buf.numpy().tobytes()
+    return tensor_bytes(buf)
 
 
 def _global(rank: int, group: Any) -> int:
