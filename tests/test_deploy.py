@@ -87,16 +87,17 @@ def test_the_committed_examples_are_what_rendering_their_topologies_gives():
 def test_kubernetes_manifests_validate_strictly_and_the_rules_pass_promtool(tmp_path):
     out = ROOT / "deploy" / "k8s"
     validate = tool("kubernetes-validate")
-    docs = [d for f in ("manifests.yaml", "dashboards.yaml", "monitoring.yaml", "pytorchjob.yaml")
+    docs = [d for f in ("manifests.yaml", "dashboards.yaml", "monitoring.yaml", "pytorchjob.yaml", "quarantine.yaml")
             for d in yaml.safe_load_all((out / f).read_text())]
-    native = ("manifests.yaml", "dashboards.yaml")
+    native = ("manifests.yaml", "dashboards.yaml", "quarantine.yaml")
     done = subprocess.run([validate, "--strict", "-k", KUBERNETES_VERSION, *(str(out / f) for f in native)],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0 and "ERROR" not in done.stdout + done.stderr, done.stdout + done.stderr
     kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
     assert {("StatefulSet", "demo-etcd"), ("Service", "demo-etcd"), ("Job", "demo-workers"), ("Job", "demo-spares"),
             ("PodMonitor", "demo-agents"), ("PrometheusRule", "demo-alerts"), ("ConfigMap", "demo-dashboards"),
-            ("PyTorchJob", "demo-pytorchjob")} <= kinds, kinds
+            ("PyTorchJob", "demo-pytorchjob"), ("Deployment", "demo-quarantine-taints"),
+            ("ClusterRole", "training-demo-quarantine-taints")} <= kinds, kinds
     passed = done.stdout + done.stderr
     for kind, name in kinds:
         if kind in ("StatefulSet", "Service", "Job", "ConfigMap", "PersistentVolumeClaim"):
@@ -136,8 +137,20 @@ def test_kubernetes_manifests_validate_strictly_and_the_rules_pass_promtool(tmp_
         [container] = by[("Job", name)]["spec"]["template"]["spec"]["containers"]
         args = run_args(container["args"])
         assert args.role == (role or "worker") and args.store.count(".demo-etcd.training.svc:2379") == 3
-        assert args.node_id == ("spare" if role else "node") + "$(NODE_INDEX)" and args.local_addr == "$(POD_IP)"
+        assert args.node_id == "$(NODE_NAME)" and args.local_addr == "$(POD_IP)"
+        assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in container["env"]
         assert (args.nnodes, args.nproc_per_node, args.metrics_port) == ("2", "2", 9400)
+        affinity = by[("Job", name)]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+        [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "kubernetes.io/hostname" and term["labelSelector"]["matchLabels"].items() \
+            <= by[("Job", "demo-workers")]["spec"]["template"]["metadata"]["labels"].items()
+    # The quarantine's taints: a command the CLI accepts, with the agents' store and fleet, and only node rights.
+    taints = by[("Deployment", "demo-quarantine-taints")]["spec"]["template"]["spec"]
+    [container] = taints["containers"]
+    parsed = build_parser().parse_args(container["args"])
+    assert (parsed.action, parsed.fleet, parsed.store) == ("taints", "default", args.store)
+    [rule] = by[("ClusterRole", "training-demo-quarantine-taints")]["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}
 
 
 def test_the_slurm_scripts_and_ours_pass_shellcheck_and_start_the_agents_the_agent_accepts():

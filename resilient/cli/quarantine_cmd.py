@@ -15,6 +15,7 @@ import argparse
 import getpass
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -32,7 +33,18 @@ def add_parser(commands: Any) -> None:
     release = actions.add_parser("release", help="end a node's record now (it burns in before it rejoins)")
     release.add_argument("node", metavar="NODE")
     release.add_argument("--forget", action="store_true", help="clear its offences too (its next expiry is the first)")
-    for sub in (ls, add, release):
+    taints = actions.add_parser(
+        "taints", help="keep Kubernetes node taints in line with the records (resilient.dev/quarantine)",
+        description="Every --interval seconds: taint each Kubernetes Node that has a quarantine record in force "
+                    "resilient.dev/quarantine=<fleet>:NoSchedule, with the record's expiry and reason as "
+                    "annotations, and untaint it once the record has ended (needs get, list and patch on nodes; "
+                    "the rendered quarantine.yaml runs it with such a service account).")
+    taints.add_argument("--api", metavar="URL", help="the API server (default: the pod's in-cluster service)")
+    taints.add_argument("--token-file", type=Path, metavar="FILE", help="a bearer token for --api")
+    taints.add_argument("--ca", type=Path, metavar="FILE", help="the CA bundle of --api (https)")
+    taints.add_argument("--interval", type=float, default=10.0, metavar="S", help="seconds between passes (10)")
+    taints.add_argument("--once", action="store_true", help="one pass, then exit (1 if a change failed)")
+    for sub in (ls, add, release, taints):
         sub.add_argument("--store", required=True, metavar="URL", help="etcd://HOST:PORT[,HOST:PORT]")
         sub.add_argument("--fleet", default="default", metavar="NAME", help="the fleet (default 'default')")
         sub.add_argument("--json", action="store_true", help="print JSON")
@@ -51,6 +63,8 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
     config = QuarantineConfig(fleet=args.fleet, expiry_s=expiry,
                               max_expiry_s=max(QuarantineConfig().max_expiry_s, expiry))
     fleet = FleetQuarantine(EtcdClient(EtcdConfig.from_url(args.store, outage_tolerance_s=10.0)), config)
+    if args.action == "taints":
+        return _taints(args, fleet)
     if args.action == "ls":
         standing = {s.record.node: s for s in fleet.list()}
         burn_ins, offences = fleet.burn_ins(), fleet.all_offences()
@@ -85,3 +99,33 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
           (f"node {node} released: it burns in before it rejoins" if released else
            f"node {node} had no quarantine record in force") + (" (offences cleared)" if args.forget else ""))
     return 0
+
+
+def _taints(args: argparse.Namespace, fleet: Any) -> int:
+    import time
+
+    from ..coord.store import ControlStoreError
+    from ..deploy.taints import KubeNodes, reconcile
+
+    if not args.interval > 0:
+        raise ConfigError(f"--interval {args.interval}: give seconds > 0")
+    if args.api:
+        token = args.token_file.read_text().strip() if args.token_file else None
+        api = KubeNodes(args.api, token, args.ca)
+    else:
+        api = KubeNodes.in_cluster()
+    said: set[str] = set()
+    while True:
+        try:
+            done, failed = reconcile(api, fleet.list(), args.fleet)
+        except (ControlStoreError, OSError) as e:
+            done, failed = [], [f"pass failed, tried again in {args.interval:g} s: {type(e).__name__}: {e}"]
+        for line in done:
+            print(f"resilient quarantine taints: {line}", flush=True)
+        for line in failed:
+            if line not in said or args.once:  # a standing problem is said once, not at every pass
+                print(f"resilient quarantine taints: {line}", flush=True)
+        said = set(failed)
+        if args.once:
+            return 1 if any("names no Kubernetes Node" not in f for f in failed) else 0
+        time.sleep(args.interval)

@@ -36,6 +36,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY, EXIT_UNRECOVERABLE
+from .taints import TAINT_KEY
 from .topology import Topology
 
 TARGETS = ("slurm", "k8s", "compose", "systemd")
@@ -349,12 +350,15 @@ def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
                 "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]}})
     agents = {**labels, "resilient/agent": "true"}
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in _env(t).items()]
+    # The node id is the Kubernetes node's name: a quarantine record then names a machine (quarantine.yaml turns
+    # it into a taint), and one agent pod runs per machine (the anti-affinity below).
     env += [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "NODE_INDEX", "valueFrom": {"fieldRef": {
-                "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    one_per_machine = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchLabels": agents}, "topologyKey": "kubernetes.io/hostname"}]}}
 
     def job(role: str, count: int, spare: bool) -> dict[str, Any]:
-        node_id = f"{'spare' if spare else 'node'}$(NODE_INDEX)"
+        node_id = "$(NODE_NAME)"
         role_labels = {**agents, "app.kubernetes.io/component": role}
         job_meta = meta(f"{name}-{role}", {"app.kubernetes.io/component": role})
         return {"apiVersion": "batch/v1", "kind": "Job", "metadata": job_meta, "spec": {
@@ -370,7 +374,7 @@ def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
             "template": {"metadata": {"labels": role_labels}, "spec": {
                 "restartPolicy": "Never", "subdomain": f"{name}-agents",
-                "terminationGracePeriodSeconds": 120,
+                "terminationGracePeriodSeconds": 120, "affinity": one_per_machine,
                 "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}],
                 "containers": [{
                     "name": "agent", "image": t.image, "workingDir": t.workdir,
@@ -408,21 +412,55 @@ def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
                              "replicas": t.nodes, "restartPolicy": "Never",
                              "template": {"metadata": {"labels": {**agents, "app.kubernetes.io/component": "workers"}},
                                           "spec": {
+                                 "affinity": one_per_machine,
                                  "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}],
                                  "containers": [{
                                  "name": "pytorch", "image": t.image, "workingDir": t.workdir,
                                  "command": ["resilient"],
-                                 "args": agent_args(t, node_id="$(POD_NAME)", store=store, local_addr="$(POD_IP)"),
-                                 "env": [*env[:-1], {"name": "POD_NAME", "valueFrom": {"fieldRef": {
-                                     "fieldPath": "metadata.name"}}}],
+                                 "args": agent_args(t, node_id="$(NODE_NAME)", store=store, local_addr="$(POD_IP)"),
+                                 "env": env,
                                  "volumeMounts": [{"name": "runs", "mountPath": runs}],
                                  "ports": [{"name": "metrics", "containerPort": t.metrics_port}]}]}}}},
                                   "runPolicy": {"backoffLimit": t.max_restarts}}}],
                        header + " An alternative to the workers' Job of manifests.yaml for clusters that run the "
                        "Kubeflow training operator: the agents inside a PyTorchJob's workers (needs its CRD, and "
                        "the etcd, the volume and the Service of manifests.yaml).")
+    fleet = _fleet(t)
+    account = f"{name}-quarantine-taints"
+    cluster_name = f"{ns}-{account}"  # cluster-scoped: unique across namespaces
+    quarantine = _yaml([
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(account)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": cluster_name, "labels": labels},
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": cluster_name, "labels": labels},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_name},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ns}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment",
+         "metadata": meta(account, {"app.kubernetes.io/component": "quarantine-taints"}), "spec": {
+             "replicas": 1,
+             "selector": {"matchLabels": {**labels, "app.kubernetes.io/component": "quarantine-taints"}},
+             "template": {"metadata": {"labels": {**labels, "app.kubernetes.io/component": "quarantine-taints"}},
+                          "spec": {"serviceAccountName": account, "containers": [{
+                              "name": "taints", "image": t.image, "command": ["resilient"],
+                              "args": ["quarantine", "taints", "--store", store, "--fleet", fleet],
+                              "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}]}}}},
+    ], header + f" The fleet {fleet!r}'s quarantine records as node taints {TAINT_KEY}={fleet}:NoSchedule, "
+       "lifted when a record ends (resilient quarantine taints).")
     return {"manifests.yaml": manifests, "monitoring.yaml": monitoring, "dashboards.yaml": dashboards,
-            "pytorchjob.yaml": pytorchjob, "README.md": _k8s_readme(t, header)}
+            "pytorchjob.yaml": pytorchjob, "quarantine.yaml": quarantine, "README.md": _k8s_readme(t, header)}
+
+
+def _fleet(t: Topology) -> str:
+    """The quarantine fleet the agents obey (``--fleet`` in ``[run] agent_args``, else ``default``)."""
+    args = list(t.extra_agent_args)
+    for i, arg in enumerate(args):
+        if arg == "--fleet" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--fleet="):
+            return arg.split("=", 1)[1]
+    return "default"
 
 
 def _k8s_readme(t: Topology, header: str) -> str:
@@ -437,8 +475,11 @@ kubectl apply -f dashboards.yaml    # Grafana dashboards (sidecar label grafana_
 kubectl -n {t.namespace} get pods -l app.kubernetes.io/instance={t.run_id}
 ```
 
-The workers are an indexed Job of {t.nodes} pod(s), node ids `node0`, `node1`, ...; the spares a Job of
-{t.spare_nodes} pod(s), `spare0`, ...  The pod failure policy follows the agents' exit codes: {EXIT_STOPPED}
+The workers are an indexed Job of {t.nodes} pod(s), the spares a Job of {t.spare_nodes} pod(s), one agent pod
+per machine (pod anti-affinity); each agent's node id is its Kubernetes node's name, so a quarantine record
+names a machine, and `quarantine.yaml` (a service account that may patch nodes, and a Deployment of one running
+`resilient quarantine taints`) taints a quarantined machine `{TAINT_KEY}=<fleet>:NoSchedule` until its record
+ends, with the expiry and the reason as annotations.  The pod failure policy follows the agents' exit codes: {EXIT_STOPPED}
 (a verdict), {EXIT_CONFIG} and {EXIT_UNRECOVERABLE} fail the Job; a disrupted pod (preemption, eviction) and a
 stop ({EXIT_PREEMPTED_AGENT}: one agent was asked to stop, and every node checkpointed) are not counted against
 `backoffLimit`; any other failure is retried.  Every agent's pod mounts the volume `{t.run_id}-runs`
