@@ -1,10 +1,14 @@
-"""A real single-node Slurm for the tests: munged, slurmctld and slurmd from Debian's packages, without systemd.
+"""A real Slurm for the tests: munged, slurmctld and slurmd from Debian's packages, without systemd.
 
 Everything lives in one directory (configuration, state, spool, logs, munge's socket), the daemons listen on
 free loopback ports, and :meth:`SlurmCluster.close` stops them and checks that none is left.  Requeues are
 fast: ``AuthInfo=cred_expire=5`` (a requeued job waits a credential lifetime before it may start again, 120 s
 by default).  Needs root (slurmd runs jobs as their users) and ``scripts/setup.sh --for tests``, which installs
 the packages with their services neither started nor enabled.
+
+With ``nodes > 1`` the compute nodes ``n1`` ... ``nN`` are that many slurmd daemons on this machine (``slurmd
+-N``, each on a port of its own, ``NodeAddr=127.0.0.1``): an allocation of several nodes, each with its own
+``SLURMD_NODENAME``, as on a cluster.
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 
 
 class SlurmCluster:
-    """One controller and one compute node (this machine) with a partition ``debug``."""
+    """One controller and ``nodes`` compute nodes (this machine) with a partition ``debug``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, nodes: int = 1) -> None:
         missing = [d for d in DAEMONS if shutil.which(d) is None and not Path(f"/usr/sbin/{d}").exists()]
         if missing:
             raise RuntimeError(f"{', '.join(missing)} not installed: run scripts/setup.sh --for tests")
@@ -35,6 +39,7 @@ class SlurmCluster:
             raise RuntimeError("a Slurm compute node runs as root: run the tests as root")
         self.root = root
         self.node = socket.gethostname().split(".")[0]
+        self.nodes = [self.node] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
         self.conf = root / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._procs: list[subprocess.Popen] = []
@@ -46,21 +51,27 @@ class SlurmCluster:
         user = pwd.getpwnam("munge")
         os.chown(munge, user.pw_uid, user.pw_gid)
         self.socket = munge / "munge.socket"
+        cpus = os.cpu_count() or 1
+        nodes_conf = "\n".join(
+            f"NodeName={n} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN" + (
+                f" NodeHostname={self.node} Port={free_port()}" if nodes > 1 else f" Port={free_port()}")
+            for n in self.nodes)
+        for n in self.nodes:
+            (root / "spool" / n).mkdir(parents=True, exist_ok=True)
         self.conf.write_text(f"""ClusterName=resilient-test
 SlurmctldHost={self.node}(127.0.0.1)
 SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.socket},cred_expire=5
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SelectType=select/cons_tres
@@ -70,15 +81,17 @@ MpiDefault=none
 JobRequeue=1
 KillWait=30
 MinJobAge=600
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs={os.cpu_count() or 1} State=UNKNOWN
+{nodes_conf}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """)
         self._start(["runuser", "-u", "munge", "--", "munged", "--foreground", f"--socket={self.socket}",
                      f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/seed"])
         self._wait(self.socket.exists, 10, "munged's socket")
         self._start(["slurmctld", "-D", "-i", "-f", str(self.conf)])
-        self._start(["slurmd", "-D", "-f", str(self.conf)])
-        self._wait(lambda: "idle" in self.sinfo(), 30, f"node {self.node} idle in sinfo")
+        for node in self.nodes:
+            self._start(["slurmd", "-D", "-f", str(self.conf), *(["-N", node] if nodes > 1 else [])])
+        self._wait(lambda: self.sinfo().split().count("idle") == len(self.nodes), 30,
+                   f"node(s) {', '.join(self.nodes)} idle in sinfo")
 
     def _start(self, argv: list[str]) -> None:
         log = open(self.root / "log" / f"{Path(argv[0]).name}-{len(self._procs)}.out", "wb")  # noqa: SIM115
@@ -101,7 +114,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=self.env, check=False)
 
     def sinfo(self) -> str:
-        return self.run("sinfo", "-h", "-o", "%T").stdout
+        return self.run("sinfo", "-h", "-N", "-o", "%T").stdout
 
     def sbatch(self, script: Path, env: dict[str, str]) -> int:
         done = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,

@@ -1,15 +1,19 @@
-"""The rendered sbatch script on a real Slurm (one node: munged, slurmctld and slurmd started by the fixture).
+"""The rendered sbatch script on a real Slurm (munged, slurmctld and three slurmd started by the fixture).
 
 A 2-process training under the agent, requeued by hand in the middle (what a preemption does): the job runs
 again with ``SLURM_RESTART_COUNT`` 1, which the agent takes as a new launch of the same run, and resumes from
 the newest commit, ending bitwise equal to an uninterrupted run.  A script that fails on every try ends with
-the agent's crash-loop verdict (exit 80), which the script does not requeue.
+the agent's crash-loop verdict (exit 80), which the script does not requeue.  A run of two nodes and a spare
+node meets through the etcd the script starts on the allocation's first node; one node's agent is killed, the
+spare node takes its ranks in process, and the job completes without a requeue.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from resilient.chaos.cluster import etcd_binary
+from resilient.chaos.monitor import free_port
 from resilient.deploy.render import render
 from resilient.deploy.topology import load_topology
 
@@ -30,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def slurm():
     # Not under pytest's tmp_path: its directories are private to root, and munged runs as munge.
     root = Path(tempfile.mkdtemp(prefix="resilient-slurm-"))
-    cluster = SlurmCluster(root)
+    cluster = SlurmCluster(root, nodes=3)
     try:
         yield cluster
     finally:
@@ -40,7 +46,7 @@ def slurm():
 
 
 def sbatch_for(tmp_path: Path, run_id: str, script: str, args: list[str], *, module: bool,
-               max_restarts: int = 3) -> Path:
+               max_restarts: int = 3, nodes: int = 1, spares: int = 0) -> Path:
     topology = tmp_path / "topology.toml"
     topology.write_text(f"""
 [run]
@@ -53,8 +59,9 @@ python = "{sys.executable}"
 agent_args = ["--crash-loop-restarts", "2"]
 
 [nodes]
-count = 1
-nproc_per_node = 2
+count = {nodes}
+nproc_per_node = {2 if nodes == 1 else 1}
+spares = {spares}
 max_restarts = {max_restarts}
 
 [metrics]
@@ -134,3 +141,37 @@ def test_a_crash_loop_verdict_is_not_requeued(slurm, tmp_path):
     assert "stopped with a verdict (exit 80): not requeued" in log, log
     [finished] = [e for e in events(run_dir) if e["kind"] == "agent_finished"]
     assert finished["exit_code"] == 80, finished
+
+
+def test_two_nodes_and_a_spare_meet_through_the_first_nodes_etcd_and_the_spare_takes_a_lost_nodes_ranks(
+        slurm, tmp_path):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    args = ["--steps", "300", "--every", "20", "--out", str(out), "--ckpt", str(ckpt), "--step-sleep", "0.05"]
+    env = agent_env({"ETCD": etcd_binary(), "ETCD_PORT": str(free_port()), "ETCD_PEER_PORT": str(free_port()),
+                     "ETCD_DIR": str(tmp_path / "etcd")})
+    job = slurm.sbatch(sbatch_for(tmp_path, "multi", "resilient.chaos.workload", args, module=True, nodes=2,
+                                  spares=1), env)
+    run_dir = tmp_path / "runs" / "multi"
+    status = run_dir / "nodes" / "n2" / "status.json"
+    deadline = time.monotonic() + 180
+    while not [s for s in committed(ckpt) if s >= 60] or not status.exists():
+        assert time.monotonic() < deadline, (slurm.job(job), output(tmp_path, "multi", job))
+        time.sleep(0.5)
+    victim = json.loads(status.read_text())["agent_pid"]
+    os.kill(victim, signal.SIGKILL)  # node n2 lost with its agent
+    done = slurm.wait_state(job, ("COMPLETED", "FAILED", "CANCELLED"), timeout=300)
+    log = output(tmp_path, "multi", job)
+    assert done["JobState"] == "COMPLETED" and done["Restarts"] == "0" and done["ExitCode"] == "0:0", (done, log)
+    seen = events(run_dir)
+    started = {e["node"]: e for e in seen if e["kind"] == "agent_started"}
+    assert set(started) == {"n1", "n2", "n3"}, started
+    stores = {e["store"] for e in started.values()}
+    assert stores == {f"etcd://127.0.0.1:{env['ETCD_PORT']}"}, stores  # the first node's etcd, by its NodeAddr
+    assert [e["node"] for e in seen if e["kind"] == "spare_node_joined"][:1] == ["n3"]
+    assert any(e["kind"] == "node_lost" for e in seen), [e["kind"] for e in seen]
+    assert "promote_spare" in [e.get("action") for e in seen if e["kind"] == "recovery_decided"]
+    final = json.loads((out / "final.json").read_text())
+    assert final["step"] == 300 and final["world"] == 2, final
+    trace = [t for t in steps(out) if t["rank"] == 0]
+    assert {t["step"] for t in trace} == set(range(300))
+    assert "run multi finished" in log, log

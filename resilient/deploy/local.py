@@ -61,13 +61,12 @@ UP_TIMEOUT_S = 90.0
 
 def run_exit_code(codes: list[int]) -> int:
     """The run's exit code from its worker agents' last ones, in the order the Slurm script decides: a verdict
-    anywhere, then all succeeded, then a node stepped out (81), then stopped (75), then the highest."""
+    anywhere, then a 0 anywhere (an agent exits 0 only when the run is done), then a node stepped out (81), then
+    stopped (75), then the highest."""
     for verdict in VERDICTS:
         if verdict in codes:
             return verdict
-    if all(c == 0 for c in codes):
-        return 0
-    for code in (EXIT_UNHEALTHY, EXIT_PREEMPTED_AGENT):
+    for code in (0, EXIT_UNHEALTHY, EXIT_PREEMPTED_AGENT):
         if code in codes:
             return code
     return max(codes)

@@ -57,7 +57,7 @@ SLURM_EXITS = {
                   "not requeued",
 }
 """What the sbatch script does with the agents' exit status (each agent's, from a file it writes: a verdict on
-any node decides, then all 0, then an unhealthy node, then a stop); any other status (an agent that crashed or
+any node decides, then a 0 on any node (the run finished), then an unhealthy node, then a stop); any other status (an agent that crashed or
 was killed) is requeued while ``SLURM_RESTART_COUNT`` (which counts every requeue, the time limit's too) is under
 the topology's max_restarts."""
 HEADER = "Rendered by `resilient deploy render` from {source}; edit freely (render again to start over)."
@@ -152,16 +152,18 @@ def _slurm(t: Topology, assets: Path, header: str) -> dict[str, str]:
     else:
         etcd = f'''# No etcd in the topology: one member on the first node of the allocation, for this job only.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-first_addr=$(getent hosts "$first" | awk '{{print $1; exit}}')
+first_addr=$(node_addr "$first")
 ETCD_DIR=${{ETCD_DIR:-/tmp/resilient-etcd-$SLURM_JOB_ID}}
+ETCD_PORT=${{ETCD_PORT:-2379}}
+ETCD_PEER_PORT=${{ETCD_PEER_PORT:-2380}}
 srun --nodes=1 --ntasks=1 -w "$first" --overlap "${{ETCD:-etcd}}" --name {q(t.run_id)} \\
-    --data-dir "$ETCD_DIR" --listen-client-urls "http://$first_addr:2379" \\
-    --advertise-client-urls "http://$first_addr:2379" --listen-peer-urls "http://$first_addr:2380" \\
-    --initial-advertise-peer-urls "http://$first_addr:2380" \\
-    --initial-cluster "{t.run_id}=http://$first_addr:2380" >"$RUN_DIR/etcd-$SLURM_JOB_ID.log" 2>&1 &
+    --data-dir "$ETCD_DIR" --listen-client-urls "http://$first_addr:$ETCD_PORT" \\
+    --advertise-client-urls "http://$first_addr:$ETCD_PORT" --listen-peer-urls "http://$first_addr:$ETCD_PEER_PORT" \\
+    --initial-advertise-peer-urls "http://$first_addr:$ETCD_PEER_PORT" \\
+    --initial-cluster "{t.run_id}=http://$first_addr:$ETCD_PEER_PORT" >"$RUN_DIR/etcd-$SLURM_JOB_ID.log" 2>&1 &
 etcd_pid=$!
 trap 'kill "$etcd_pid" 2>/dev/null' EXIT
-STORE="etcd://$first_addr:2379"
+STORE="etcd://$first_addr:$ETCD_PORT"
 '''
     script = f'''#!/bin/bash
 # {header}
@@ -181,6 +183,12 @@ cd {q(t.workdir)} || exit 1
 RUN_DIR={q(f"{t.workdir}/runs/{t.run_id}")}
 mkdir -p "$RUN_DIR"
 {env}
+# A node's address: Slurm's NodeAddr for it (its name, unless slurm.conf gives another), resolved.
+node_addr() {{
+    local a
+    a=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n 1 | cut -d= -f2)
+    getent hosts "${{a:-$1}}" | awk '{{print $1; exit}}'
+}}
 {etcd}
 # The time limit's warning (--signal=B:TERM@120) reaches this script: SIGTERM to the agents, which checkpoint
 # and stop (exit {EXIT_PREEMPTED_AGENT}).  A preemption, `scontrol requeue` or scancel signal the job steps themselves.
@@ -193,7 +201,7 @@ rm -rf "$EXITS" && mkdir -p "$EXITS"
 agent() {{
     local addr role=() store=() code
     [ -z "$STORE" ] || store=(--store "$STORE")
-    addr=$(getent hosts "$SLURMD_NODENAME" | awk '{{print $1; exit}}')
+    addr=$(node_addr "$SLURMD_NODENAME")
     [ -n "$addr" ] || addr=$(hostname -I | awk '{{print $1}}')
     if [ "$SLURM_NODEID" -ge {t.nodes} ]; then
         role=(--role spare)
@@ -203,7 +211,7 @@ agent() {{
     echo "$code $SLURMD_NODENAME" >"$EXITS/$SLURM_NODEID"
     return "$code"
 }}
-export -f agent
+export -f agent node_addr
 export STORE RUN_DIR EXITS
 srun --overlap --kill-on-bad-exit=0 --ntasks-per-node=1 --nodes={t.total_nodes} bash -c agent &
 srun_pid=$!
@@ -213,14 +221,12 @@ while kill -0 "$srun_pid" 2>/dev/null; do  # a trapped signal interrupted the fi
     wait "$srun_pid"
     status=$?
 done
-# The job's verdict from every agent's: a verdict anywhere stops it; all 0 is finished; then an unhealthy
-# node, then a stop; a node that wrote nothing (its agent killed) is a crash, srun's own status.
+# The job's verdict from every agent's: a verdict anywhere stops it; a 0 anywhere is the run finished (an agent
+# exits 0 only then: a node lost on the way, its spare having taken over, does not matter); then an unhealthy
+# node, then a stop; with none of those, a node that wrote nothing (its agent killed) is a crash, srun's status.
 codes=$(cat "$EXITS"/* 2>/dev/null | awk '{{print $1}}' | sort -u | paste -sd' ' -)
-reported=$(find "$EXITS" -type f | wc -l)
 for verdict in {EXIT_STOPPED} {EXIT_CONFIG} {EXIT_UNRECOVERABLE} 0 {EXIT_UNHEALTHY} {EXIT_PREEMPTED_AGENT}; do
-    if [ "$verdict" = 0 ]; then
-        if [ "$codes" = 0 ] && [ "$reported" -eq {t.total_nodes} ]; then status=0; break; fi
-    elif [[ " $codes " == *" $verdict "* ]]; then
+    if [[ " $codes " == *" $verdict "* ]]; then
         status=$verdict
         break
     fi
