@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from resilient.agent.sweep import AgentAlreadyRunningError, NodeProcesses, Stuck
-from resilient.exitcodes import EXIT_UNHEALTHY
+from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_UNHEALTHY
 from resilient.watchdog.procfs import read_stat
 
 from .agent_helpers import agent_env, events, explain, incidents, node_status, run_agent, start_agent, wait_for
@@ -70,6 +70,34 @@ def test_a_sigkilled_agent_takes_its_workers_and_the_next_agent_completes_the_ru
         trace = read_trace(tmp_path / "trace", rank)
         assert len(trace.starts) == 2 and trace.starts[1]["restored_from"] is not None
         assert trace.end is not None and trace.end["step"] == steps
+
+
+def test_a_scheduler_that_sigterms_the_workers_before_the_agent_is_a_stop_not_a_failure(tmp_path):
+    """Slurm's preemption, `scontrol requeue` and scancel signal every process of the job: here the workers get
+    SIGTERM a moment before their agent does (the worst order for the agent), which must stop with 75 and count
+    neither an incident nor a restart."""
+    run_dir = tmp_path / "run"
+    flags = ("--nproc-per-node", "2", "--node-id", NODE)
+    agent = start_agent(run_dir, *flags, script_args=train_args(tmp_path, 400), log=tmp_path / "agent.log")
+    try:
+        status = wait_for(lambda: (s := node_status(run_dir, NODE)) and len(s["ranks"]) == 2
+                          and all(r["step"] >= 3 for r in s["ranks"].values()) and s, timeout=180,
+                          what="both ranks training")
+        for r in status["ranks"].values():
+            os.kill(r["pid"], signal.SIGTERM)
+        time.sleep(0.3)
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(timeout=120)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    log = (tmp_path / "agent.log").read_text()
+    assert code == EXIT_PREEMPTED_AGENT, log
+    [finished] = events(run_dir, "agent_finished")
+    assert finished["verdict"] == "preempted" and finished["restarts_used"] == 0, finished
+    assert "got SIGTERM together" in finished["reason"], finished
+    assert not events(run_dir, "incident") and not incidents(run_dir), log
 
 
 # A worker that starts a helper in its own process group (as a data-prep tool or a shell pipeline

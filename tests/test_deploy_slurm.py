@@ -119,7 +119,9 @@ def test_a_requeued_job_resumes_from_the_newest_commit_as_a_new_launch(slurm, tm
     launches = [e["launch_id"] for e in seen if e["kind"] == "launch_joined"]
     assert launches == [f"slurm-{job}-0", f"slurm-{job}-1"], launches
     [preempted] = [e for e in seen if e["kind"] == "agent_finished" and e["exit_code"] != 0]
-    assert preempted["verdict"] == "preempted", preempted
+    assert preempted["verdict"] == "preempted" and preempted["restarts_used"] == 0, preempted
+    # Slurm SIGTERMs every process of the job, the workers too: a stop, not a failure (no incident, no restart).
+    assert not [e for e in seen if e["kind"] == "incident"], [e for e in seen if e["kind"] == "incident"]
     final = json.loads((out / "final.json").read_text())
     assert final["step"] == 500
     # The second launch began at the newest commit, which the stopping agents took (a preemption's save) or

@@ -9,8 +9,10 @@ so a store outage cannot delay hang detection.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -289,6 +291,10 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 else:
                     return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), again)
                 continue
+            if hold is None and _signalled_with_agent(ctx, failed):
+                return Outcome(OutcomeKind.PREEMPTED, "the workers and this agent got SIGTERM together (a scheduler "
+                                                      "ending the job: a preemption or requeue); no checkpoint was "
+                                                      "taken, the next launch resumes from the newest commit")
             ended = end_on_failure(ctx, group, a, gdir, now)
             if isinstance(ended, Outcome):
                 return ended
@@ -361,6 +367,24 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 return Outcome(OutcomeKind.UNHEALTHY, health.reason, incident=unhealthy_incident(
                     c.node_id, a.generation, health.problems, when="while running"))
         group.pause(c.monitor_interval_s)
+
+
+SIGNALLED_TOGETHER_S = 1.0
+"""How long a worker's death by SIGTERM waits for the agent's own SIGTERM before it counts as a failure."""
+
+
+def _signalled_with_agent(ctx: GenerationContext, failed: list[Any]) -> bool:
+    """Whether every failed worker died of SIGTERM and this agent got SIGTERM too, now or within
+    :data:`SIGNALLED_TOGETHER_S`: a scheduler that signals every process of the job (Slurm's preemption,
+    ``scontrol requeue``, scancel) is ending it; that is a stop, not a failure to restart from."""
+    if not failed or any(e.signal != signal.SIGTERM for e in failed):
+        return False
+    deadline = time.monotonic() + SIGNALLED_TOGETHER_S
+    while not ctx.stop_requested():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared: dict[str, Any] | None,
