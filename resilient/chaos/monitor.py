@@ -141,6 +141,16 @@ class ServerProcess:
         stop_process(self.proc)
 
 
+def firing(prometheus_url: str) -> list[str]:
+    """Names of the alerts the Prometheus at ``prometheus_url`` has firing now ([] when it does not answer)."""
+    try:
+        with urllib.request.urlopen(f"{prometheus_url}/api/v1/alerts", timeout=5) as r:
+            body = json.load(r)
+    except (OSError, ValueError):
+        return []
+    return sorted({a["labels"]["alertname"] for a in body["data"]["alerts"] if a.get("state") == "firing"})
+
+
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM ``proc`` and wait for it; SIGKILL it when it has not ended within 10 s."""
     if proc.poll() is None:
@@ -245,12 +255,7 @@ class Monitoring:
 
     def firing(self) -> list[str]:
         """Names of the alerts Prometheus has firing now."""
-        try:
-            with urllib.request.urlopen(f"{self.url}/api/v1/alerts", timeout=5) as r:
-                body = json.load(r)
-        except (OSError, ValueError):
-            return []
-        return sorted({a["labels"]["alertname"] for a in body["data"]["alerts"] if a.get("state") == "firing"})
+        return firing(self.url)
 
     def notifications(self) -> list[dict[str, Any]]:
         return self.receiver.notifications()

@@ -84,6 +84,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from ..chaos import monitor
     from ..deploy.local import alive, read_state
     from ..errors import ConfigError
 
@@ -96,22 +97,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if state["status"] in ("running", "finished") and not alive(state.get("pid")):
         state["status"] += " (its supervisor is gone: run `down` to clean up)"
     print(_summary(state))
-    firing = _firing(state.get("prometheus"))
+    firing = monitor.firing(state["prometheus"]) if state.get("prometheus") else []
     print(f"  alerts firing: {', '.join(firing) if firing else 'none'}")
     return 0
-
-
-def _firing(url: str | None) -> list[str]:
-    import urllib.request
-
-    if not url:
-        return []
-    try:
-        with urllib.request.urlopen(f"{url}/api/v1/alerts", timeout=5) as r:
-            body = json.load(r)
-    except (OSError, ValueError):
-        return []
-    return sorted({a["labels"]["alertname"] for a in body["data"]["alerts"] if a.get("state") == "firing"})
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
