@@ -144,9 +144,12 @@ def test_the_rendered_stack_trains_two_nodes_through_a_lost_node_with_its_spare(
         rungs = [e.get("action") for e in events if e["kind"] == "recovery_decided"]
         assert "promote_spare" in rungs, (rungs, kinds)
         trace = [json.loads(line) for line in read(engine, project, f"/work/runs/{RUN}/out/trace.jsonl").splitlines()]
-        rank0 = [t["step"] for t in trace if t["rank"] == 0]
-        assert set(rank0) == set(range(STEPS)), "every step was trained"
-        assert len(rank0) - STEPS <= 20, "at most the steps since the newest commit were trained again"
+        # Every step trained by the world (the lost node may have died after a step's all-reduce, before writing
+        # its line), and none twice: the spare took the lost ranks in process.
+        assert {t["step"] for t in trace} == set(range(STEPS)), "every step was trained"
+        for rank in (0, 1):
+            mine = [t["step"] for t in trace if t["rank"] == rank]
+            assert len(mine) == len(set(mine)), f"rank {rank} re-did steps"
         # Prometheus (the stand-in with the rendered configuration) scraped every agent by its service name.
         up = query(ports["prometheus"], "max by (instance) (max_over_time(up[10m]))")
         assert {s["metric"]["instance"]: s["value"][1] for s in up} == \

@@ -139,9 +139,10 @@ def test_bad_input_is_refused_with_the_fix(tmp_path):
 def test_the_run_exit_code_follows_the_slurm_scripts_order():
     assert run_exit_code([0, 0]) == 0
     assert run_exit_code([EXIT_UNHEALTHY, EXIT_STOPPED]) == EXIT_STOPPED, "a verdict anywhere decides"
-    assert run_exit_code([0, EXIT_UNHEALTHY]) == 0, "the run finished; the node that stepped out does not matter"
+    assert run_exit_code([0, EXIT_UNHEALTHY]) == EXIT_UNHEALTHY
     assert run_exit_code([EXIT_PREEMPTED_AGENT, EXIT_UNHEALTHY]) == EXIT_UNHEALTHY
-    assert run_exit_code([EXIT_PREEMPTED_AGENT, 3]) == EXIT_PREEMPTED_AGENT
+    assert run_exit_code([0, EXIT_PREEMPTED_AGENT]) == EXIT_PREEMPTED_AGENT, "a 0 may be a launch's end, not the run's"
+    assert run_exit_code([0, 3]) == 0, "the run finished; an agent that crashed on the way does not matter"
     assert run_exit_code([3, 1]) == 3
 
 

@@ -14,9 +14,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import pytest
 
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.quarantine import FleetQuarantine, QuarantineConfig
@@ -115,11 +118,17 @@ def fleet_of(server: Any, **config: Any) -> FleetQuarantine:
 GPU = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
 
 
-def test_a_record_taints_its_node_until_its_lease_lapses_and_other_taints_stay(etcd_server):
+def token_file(tmp_path: Any) -> Any:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+def test_a_record_taints_its_node_until_its_lease_lapses_and_other_taints_stay(etcd_server, tmp_path):
     fleet = fleet_of(etcd_server, expiry_s=3, max_expiry_s=60)
     other = {"key": TAINT_KEY, "value": "another-fleet", "effect": "NoSchedule"}
     api = NodesAPI({"gpu-a": {"taints": [GPU]}, "gpu-b": {"taints": [other]}, "gpu-c": {}})
-    kube = KubeNodes(api.url, TOKEN)
+    kube = KubeNodes(api.url, token_file(tmp_path))
     name = fleet.config.fleet
     try:
         fleet.add("gpu-a", reason="persistent straggler: step 2.1x its peers", source="straggler", by="gpu-a")
@@ -135,6 +144,12 @@ def test_a_record_taints_its_node_until_its_lease_lapses_and_other_taints_stay(e
         assert before + 1 <= until <= before + 4, (notes[UNTIL], before)
         assert api.taints("gpu-b") == [other] and api.taints("gpu-c") == [], "no record, no change"
 
+        # The token is read at every call (the kubelet rotates a service account's): a changed file counts.
+        (tmp_path / "token").write_text("rotated-away\n")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            reconcile(kube, fleet.list(), name)
+        assert refused.value.code == 401
+        token_file(tmp_path)
         # A second pass changes nothing (the lease's time left moves; the taint is what counts).
         patches = len(api.patches)
         assert reconcile(kube, fleet.list(), name)[0] == [] and len(api.patches) == patches
@@ -151,10 +166,10 @@ def test_a_record_taints_its_node_until_its_lease_lapses_and_other_taints_stay(e
         api.close()
 
 
-def test_a_node_changed_meanwhile_is_patched_at_the_next_pass_and_release_lifts_at_once(etcd_server):
+def test_a_node_changed_meanwhile_is_patched_at_the_next_pass_and_release_lifts_at_once(etcd_server, tmp_path):
     fleet = fleet_of(etcd_server, expiry_s=600)
     api = NodesAPI({"gpu-a": {"taints": [GPU]}})
-    kube = KubeNodes(api.url, TOKEN)
+    kube = KubeNodes(api.url, token_file(tmp_path))
     name = fleet.config.fleet
     try:
         fleet.add("gpu-a", reason="burn-in failed", source="burn_in", by="gpu-a")

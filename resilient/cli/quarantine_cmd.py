@@ -110,8 +110,7 @@ def _taints(args: argparse.Namespace, fleet: Any) -> int:
     if not args.interval > 0:
         raise ConfigError(f"--interval {args.interval}: give seconds > 0")
     if args.api:
-        token = args.token_file.read_text().strip() if args.token_file else None
-        api = KubeNodes(args.api, token, args.ca)
+        api = KubeNodes(args.api, args.token_file, args.ca)
     else:
         api = KubeNodes.in_cluster()
     said: set[str] = set()

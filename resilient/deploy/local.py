@@ -61,12 +61,11 @@ UP_TIMEOUT_S = 90.0
 
 def run_exit_code(codes: list[int]) -> int:
     """The run's exit code from its worker agents' last ones, in the order the Slurm script decides: a verdict
-    anywhere, then a 0 anywhere (an agent exits 0 only when the run is done), then a node stepped out (81), then
-    stopped (75), then the highest."""
+    anywhere, then a node stepped out (81), then stopped (75), then a 0 (the run finished), then the highest."""
     for verdict in VERDICTS:
         if verdict in codes:
             return verdict
-    for code in (0, EXIT_UNHEALTHY, EXIT_PREEMPTED_AGENT):
+    for code in (EXIT_UNHEALTHY, EXIT_PREEMPTED_AGENT, 0):
         if code in codes:
             return code
     return max(codes)
@@ -131,8 +130,8 @@ class Agent:
 
     @property
     def done(self) -> bool:
-        """Ended and not to be started again."""
-        return not self.running and self.restart_at is None and bool(self.exits)
+        """Ended, reaped (its exit recorded) and not to be started again."""
+        return self.restart_at is None and bool(self.exits) and len(self.exits) == self.starts
 
     def state(self) -> dict[str, Any]:
         return {"pid": self.proc.pid if self.running and self.proc is not None else None, "spare": self.spare,

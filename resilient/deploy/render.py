@@ -57,7 +57,7 @@ SLURM_EXITS = {
                   "not requeued",
 }
 """What the sbatch script does with the agents' exit status (each agent's, from a file it writes: a verdict on
-any node decides, then a 0 on any node (the run finished), then an unhealthy node, then a stop); any other status (an agent that crashed or
+any node decides, then an unhealthy node, then a stop, then a 0 on any node: the run finished); any other status (an agent that crashed or
 was killed) is requeued while ``SLURM_RESTART_COUNT`` (which counts every requeue, the time limit's too) is under
 the topology's max_restarts."""
 HEADER = "Rendered by `resilient deploy render` from {source}; edit freely (render again to start over)."
@@ -153,6 +153,10 @@ def _slurm(t: Topology, assets: Path, header: str) -> dict[str, str]:
         etcd = f'''# No etcd in the topology: one member on the first node of the allocation, for this job only.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 first_addr=$(node_addr "$first")
+if [ -z "$first_addr" ]; then
+    echo "resilient: no address for node $first (its NodeAddr in slurm.conf, or its name, does not resolve)" >&2
+    exit {EXIT_CONFIG}
+fi
 ETCD_DIR=${{ETCD_DIR:-/tmp/resilient-etcd-$SLURM_JOB_ID}}
 ETCD_PORT=${{ETCD_PORT:-2379}}
 ETCD_PEER_PORT=${{ETCD_PEER_PORT:-2380}}
@@ -183,11 +187,11 @@ cd {q(t.workdir)} || exit 1
 RUN_DIR={q(f"{t.workdir}/runs/{t.run_id}")}
 mkdir -p "$RUN_DIR"
 {env}
-# A node's address: Slurm's NodeAddr for it (its name, unless slurm.conf gives another), resolved.
+# A node's address: Slurm's NodeAddr for it (its name, unless slurm.conf gives another), resolved (an IP as it is).
 node_addr() {{
     local a
     a=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n 1 | cut -d= -f2)
-    getent hosts "${{a:-$1}}" | awk '{{print $1; exit}}'
+    {{ getent ahostsv4 "${{a:-$1}}" || getent ahosts "${{a:-$1}}"; }} | awk '{{print $1; exit}}'
 }}
 {etcd}
 # The time limit's warning (--signal=B:TERM@120) reaches this script: SIGTERM to the agents, which checkpoint
@@ -221,11 +225,11 @@ while kill -0 "$srun_pid" 2>/dev/null; do  # a trapped signal interrupted the fi
     wait "$srun_pid"
     status=$?
 done
-# The job's verdict from every agent's: a verdict anywhere stops it; a 0 anywhere is the run finished (an agent
-# exits 0 only then: a node lost on the way, its spare having taken over, does not matter); then an unhealthy
-# node, then a stop; with none of those, a node that wrote nothing (its agent killed) is a crash, srun's status.
+# The job's verdict from every agent's: a verdict anywhere stops it; then an unhealthy node; then a stop; then a
+# 0 is the run finished (a node lost on the way, its spare having taken over, does not requeue it); with none
+# of those, a node that wrote nothing (its agent killed) is a crash, srun's status.
 codes=$(cat "$EXITS"/* 2>/dev/null | awk '{{print $1}}' | sort -u | paste -sd' ' -)
-for verdict in {EXIT_STOPPED} {EXIT_CONFIG} {EXIT_UNRECOVERABLE} 0 {EXIT_UNHEALTHY} {EXIT_PREEMPTED_AGENT}; do
+for verdict in {EXIT_STOPPED} {EXIT_CONFIG} {EXIT_UNRECOVERABLE} {EXIT_UNHEALTHY} {EXIT_PREEMPTED_AGENT} 0; do
     if [[ " $codes " == *" $verdict "* ]]; then
         status=$verdict
         break

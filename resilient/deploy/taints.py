@@ -100,9 +100,10 @@ def plan(nodes: Iterable[Mapping[str, Any]], standing: Iterable[Standing], fleet
 class KubeNodes:
     """The Kubernetes API's Nodes: list them, merge-patch one (HTTPS with a bearer token, or plain HTTP)."""
 
-    def __init__(self, server: str, token: str | None, ca: Path | None = None, timeout_s: float = 10.0) -> None:
+    def __init__(self, server: str, token_file: Path | None, ca: Path | None = None, timeout_s: float = 10.0) -> None:
         self.server = server.rstrip("/")
-        self.token = token
+        self.token_file = token_file
+        """Read at every call: a projected service-account token is rotated by the kubelet."""
         self.timeout_s = timeout_s
         self._context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
 
@@ -115,12 +116,12 @@ class KubeNodes:
             raise ConfigError("not inside a Kubernetes pod (no KUBERNETES_SERVICE_HOST or service account token): "
                               "give --api URL, and --token-file (and --ca) for its credentials")
         server = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-        return cls(server, token.read_text().strip(), SERVICE_ACCOUNT / "ca.crt")
+        return cls(server, token, SERVICE_ACCOUNT / "ca.crt")
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         headers = {"Accept": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
+        if self.token_file is not None:
+            headers["Authorization"] = f"Bearer {self.token_file.read_text().strip()}"
         data = None
         if body is not None:
             data = json.dumps(body).encode()
