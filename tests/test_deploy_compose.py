@@ -118,6 +118,9 @@ def exit_code(engine: docker_engine.DockerEngine, project: Path, service: str) -
     return None if state["Running"] else int(state["ExitCode"])
 
 
+# The engine's images are built in the module fixture, which this test's timeout covers: debootstrap, pip and
+# docker import take about 130 s here, the stack's build and run about 100 s (a CI run took over 300 s).
+@pytest.mark.timeout(900)
 def test_the_rendered_stack_trains_two_nodes_through_a_lost_node_with_its_spare(engine, tmp_path):
     project, ports = stack(tmp_path)
     engine.compose(project, "build")
