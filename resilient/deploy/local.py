@@ -44,6 +44,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY, EXIT_UNRECOVERABLE
+from ..watchdog.procfs import read_stat
 from .topology import Topology, load_topology
 
 STATE = "cluster.json"
@@ -84,13 +85,8 @@ def read_state(root: Path) -> dict[str, Any] | None:
 
 def alive(pid: int | None) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
-    if not pid:
-        return False
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    st = read_stat(pid) if pid else None
+    return st is not None and st.state not in ("Z", "X")
 
 
 def resolve_workdir(topology: Topology, topology_path: Path, workdir: Path | None) -> Path:
@@ -157,6 +153,7 @@ class Supervisor:
         self.monitoring: Any = None
         self.store: str | None = None
         self.agents: dict[str, Agent] = {}
+        self._env: dict[str, str] = dict(os.environ)
         self._stop = False
         self._seen_notifications = 0
 
@@ -190,7 +187,7 @@ class Supervisor:
 
     def _bring_up(self) -> None:
         from ..chaos import cluster, monitor
-        from .render import _env, agent_args
+        from .common import agent_args, environment
 
         t = self.topology
         if t.etcd:
@@ -201,7 +198,7 @@ class Supervisor:
         self._save()
         self.monitoring = monitor.Monitoring(self.root / "monitoring", for_s=self.alert_for_s)
         self._save()
-        env = {**os.environ, **_env(t)}
+        env = {**os.environ, **environment(t)}
         for node, spare in cluster.node_names(t.nodes, t.spare_nodes):
             port = monitor.free_port()
             local = dataclasses.replace(t, metrics_port=port, metrics_addr="127.0.0.1")

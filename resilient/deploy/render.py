@@ -23,7 +23,9 @@ and serves its metrics on ``[metrics] port``.  What each target adds:
   environment file both read.
 
 Pure: :func:`render` returns the files (relative path -> text); writing them
-is the CLI's.
+is the CLI's.  The Kubernetes target is in :mod:`resilient.deploy.k8s`, what
+every target shares (the agents' command line, YAML) in
+:mod:`resilient.deploy.common`.
 """
 
 from __future__ import annotations
@@ -36,14 +38,14 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY, EXIT_UNRECOVERABLE
-from .taints import TAINT_KEY
+from .common import ETCD_IMAGE, agent_args, environment, fixed_port, store_url, to_yaml
+from .k8s import KUBERNETES_VERSION, k8s
 from .topology import Topology
 
+__all__ = ["ETCD_IMAGE", "KUBERNETES_VERSION", "SLURM_EXITS", "TARGETS", "agent_args", "render"]
+
 TARGETS = ("slurm", "k8s", "compose", "systemd")
-NO_RESTART = (EXIT_STOPPED, EXIT_CONFIG, EXIT_UNRECOVERABLE)
 """The agents' final exit codes: a verdict, and the workers' do-not-restart codes it passes on."""
-ETCD_IMAGE = "gcr.io/etcd-development/etcd:v3.5.17"
-KUBERNETES_VERSION = "1.30.0"
 """The Kubernetes version the manifests are validated against (``kubernetes-validate --strict``)."""
 SLURM_EXITS = {
     0: "the run finished: the job ends",
@@ -66,70 +68,10 @@ HEADER = "Rendered by `resilient deploy render` from {source}; edit freely (rend
 def render(topology: Topology, target: str, *, assets: Path, source: str = "topology.toml") -> dict[str, str]:
     """The files of ``target`` for ``topology``; ``assets`` is the shipped ``dashboards/`` folder."""
     builders: dict[str, Callable[[Topology, Path, str], dict[str, str]]] = {
-        "slurm": _slurm, "k8s": _k8s, "compose": _compose, "systemd": _systemd}
+        "slurm": _slurm, "k8s": k8s, "compose": _compose, "systemd": _systemd}
     if target not in builders:
         raise ConfigError(f"--target {target!r}: use one of {', '.join(TARGETS)}")
     return builders[target](topology, assets, HEADER.format(source=source))
-
-
-def agent_args(t: Topology, *, node_id: str, store: str | None, spare: bool = False,
-               local_addr: str | None = None, run_dir: str | None = None, burn_in: bool = False) -> list[str]:
-    """``resilient run`` options and the script, for one agent (the words after ``resilient``)."""
-    args = ["run", "--run-id", t.run_id, "--node-id", node_id, "--nnodes", t.node_range,
-            "--nproc-per-node", str(t.nproc_per_node), "--max-restarts", str(t.max_restarts),
-            "--metrics-port", str(t.metrics_port), "--metrics-addr", t.metrics_addr]
-    if store:
-        args += ["--store", store]
-    if spare:
-        args += ["--role", "spare"]
-    if local_addr:
-        args += ["--local-addr", local_addr]
-    if run_dir:
-        args += ["--run-dir", run_dir]
-    if t.checkpoint_dir and "://" not in t.checkpoint_dir:
-        args += ["--health-path", t.checkpoint_dir]
-    if burn_in:
-        args += ["--burn-in"]
-    args += list(t.extra_agent_args)
-    args += (["-m"] if t.module else []) + [t.script, *t.args]
-    return args
-
-
-def _store_url(endpoints: list[str]) -> str:
-    return "etcd://" + ",".join(endpoints)
-
-
-def _env(t: Topology) -> dict[str, str]:
-    env = {"PYTHONUNBUFFERED": "1"}
-    if t.checkpoint_endpoint:
-        env["RESILIENT_S3_ENDPOINT_URL"] = t.checkpoint_endpoint
-        env["AWS_ENDPOINT_URL_S3"] = t.checkpoint_endpoint
-    return env
-
-
-def _yaml(docs: list[dict[str, Any]], header: str) -> str:
-    try:
-        import yaml
-    except ImportError as e:
-        raise ConfigError("rendering YAML needs PyYAML: pip install 'resilient-train[deploy]'") from e
-
-    class Plain(yaml.SafeDumper):
-        def ignore_aliases(self, data: Any) -> bool:  # every value written out: a hand-editable file
-            return True
-
-    body = "---\n".join(yaml.dump(d, Dumper=Plain, sort_keys=False, default_flow_style=False, width=110)
-                         for d in docs)
-    return f"# {header}\n{body}"
-
-
-def _alert_groups(assets: Path) -> list[dict[str, Any]]:
-    import yaml
-
-    path = assets / "prometheus" / "alerts.yml"
-    try:
-        return list(yaml.safe_load(path.read_text())["groups"])
-    except (OSError, KeyError, TypeError) as e:
-        raise ConfigError(f"cannot read the shipped alert rules at {path} ({e}); reinstall resilient-train") from e
 
 
 # ---------------------------------------------------------------------------------------------------- slurm
@@ -144,9 +86,9 @@ def _slurm(t: Topology, assets: Path, header: str) -> dict[str, str]:
              .replace("__NODE__", '"$SLURMD_NODENAME"').replace("__ADDR__", '"$addr"')
              .replace("__RUNDIR__", '"$RUN_DIR"'))
     exits = "\n".join(f"#   {code:>3}  {what}" for code, what in SLURM_EXITS.items())
-    env = "\n".join(f"export {k}={q(v)}" for k, v in _env(t).items())
+    env = "\n".join(f"export {k}={q(v)}" for k, v in environment(t).items())
     if t.etcd:
-        etcd = f'STORE={q(_store_url(list(t.etcd)))}\n'
+        etcd = f'STORE={q(store_url(list(t.etcd)))}\n'
     elif t.embedded:
         etcd = "# One node and no etcd in the topology: the agent's embedded store.\nSTORE=\n"
     else:
@@ -311,200 +253,13 @@ Exit status of the agents and what the script does with it:
     return {f"{t.run_id}.sbatch": script, "prolog.sh": prolog, "README.md": readme}
 
 
-# ---------------------------------------------------------------------------------------------------- k8s
-def _fixed_port(t: Topology, target: str) -> None:
-    if t.metrics_port == 0:
-        raise ConfigError(f"--target {target} scrapes every agent on a fixed port: give [metrics] port (e.g. 9400)")
-
-
-def _k8s(t: Topology, assets: Path, header: str) -> dict[str, str]:
-    _fixed_port(t, "k8s")
-    runs = f"{t.workdir.rstrip('/')}/runs"
-    if t.checkpoint_dir and "://" not in t.checkpoint_dir and not t.checkpoint_dir.startswith(runs + "/"):
-        raise ConfigError(f"[checkpoint] dir = {t.checkpoint_dir!r}: pods share no disk but the run volume at {runs}; "
-                          f"put local checkpoints under it (e.g. {runs}/{t.run_id}/ckpt) or use s3://")
-    ns, name = t.namespace, t.run_id
-    labels = {"app.kubernetes.io/name": "resilient", "app.kubernetes.io/instance": name}
-
-    def meta(n: str, extra: dict[str, str] | None = None) -> dict[str, Any]:
-        return {"name": n, "namespace": ns, "labels": {**labels, **(extra or {})}}
-    docs: list[dict[str, Any]] = []
-    if t.etcd:
-        store = _store_url(list(t.etcd))
-    else:
-        etcd_name = f"{name}-etcd"
-        peers = ",".join(f"{etcd_name}-{i}=http://{etcd_name}-{i}.{etcd_name}.{ns}.svc:2380" for i in range(3))
-        store = _store_url([f"{etcd_name}-{i}.{etcd_name}.{ns}.svc:2379" for i in range(3)])
-        etcd_labels = {**labels, "app.kubernetes.io/component": "etcd"}
-        etcd_meta = meta(etcd_name, {"app.kubernetes.io/component": "etcd"})
-        docs.append({"apiVersion": "v1", "kind": "Service", "metadata": etcd_meta,
-                     "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": etcd_labels,
-                              "ports": [{"name": "client", "port": 2379}, {"name": "peer", "port": 2380}]}})
-        docs.append({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": etcd_meta, "spec": {
-            "serviceName": etcd_name, "replicas": 3, "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": etcd_labels},
-            "template": {"metadata": {"labels": etcd_labels}, "spec": {"containers": [{
-                "name": "etcd", "image": ETCD_IMAGE,
-                "command": ["/usr/local/bin/etcd"],
-                "args": ["--name=$(POD_NAME)", "--data-dir=/var/lib/etcd",
-                         "--listen-client-urls=http://0.0.0.0:2379", "--listen-peer-urls=http://0.0.0.0:2380",
-                         f"--advertise-client-urls=http://$(POD_NAME).{etcd_name}.{ns}.svc:2379",
-                         f"--initial-advertise-peer-urls=http://$(POD_NAME).{etcd_name}.{ns}.svc:2380",
-                         f"--initial-cluster={peers}", "--initial-cluster-state=new",
-                         f"--initial-cluster-token={etcd_name}"],
-                "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                "ports": [{"name": "client", "containerPort": 2379}, {"name": "peer", "containerPort": 2380}],
-                "readinessProbe": {"httpGet": {"path": "/health", "port": 2379}, "periodSeconds": 5},
-                "volumeMounts": [{"name": "data", "mountPath": "/var/lib/etcd"}]}]}},
-            "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
-                "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}}]}})
-    agents = {**labels, "resilient/agent": "true"}
-    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in _env(t).items()]
-    # The node id is the Kubernetes node's name: a quarantine record then names a machine (quarantine.yaml turns
-    # it into a taint), and one agent pod runs per machine (the anti-affinity below).
-    env += [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    one_per_machine = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
-        "labelSelector": {"matchLabels": agents}, "topologyKey": "kubernetes.io/hostname"}]}}
-
-    def job(role: str, count: int, spare: bool) -> dict[str, Any]:
-        node_id = "$(NODE_NAME)"
-        role_labels = {**agents, "app.kubernetes.io/component": role}
-        job_meta = meta(f"{name}-{role}", {"app.kubernetes.io/component": role})
-        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": job_meta, "spec": {
-            "completionMode": "Indexed", "completions": count, "parallelism": count,
-            "backoffLimit": t.max_restarts * count,
-            # The agents' exit codes: a verdict ends the Job; a preemption (the pod disrupted) is not counted.
-            # A stop (75: a peer's agent was asked to stop, and every node checkpointed) is not counted either.
-            "podFailurePolicy": {"rules": [
-                {"action": "FailJob", "onExitCodes": {"containerName": "agent", "operator": "In",
-                                                      "values": sorted(NO_RESTART)}},
-                {"action": "Ignore", "onExitCodes": {"containerName": "agent", "operator": "In",
-                                                     "values": [EXIT_PREEMPTED_AGENT]}},
-                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]},
-            "template": {"metadata": {"labels": role_labels}, "spec": {
-                "restartPolicy": "Never", "subdomain": f"{name}-agents",
-                "terminationGracePeriodSeconds": 120, "affinity": one_per_machine,
-                "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}],
-                "containers": [{
-                    "name": "agent", "image": t.image, "workingDir": t.workdir,
-                    "command": ["resilient"],
-                    "args": agent_args(t, node_id=node_id, store=store, spare=spare, local_addr="$(POD_IP)"),
-                    "env": env,
-                    "volumeMounts": [{"name": "runs", "mountPath": runs}],
-                    "ports": [{"name": "metrics", "containerPort": t.metrics_port}]}]}}}}
-
-    # The run directory (its token, which every node must share, its events) and local checkpoints: one volume
-    # every agent's pod mounts, so it needs a ReadWriteMany storage class (NFS, CephFS, a cloud file store).
-    docs.append({"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta(f"{name}-runs"), "spec": {
-        "accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "50Gi"}}}})
-    docs.append({"apiVersion": "v1", "kind": "Service", "metadata": meta(f"{name}-agents"), "spec": {
-        "clusterIP": "None", "selector": agents, "ports": [{"name": "metrics", "port": t.metrics_port}]}})
-    docs.append(job("workers", t.nodes, False))
-    if t.spare_nodes:
-        docs.append(job("spares", t.spare_nodes, True))
-    manifests = _yaml(docs, header)
-    monitoring = _yaml([
-        {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta(f"{name}-agents"),
-         "spec": {"selector": {"matchLabels": agents},
-                  "podMetricsEndpoints": [{"port": "metrics", "interval": "15s"}]}},
-        {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": meta(f"{name}-alerts"),
-         "spec": {"groups": _alert_groups(assets)}},
-    ], header + " Needs the Prometheus Operator's CRDs.")
-    boards = sorted((assets / "grafana").glob("*.json"))
-    dashboards = _yaml([{"apiVersion": "v1", "kind": "ConfigMap",
-                         "metadata": meta(f"{name}-dashboards", {"grafana_dashboard": "1"}),
-                         "data": {b.name: b.read_text() for b in boards}}], header + " Grafana's sidecar loads "
-                       "ConfigMaps labelled grafana_dashboard=1.")
-    pytorchjob = _yaml([{"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta(f"{name}-pytorchjob"),
-                         "spec": {"pytorchReplicaSpecs": {"Worker": {
-                             # Never: a verdict (exit 80) must not be restarted in place; runPolicy counts the rest.
-                             "replicas": t.nodes, "restartPolicy": "Never",
-                             "template": {"metadata": {"labels": {**agents, "app.kubernetes.io/component": "workers"}},
-                                          "spec": {
-                                 "affinity": one_per_machine,
-                                 "volumes": [{"name": "runs", "persistentVolumeClaim": {"claimName": f"{name}-runs"}}],
-                                 "containers": [{
-                                 "name": "pytorch", "image": t.image, "workingDir": t.workdir,
-                                 "command": ["resilient"],
-                                 "args": agent_args(t, node_id="$(NODE_NAME)", store=store, local_addr="$(POD_IP)"),
-                                 "env": env,
-                                 "volumeMounts": [{"name": "runs", "mountPath": runs}],
-                                 "ports": [{"name": "metrics", "containerPort": t.metrics_port}]}]}}}},
-                                  "runPolicy": {"backoffLimit": t.max_restarts}}}],
-                       header + " An alternative to the workers' Job of manifests.yaml for clusters that run the "
-                       "Kubeflow training operator: the agents inside a PyTorchJob's workers (needs its CRD, and "
-                       "the etcd, the volume and the Service of manifests.yaml).")
-    fleet = _fleet(t)
-    account = f"{name}-quarantine-taints"
-    cluster_name = f"{ns}-{account}"  # cluster-scoped: unique across namespaces
-    quarantine = _yaml([
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(account)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": cluster_name, "labels": labels},
-         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "patch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": cluster_name, "labels": labels},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_name},
-         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ns}]},
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": meta(account, {"app.kubernetes.io/component": "quarantine-taints"}), "spec": {
-             "replicas": 1,
-             "selector": {"matchLabels": {**labels, "app.kubernetes.io/component": "quarantine-taints"}},
-             "template": {"metadata": {"labels": {**labels, "app.kubernetes.io/component": "quarantine-taints"}},
-                          "spec": {"serviceAccountName": account, "containers": [{
-                              "name": "taints", "image": t.image, "command": ["resilient"],
-                              "args": ["quarantine", "taints", "--store", store, "--fleet", fleet],
-                              "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}]}]}}}},
-    ], header + f" The fleet {fleet!r}'s quarantine records as node taints {TAINT_KEY}={fleet}:NoSchedule, "
-       "lifted when a record ends (resilient quarantine taints).")
-    return {"manifests.yaml": manifests, "monitoring.yaml": monitoring, "dashboards.yaml": dashboards,
-            "pytorchjob.yaml": pytorchjob, "quarantine.yaml": quarantine, "README.md": _k8s_readme(t, header)}
-
-
-def _fleet(t: Topology) -> str:
-    """The quarantine fleet the agents obey (``--fleet`` in ``[run] agent_args``, else ``default``)."""
-    args = list(t.extra_agent_args)
-    for i, arg in enumerate(args):
-        if arg == "--fleet" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--fleet="):
-            return arg.split("=", 1)[1]
-    return "default"
-
-
-def _k8s_readme(t: Topology, header: str) -> str:
-    return f'''# Kubernetes: run {t.run_id}
-
-{header} Validated against Kubernetes {KUBERNETES_VERSION} (`kubernetes-validate --strict`).
-
-```bash
-kubectl apply -f manifests.yaml     # etcd (3 members, unless the topology names endpoints), the agents
-kubectl apply -f monitoring.yaml    # PodMonitor and PrometheusRule (Prometheus Operator)
-kubectl apply -f dashboards.yaml    # Grafana dashboards (sidecar label grafana_dashboard=1)
-kubectl -n {t.namespace} get pods -l app.kubernetes.io/instance={t.run_id}
-```
-
-The workers are an indexed Job of {t.nodes} pod(s), the spares a Job of {t.spare_nodes} pod(s), one agent pod
-per machine (pod anti-affinity); each agent's node id is its Kubernetes node's name, so a quarantine record
-names a machine, and `quarantine.yaml` (a service account that may patch nodes, and a Deployment of one running
-`resilient quarantine taints`) taints a quarantined machine `{TAINT_KEY}=<fleet>:NoSchedule` until its record
-ends, with the expiry and the reason as annotations.  The pod failure policy follows the agents' exit codes: {EXIT_STOPPED}
-(a verdict), {EXIT_CONFIG} and {EXIT_UNRECOVERABLE} fail the Job; a disrupted pod (preemption, eviction) and a
-stop ({EXIT_PREEMPTED_AGENT}: one agent was asked to stop, and every node checkpointed) are not counted against
-`backoffLimit`; any other failure is retried.  Every agent's pod mounts the volume `{t.run_id}-runs`
-(ReadWriteMany: NFS, CephFS, a cloud file store) at `{t.workdir.rstrip("/")}/runs`: the run directory, whose
-token every node must share, and local checkpoints.  `pytorchjob.yaml` is the same agents as a Kubeflow
-PyTorchJob.
-'''
-
 
 # ---------------------------------------------------------------------------------------------------- compose
 def _compose(t: Topology, assets: Path, header: str) -> dict[str, str]:
-    _fixed_port(t, "compose")
-    env = _env(t)
+    fixed_port(t, "compose")
+    env = environment(t)
     etcd = list(t.etcd) or ["etcd:2379"]
-    store = _store_url(etcd)
+    store = store_url(etcd)
     services: dict[str, Any] = {}
     if not t.etcd:
         services["etcd"] = {"image": ETCD_IMAGE, "command": [
@@ -528,21 +283,21 @@ def _compose(t: Topology, assets: Path, header: str) -> dict[str, str]:
         "./grafana/datasources.yaml:/etc/grafana/provisioning/datasources/resilient.yaml:ro",
         "./grafana/dashboards.yaml:/etc/grafana/provisioning/dashboards/resilient.yaml:ro",
         "./grafana/dashboards:/var/lib/grafana/dashboards/resilient:ro"]}
-    compose = _yaml([{"version": "3.8", "services": services, "volumes": {"runs": {}}}], header)
-    prometheus = _yaml([{"global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
+    compose = to_yaml([{"version": "3.8", "services": services, "volumes": {"runs": {}}}], header)
+    prometheus = to_yaml([{"global": {"scrape_interval": "15s", "evaluation_interval": "15s"},
                          "rule_files": ["/etc/prometheus/alerts.yml"],
                          "alerting": {"alertmanagers": [{"static_configs": [{"targets": ["alertmanager:9093"]}]}]},
                          "scrape_configs": [{"job_name": "resilient", "static_configs": [{
                              "targets": [f"{node}:{t.metrics_port}" for node, _ in agents]}]}]}], header)
     alerts = (assets / "prometheus" / "alerts.yml").read_text()
-    alertmanager = _yaml([{"route": {"receiver": "log", "group_by": ["alertname", "run_id"]},
+    alertmanager = to_yaml([{"route": {"receiver": "log", "group_by": ["alertname", "run_id"]},
                           "receivers": [{"name": "log"}]}], header + " Add a real receiver (e-mail, PagerDuty, "
                          "Slack) for on-call.")
-    datasource = _yaml([{"apiVersion": 1, "datasources": [{"name": "Prometheus", "uid": "prometheus",
+    datasource = to_yaml([{"apiVersion": 1, "datasources": [{"name": "Prometheus", "uid": "prometheus",
                                                            "type": "prometheus", "access": "proxy",
                                                            "url": "http://prometheus:9090", "isDefault": True}]}],
                        header)
-    provider = _yaml([{"apiVersion": 1, "providers": [{"name": "resilient", "orgId": 1, "folder": "resilient",
+    provider = to_yaml([{"apiVersion": 1, "providers": [{"name": "resilient", "orgId": 1, "folder": "resilient",
                                                        "type": "file", "options": {
                                                            "path": "/var/lib/grafana/dashboards/resilient"}}]}],
                      header)
@@ -593,7 +348,7 @@ boto3.client('s3', endpoint_url='http://s3:5000').create_bucket(Bucket='BUCKET')
 
 # ---------------------------------------------------------------------------------------------------- systemd
 def _systemd(t: Topology, assets: Path, header: str) -> dict[str, str]:
-    store = _store_url(list(t.etcd)) if t.etcd else None
+    store = store_url(list(t.etcd)) if t.etcd else None
     if store is None and not t.embedded:
         raise ConfigError("--target systemd needs [store] etcd endpoints: the hosts of a multi-node run meet "
                           "through an etcd that runs beside them (e.g. etcd = [\"10.0.0.5:2379\"])")
@@ -628,7 +383,7 @@ TimeoutStopSec=90
 [Install]
 WantedBy=multi-user.target
 '''
-    env = "".join(f"{k}={v}\n" for k, v in _env(t).items())
+    env = "".join(f"{k}={v}\n" for k, v in environment(t).items())
     return {f"resilient-{t.run_id}.service": unit(False),
             f"resilient-{t.run_id}-spare.service": unit(True),
             f"{t.run_id}.env": f"# {header}\n# Install as /etc/resilient/{t.run_id}.env\n{env}"}

@@ -76,7 +76,8 @@ class Topology:
     """HOST:PORT of each etcd member; empty: the target runs etcd (k8s: 3 members, compose: 1), or, on one
     node without spares, the agent's embedded store."""
     checkpoint_dir: str = ""
-    """Where the script's checkpoints go (passed to it as RESILIENT_CHECKPOINT_DIR); empty: the script decides."""
+    """Where the script's checkpoints go (the script's own arguments say so; a local directory is the agents'
+    --health-path); empty: not given."""
     checkpoint_endpoint: str = ""
     metrics_port: int = 9400
     """Every agent's /metrics port (0: a free one, for Slurm and systemd; Kubernetes and compose scrape a fixed
