@@ -41,6 +41,8 @@ class EventKind(str, Enum):
     ATTEMPT_RETRIED = "attempt_retried"  # a step's attempt failed with a peer error, was recovered and is retried
     GROUP_REJOINED = "group_rejoined"  # this worker is in a re-formed group (survivor or promoted spare), state synced
     RECOVERY_GAVE_UP = "recovery_gave_up"  # in-process recovery failed here: the error propagates, the agent restarts
+    UNREPRODUCIBLE_RANDOM_STREAMS = "unreproducible_random_streams"  # a replacement cannot draw the lost rank's numbers
+    IN_PROCESS_DECLINED = "in_process_declined"  # this run recovers by restart only, and why (said once, at start)
     REPLICA_MISMATCH = "replica_mismatch"  # the replica audit found ranks whose parameters differ from the others'
 
     # -- checkpoints

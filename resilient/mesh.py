@@ -120,7 +120,10 @@ def _join_as_spare(env: WorkerEnv) -> Joined:
         group_store: Any = store
         if (assignment.store_host, assignment.store_port) != env.recovery_store:
             group_store = connect_store(assignment.store_host, assignment.store_port, env.recovery_timeout_s)
-        reform(assignment, timeout_s=env.recovery_timeout_s, store=group_store)
+        from torch.distributed.constants import default_pg_timeout
+
+        # Formed under the recovery's deadline, then torch's default collective timeout, as a group Run makes.
+        reform(assignment, timeout_s=env.recovery_timeout_s, store=group_store, collective_timeout=default_pg_timeout)
     except Exception as err:
         error = f"{type(err).__qualname__}: {err}"[:1000]
         hooks.recovery({"event": "gave_up", "worker": env.worker_id, "generation": env.generation, "error": error})

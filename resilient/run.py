@@ -32,6 +32,7 @@ from .checkpoint.config import CheckpointConfig
 from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import Restored
 from .data.loader import ElasticLoader
+from .elastic import groups as _groups
 from .elastic.batch import BatchPlan
 from .errors import ConfigError
 from .events import EventKind, EventLog, ForwardingLog
@@ -83,6 +84,8 @@ class Run:
         seed: int = 0,
         audit_every: int = 100,
         nonfinite: str = "retry",
+        reseed: bool = False,
+        groups: Callable[[], Any] | None = None,
     ) -> None:
         """``agent``: the agent contract; read from the environment unless given (None: no agent).
 
@@ -94,7 +97,13 @@ class Run:
         replicated parameters across ranks every this many steps, 0 never (:mod:`resilient.run_audit`).
         ``nonfinite``: a gradient with NaN or Inf is never applied; "retry" (the default) retries the step on
         the same batch inside :meth:`attempt`, "raise" only raises, "off" does not check
-        (:mod:`resilient.run_nonfinite`).
+        (:mod:`resilient.run_nonfinite`).  ``reseed``: also seed Python's ``random`` and numpy's global
+        generator from ``(seed, step, rank)`` at each attempt's entry, so a replacement rank draws what the rank
+        it replaces would have (otherwise they continue from the process's own history).  ``groups``: a
+        function that makes the script's own process groups (``dist.new_group`` calls) and returns them; the Run
+        calls it once its own groups exist and again after every in-process re-formation, and ``run.groups``
+        holds what it returned (use it each time: the groups of an earlier generation are destroyed).  A
+        script that makes groups elsewhere recovers by restart only.
         """
         self.events = events if events is not None else EventLog()
         self._section = "init"
@@ -115,9 +124,11 @@ class Run:
             raise ConfigError(f"Run(model=...) needs a torch.nn.Module, got {type(model).__qualname__}")
         for name, obj in (state or {}).items():
             check_stateful(name, obj)
+            _attempt.snapshot_state(f"Run(state={{{name!r}: ...}})", obj)  # a retry puts it back from a copy
         for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
             if obj is not None:
                 check_stateful(name, obj)
+                _attempt.snapshot_state(f"Run({name}=...)", obj)
         self._sharded = check_sharding(model, ddp, spare=spare and joined is None)
         """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
         layout = shard_layout(self, model, optimizer, env, spare=spare)
@@ -128,6 +139,9 @@ class Run:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"Run(seed={seed!r}) must be an int")
         self.seed = seed
+        if not isinstance(reseed, bool):
+            raise ConfigError(f"Run(reseed={reseed!r}) must be True or False")
+        self.reseed = reseed
         self._audit_every = _audit.checked_every(audit_every)
         self.model = model
         """The model to call: the DDP wrapper with ``ddp=True`` under a process group, else the module given."""
@@ -135,6 +149,9 @@ class Run:
         self._nonfinite = _nonfinite.checked_mode(nonfinite)
         self._nonfinite_tries: dict[int, int] = {}
         self._nonfinite_hook = _nonfinite.install(self, optimizer, self._nonfinite)
+        self._position = _attempt.StepPosition.BEFORE
+        """Where this rank is in the current step's optimizer update (set by hooks; BEFORE at attempt entry)."""
+        _attempt.track_position(self, optimizer)  # after the Run's other optimizer hooks (see track_position)
         self.scheduler = scheduler
         self.scaler = scaler
         self.data = data
@@ -160,6 +177,11 @@ class Run:
         """The agent's in-process recovery: the survivor's side (``_recovery``), the spare's, growing back."""
         if self._inproc is not None:
             self._recovery = self._inproc
+        if groups is not None and not callable(groups):
+            raise ConfigError(f"Run(groups={groups!r}) must be a function that makes the script's process groups")
+        self._make_groups = groups
+        self.groups: Any = None
+        """What ``Run(groups=fn)``'s ``fn`` returned in the current generation (None before it ran)."""
         self._retry = False
         self._micro: Generator[Any, None, None] | None = None
         self._micro_samples: int | None = None
@@ -167,6 +189,8 @@ class Run:
         """The batch plan last announced in a ``batch_planned`` event."""
         self.rank, self.world_size = 0, 1
         _attempt.regroup(self)  # rank and world size of the process group (if any), the loader's share of it
+        if self._inproc is not None and (restart_only := _groups.restart_only(model)) is not None:
+            self._inproc.decline(restart_only)  # said at the start, so the agent starts no spare for nothing
         if data is not None and self._hooks is not None:
             self._hooks.attach_loader(data, self.section)
         self._fingerprint = {
@@ -183,6 +207,14 @@ class Run:
         if self._hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             self._hooks.restored(self.restored_from, self.step if self.restored_from else None,
                                  time.perf_counter() - restore_started)
+        if self._make_groups is not None and not (spare and joined is None):  # a spare makes them once promoted
+            if self._inproc is not None:
+                self._inproc.make_user_groups()
+            else:
+                self.groups = self._make_groups()
+        if spare and self._inproc is not None and self._inproc.declined is not None:
+            # This run recovers by restart only: a spare would hold its memory (a GPU's) for nothing.
+            raise SystemExit(0)
         if spare and self._inproc is not None:  # blocks until promoted, then a member with its state
             self._inproc.wait_as_spare()
         elif self._ddp is not None:  # after the restore: DDP's first broadcast then carries the restored state

@@ -26,14 +26,27 @@ slot)``, the slot being the micro-batch's place in the step's global batch
 the attempt's).  An uninterrupted run, a retried attempt and a replacement
 therefore draw the same numbers, and a run shrunk to fewer ranks draws, for
 each micro-batch, what the full-size rank that held those samples drew.
-Python's ``random`` and numpy's global generator are not re-seeded: a retry
-on the same process puts them back as they were at the attempt's start, a
-replacement continues from its own.  A resumed run is still the same run:
+Python's ``random`` and numpy's global generator are re-seeded the same way
+at attempt entry only with ``Run(reseed=True)`` (it changes what a script
+that draws from them sees); otherwise a retry on the same process puts them
+back as they were at the attempt's start, a replacement continues from its
+own, and the first recovery with a replacement says so once
+(``unreproducible_random_streams``).  A resumed run is still the same run:
 the seeds depend only on the step.
+
+**Where a rank is in the update.**  ``attempt()`` also follows the
+optimizer's update (:class:`StepPosition`, :func:`track_position`): a rank
+that failed inside ``optimizer.step()`` or after it, with the rest of the
+step unfinished, is dirty and never a source of state in a recovery
+(:mod:`resilient.run_recovery`); the ``state=`` objects, scheduler, scaler
+and optimizer hyperparameters are copied at entry and put back on a retry
+(:func:`rewind`).
 """
 
 from __future__ import annotations
 
+import copy
+import enum
 import hashlib
 import random
 import sys
@@ -44,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from . import compat
 from .agent.consequences import is_collective_error  # torch-free: the agent's own classification of peer failures
 from .elastic.batch import BatchPlan
 from .errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError, ResilientError
@@ -130,7 +144,7 @@ def wrap_ddp(model: torch.nn.Module, options: Mapping[str, Any],
         return module
     options = dict(options)
     hook, state = options.pop(COMM_HOOK, None), options.pop(COMM_STATE, None)
-    if layout is None:
+    if layout is None or compat.missing("ddp_bucket_layout"):  # without the private API: DDP's own layout
         return _with_hook(DistributedDataParallel(module, **options), hook, state)
     compute = dist._compute_bucket_assignment_by_size  # what DDP's constructor asks for its first layout
 
@@ -157,7 +171,7 @@ def _with_hook(wrapped: DistributedDataParallel, hook: Any, state: Any) -> Distr
 
 def ddp_layout(model: torch.nn.Module) -> list[list[int]] | None:
     """A DDP wrapper's current gradient buckets as indices of its parameters, in order; None for a plain module."""
-    if not isinstance(model, DistributedDataParallel):
+    if not isinstance(model, DistributedDataParallel) or compat.missing("ddp_bucket_layout"):
         return None
     params, _ = model._build_params_for_reducer()
     index = {id(p): i for i, p in enumerate(params)}
@@ -177,6 +191,50 @@ def regroup(run: Run) -> None:
         run.data.bind(run.rank, run.world_size)
 
 
+class StepPosition(enum.Enum):
+    """Where a rank is inside the step's optimizer update (DESIGN.md, "A step is atomic to the outside")."""
+
+    BEFORE = "before"
+    """The update was not entered: the rank's state is the step's start, once the attempt is rewound (clean)."""
+    INSIDE = "inside"
+    """Inside ``optimizer.step()``: part of the update may be applied (an optimizer with a collective in its
+    step applies one part, waits for its peers, applies the rest).  Dirty: never a source of state."""
+    AFTER = "after"
+    """The update was applied but the rest of the step body did not finish (the scheduler, the counters, the
+    ``state=`` objects may lag it, and what the body would still have done is unknown).  Dirty too."""
+
+
+def track_position(run: Run, optimizer: Any) -> None:
+    """Follow ``optimizer``'s update in ``run._position`` (BEFORE at each attempt's entry).
+
+    Registered after every other hook the Run installs (the non-finite check, the step timer), so a
+    collective those run before the update leaves the rank BEFORE it: nothing of the update was applied.
+    """
+    if optimizer is None:
+        return
+
+    def entered(*_: Any) -> None:
+        run._position = StepPosition.INSIDE
+
+    def finished(*_: Any) -> None:
+        run._position = StepPosition.AFTER
+
+    optimizer.register_step_pre_hook(entered)
+    optimizer.register_step_post_hook(finished)
+
+
+def snapshot_state(name: str, obj: Any) -> Any:
+    """A copy of ``obj.state_dict()`` that later changes to ``obj`` cannot reach; ConfigError naming ``name``
+    when it cannot be copied (a ``state=`` object is put back from it when a step is retried)."""
+    try:
+        return copy.deepcopy(obj.state_dict())
+    except Exception as e:  # noqa: BLE001 - anything deepcopy raises: a lock, a file handle, a generator
+        raise ConfigError(
+            f"{name}: its state_dict() cannot be copied ({type(e).__qualname__}: {e}); a retried step puts it "
+            "back from a copy taken at the step's start, so return plain values and tensors from state_dict()"
+        ) from None
+
+
 @dataclass(frozen=True)
 class AttemptStart:
     """What a retry of the step needs, recorded when ``run.attempt()`` is entered."""
@@ -189,22 +247,50 @@ class AttemptStart:
     python_rng: Any
     numpy_rng: Any
     """numpy's global generator state; None when numpy is not imported."""
+    user: dict[str, Any]
+    """A copy of each ``state=`` object's state at the step's start."""
+    scheduler: Any
+    scaler: Any
+    hyper: list[dict[str, Any]]
+    """The optimizer's hyperparameters (every param group's entries but its parameters): a scheduler or the
+    script may set them inside the step."""
 
 
 def begin(run: Run) -> AttemptStart:
-    """Record the attempt's start and seed the torch RNG from ``(seed, step, rank)``."""
+    """Record the attempt's start, seed the torch RNG from ``(seed, step, rank)`` (and Python's and numpy's
+    global generators too with ``Run(reseed=True)``)."""
+    if run.reseed:
+        reseed(run.seed, run.step, run.rank)
     numpy = sys.modules.get("numpy")
+    optimizer = run.optimizer
     start = AttemptStart(
         step=run.step, consumed=run.data.consumed if run.data is not None else None, samples=run.samples,
         tokens=run.tokens, python_rng=random.getstate(),
         numpy_rng=numpy.random.get_state() if numpy is not None else None,
+        user={name: snapshot_state(f"state[{name!r}]", obj) for name, obj in run.user_state.items()},
+        scheduler=snapshot_state("scheduler", run.scheduler) if run.scheduler is not None else None,
+        scaler=snapshot_state("scaler", run.scaler) if run.scaler is not None else None,
+        hyper=[{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        if optimizer is not None else [],
     )
+    run._position = StepPosition.BEFORE
     torch.manual_seed(step_seed(run.seed, run.step, run.rank))
     return start
 
 
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Python's ``random`` and numpy's global generator (if imported) seeded from ``(seed, step, rank)``."""
+    value = step_seed(seed, step, rank) ^ 0x9E3779B97F4A7C15  # not torch's seed: both are Mersenne twisters
+    random.seed(value)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(value % (1 << 32))
+
+
 def rewind(run: Run, start: AttemptStart) -> None:
-    """Put back what the failed attempt moved: cursor, counters, gradients and every RNG stream."""
+    """Put back what the failed attempt moved: cursor, counters, gradients, the ``state=`` objects, scheduler,
+    scaler, the optimizer's hyperparameters and every RNG stream.  Parameters and optimizer state are the
+    caller's: unchanged when the rank failed before the update (:class:`StepPosition`), else a peer's."""
     assert run.step == start.step, f"the step moved during the attempt: {start.step} -> {run.step}"
     run._close_micro_batches()
     run._micro_samples = None
@@ -214,6 +300,15 @@ def rewind(run: Run, start: AttemptStart) -> None:
     # A step body starts with no gradient (the previous step ended with zero_grad): drop the partial sums.
     for p in unwrap(run.model).parameters():
         p.grad = None
+    for name, obj in run.user_state.items():
+        obj.load_state_dict(copy.deepcopy(start.user[name]))  # a copy: the object may keep what it is given
+    if run.scheduler is not None:
+        run.scheduler.load_state_dict(copy.deepcopy(start.scheduler))
+    if run.scaler is not None:
+        run.scaler.load_state_dict(copy.deepcopy(start.scaler))
+    if run.optimizer is not None:
+        for group, hyper in zip(run.optimizer.param_groups, start.hyper, strict=True):
+            group.update(copy.deepcopy(hyper))
     random.setstate(start.python_rng)
     numpy = sys.modules.get("numpy")
     if numpy is not None and start.numpy_rng is not None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import compat
 from .errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
 from .events import EventKind
 from .state import unwrap
@@ -81,7 +82,9 @@ def check(run: Run, optimizer: torch.optim.Optimizer) -> None:
     if not grads and not sharded:
         return
     if grads:
-        norms = torch._foreach_norm(grads)  # one fused pass: finite exactly when no element is NaN or Inf ...
+        # One fused pass: finite exactly when no element is NaN or Inf ...
+        norms = torch._foreach_norm(grads) if not compat.missing("fused_norm") else \
+            [torch.linalg.vector_norm(g) for g in grads]
         bad = torch.logical_not(torch.stack([n.float() for n in norms]).isfinite().all())
         if bool(bad.item()):  # ... or when huge finite values overflowed the squares: look at the elements
             bad = torch.tensor(not all(bool(g.isfinite().all()) for g in grads))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import compat
 from .checkpoint import sharded
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
@@ -184,6 +185,10 @@ def check_sharding(model: torch.nn.Module, ddp: object, *, spare: bool) -> bool:
     had a group, so the model cannot be in the group the spare joins).
     """
     is_sharded = sharded.is_sharded(model)
+    unavailable = compat.missing("dtensor_chunks") if is_sharded else None
+    if unavailable:
+        raise compat.CompatError(f"this model is sharded (FSDP2/DTensor), but {unavailable}; use a torch version "
+                                 "the project tests (see pyproject.toml) or an unsharded model")
     if is_sharded and spare:
         raise ConfigError("this worker was started as a spare and its model is sharded (FSDP2/DTensor), but its "
                           "device mesh was not made with resilient.device_mesh(): a spare has no process group "

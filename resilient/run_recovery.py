@@ -5,16 +5,22 @@ is then an :class:`InProcessRecovery`).  Two ways into a re-formed group:
 
 - **a survivor**: a peer failure inside ``with run.attempt():`` reaches
   :meth:`InProcessRecovery.__call__` with the error alive.  It rewinds the
-  attempt first (cursor, counters, gradients, RNG), then releases every
+  attempt first (cursor, counters, gradients, ``state=`` objects, scheduler,
+  RNG) and notes where it was in the optimizer's update
+  (:class:`~resilient.run_attempt.StepPosition`), then releases every
   reference to the old groups (the DDP wrapper, the finished frames of the
   error's traceback, the checkpoint Coordinator's sub-groups once an
   in-flight save has its outcome) and destroys them at once: that is what
   makes every other survivor's collective fail promptly
   (:func:`resilient.elastic.reform.abandon`).  It waits for its
   assignment, forms the new group, agrees with the others on which rank's
-  state wins (:func:`~resilient.elastic.state_sync.agree_step`) and takes
-  it; ``run.step`` becomes the number of updates that state has completed,
-  so an update the source had applied is not redone;
+  state wins (:func:`~resilient.elastic.state_sync.agree_step`: a clean
+  rank, one that failed before its update; a rank that failed inside or
+  after ``optimizer.step()`` holds an update its peers may not have and
+  receives everything) and takes it; ``run.step`` becomes the number of
+  updates that state has completed.  With no clean rank the sync fails on
+  every rank and the run restarts from the newest commit (the agent sees
+  the positions in the ``waiting`` reports and decides so itself first);
 - **a spare** (``RESILIENT_ROLE=spare``): ``Run.__init__`` builds and
   restores as usual, then blocks in :meth:`InProcessRecovery.wait_as_spare`
   until an assignment makes it a member, joins the same way (without state
@@ -46,13 +52,17 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import time
 import traceback
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from torch.distributed.constants import default_pg_timeout
+
 from .checkpoint.coordinator import Coordinator
-from .elastic import mesh_rebind
+from .elastic import groups, mesh_rebind
+from .elastic.observe import ranks_text
 from .elastic.reform import (
     Assignment,
     AssignmentTimeoutError,
@@ -65,7 +75,7 @@ from .elastic.reform import (
 from .elastic.shard_sync import sync_sharded
 from .elastic.state_sync import StateSyncError, agree_step, sync_from
 from .events import EventKind
-from .run_attempt import ddp_layout, regroup, wrap_ddp
+from .run_attempt import StepPosition, ddp_layout, regroup, wrap_ddp
 from .state import unwrap
 
 if TYPE_CHECKING:
@@ -95,51 +105,81 @@ class InProcessRecovery:
         self.generation = env.generation
         """The generation this worker is a member of (or, for a spare, was started in)."""
         self.timeout_s = env.recovery_timeout_s
-        self.applied = False
-        """Whether this rank's optimizer stepped inside the current attempt (its update is then applied)."""
         self._store: Store | None = joined.store if joined is not None else None
         self._group_stores: dict[int, Store] = {}
         """A client of the store another machine's agent formed the newest group on (only across machines)."""
         self._ready_sent = False
-        register = getattr(run.optimizer, "register_step_post_hook", None)  # every torch.optim.Optimizer has it
-        if register is not None:
-            register(self._stepped)
-
-    def _stepped(self, *_: Any) -> None:
-        self.applied = True
+        self._warned_streams = False
+        self.collective_timeout = groups.collective_timeout() or default_pg_timeout
+        """The script's collective timeout (a spare, with no group yet: torch's default), kept by re-formed groups."""
+        self.declined: str | None = None
+        """Why this run recovers by restart only (said once to the agent, which then starts no spare)."""
+        self.user_groups: list[Any] = []
+        """The process groups ``Run(groups=fn)`` made in the current generation."""
 
     # ------------------------------------------------------------------ members
     def attempt_entered(self) -> None:
-        """At each ``run.attempt()`` entry: nothing applied yet; the first one tells the agent this rank opted in."""
-        self.applied = False
-        if not self._ready_sent:
-            self._ready_sent = True
+        """At each ``run.attempt()`` entry: the first one tells the agent this rank opted in, or why it cannot."""
+        if self._ready_sent:
+            return
+        self._ready_sent = True
+        foreign = groups.foreign_groups(self.owned_groups()) if self.declined is None else []
+        if foreign:
+            self.decline(f"the script made process groups of its own ({'; '.join(foreign)}), which a re-formed "
+                         "world cannot make again; create them in Run(groups=fn), which calls fn again after "
+                         "every re-formation (run.groups holds what it returned)")
+        if self.declined is None:
             self._report(self._ready("worker"))
+
+    def decline(self, reason: str) -> None:
+        """Recover this run by restart only, and say why: to the agent (once), in the events, on stderr."""
+        if self.declined is not None:
+            return
+        self.declined = reason
+        run = self.run
+        run._recovery = None  # a failure inside run.attempt() now propagates: the agent restarts the group
+        self._report({"event": "declined", "worker": self.worker_id, "role": self.env.role, "reason": reason})
+        run.events.emit(EventKind.IN_PROCESS_DECLINED, rank=run.rank, worker=self.worker_id, reason=reason)
+
+    def owned_groups(self) -> list[Any]:
+        """The groups a re-formation makes again: the default group, the checkpoint coordinator's, the sharded
+        model's mesh groups and those ``Run(groups=fn)`` made."""
+        import torch.distributed as dist
+
+        owned: list[Any] = [dist.group.WORLD]
+        if self.run.checkpoints is not None:
+            owned += self.run.checkpoints.coord.groups
+        if self.layout is not None:
+            root = self.layout.root
+            owned += [root.get_group(d) for d in range(root.ndim)]
+        return owned + self.user_groups
 
     def __call__(self, exc: BaseException) -> bool:
         """Survive ``exc`` (a peer failure inside the attempt) in a re-formed group; raise it if that fails."""
         failed_at = time.monotonic()
         run = self.run
-        step, applied = run.step, self.applied
+        step, position = run.step, run._position
+        clean = position is StepPosition.BEFORE
         try:
-            # The attempt's end state, before the rewind: what this rank holds if its update was applied.
             layout = ddp_layout(run.model)
-            ended = self._extra(step + 1, layout)
+            # Back to the step's start: cursor, counters, state= objects, scheduler, RNG.  A clean rank's
+            # parameters and optimizer state are the step's start too; a dirty rank's are partly updated, and
+            # the whole state will come from a clean peer (or, with none, from the newest commit).
             run._rewind_attempt()
-            mine = ended if applied else self._extra(step, layout)
+            mine = self._extra(step, layout)
             # Before the release: the agent decides once every live member said this (or a short settle time
             # passed), so ranks lost together are decided together, and it decides while this rank releases.
             # ``failed_at`` (this host's monotonic clock, the agent's too) orders the ranks' errors: the first is
             # the cause, the others fail when it releases its connections.
             self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
-                          "step": step, "applied": applied, "failed_at": failed_at,
+                          "step": step, "position": position.value, "failed_at": failed_at,
                           "error": f"{type(exc).__qualname__}: {exc}"[:500]})
             self._release(exc)
             abandon_s = time.monotonic() - failed_at
             store = self._connect()
             waited = time.monotonic()
             assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
-            self._join(assignment, step + 1, applied, mine, failed_at=failed_at, abandon_s=abandon_s,
+            self._join(assignment, step, clean, mine, failed_at=failed_at, abandon_s=abandon_s,
                        wait_s=time.monotonic() - waited)
         except Exception as err:  # whatever failed, the agent must hear of it and restart
             self._give_up(err)
@@ -155,7 +195,7 @@ class InProcessRecovery:
         agent schedules the boundary a few steps ahead of the furthest rank, so all of them leave together.
         """
         run, data = self.run, self.run.data
-        if data is None or not data.global_batch or run.world_size * data.batch_size >= data.global_batch:
+        if self.declined is not None or data is None or not data.global_batch or run.world_size * data.batch_size >= data.global_batch:
             return
         store = self._connect()
         key = grow_key(self.generation)
@@ -195,6 +235,8 @@ class InProcessRecovery:
         if run.checkpoints is not None:
             run.checkpoints.wait()  # a save in flight fails on the broken group; the manager records it
             run.checkpoints.coord = Coordinator()  # its sub-groups go with the old group
+        if run._make_groups is not None:  # the script's groups of this generation (Run(groups=fn)) go with it
+            run.groups, self.user_groups = None, []
         if held is not None and held() is not None:
             # Something still holds the wrapper (a reference cycle): only a collection frees it, and with it the
             # group and its connections.  Not unconditional: a collection costs ~90 ms with torch loaded.
@@ -207,7 +249,7 @@ class InProcessRecovery:
         joined, self._joined = self._joined, None
         if joined is not None:  # promoted and in the group already: take the state
             try:
-                self._join(joined.assignment, None, False, self._extra(None, None), failed_at=None, abandon_s=0.0,
+                self._join(joined.assignment, None, True, self._extra(None, None), failed_at=None, abandon_s=0.0,
                            wait_s=0.0, form_s=joined.form_s)
             except Exception as err:
                 self._give_up(err)
@@ -222,35 +264,39 @@ class InProcessRecovery:
                     break
                 except AssignmentTimeoutError:
                     continue  # no bound of its own: the agent ends a spare it no longer needs
-            self._join(assignment, None, False, self._extra(None, None), failed_at=None, abandon_s=0.0, wait_s=0.0)
+            self._join(assignment, None, True, self._extra(None, None), failed_at=None, abandon_s=0.0, wait_s=0.0)
         except Exception as err:
             self._give_up(err)
             raise
 
     # ------------------------------------------------------------------- shared
-    def _join(self, assignment: Assignment, step: int | None, applied: bool, mine: dict[str, Any], *,
+    def _join(self, assignment: Assignment, completed: int | None, clean: bool, mine: dict[str, Any], *,
               failed_at: float | None, abandon_s: float, wait_s: float, form_s: float | None = None) -> None:
-        """Form ``assignment``'s group (unless ``form_s`` says it was formed already), take the source's state,
-        rebuild DDP; report ``rejoined``."""
+        """Form ``assignment``'s group (unless ``form_s`` says it was formed already), take the state of a
+        clean rank that completed the most (``completed``: this rank's updates, None without state;
+        ``clean``: False when it failed inside or after its update), rebuild DDP; report ``rejoined``."""
         run = self.run
         started = time.monotonic()
         ckpt, layout = run.checkpoints, self.layout
         if form_s is None:
             # A sharded model's mesh groups first: a spare creates them (resilient.device_mesh) before its Run.
+            # Then the checkpoint coordinator's, then the script's own (Run(groups=fn)): the order of the start.
             makers: list[Any] = [lambda: mesh_rebind.rebind(layout)] if layout is not None else []
             if ckpt is not None:
                 makers.append(lambda: Coordinator.from_environment(ckpt.config.timeout_s))
+            if run._make_groups is not None:
+                makers.append(self.make_user_groups)
             reformed = reform(assignment, timeout_s=self.timeout_s, store=self._group_store(assignment),
-                              subgroups=makers)
+                              subgroups=makers, collective_timeout=self.collective_timeout)
             if ckpt is not None:
-                ckpt.regroup(reformed.subgroups[-1])
+                ckpt.regroup(reformed.subgroups[1 if layout is not None else 0])
         else:  # a spare promoted in resilient.device_mesh(): its Run made the checkpoint sub-groups since
             started -= form_s
             if ckpt is not None:
                 ckpt.regroup(ckpt.coord)
         self.generation = assignment.generation
         formed = time.monotonic()
-        agreement = agree_step(step, applied, preferred_source=assignment.source_rank)
+        agreement = agree_step(completed, clean, preferred_source=assignment.source_rank)
         module = unwrap(run.model)
         if layout is not None:  # each shard from a replica that holds it, the rest from the source
             extra = sync_sharded(agreement, layout, module, run.optimizer, run.scheduler, run.scaler, mine)
@@ -273,6 +319,7 @@ class InProcessRecovery:
             # source's bucket layout keeps the retried step's sums in the uninterrupted run's order.
             run.model = wrap_ddp(module, {**run._ddp, "init_sync": False}, extra["ddp_layout"])
         synced = time.monotonic()
+        self._warn_streams(assignment)
         if self.hooks is not None:
             self.hooks.rejoin(assignment.generation, run.rank, resume_step=run.step)
         seconds = {"abandon": abandon_s, "wait": wait_s, "form": formed - started, "sync": synced - formed,
@@ -286,6 +333,27 @@ class InProcessRecovery:
         run.events.emit(EventKind.GROUP_REJOINED, worker=self.worker_id, generation=assignment.generation,
                         rank=run.rank, world_size=run.world_size, step=run.step, source=agreement.source_rank,
                         replacement=assignment.is_replacement, reason=agreement.reason, seconds=seconds)
+
+    def make_user_groups(self) -> None:
+        """Call ``Run(groups=fn)``'s ``fn`` in the current generation; ``run.groups`` is what it returned."""
+        run = self.run
+        assert run._make_groups is not None
+        run.groups = None  # the old generation's groups go: a reference kept would keep their connections open
+        self.user_groups = []
+        run.groups, self.user_groups = groups.made_by(run._make_groups)
+
+    def _warn_streams(self, assignment: Assignment) -> None:
+        """Once, at the first recovery with a replacement: the global generators it cannot reproduce."""
+        if self._warned_streams or not assignment.replacements or self.run.reseed:
+            return
+        self._warned_streams = True
+        streams = ["random"] + (["numpy.random"] if "numpy" in sys.modules else [])
+        self.run.events.emit(
+            EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, rank=self.run.rank, step=self.run.step, streams=streams,
+            replacements=list(assignment.replacements),
+            note=(f"{' and '.join(streams)} on {ranks_text(assignment.replacements, verb=False)} continue from the "
+                  "replacement's own history, not the lost rank's (torch's generator is seeded per step under "
+                  "run.attempt()); pass Run(reseed=True) to seed them per (seed, step, rank) too"))
 
     def _extra(self, step: int | None, layout: list[list[int]] | None) -> dict[str, Any]:
         """What travels with the state besides model and optimizer: counters, the loader's cursor, ``state=``,

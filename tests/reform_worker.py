@@ -108,11 +108,11 @@ def main() -> int:
         coordinator = reformed.subgroups[0]
         formed = time.monotonic()
         if assignment.is_replacement:  # whatever it built, a promoted spare takes all state from the source
-            agreement = agree_step(None, applied=False, preferred_source=assignment.source_rank)
+            agreement = agree_step(None, preferred_source=assignment.source_rank)
         elif interrupted is not None:
-            agreement = agree_step(interrupted, applied=False, preferred_source=assignment.source_rank)
+            agreement = agree_step(interrupted - 1, preferred_source=assignment.source_rank)
         else:
-            agreement = agree_step(completed, applied=True, preferred_source=assignment.source_rank)
+            agreement = agree_step(completed, preferred_source=assignment.source_rank)
         extra = sync_from(agreement.source_rank, model, optimizer, scheduler, None,
                           {"completed": completed, "cursor": {"samples": completed * BATCH}})
         synced = time.monotonic()

@@ -489,7 +489,7 @@ def test_bad_config_is_named(make, words: str) -> None:  # type: ignore[no-untyp
         (lambda: observe(crash(4)), "Fault names rank 4, outside the world of 4 ranks"),
         (lambda: observe(crash(1), survivor_steps={1: 56}), "survivor_steps has rank 1, which the fault lost"),
         (lambda: observe(crash(1), spares=(spare("s"), spare("s"))), "lists spare id(s) s more than once"),
-        (lambda: observe(crash(1), diverged=frozenset({7})), "diverged name rank 7, outside the world of 4 ranks"),
+        (lambda: observe(crash(1), diverged=frozenset({7})), "diverged or dirty name rank 7, outside the world of 4 ranks"),
         (lambda: Fault(kind=FaultKind.COLLECTIVE_ERROR, step=1, ranks=frozenset({1})), "every rank is alive"),
         (lambda: Fault(kind=FaultKind.CRASH, step=1), "a crash Fault needs the ranks that failed"),
         (lambda: members(4, min_size=5, full=4), "1 <= min_size <= full_size <= max_size"),

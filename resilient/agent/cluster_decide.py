@@ -21,6 +21,7 @@ from ..elastic.decide import Action, RecoveryDecision, decide_recovery
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
 from .cluster import GenerationView, Involvement, PoolEntry
 from .incidents import Incident
+from .inproc_state import clean_position
 from .policy import Failure
 
 if TYPE_CHECKING:
@@ -91,6 +92,7 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     else:
         kind = FaultKind.COLLECTIVE_ERROR
     steps = {rank_of[w]: int(b.get("step") or 0) for w, b in view.waiting.items() if w in rank_of}
+    dirty = frozenset(rank_of[w] for w, b in view.waiting.items() if w in rank_of and not clean_position(b))
     step = max([*steps.values(), *(int(b.get("step") or 0) for b in view.lost.values())], default=0)
     codes = frozenset(c for b in view.lost.values() for c in b.get("exit_codes") or () if c)
     detail = describe(view, missing, silent, kind, step)
@@ -104,7 +106,7 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     live = cs.store.live_nodes()
     for _ in range(3):
         pool, obs = observation(ctx, view, members, fault, outlook, {r: s for r, s in steps.items() if r not in lost},
-                                live, now, inv.wait_since)
+                                live, now, inv.wait_since, dirty - lost)
         decision = inp.decide_cluster(obs)
         by_id = {s.worker: s for s in pool}
         wanted = [by_id[p.spare] for p in decision.promotions]
@@ -154,7 +156,7 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
 
 def observation(ctx: GenerationContext, view: GenerationView, members: dict[int, tuple[str, str]], fault: Fault,
                 outlook: Any, survivor_steps: dict[int, int], live: set[str], now: float,
-                waiting_since: float | None) -> tuple[list[PoolEntry], Observation]:
+                waiting_since: float | None, dirty: frozenset[int] = frozenset()) -> tuple[list[PoolEntry], Observation]:
     """What the ladder decides over across machines: every node's members and opt-in, the pool's spares on live
     nodes (read now), the batch plan; with the pool entries the spares came from."""
     assert ctx.inproc is not None and ctx.inproc.cluster is not None
@@ -165,7 +167,8 @@ def observation(ctx: GenerationContext, view: GenerationView, members: dict[int,
     opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
     replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
     return pool, Observation(fault=fault, membership=membership_of(ctx, view, members), restart=outlook,
-                             spares=spares, survivor_steps=survivor_steps, opted_in=opted,
+                             spares=spares, survivor_steps=survivor_steps, opted_in=opted, dirty=dirty,
+                             declined=ctx.inproc.declined,
                              waiting_since=waiting_since, replicas=replicas)
 
 

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import signal
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,7 +89,7 @@ def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, wor
 def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> None:
     """Start spares until ``--spares`` of them live, each on a free heartbeat socket slot."""
     inp = ctx.inproc
-    if inp is None or inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
+    if inp is None or inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP or inp.declined is not None:
         return
     c = ctx.config
     # A shrunk world's missing ranks are refilled too (a replacement process, warm like a spare), so that it
@@ -142,8 +143,9 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     # queued in its sender when it died or was stopped.
     step = max([*survivors.values(), *([failure.step] if failure.step is not None else [])], default=0)
     outlook = outlook_of(failure)
+    dirty = inp.dirty_ranks(a.generation, {r: w.worker_id for r, w in group.workers.items() if r not in lost})
     decision = inp.decide(group, lost, kind, step, exit_codes, outlook, survivors, failure.describe(),
-                          waiting_since=hold.since if hold is not None else None)
+                          waiting_since=hold.since if hold is not None else None, dirty=dirty)
     if decision.action is Action.WAIT_FOR_REPAIR:
         if hold is None:
             print(f"resilient: holding for a spare: {decision.reason}", file=sys.stderr, flush=True)
@@ -196,9 +198,15 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         moved = tick(ctx, group, a, gdir, now)
         if moved is not None:
             return moved
+    if inp.declined is not None:  # this run recovers by restart only: a spare would hold memory for nothing
+        for worker in group.spares.values():
+            if worker.exit is None:
+                worker.signal(signal.SIGKILL)  # it waits inside resilient.Run(): nothing of it to save
     for worker_id, exit in group.spare_exits():
         group.spares.pop(worker_id)
         inp.spare_gone(worker_id, exit.returncode)
+        if inp.declined is not None:
+            continue
         log = gdir / f"{worker_id}.log"
         if inp.spare_failures >= SPARE_FAILURES_TO_GIVE_UP:
             print(f"resilient: spare {worker_id} exited with code {exit.returncode} before it was ready, the "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
+import sys
 import threading
 import time
 from collections import Counter
@@ -36,7 +37,7 @@ from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_reco
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
 from ..elastic.reform import Member, plan_assignments, publish_assignments
 from ..events import Emit, EventKind
-from .inproc_state import Recovering, Reports, SpareState
+from .inproc_state import Recovering, Reports, SpareState, clean_position
 
 if TYPE_CHECKING:
     from ..elastic.reform import Assignment
@@ -87,6 +88,8 @@ class InProcess:
         """How the newest in-process recovery completed, in one line, for ``resilient status``."""
         self.cluster: ClusterState | None = None
         """Across machines: the launch's recovery keys in the store (:mod:`resilient.agent.cluster_flow`)."""
+        self.declined: str | None = None
+        """Why a worker said this run recovers by restart only (its first ``declined`` report): no spare is kept."""
 
     # ----------------------------------------------------------- workers
     def new_worker_id(self, role: str) -> str:
@@ -132,6 +135,14 @@ class InProcess:
                 self._reports.waiting[(int(report.get("generation") or 0), worker)] = (received_at, report)
             elif event == "rejoined":
                 self._reports.rejoined[(int(report.get("generation") or 0), worker)] = (received_at, report)
+            first_decline = event == "declined" and self.declined is None
+            if first_decline:
+                self.declined = str(report.get("reason") or "a worker declined in-process recovery")
+        if first_decline:
+            self._emit(EventKind.IN_PROCESS_DECLINED, worker=worker, reason=self.declined)
+            spares = " (the spares are stopped and no more are started)" if self.config.spares else ""
+            print(f"resilient: recovery for this run is by restart{spares}: {self.declined}", file=sys.stderr,
+                  flush=True)
         if self.changed is not None:
             self.changed.set()
         if event == "ready" and report.get("role") == "spare":
@@ -202,6 +213,13 @@ class InProcess:
                             ready_since=s.ready_at) for i, s in self.spares.items() if i in group.spares]
         return spares, self._feasible(ready)
 
+    def dirty_ranks(self, generation: int, members: Mapping[int, str]) -> frozenset[int]:
+        """The members (rank -> worker id) whose ``waiting`` report for ``generation`` says they failed inside
+        or after the optimizer's update: their state is partial, never a source."""
+        with self._lock:
+            found = {r: self._reports.waiting.get((generation, w)) for r, w in members.items()}
+        return frozenset(r for r, entry in found.items() if entry is not None and not clean_position(entry[1]))
+
     def opted_in(self, worker_ids: Sequence[str]) -> bool:
         """Every one of these members said ``ready`` (its script runs its steps under ``run.attempt()``)."""
         with self._lock:
@@ -223,9 +241,11 @@ class InProcess:
 
     def decide(self, group: WorkerGroup, lost: Mapping[int, str], kind: FaultKind, step: int,
                exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
-               detail: str, waiting_since: float | None = None) -> RecoveryDecision:
-        """The ladder's answer to losing ``lost`` (old rank -> worker id) of the current members."""
-        decision = self.preview(group, lost, kind, step, exit_codes, restart, survivor_steps, detail, waiting_since)
+               detail: str, waiting_since: float | None = None, *, dirty: frozenset[int] = frozenset()) -> RecoveryDecision:
+        """The ladder's answer to losing ``lost`` (old rank -> worker id) of the current members; ``dirty``:
+        survivors whose state is partial (:func:`dirty_ranks`)."""
+        decision = self.preview(group, lost, kind, step, exit_codes, restart, survivor_steps, detail, waiting_since,
+                                dirty=dirty)
         if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
             # A hold is decided again on every tick: its event and status line once, then only what ends it.
             self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
@@ -233,7 +253,8 @@ class InProcess:
 
     def preview(self, group: WorkerGroup, lost: Mapping[int, str], kind: FaultKind, step: int,
                 exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
-                detail: str, waiting_since: float | None = None) -> RecoveryDecision:
+                detail: str, waiting_since: float | None = None, *,
+                dirty: frozenset[int] = frozenset()) -> RecoveryDecision:
         """What the ladder would answer to losing ``lost`` now, reported nowhere (:meth:`decide` reports it)."""
         c = self.config
         old_world = len(group.workers)
@@ -248,7 +269,9 @@ class InProcess:
                                   feasible_world_sizes=feasible),
             restart=restart, spares=spares,
             survivor_steps={r: survivor_steps[r] for r in survivors if r in survivor_steps},
+            dirty=dirty & set(survivors),
             opted_in=self.opted_in([group.workers[r].worker_id for r in survivors]) and self.config.in_process,
+            declined=self.declined,
             inproc_failures=failures, waiting_since=waiting_since, replicas=self.replicas(),
         )
         return decide_recovery(obs, self.costs(), self.ladder, self._clock())
@@ -377,7 +400,8 @@ class InProcess:
 
     def view(self) -> dict[str, Any]:
         """What ``resilient status`` shows of in-process recovery."""
-        return {"decision": self.last_decision, "completed": self.last_completed, "spares": self.ready_spares()}
+        return {"decision": self.last_decision, "completed": self.last_completed, "spares": self.ready_spares(),
+                "declined": self.declined}
 
     def close(self) -> None:
         self._store = None  # type: ignore[assignment]  # the server thread ends with the object

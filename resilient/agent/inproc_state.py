@@ -59,3 +59,10 @@ class Reports:
     waiting: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
     """(generation that failed, worker) -> the survivor's report that it left the group and waits."""
     rejoined: dict[tuple[int, str], tuple[float, dict[str, Any]]] = field(default_factory=dict)
+
+
+def clean_position(report: Mapping[str, Any]) -> bool:
+    """Whether a member's ``waiting`` report says it failed before the optimizer's update (its state is the
+    step's start, a valid source); one that failed inside or after the update is dirty.  A report without a
+    position (a worker of an older version) says nothing against its rank."""
+    return report.get("position", "before") == "before"

@@ -68,6 +68,11 @@ class Coordinator:
     def is_root(self) -> bool:
         return self.rank == 0
 
+    @property
+    def groups(self) -> tuple[Any, ...]:
+        """The process groups this coordinator made (none for a single process)."""
+        return tuple(g for g in (self._group, self._loop_group) if g is not None)
+
     def gather(self, payload: bytes) -> list[bytes] | None:
         """Every rank's payload on rank 0 (in rank order); None elsewhere."""
         if self.world_size == 1:

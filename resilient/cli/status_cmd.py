@@ -164,6 +164,8 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
             out.append(f"  restore: {restore['summary']}")
         recovery = n.get("recovery")
         if isinstance(recovery, dict):
+            if recovery.get("declined"):
+                out.append(f"  recovery: by restart only: {recovery['declined']}")
             if recovery.get("decision"):
                 out.append(f"  recovery decision: {recovery['decision']}")
             if recovery.get("completed"):

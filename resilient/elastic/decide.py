@@ -177,7 +177,9 @@ def _inproc_blockers(obs: Observation, cfg: LadderConfig) -> list[str]:
     survivors = obs.survivors
     if not cfg.in_process:
         blockers.append("in-process recovery is turned off (LadderConfig.in_process=False)")
-    if not obs.opted_in:
+    if obs.declined is not None:
+        blockers.append(f"the workers declined it: {obs.declined}")
+    elif not obs.opted_in:
         blockers.append("the script did not opt in (Run(ddp=True) with the step under `with run.attempt():`)")
     if not survivors:
         blockers.append(f"no survivor holds the replicated state (all {members.world_size} ranks lost)")
@@ -192,6 +194,15 @@ def _inproc_blockers(obs: Observation, cfg: LadderConfig) -> list[str]:
         if moving:
             nodes = ", ".join(sorted(fault.nodes))
             blockers.append(f"node {nodes} is unhealthy and its {ranks_text(moving)} alive: they must move off it")
+    spoiled = sorted(obs.dirty & set(survivors))
+    uncopied = obs.without_clean_copy()
+    if spoiled and uncopied:
+        whose = ("the state" if obs.replicas is None
+                 else f"the shards of {ranks_text(uncopied, verb=False)}")
+        blockers.append(
+            f"{ranks_text(spoiled)} dirty (they failed inside or after optimizer.step() of step {fault.step}, "
+            f"part of its update applied or its step unfinished) and no clean survivor holds {whose}, so the "
+            "newest commit is the only clean copy")
     diverged = sorted(obs.diverged & set(survivors))
     if diverged:
         blockers.append(f"{ranks_text(diverged, verb=False)} reported diverged in-memory state")

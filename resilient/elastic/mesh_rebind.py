@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from .. import compat
 from ..errors import ResilientError
 
 _GROUP_FIELDS = ("shard_process_group", "replicate_process_group")
@@ -69,6 +70,9 @@ def survey(model: torch.nn.Module, optimizer: Any) -> ShardLayout:
     the way of moving it to a new group in process."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    unavailable = compat.missing("fsdp_rebind")
+    if unavailable:
+        raise ShardRecoveryUnsupported(unavailable)
     tensors: list[Any] = [p for p in model.parameters() if isinstance(p, DTensor)]
     tensors += [b for b in model.buffers() if isinstance(b, DTensor)]
     for state in (optimizer.state.values() if optimizer is not None else ()):
@@ -123,6 +127,13 @@ def survey(model: torch.nn.Module, optimizer: Any) -> ShardLayout:
     else:
         replicas = tuple((int(r),) for r in grid.reshape(-1))
     meshes.update(roots)
+    try:  # what release() and rebind() set must exist, or setting it would leave the real groups alive
+        for mesh in meshes.values():
+            compat.require_attributes(mesh, ("_pg_registry", "_dim_group_names"), "fsdp_rebind")
+        for info in infos:
+            compat.require_attributes(info, ("mesh",), "fsdp_rebind")
+    except compat.CompatError as e:
+        raise ShardRecoveryUnsupported(str(e)) from None
     return ShardLayout(root=root, meshes=tuple(meshes.values()), infos=tuple(infos), modules=tuple(modules),
                        replica_dim=replicated[0] if replicated else None, replicas=tuple(sorted(replicas)))
 

@@ -198,8 +198,13 @@ class Observation:
     """Last completed step each surviving rank reported; in-process recovery needs them all equal."""
     diverged: frozenset[int] = frozenset()
     """Ranks that reported their in-memory state diverged from their peers'."""
+    dirty: frozenset[int] = frozenset()
+    """Survivors that failed inside the optimizer's update (or after it, their step unfinished): their state is
+    partial, so they are never a source of state; they take it from a clean rank."""
     opted_in: bool = False
     """Every worker runs ``Run(ddp=True)`` with its step under ``run.attempt()``; else restart-based only."""
+    declined: str | None = None
+    """Why the workers said this run recovers by restart only (CUDA state, a group of the script's own), if so."""
     inproc_failures: int = 0
     """In-process recoveries of this same step (``fault.step``) that already failed."""
     waiting_since: float | None = None
@@ -214,6 +219,7 @@ class Observation:
             object.__setattr__(self, "replicas", tuple(tuple(int(r) for r in g) for g in self.replicas))
         object.__setattr__(self, "survivor_steps", MappingProxyType(dict(self.survivor_steps)))
         object.__setattr__(self, "diverged", frozenset(self.diverged))
+        object.__setattr__(self, "dirty", frozenset(self.dirty))
         world = self.membership.world_size
         outside = sorted(r for r in self.fault.ranks if not 0 <= r < world)
         if outside:
@@ -221,10 +227,10 @@ class Observation:
         unknown = sorted(self.fault.nodes - set(self.membership.rank_nodes))
         if unknown:
             raise ValueError(f"Fault names node(s) {', '.join(unknown)} that hold no rank of the current world")
-        strangers = sorted(r for r in (*self.survivor_steps, *self.diverged) if not 0 <= r < world)
+        strangers = sorted(r for r in (*self.survivor_steps, *self.diverged, *self.dirty) if not 0 <= r < world)
         if strangers:
             raise ValueError(
-                f"survivor_steps or diverged name {ranks_text(set(strangers), verb=False)}, outside the world of "
+                f"survivor_steps, diverged or dirty name {ranks_text(set(strangers), verb=False)}, outside the world of "
                 f"{world} ranks"
             )
         lost = set(self.lost_ranks)
@@ -259,6 +265,16 @@ class Observation:
         alive = set(self.survivors)
         return tuple(r for r in self.lost_ranks
                      if not any(r in group and alive & set(group) for group in self.replicas))
+
+    def without_clean_copy(self) -> tuple[int, ...]:
+        """Ranks (lost, or dirty survivors) whose state no clean survivor holds a copy of: every survivor for
+        replicated state (DDP) when none is clean; for sharded state, those whose replica group has no clean
+        survivor.  Empty when in-process recovery has a clean source for everyone."""
+        clean = set(self.survivors) - self.dirty
+        needy = sorted(set(self.lost_ranks) | (self.dirty & set(self.survivors)))
+        if self.replicas is None:
+            return () if clean or not self.dirty else tuple(needy)
+        return tuple(r for r in needy if not any(r in group and clean & set(group) for group in self.replicas))
 
     @property
     def bad_nodes(self) -> frozenset[str]:

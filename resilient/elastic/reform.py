@@ -335,11 +335,14 @@ class Reformed:
 def reform(
     assignment: Assignment, *, timeout_s: float, store: Store | None = None,
     subgroups: Sequence[Callable[[], Any]] = (), clock: Callable[[], float] = time.monotonic,
+    collective_timeout: timedelta | None = None,
 ) -> Reformed:
     """Abandon the current groups and form the one ``assignment`` describes (gloo).
 
-    ``timeout_s`` bounds forming the group (every member must arrive) and
-    is the new group's collective timeout.  ``store``: an existing client of
+    ``timeout_s`` bounds forming the group (every member must arrive);
+    ``collective_timeout`` is the new group's collective timeout once formed
+    (the script's, :func:`resilient.elastic.groups.collective_timeout`;
+    None: ``timeout_s`` stays).  ``store``: an existing client of
     the agent's store (one is connected otherwise).  ``subgroups``: callbacks
     that re-create the caller's sub-groups (``dist.new_group``), run in the
     same order on every rank once the default group exists.  Raises
@@ -369,6 +372,10 @@ def reform(
             f"{assignment.world_size}) could not form its group within {timeout_s:g} s: {e}. A member did not "
             "arrive; the agent should announce another generation or restart the group"
         ) from None
+    if collective_timeout is not None:
+        from .groups import set_collective_timeout
+
+        set_collective_timeout(collective_timeout)
     formed = clock()
     made = tuple(make() for make in subgroups)
     return Reformed(assignment, made, abandoned - started, formed - abandoned, clock() - formed)

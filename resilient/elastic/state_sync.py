@@ -2,15 +2,19 @@
 
 After a re-formation (:mod:`resilient.elastic.reform`) the ranks hold
 state of different ages: a replacement holds none; a survivor may or may
-not have applied the update of the step that failed (the failure can hit
-after one rank's ``optimizer.step()`` and before another's).  Two steps:
+not have applied the update of the step that failed, and one that failed
+*inside* ``optimizer.step()`` (an optimizer with a collective in its step,
+as LAMB, Shampoo or ZeRO have) holds part of an update.  Two steps:
 
-* :func:`agree_step`: all-gather each rank's last completed step and pick
-  as the source a rank that completed the most (:func:`decide_source`,
-  pure), so an update applied on some survivors is neither applied twice
-  nor lost: everyone takes the state after it and continues from there.
-  Survivors more than one step apart cannot come from one interrupted step
-  (the state diverged): that is an error, and the run falls back to restart.
+* :func:`agree_step`: all-gather each rank's last completed step and
+  whether its state is clean, and pick as the source a clean rank that
+  completed the most (:func:`decide_source`, pure), so an update applied on
+  some survivors is neither applied twice nor lost: everyone takes the
+  state after it and continues from there.  A dirty rank (failed inside
+  its update, or after it with the rest of its step unfinished) is never
+  the source: it receives the whole state like a replacement.  No clean
+  rank, or clean survivors more than one step apart, is an error, and the
+  run falls back to the rung below (the newest commit).
 * :func:`sync_from`: the source's model, optimizer, scheduler, scaler and
   a dict of counters/cursor (``extra``) on every rank.  The structure goes
   as JSON bytes in a uint8 tensor (the pickle-free tree encoding of
@@ -28,7 +32,7 @@ tensor moves, and the ranks agree on the verdict, so a mismatch is the same
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +44,7 @@ from ..checkpoint.tree import flatten, unflatten
 from ..errors import ResilientError
 from ..state import unwrap
 from ..tensors import tensor_bytes
+from .observe import ranks_text
 
 DIRECT_BYTES = 1 << 20
 """Tensors at least this large (and contiguous) are broadcast as they are; smaller ones are packed."""
@@ -59,24 +64,36 @@ class StepAgreement:
     completed: int
     """The last completed step every rank will hold; training continues at ``completed + 1``."""
     ahead: tuple[int, ...]
-    """Ranks that had completed ``completed`` (the source is one of them)."""
+    """Clean ranks that had completed ``completed`` (the source is one of them)."""
     behind: tuple[int, ...]
-    """Survivors one step behind: the failed step's update was not applied there; they receive it."""
+    """Clean survivors one step behind: the failed step's update was not applied there; they receive it."""
     replacements: tuple[int, ...]
     """Ranks without state."""
     reason: str
+    dirty: tuple[int, ...] = ()
+    """Ranks whose state is partial (they failed inside an update): they receive everything, like a replacement."""
 
 
-def decide_source(completed: Sequence[int | None], preferred: int | None = None) -> StepAgreement:
+def decide_source(completed: Sequence[int | None], preferred: int | None = None,
+                  dirty: Collection[int] = ()) -> StepAgreement:
     """Pure: the source among ranks' last completed steps (None: a replacement without state).
 
-    The source has the highest completed step; ``preferred`` (the agent's
-    choice) wins among those.  Raises :class:`StateSyncError` when no rank
-    has state or survivors are more than one step apart.
+    ``dirty``: ranks whose state is partial (never a source).  The source
+    is a clean rank with the highest completed step; ``preferred`` (the
+    agent's choice) wins among those.  Raises :class:`StateSyncError` when
+    no clean rank holds state or clean survivors are more than one step
+    apart.
     """
-    held = {r: c for r, c in enumerate(completed) if c is not None}
+    spoiled = tuple(sorted(r for r in set(dirty) if 0 <= r < len(completed) and completed[r] is not None))
+    held = {r: c for r, c in enumerate(completed) if c is not None and r not in spoiled}
     holders = list(held)
     if not holders:
+        if spoiled:
+            raise StateSyncError(
+                f"no rank holds a clean copy of the state: {ranks_text(spoiled, verb=False)} failed inside an "
+                "optimizer update (part of it applied) and every other rank joins without state; restart from "
+                "the newest committed checkpoint"
+            )
         raise StateSyncError("no rank holds training state; restart from the newest committed checkpoint")
     top, lowest = max(held.values()), min(held.values())
     if top - lowest > 1:
@@ -92,33 +109,36 @@ def decide_source(completed: Sequence[int | None], preferred: int | None = None)
         source, why = preferred, f"rank {preferred} (the agent's choice) completed step {top}"
     else:
         source = ahead[0]
-        why = f"rank {source} is the lowest rank that completed step {top}"
+        why = f"rank {source} is the lowest clean rank that completed step {top}"
         if preferred is not None:
-            why += f"; the agent's choice, rank {preferred}, had completed step {completed[preferred]}"
+            why += (f"; the agent's choice, rank {preferred}, failed inside an update" if preferred in spoiled
+                    else f"; the agent's choice, rank {preferred}, had completed step {completed[preferred]}")
     if behind:
         why += f"; ranks {list(behind)} had not applied step {top}'s update and take it from the source"
+    if spoiled:
+        why += f"; ranks {list(spoiled)} failed inside an update and take the whole state from the source"
     if replacements:
         why += f"; ranks {list(replacements)} join without state"
-    return StepAgreement(source, top, ahead, behind, replacements, why)
+    return StepAgreement(source, top, ahead, behind, replacements, why, spoiled)
 
 
-def agree_step(step: int | None, applied: bool, *, preferred_source: int | None = None,
+def agree_step(completed: int | None, clean: bool = True, *, preferred_source: int | None = None,
                group: Any = None) -> StepAgreement:
     """All-gather where each rank stands and decide the source (:func:`decide_source`) identically everywhere.
 
-    ``step``: the step the failure interrupted on this rank, None for a
-    replacement without state; ``applied``: whether that step's optimizer
-    update was applied here (the last completed step is then ``step``,
-    otherwise ``step - 1``).
+    ``completed``: the optimizer updates this rank's state holds, None for a
+    replacement without state; ``clean``: False when the rank failed inside
+    an update (or after it, with its step unfinished), so its state is partial.
     """
-    mine = -1 if step is None else (step if applied else step - 1)
-    if step is not None and mine < 0:
-        raise ValueError(f"step {step} with applied={applied} means a negative completed step")
+    if completed is not None and completed < 0:
+        raise ValueError(f"a rank cannot have completed {completed} steps")
+    mine = -1 if completed is None else completed
     world = dist.get_world_size(group)
-    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(parts, torch.tensor([mine], dtype=torch.int64), group=group)
-    completed = [None if int(p.item()) < 0 else int(p.item()) for p in parts]
-    return decide_source(completed, preferred_source)
+    parts = [torch.zeros(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(parts, torch.tensor([mine, 0 if clean else 1], dtype=torch.int64), group=group)
+    steps = [None if int(p[0].item()) < 0 else int(p[0].item()) for p in parts]
+    spoiled = [r for r, p in enumerate(parts) if int(p[1].item())]
+    return decide_source(steps, preferred_source, spoiled)
 
 
 def sync_from(
