@@ -43,6 +43,7 @@ class EventKind(str, Enum):
     RECOVERY_GAVE_UP = "recovery_gave_up"  # in-process recovery failed here: the error propagates, the agent restarts
     UNREPRODUCIBLE_RANDOM_STREAMS = "unreproducible_random_streams"  # a replacement cannot draw the lost rank's numbers
     IN_PROCESS_DECLINED = "in_process_declined"  # this run recovers by restart only, and why (said once, at start)
+    TORCH_FEATURES_OFF = "torch_features_off"  # private torch APIs this torch lacks: the features that need them are off
     REPLICA_MISMATCH = "replica_mismatch"  # the replica audit found ranks whose parameters differ from the others'
 
     # -- checkpoints

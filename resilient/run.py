@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from . import __version__
+from . import __version__, compat
 from . import run_attempt as _attempt
 from . import run_audit as _audit
 from . import run_nonfinite as _nonfinite
@@ -120,8 +120,17 @@ class Run:
             self._hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
             for note in self._hooks.notes:
                 self.events.emit(EventKind.AGENT_HOOK_MISSING, note=note)
+        if compat.off():  # fail closed: each feature that needs a missing private API is off, and this says which
+            self.events.emit(EventKind.TORCH_FEATURES_OFF, torch=torch.__version__, features=compat.off())
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"Run(model=...) needs a torch.nn.Module, got {type(model).__qualname__}")
+        if type(optimizer).__name__ == "ZeroRedundancyOptimizer":  # torch.distributed.optim's, by name: no import
+            raise ConfigError(
+                "Run(optimizer=ZeroRedundancyOptimizer(...)) is not supported: its state is sharded over the ranks "
+                "and its state_dict() needs a collective consolidation that the checkpoint and in-process recovery "
+                "do not make. Use the plain optimizer under DDP, or shard the model and its optimizer state with "
+                "FSDP2 (fully_shard), which the Run checkpoints and recovers"
+            )
         for name, obj in (state or {}).items():
             check_stateful(name, obj)
             _attempt.snapshot_state(f"Run(state={{{name!r}: ...}})", obj)  # a retry puts it back from a copy

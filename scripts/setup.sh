@@ -11,6 +11,10 @@
 #                                        Debian's prometheus-alertmanager (with amtool), installed system-wide
 #                                        because its build reads its templates from /usr/share, with its
 #                                        service neither started nor enabled.
+#                                        And a second virtualenv, .venv-torch-next, with the next torch
+#                                        release (NEXT_TORCH_SPEC, torch==2.14.1; its wheel is a CUDA build, about
+#                                        5 GB installed) and every other package taken from .venv: the tests run
+#                                        the in-process, sharded and checkpoint tests under it too.
 #   --dry-run                            print the plan and change nothing.
 #
 # System packages (python3-venv; openssl and mount for the tests, when missing) are installed with apt-get as
@@ -38,6 +42,8 @@ esac
 
 PY=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+NEXT_TORCH_SPEC=${NEXT_TORCH_SPEC:-torch==2.14.1}
+NEXT_VENV=.venv-torch-next
 SERVERS_DIR=.servers
 # Debian package -> the binaries the tests run from it.
 declare -A SERVER_BINARIES=(
@@ -113,6 +119,7 @@ if [ -n "$system_server" ]; then
 fi
 [ -x .venv/bin/python ] || plan "create the virtualenv .venv (with --system-site-packages, reusing a torch you have)"
 plan "pip install into .venv: $TORCH_SPEC, then this project with extras [$extras]"
+[ "$target" = tests ] && plan "pip install into $NEXT_VENV: $NEXT_TORCH_SPEC (the rest from .venv)"
 if ((dry_run)); then
     plan "dry run: nothing changed"
     exit 0
@@ -183,3 +190,13 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv --system-site-packages .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[$extras]"
+
+if [ "$target" = tests ]; then
+    # The same tests under the next torch release: its own torch, every other package (and this project) from
+    # .venv, whose site directory a .pth adds after this one's, so that torch is found here first.
+    [ -x "$NEXT_VENV/bin/python" ] || "$PY" -m venv --system-site-packages "$NEXT_VENV"
+    "$NEXT_VENV/bin/python" -m pip install -q --disable-pip-version-check "$NEXT_TORCH_SPEC"
+    main_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    next_site=$("$NEXT_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "import site; site.addsitedir('$main_site')" > "$next_site/zz-resilient-main-venv.pth"
+fi

@@ -91,6 +91,21 @@ def test_objects_without_state_dict_are_refused(tmp_path):
         resilient.Run(model=torch.nn.Linear(2, 2), state={"thing": object()})
 
 
+def test_a_zero_redundancy_optimizer_is_refused_naming_what_to_use_instead():
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+        with pytest.raises(resilient.ConfigError, match=r"ZeroRedundancyOptimizer\(\.\.\.\)\) is not supported: its "
+                                                        r"state is sharded over the ranks.*FSDP2 \(fully_shard\)"):
+            resilient.Run(model=model, optimizer=optimizer, agent=None)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_save_returns_once_committed_and_a_new_process_loses_nothing(tmp_path):
     run = tiny_run(tmp_path / "c", every=None)
     train(run, 4)

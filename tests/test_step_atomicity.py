@@ -86,6 +86,10 @@ def test_a_rank_killed_before_the_update_is_replaced_in_process_and_the_state_ob
     assert done["rung"] == "promote_spare" and done["resumed_after_step"] == DIE_STEP, done
     assert {line["worker"] for line in trace(out) if line["step"] > DIE_STEP and line["rank"] == 1} == {"s2"}
     assert_same_run(out, reference)
+    # The script does not pass Run(reseed=True): both members say once which generators the spare cannot draw.
+    warned = events(run, "unreproducible_random_streams")
+    assert sorted(e["rank"] for e in warned) == [0, 1], warned
+    assert all(e["streams"][0] == "random" and "Run(reseed=True)" in e["note"] for e in warned), warned
 
 
 def test_a_network_error_after_the_state_object_counted_a_loss_is_retried_and_counted_once(
