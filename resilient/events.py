@@ -225,10 +225,12 @@ FORWARDED = frozenset({
     EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_CONFLICT, EventKind.CHECKPOINT_FENCED,
     EventKind.CHECKPOINT_FALLBACK, EventKind.CHECKPOINT_QUARANTINED, EventKind.CHECKPOINT_QUARANTINE_FAILED,
     EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS, EventKind.CHECKPOINT_STORE_RETRYING,
+    EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, EventKind.IN_PROCESS_DECLINED, EventKind.TORCH_FEATURES_OFF,
 })
-"""What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong and gradients
-that were not finite, which whoever
-reads the run's events (an operator, a drill's score) must see without opening every rank's log."""
+"""What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong, gradients
+that were not finite, and what its recovery cannot do (random streams a replacement cannot reproduce, in-process
+recovery declined, torch features off), which whoever reads the run's events (an operator, a drill's score) must
+see without opening every rank's log."""
 
 
 class ForwardingLog(EventLog):

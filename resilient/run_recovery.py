@@ -132,7 +132,8 @@ class InProcessRecovery:
             self._report(self._ready("worker"))
 
     def decline(self, reason: str) -> None:
-        """Recover this run by restart only, and say why: to the agent (once), in the events, on stderr."""
+        """Recover this run by restart only, and say why: to the agent (which says it on its console and in
+        ``resilient status``) and in this rank's events."""
         if self.declined is not None:
             return
         self.declined = reason
@@ -195,7 +196,9 @@ class InProcessRecovery:
         agent schedules the boundary a few steps ahead of the furthest rank, so all of them leave together.
         """
         run, data = self.run, self.run.data
-        if self.declined is not None or data is None or not data.global_batch or run.world_size * data.batch_size >= data.global_batch:
+        if self.declined is not None or data is None or not data.global_batch:
+            return
+        if run.world_size * data.batch_size >= data.global_batch:
             return
         store = self._connect()
         key = grow_key(self.generation)
