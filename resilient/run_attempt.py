@@ -254,6 +254,9 @@ class AttemptStart:
     hyper: list[dict[str, Any]]
     """The optimizer's hyperparameters (every param group's entries but its parameters): a scheduler or the
     script may set them inside the step."""
+    retryable: bool = True
+    """False: nothing can retry this attempt (no in-process recovery, ``nonfinite`` not "retry"), so the copies
+    above were not taken."""
 
 
 def begin(run: Run) -> AttemptStart:
@@ -263,15 +266,19 @@ def begin(run: Run) -> AttemptStart:
         reseed(run.seed, run.step, run.rank)
     numpy = sys.modules.get("numpy")
     optimizer = run.optimizer
+    # Copies only where this attempt can be retried: in-process recovery, or a non-finite gradient's retry.
+    retryable = run._recovery is not None or run._nonfinite == "retry"
     start = AttemptStart(
         step=run.step, consumed=run.data.consumed if run.data is not None else None, samples=run.samples,
         tokens=run.tokens, python_rng=random.getstate(),
         numpy_rng=numpy.random.get_state() if numpy is not None else None,
-        user={name: snapshot_state(f"state[{name!r}]", obj) for name, obj in run.user_state.items()},
-        scheduler=snapshot_state("scheduler", run.scheduler) if run.scheduler is not None else None,
-        scaler=snapshot_state("scaler", run.scaler) if run.scaler is not None else None,
+        user={name: snapshot_state(f"state[{name!r}]", obj) for name, obj in run.user_state.items()}
+        if retryable else {},
+        scheduler=snapshot_state("scheduler", run.scheduler) if retryable and run.scheduler is not None else None,
+        scaler=snapshot_state("scaler", run.scaler) if retryable and run.scaler is not None else None,
         hyper=[{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        if optimizer is not None else [],
+        if retryable and optimizer is not None else [],
+        retryable=retryable,
     )
     run._position = StepPosition.BEFORE
     torch.manual_seed(step_seed(run.seed, run.step, run.rank))
@@ -292,6 +299,7 @@ def rewind(run: Run, start: AttemptStart) -> None:
     scaler, the optimizer's hyperparameters and every RNG stream.  Parameters and optimizer state are the
     caller's: unchanged when the rank failed before the update (:class:`StepPosition`), else a peer's."""
     assert run.step == start.step, f"the step moved during the attempt: {start.step} -> {run.step}"
+    assert start.retryable, "an attempt begun without its copies is being retried"
     run._close_micro_batches()
     run._micro_samples = None
     if run.data is not None and start.consumed is not None:
