@@ -1,4 +1,4 @@
-"""The private torch APIs resilient relies on, probed once when this module is imported.
+"""The private torch APIs resilient relies on, each probed once, the first time its feature is asked for.
 
 A few features need torch internals that no public API offers (the list is
 :data:`FEATURES`).  Each is probed here, by the shape resilient uses: the
@@ -8,8 +8,12 @@ fails turns its feature off with the reason (fail closed), never a silent
 
 - the callers ask :func:`missing` (None: available) and take the path
   that does not need the feature, or decline what cannot work without it;
-- the Run reports the features that are off once, at its creation, in a
-  ``torch_features_off`` event.
+- the Run reports the features it uses that are off once, at its
+  creation, in a ``torch_features_off`` event.
+
+Probes run on first use rather than at import: the sharded features' probes
+import FSDP (about 0.9 s here), which a run without a sharded model never
+needs.
 
 :func:`probe_all` runs the probes again (tests break an API on purpose and
 check that its feature turns off).  Attributes that only instances carry
@@ -146,20 +150,26 @@ def probe_all() -> dict[str, str | None]:
     return {feature: probe(feature) for feature in FEATURES}
 
 
-STATUS: dict[str, str | None] = probe_all()
-"""Each feature's probe at import: None when available, else the reason it is off."""
+SHARDED = frozenset({"fsdp_rebind", "dtensor_chunks"})
+"""The features only a sharded (FSDP2 / DTensor) model uses."""
+
+STATUS: dict[str, str | None] = {}
+"""Each probed feature: None when available, else the reason it is off (filled on first use)."""
 
 
 def missing(feature: str) -> str | None:
-    """Why ``feature`` is off under this torch (None: available)."""
+    """Why ``feature`` is off under this torch (None: available); probed the first time it is asked."""
     if feature not in FEATURES:
         raise KeyError(f"no feature {feature!r} in resilient.compat.FEATURES")
+    if feature not in STATUS:
+        STATUS[feature] = probe(feature)
     return STATUS[feature]
 
 
-def off() -> dict[str, str]:
-    """The features that are off, with their reasons."""
-    return {feature: reason for feature, reason in STATUS.items() if reason is not None}
+def off(*, sharded: bool = True) -> dict[str, str]:
+    """The features that are off, with their reasons (``sharded=False``: leave out those only sharded models use)."""
+    found = {feature: missing(feature) for feature in FEATURES if sharded or feature not in SHARDED}
+    return {feature: reason for feature, reason in found.items() if reason is not None}
 
 
 def require_attributes(obj: Any, names: tuple[str, ...], feature: str) -> None:

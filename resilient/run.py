@@ -28,6 +28,7 @@ from . import __version__, compat
 from . import run_attempt as _attempt
 from . import run_audit as _audit
 from . import run_nonfinite as _nonfinite
+from .checkpoint import sharded
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.manager import CheckpointManager, SaveResult
 from .checkpoint.restore import Restored
@@ -120,10 +121,11 @@ class Run:
             self._hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
             for note in self._hooks.notes:
                 self.events.emit(EventKind.AGENT_HOOK_MISSING, note=note)
-        if compat.off():  # fail closed: each feature that needs a missing private API is off, and this says which
-            self.events.emit(EventKind.TORCH_FEATURES_OFF, torch=torch.__version__, features=compat.off())
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"Run(model=...) needs a torch.nn.Module, got {type(model).__qualname__}")
+        off = compat.off(sharded=sharded.is_sharded(model))  # those this run can use
+        if off:  # fail closed: each feature that needs a missing private API is off, and this says which
+            self.events.emit(EventKind.TORCH_FEATURES_OFF, torch=torch.__version__, features=off)
         if type(optimizer).__name__ == "ZeroRedundancyOptimizer":  # torch.distributed.optim's, by name: no import
             raise ConfigError(
                 "Run(optimizer=ZeroRedundancyOptimizer(...)) is not supported: its state is sharded over the ranks "
