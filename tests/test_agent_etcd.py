@@ -56,6 +56,23 @@ def _finish(agents: dict[str, object], timeout: float) -> dict[str, int]:
     return codes
 
 
+def _outage_noticed_by(run_dir: Path) -> set[str]:
+    """The nodes whose agents said the store became unreachable, so far."""
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return set()
+    noticed = set()
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:  # a line being appended
+            break
+        if event["kind"] == "store_outage_start":
+            noticed.add(event["node"])
+    return noticed
+
+
 def _kill_all(agents: dict[str, object]) -> None:
     for agent in agents.values():
         if agent.poll() is None:  # type: ignore[attr-defined]
@@ -124,7 +141,8 @@ def test_a_short_etcd_outage_does_not_kill_the_run(tmp_path, etcd_outage_server)
     agents = _start_nodes(tmp_path, etcd_outage_server.url, "outage", nodes, "2", steps, step=5)
     try:
         etcd_outage_server.stop()
-        time.sleep(4)
+        # Down until every node noticed (their peer watch asks the store once a second), then back.
+        wait_for(lambda: _outage_noticed_by(run_dir) == set(nodes), timeout=60, what="every node to notice the outage")
         etcd_outage_server.start()
         codes = _finish(agents, timeout=240)
     finally:

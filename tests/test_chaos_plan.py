@@ -136,18 +136,21 @@ def test_injector_fires_each_fault_once_and_records_it_first(capsys):
 def test_a_slow_fault_delays_its_section_once_per_step_for_its_steps():
     events = EventLog()
     plan = FaultPlan(faults=(Fault(kind="slow", rank=0, step=2, section="data", duration_s=0.03, steps=2),))
-    injector = FaultInjector(plan, None, 0, 0, events=events)
+    slept: list[float] = []
+    injector = FaultInjector(plan, None, 0, 0, events=events, sleep=slept.append)
 
-    def entry(section: str, step: int) -> float:
-        started = time.monotonic()
+    def entry(section: str, step: int) -> list[float]:
+        """What entering ``section`` at ``step`` slept."""
+        before = len(slept)
         injector.at(section, step)
-        return time.monotonic() - started
+        return slept[before:]
 
-    assert entry("data", 1) < 0.02                          # before its step
-    assert entry("data", 2) >= 0.03 and entry("data", 2) < 0.02  # once per step, however often it is entered
-    assert entry("step", 3) < 0.02                          # another section
-    assert entry("data", 3) >= 0.03 and entry("data", 3) < 0.02
-    assert entry("data", 4) < 0.02 and not injector.armed   # 2 steps: over at step 4
+    assert entry("data", 1) == []                            # before its step
+    assert entry("data", 2) == [0.03] and entry("data", 2) == []  # once per step, however often it is entered
+    assert entry("step", 3) == []                            # another section
+    assert entry("data", 3) == [0.03] and entry("data", 3) == []
+    assert entry("data", 4) == [] and not injector.armed     # 2 steps: over at step 4
+    assert slept == [0.03, 0.03]
     assert [e.fields["fault"]["kind"] for e in events.of_kind("fault_injected")] == ["slow"]
 
 

@@ -89,12 +89,11 @@ def test_resume_demo_matches(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "verdict: MATCH" in out, out[-6000:]
-    # The kill lands at the top of step 45. A SIGKILL loses the heartbeats not yet sent; they span less than
-    # one batch interval (20 ms: a section entry that much after the last send sends at once, see
-    # resilient/worker/heartbeat.py). These steps take 18-20 ms on 2 cores: with any step over 10 ms the unsent
-    # entries are at most those of steps 44 and 45, so the agent places rank 1 in step 43, 44 or 45.
+    # The kill lands at the top of step 45: the agent places rank 1 there or, having lost the heartbeats not yet
+    # sent (less than one batch interval of them: test_heartbeat.py's
+    # test_a_section_entry_an_interval_after_the_last_send_sends_the_queue_so_it_never_spans_an_interval), before.
     found = re.search(r"rank 1 on \S+: killed by SIGKILL in section '\w+' at step (\d+)", out)
-    assert found and 43 <= int(found.group(1)) <= 45, out[-6000:]
+    assert found and int(found.group(1)) <= 45, out[-6000:]
     assert "decision: restart" in out
     assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report
     assert "step_0000000040 (resumed at step 40)" in out

@@ -277,6 +277,34 @@ def test_batching_sender_delivers_every_heartbeat_in_order_with_its_own_time(soc
     assert stamps == sorted(stamps) and before <= stamps[0] <= stamps[-1] <= queued_at
 
 
+def test_a_section_entry_an_interval_after_the_last_send_sends_the_queue_so_it_never_spans_an_interval():
+    """On a made-up clock: what a SIGKILL can lose (the queue) spans less than ``interval_s``; the entry that
+    would make it span more goes out at once, with everything before it, each with its own time."""
+    from resilient.worker.heartbeat import BatchingSender
+
+    datagrams: list[bytes] = []
+    inner = HeartbeatSender("/nonexistent/hb.sock", rank=0, local_rank=0, generation=1, pid=9)
+    inner.send_raw = lambda text, count: datagrams.append(text.encode()) is None  # type: ignore[method-assign]
+    now = [100.0]
+    sender = BatchingSender(inner, interval_s=10, clock=lambda: now[0])  # its timer never fires during the test
+
+    def sent() -> list[tuple[int, float | None]]:
+        return [(hb.step, hb.t) for d in datagrams for hb in decode_datagram(d)]
+
+    sender.send("hello", "init", 0)  # at once
+    for step, now[0] in ((1, 105.0), (2, 109.75)):
+        sender.send("section", "step", step)
+    assert sent() == [(0, 100.0)]  # queued: the last datagram left less than an interval ago
+    now[0] = 110.0
+    sender.send("section", "step", 3)  # an interval after it: the queue goes, in one datagram
+    assert len(datagrams) == 2 and sent()[1:] == [(1, 105.0), (2, 109.75), (3, 110.0)]
+    now[0] = 119.75
+    sender.send("section", "step", 4)
+    assert len(datagrams) == 2  # queued again, 9.75 s after the last datagram
+    sender.close()
+    assert sent()[-1] == (4, 119.75) and len(datagrams) == 3
+
+
 def test_a_malformed_batch_is_counted_once(sock_path):
     inbox = Inbox()
     receiver = HeartbeatReceiver(sock_path, inbox)
@@ -339,8 +367,10 @@ def test_a_closed_batching_sender_counts_what_it_is_still_given_as_dropped(sock_
         sender.close()
         assert sender.send("section", "step", 1) is False  # nothing sends any more: lost, and counted
         assert (sender.sent, sender.dropped) == (1, 1)
-        time.sleep(0.1)
-        assert [m.kind for m in inbox.messages()] == ["hello"]
+        # The receiver takes datagrams in order: a heartbeat sent before this marker would come before it.
+        assert HeartbeatSender(sock_path, rank=9, local_rank=0, pid=8).send("section", "marker", 0)
+        wait_for(lambda: len(inbox.messages()) == 2, what="the marker")
+        assert [(m.kind, m.section) for m in inbox.messages()] == [("hello", "init"), ("section", "marker")]
     finally:
         receiver.close()
 

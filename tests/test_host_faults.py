@@ -73,10 +73,9 @@ def run_out(tmp_path: Path, pid: int, done_step: int) -> Path:
     return out
 
 
-def until(predicate, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
+def until(predicate) -> None:
+    """Poll until ``predicate()`` holds; no bound of its own: the test's timeout is the hang guard."""
     while not predicate():
-        assert time.monotonic() < deadline, "not within the time"
         time.sleep(0.02)
 
 
@@ -269,7 +268,7 @@ def test_a_store_outage_stops_the_real_etcd_and_starts_it_again_with_its_data(tm
         assert etcd.pids() == []
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{endpoint}/health", timeout=2)
-        until(lambda: (inj.poll(), [e["kind"] for e in inj.events()])[1] == ["fault_injected", "fault_lifted"], 30)
+        until(lambda: (inj.poll(), [e["kind"] for e in inj.events()])[1] == ["fault_injected", "fault_lifted"])
         assert len(etcd.pids()) == 1 and put_get("k") == "before"  # the same ports, the same data
         inj.close()
     finally:

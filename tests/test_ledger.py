@@ -134,6 +134,32 @@ def test_degraded_world_two_of_three_and_slowdown_excess():
     assert sorted(acct.step_histograms) == [0, 1]
 
 
+def test_a_slower_input_pipeline_costs_data_wait_not_slow_steps():
+    """The cost the agent reads for a slowdown attributed to data (``ledger_cost``): all the wait of the slowdown's
+    steps is ``data_wait``, its excess over the earlier wait included; the steps themselves stay productive."""
+    from resilient.agent.slowness import ledger_cost
+
+    ledger = started()
+    t = 10.0
+
+    def step(s: int, wait: float) -> None:  # wait for the batch, then one ideal (1 s) step
+        nonlocal t
+        ledger.section(t, 0, "data", s, s * TOK, s * SMP)
+        ledger.section(t + wait, 0, "step", s, s * TOK, s * SMP)
+        t += wait + 1.0
+
+    for s in range(5):
+        step(s, 0.25)
+    before = dict(ledger.account(t).seconds)  # the slowdown begins: each batch now takes 1 s more
+    for s in range(5, 15):
+        step(s, 1.25)
+    ledger.section(t, 0, "data", 15, 15 * TOK, 15 * SMP)  # step 14 done
+    cost = ledger_cost(before, dict(ledger.account(t).seconds), {"section": "data", "rank": None})
+    excess, usual = 10 * 1.0, 10 * 0.25  # above the earlier wait, and the earlier wait itself
+    assert cost == {"ledger_s": {"productive": 10.0, "data_wait": excess + usual}, "ledger_category": "data_wait",
+                    "ledger_cost_s": excess + usual}
+
+
 def test_measured_ideal_median_plus_3_mad_rule():
     # median 1, MAD 0.25, bound 1.75: 5.0 is dropped, the mean of the rest is 1.0
     assert measured_ideal([1.0, 1.25, 0.75, 1.0, 5.0]) == 1.0

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import gc
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -201,18 +203,63 @@ def test_starting_workers_draws_no_number_from_the_global_rng():
     loader.close()
 
 
+class CountedReads:
+    """``Samples`` whose reads the worker processes count in shared memory; the reads after the first
+    ``open_reads`` wait until ``gate`` is set."""
+
+    def __init__(self, n: int, open_reads: int) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.samples, self.open_reads = Samples(n), open_reads
+        self.started, self.done, self.gate = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        with self.started.get_lock():
+            ordinal, self.started.value = self.started.value, self.started.value + 1
+        if ordinal >= self.open_reads:
+            self.gate.wait()
+        item = self.samples[i]
+        with self.done.get_lock():
+            self.done.value += 1
+        return item
+
+
 def test_data_wait_is_the_loops_wait_not_the_workers_reading_time():
-    delay, steps = 0.05, 4  # each batch of 4 costs a worker 0.2 s of reading
-    loader = make(dataset=Samples(23, delay=delay), **WORKERS)
-    next(loader)  # starts the workers: the loop waits for that
-    first_wait = loader.data_wait_s
-    assert first_wait >= 4 * delay
-    for _ in range(steps):
-        time.sleep(0.5)  # a training step long enough for the workers to have the next batches ready
+    # The loader's clock is the count of samples the workers have read: its data wait is the reads the loop
+    # waited for.  Two workers with two batches each in flight: batch 0 and the 4 behind it are read freely.
+    reads = CountedReads(40, open_reads=5 * 4)
+    calls: list[float] = []
+
+    def clock() -> float:
+        calls.append(float(reads.done.value))
+        return calls[-1]
+
+    loader = make(dataset=reads, clock=clock, **WORKERS)
+    try:
+        next(loader)  # starts the workers: the loop waits for batch 0's reads
+        first_wait = loader.data_wait_s
+        assert first_wait >= 4
+        while reads.done.value < 5 * 4:  # batches 1-4 are read while the loop does its step (no bound: hang guard)
+            time.sleep(0.01)
+        for _ in range(4):
+            next(loader)
+        assert loader.data_wait_s == first_wait, "the loop was charged for reads done while it was away"
+        # Batch 5 is read only once the loop waits for it: all its reads are the loop's wait.
+        gate = threading.Thread(target=lambda: (wait_calls(calls, 2 * 5 + 1), reads.gate.set()), daemon=True)
+        gate.start()
         next(loader)
-    waited = loader.data_wait_s - first_wait
-    assert waited < 0.25 * steps * 4 * delay, f"the loop waited {waited:.3f} s for batches that were ready"
-    loader.close()
+        assert loader.data_wait_s - first_wait >= 4 and loader.last_indices == loader.indices_at(20, 4)
+    finally:
+        reads.gate.set()
+        loader.close()
+
+
+def wait_calls(calls: list[float], n: int) -> None:
+    """Until the loader has read its clock ``n`` times (the last one as it began to wait for a batch)."""
+    while len(calls) < n:
+        time.sleep(0.005)
 
 
 def run_rank(tmp: Path, rank: int, world: int, steps: int) -> subprocess.Popen:

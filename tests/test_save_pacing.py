@@ -89,16 +89,19 @@ def test_when_busy_is_validated():
 
 
 class GatedStorage(LocalStorage):
-    """Local storage whose shard writes wait until ``gate`` is set (bounded, so a test cannot hang)."""
+    """Local storage whose shard writes wait until ``gate`` is set (bounded, so a test cannot hang); ``order``
+    records each write let through, for tests to add what they saw return."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.gate = threading.Event()
         self.writing = threading.Event()
+        self.order: list[str] = []
 
     def write_file(self, *args, **kwargs):
         self.writing.set()
         assert self.gate.wait(60), "the test never released the writer"
+        self.order.append("write released")
         return super().write_file(*args, **kwargs)
 
 
@@ -148,15 +151,24 @@ def test_defer_never_waits_for_the_writer_and_lands_at_the_first_free_step(tmp_p
     assert all(verify_checkpoint(storage, name).ok for name in storage.list_committed())
 
 
+def returning(order: list[str], call) -> threading.Thread:
+    """``call()`` on a thread that adds "returned" to ``order`` when it returns."""
+    thread = threading.Thread(target=lambda: (call(), order.append("returned")), daemon=True)
+    thread.start()
+    return thread
+
+
 def test_wait_policy_still_waits_for_the_writer(tmp_path):
     m, storage, events = manager(tmp_path, "wait")
     at_boundary(m, 1)
     assert storage.writing.wait(30)
-    finished, _, thread = at_boundary(m, 2, timeout=0.5)
-    assert not finished, "when_busy='wait' took the save without waiting for the writer"
+    thread = returning(storage.order, lambda: m.save_due(2, due=True, payloads=payloads(2), counters={},
+                                                         fingerprint={}))
     storage.gate.set()
     thread.join(30)
     assert not thread.is_alive()
+    assert storage.order[0] == "write released" and "returned" in storage.order, \
+        f"when_busy='wait' took the save without waiting for the writer: {storage.order}"
     m.wait()
     assert [r.step for r in m.results] == [1, 2]
     assert m.results[-1].waited_s > 0 and m.results[-1].stall_s >= m.results[-1].waited_s
@@ -212,13 +224,12 @@ def test_a_final_save_with_a_busy_writer_waits_and_commits_the_final_step(tmp_pa
     assert storage.writing.wait(30)
     at_boundary(m, 2)  # deferred
     out: list = []
-    final = threading.Thread(target=lambda: out.append(m.save(3, payloads(3)(), counters={}, fingerprint={},
-                                                                wait=True)), daemon=True)
-    final.start()
-    final.join(0.5)
-    assert final.is_alive(), "the final save did not wait for the writer"
+    final = returning(storage.order, lambda: out.append(m.save(3, payloads(3)(), counters={}, fingerprint={},
+                                                                wait=True)))
     storage.gate.set()
     final.join(30)
+    assert storage.order[0] == "write released" and storage.order[-1] == "returned", \
+        f"the final save did not wait for the writer: {storage.order}"
     result = out[0]
     assert (result.step, result.ok, result.deferred_from) == (3, True, 2) and result.waited_s > 0
     assert m.pending is None and storage.list_committed()[-1] == "step_0000000003"
@@ -235,10 +246,12 @@ def test_run_loop_defers_and_its_final_save_waits_for_the_busy_writer(tmp_path, 
                         checkpoint=CheckpointConfig(dir=tmp_path / "c", every_steps=1, keep=10))
     gate, writing = threading.Event(), threading.Event()
     real = LocalStorage.write_file
+    order: list[str] = []
 
     def gated(self, *args, **kwargs):
         writing.set()
         assert gate.wait(60), "the test never released the writer"
+        order.append("write released")
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(LocalStorage, "write_file", gated)
@@ -249,6 +262,7 @@ def test_run_loop_defers_and_its_final_save_waits_for_the_busy_writer(tmp_path, 
             model(torch.ones(1, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
+        order.append("finished")
         finished.set()
 
     loop = threading.Thread(target=train, daemon=True)
@@ -259,10 +273,11 @@ def test_run_loop_defers_and_its_final_save_waits_for_the_busy_writer(tmp_path, 
             break
         loop.join(0.1)
     assert [e.fields["step"] for e in events.of_kind("checkpoint_deferred")] == [2, 3]
-    assert not finished.wait(0.5), "the final save did not wait for the busy writer"
     gate.set()
     loop.join(30)
     assert finished.is_set()
+    assert order[0] == "write released" and order[-1] == "finished", \
+        f"the final save did not wait for the busy writer: {order}"
     result = run.close()
     assert (result.step, result.ok, result.deferred_from, result.deferred_slots) == (4, True, 2, 2)
     assert LocalStorage(tmp_path / "c").list_committed() == ["step_0000000001", "step_0000000004"]

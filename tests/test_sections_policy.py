@@ -115,6 +115,19 @@ def test_no_hang_while_within_timeouts_and_exactly_at_timeout() -> None:
     assert decide_hang({}, SectionStats(), cfg, now=1e9) is None
 
 
+def test_a_hang_is_decided_at_the_first_check_past_the_timeout_with_the_overrun_it_saw() -> None:
+    """The agent asks once per monitor interval: no check up to the timeout decides, the first one after it does,
+    and the overrun it reports is what that check saw (less than one interval)."""
+    cfg = SectionTimeouts(explicit={"step": 4.0})
+    view = {1: RankView("step", 22, entered_at=10.0, pid=7)}
+    checks = [10.0 + 0.25 * k for k in range(40)]  # every 0.25 s (exact in binary)
+    decided = [now for now in checks if decide_hang(view, SectionStats(), cfg, now) is not None]
+    assert decided[0] == 14.25  # 14.0 is exactly at the timeout: not yet
+    assert decided == checks[checks.index(14.25):]  # and from then on at every check
+    first = decide_hang(view, SectionStats(), cfg, now=14.25)
+    assert first is not None and (first.rank, first.elapsed_s, first.timeout_s, first.overrun_s) == (1, 4.25, 4.0, 0.25)
+
+
 def test_hang_names_the_most_overrun_rank_with_calibration_evidence() -> None:
     cfg = SectionTimeouts(warmup=5, factor=3.0, floor_s=1.0)
     stats = stats_of("step", 1.0, 2.67, 2.0, 1.2, 1.1)

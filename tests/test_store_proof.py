@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -132,8 +131,11 @@ def test_resilient_stop_through_the_store_needs_the_token(tmp_path, etcd_server,
                                     check=False)
             assert denied.returncode == 2, denied
         assert "--token-file" in denied.stderr or "token" in denied.stderr
-        time.sleep(2)
-        assert agent.poll() is None, "a stop without the token must not stop the run"
+        # A refused stop writes nothing the agents could act on: no request under the launch, no stop.
+        store = EtcdControlStore.for_run(EtcdClient(EtcdConfig.from_url(etcd_server.url)), etcd_run_id)
+        prefix = f"launch/{_launch_id(store)}/"
+        assert [k for k in ("stop_request", "stop") if store.get(prefix + k) is not None] == []
+        assert agent.poll() is None and not events(run_dir, "stop_requested")
         ok = subprocess.run([*stop, "--token-file", str(run_dir / "token")], capture_output=True, text=True,
                             timeout=60, env=agent_env(), check=False)
         assert ok.returncode == 0, ok.stderr

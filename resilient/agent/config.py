@@ -92,6 +92,9 @@ class AgentConfig:
     """After a failure, seconds between SIGTERM and SIGKILL for the remaining workers."""
     preempt_grace_s: float = 60.0
     """On SIGTERM, seconds the workers get to commit a checkpoint and exit."""
+    signalled_together_s: float = 1.0
+    """Seconds a worker's death by SIGTERM waits for this agent's own SIGTERM (a scheduler ending the whole job:
+    a stop, not a failure) before it counts as a failure."""
     preempt_margin_steps: int = 2
     """Steps ahead of the furthest rank at which a graceful stop is scheduled."""
     fault_plan: Path | None = None
@@ -153,7 +156,8 @@ class AgentConfig:
             raise ConfigError(f"--nnodes {self.min_nodes}:{self.max_nodes} needs 1 <= MIN <= MAX")
         if self.max_nodes > 1 and self.store_url is None:
             raise ConfigError("--nnodes above 1 needs a shared store: pass --store etcd://HOST:PORT")
-        for name in ("health_interval_s", "monitor_interval_s", "stop_grace_s", "preempt_grace_s"):
+        for name in ("health_interval_s", "monitor_interval_s", "stop_grace_s", "preempt_grace_s",
+                     "signalled_together_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -291,7 +291,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
                 else:
                     return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), again)
                 continue
-            if hold is None and _signalled_with_agent(ctx, failed):
+            if hold is None and _signalled_with_agent(failed, ctx.stop_requested, ctx.clock, c.signalled_together_s):
                 return Outcome(OutcomeKind.PREEMPTED, "the workers and this agent got SIGTERM together (a scheduler "
                                                       "ending the job: a preemption or requeue); no checkpoint was "
                                                       "taken, the next launch resumes from the newest commit")
@@ -369,21 +369,24 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         group.pause(c.monitor_interval_s)
 
 
-SIGNALLED_TOGETHER_S = 1.0
-"""How long a worker's death by SIGTERM waits for the agent's own SIGTERM before it counts as a failure."""
+SIGNALLED_POLL_S = 0.02
+"""How often :func:`_signalled_with_agent` looks for the agent's own SIGTERM while it waits."""
 
 
-def _signalled_with_agent(ctx: GenerationContext, failed: list[Any]) -> bool:
-    """Whether every failed worker died of SIGTERM and this agent got SIGTERM too, now or within
-    :data:`SIGNALLED_TOGETHER_S`: a scheduler that signals every process of the job (Slurm's preemption,
-    ``scontrol requeue``, scancel) is ending it; that is a stop, not a failure to restart from."""
+def _signalled_with_agent(failed: list[Any], stop_requested: Callable[[], str | None], clock: Callable[[], float],
+                          window_s: float, sleep: Callable[[float], None] = time.sleep) -> bool:
+    """Whether every failed worker died of SIGTERM and this agent got SIGTERM too (``stop_requested``), now or
+    within ``window_s`` on ``clock`` (``AgentConfig.signalled_together_s``): a scheduler that signals every
+    process of the job (Slurm's preemption, ``scontrol requeue``, scancel) is ending it; that is a stop, not a
+    failure to restart from.  Waits with ``sleep``, never past the window."""
     if not failed or any(e.signal != signal.SIGTERM for e in failed):
         return False
-    deadline = time.monotonic() + SIGNALLED_TOGETHER_S
-    while not ctx.stop_requested():
-        if time.monotonic() >= deadline:
+    deadline = clock() + window_s
+    while not stop_requested():
+        left = deadline - clock()
+        if left <= 0:
             return False
-        time.sleep(0.02)
+        sleep(min(SIGNALLED_POLL_S, left))
     return True
 
 

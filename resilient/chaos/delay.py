@@ -9,9 +9,10 @@ The proxy connects onward to that destination from a socket marked ``M``
 (``SO_MARK``), which the rules let pass, and carries the bytes both ways,
 each chunk the current delay after it arrived, in order.  The delay is the
 number of milliseconds in ``FILE`` (read ten times a second; 0 or no file:
-none), so a drill can put the proxy in place before the node's first
-connection (a redirect applies to new connections only, and gloo connects
-once) and add the latency later.  Every connection of the node (gloo's
+none; each change taken is written back to ``FILE.applied``), so a drill
+can put the proxy in place before the node's first connection (a redirect
+applies to new connections only, and gloo connects once) and add the
+latency later.  Every connection of the node (gloo's
 pairs, its store, etcd) then has that much more each way, and bandwidth is
 kept: the delay is a queue, not a sleep per chunk.
 
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import socket
 import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 SO_ORIGINAL_DST = 80
 CHUNK = 65536
@@ -38,24 +41,49 @@ def original_destination(conn: socket.socket) -> tuple[str, int]:
     return socket.inet_ntoa(packed), int(port)
 
 
+def applied_path(control: str) -> str:
+    """Where the proxy says which delay it applies: the control file's name with ``.applied`` after it."""
+    return control + ".applied"
+
+
 class Delay:
-    """The delay now, from the control file (re-read ten times a second by a thread)."""
+    """The delay now, from the control file (:meth:`watch` re-reads it ten times a second on a thread).
+
+    Each change it takes is written back to :func:`applied_path` (milliseconds, as read), so whoever set the
+    delay can tell when the proxy applies it: chunks that arrive after that wait the new delay.
+    """
 
     def __init__(self, path: str) -> None:
         self.path, self.s = path, 0.0
+        self._applied: float | None = None
+
+    def watch(self) -> Delay:
         threading.Thread(target=self._watch, daemon=True).start()
+        return self
 
     def _watch(self) -> None:
         while True:
-            try:
-                with open(self.path) as f:
-                    self.s = max(0.0, float(f.read().strip() or 0)) / 1e3
-            except (OSError, ValueError):
-                self.s = 0.0
+            self.read()
             time.sleep(0.1)
 
+    def read(self) -> None:
+        """Take the control file's delay (0 when it is missing or unreadable) and say so when it changed."""
+        try:
+            with open(self.path) as f:
+                ms = max(0.0, float(f.read().strip() or 0))
+        except (OSError, ValueError):
+            ms = 0.0
+        self.s = ms / 1e3
+        if ms != self._applied:
+            tmp = applied_path(self.path) + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{ms!r}")
+            os.replace(tmp, applied_path(self.path))
+            self._applied = ms
 
-def pump(src: socket.socket, dst: socket.socket, delay: Delay) -> None:
+
+def pump(src: socket.socket, dst: socket.socket, delay: Delay, *, clock: Callable[[], float] = time.monotonic,
+         sleep: Callable[[float], None] = time.sleep) -> None:
     """Copy ``src`` to ``dst``, each chunk the delay after it was read; close ``dst``'s writing side at EOF."""
     queue: collections.deque[tuple[float, bytes]] = collections.deque()
     ready = threading.Condition()
@@ -69,9 +97,9 @@ def pump(src: socket.socket, dst: socket.socket, delay: Delay) -> None:
                 if not queue and done:
                     break
                 due, data = queue.popleft()
-            wait = due - time.monotonic()
+            wait = due - clock()
             if wait > 0:
-                time.sleep(wait)
+                sleep(wait)
             try:
                 dst.sendall(data)
             except OSError:
@@ -94,7 +122,7 @@ def pump(src: socket.socket, dst: socket.socket, delay: Delay) -> None:
                     done = True
                     ready.notify()
                     break
-                queue.append((time.monotonic() + delay.s, data))
+                queue.append((clock() + delay.s, data))
                 ready.notify()
     finally:
         out.join()
@@ -136,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", required=True, help="a file holding the delay in ms")
     p.add_argument("--mark", type=int, required=True)
     args = p.parse_args(argv)
-    serve(args.port, Delay(args.control), args.mark)
+    serve(args.port, Delay(args.control).watch(), args.mark)
     return 0
 
 

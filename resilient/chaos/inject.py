@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 from ..events import EventKind
@@ -46,11 +47,13 @@ class FaultInjector:
         log: TextIO | None = None,
         after_step: int | None = None,
         record: EventLog | None = None,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``after_step``: only faults at later steps (a rank taken over in a re-formed group); ``record``: a
         second log the ``fault_injected`` event also goes to (the agent's ``events.jsonl``, where a drill
-        reads when the fault struck)."""
+        reads when the fault struck); ``sleep``: how ``slow`` and ``hang`` faults wait (tests record it)."""
         self.plan = plan
+        self._sleep = sleep
         self.node = node
         self.rank = rank
         self.attempt = attempt
@@ -91,7 +94,7 @@ class FaultInjector:
             if slow is not None and self._slowed.get(section) != step:
                 if slow[1] is None or step < slow[1]:
                     self._slowed[section] = step
-                    time.sleep(slow[0])
+                    self._sleep(slow[0])
                 else:
                     del self._slow[section]
         if not self._index:
@@ -128,14 +131,14 @@ class FaultInjector:
         elif fault.kind == "raise":
             raise InjectedFault(message)
         elif fault.kind == "hang":
-            _hang(fault.duration_s)
+            _hang(fault.duration_s, self._sleep)
         elif fault.kind == "deadlock":
             _deadlock()
         elif fault.kind == "slow":
             assert fault.duration_s is not None  # Fault requires it
             self._slow[fault.section] = (fault.duration_s, None if fault.steps is None else step + fault.steps)
             self._slowed[fault.section] = step
-            time.sleep(fault.duration_s)
+            self._sleep(fault.duration_s)
         elif fault.kind == "nan":
             self._poison = True  # the Run's next micro-batch gets one NaN (resilient.run_attempt.poisoned)
         elif fault.kind == "sigstop":
@@ -153,13 +156,13 @@ def _flush_stdio() -> None:
             pass
 
 
-def _hang(duration_s: float | None) -> None:
+def _hang(duration_s: float | None, sleep: Callable[[float], None]) -> None:
     """Sleep for ``duration_s`` (None: forever); signal handlers still run meanwhile."""
     if duration_s is not None:
-        time.sleep(duration_s)
+        sleep(duration_s)
         return
     while True:
-        time.sleep(3600)
+        sleep(3600)
 
 
 def _deadlock() -> None:

@@ -215,6 +215,18 @@ class Network:
         tmp.write_text(f"{delay_s * 1e3:g}")
         tmp.replace(self._control_dir / f"{node}.ms")
 
+    def applied_delay(self, node: str) -> float | None:
+        """The delay ``node``'s proxy applies now, in seconds (it takes a :meth:`set_delay` within 0.1 s); None
+        before it first read its control file."""
+        from .delay import applied_path
+
+        if node not in self._proxies or self._control_dir is None:
+            raise RuntimeError(f"no delaying proxy at {node}: call add_proxies() before the run starts")
+        try:
+            return float(Path(applied_path(str(self._control_dir / f"{node}.ms"))).read_text()) / 1e3
+        except (FileNotFoundError, ValueError):
+            return None
+
     def close(self) -> None:
         """Delete every namespace (their veth ends go with them) and the bridge; safe to call twice."""
         for proc in self._proxies.values():

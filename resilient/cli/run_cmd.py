@@ -110,6 +110,9 @@ def add_parser(commands: Any) -> None:
                    help="after a failure, SIGTERM-to-SIGKILL grace for the other workers (default 5)")
     p.add_argument("--preempt-grace", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds the workers get to checkpoint and exit (default 60)")
+    p.add_argument("--signalled-together", type=float, default=1.0, metavar="S",
+                   help="seconds a worker killed by SIGTERM waits for this agent's own SIGTERM (a scheduler "
+                        "ending the job: a stop, not a failure) before it counts as a failure (default 1)")
     p.add_argument("--health-path", action="append", default=[], metavar="DIR",
                    help="directory whose free space is checked (e.g. the checkpoint dir); repeatable")
     p.add_argument("--min-free-disk-gb", type=float, metavar="GB", help="step out below this free disk (default 1)")
@@ -260,6 +263,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         evict=EvictConfig(enabled=args.evict, after_windows=args.evict_after_windows, margin=args.evict_margin), burn_in_argv=tuple(args.burn_in_arg),
         rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
+        signalled_together_s=args.signalled_together,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
         worker_env=dict(environ), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         stall_alert_after_s=args.stall_alert_after, goodput_objective=args.goodput_objective,

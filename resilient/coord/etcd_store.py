@@ -135,9 +135,17 @@ def _store_class() -> type:
     return EtcdC10dStore
 
 
-def make_etcd_c10d_store(client: EtcdClient, prefix: str, timeout: timedelta | None = None) -> Store:
-    """A c10d store keeping its keys under etcd key ``prefix``; ``timeout`` bounds blocking reads."""
-    store: Store = _store_class()(client, prefix, timeout)
+def make_etcd_c10d_store(
+    client: EtcdClient,
+    prefix: str,
+    timeout: timedelta | None = None,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Store:
+    """A c10d store keeping its keys under etcd key ``prefix``; ``timeout`` bounds blocking reads, measured on
+    ``clock``, between whose polls it waits with ``sleep``."""
+    store: Store = _store_class()(client, prefix, timeout, clock=clock, sleep=sleep)
     return store
 
 
