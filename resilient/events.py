@@ -45,6 +45,9 @@ class EventKind(str, Enum):
     IN_PROCESS_DECLINED = "in_process_declined"  # this run recovers by restart only, and why (said once, at start)
     TORCH_FEATURES_OFF = "torch_features_off"  # private torch APIs this torch lacks: the features that need them are off
     REPLICA_MISMATCH = "replica_mismatch"  # the replica audit found ranks whose parameters differ from the others'
+    # A peer was lost during the replica audit's collective: this step's attempt meets the broken group and recovers
+    # it in process (the rank is clean, no update begun); the audit waits for its next boundary.
+    REPLICA_AUDIT_INTERRUPTED = "replica_audit_interrupted"
 
     # -- checkpoints
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # a save's manifest was published: it is the newest checkpoint

@@ -258,7 +258,7 @@ class Run:
             if self._inproc is not None:
                 self._inproc.at_boundary()  # a shrunk world grows back here when the agent says so
             if _audit.due(self, self._audit_every):
-                _audit.audit(self, self.step)
+                self._audit_boundary()
             self._maybe_checkpoint()
             self._step_started = time.perf_counter()
             if hooks is not None:
@@ -401,6 +401,17 @@ class Run:
             micro.close()  # a generator left inside DDP's no_sync() leaves it
 
     # -------------------------------------------------------------- helpers
+    def _audit_boundary(self) -> None:
+        """The replica audit at this boundary.  A peer lost during its collective, with in-process recovery on, is
+        left to this step's attempt: its first collective meets the same broken group and the attempt recovers it
+        (this rank is clean, no update begun).  Anything else propagates."""
+        try:
+            _audit.audit(self, self.step)
+        except Exception as exc:
+            if self._inproc is None or not _attempt.is_recoverable(exc):
+                raise
+            self.events.emit(EventKind.REPLICA_AUDIT_INTERRUPTED, step=self.step, error=str(exc)[:500])
+
     def _enter(self, section: str) -> None:
         self._section = section
         if self._timer is not None:
