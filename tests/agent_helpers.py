@@ -45,6 +45,22 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [e for e in found if kind is None or e["kind"] == kind]
 
 
+def events_so_far(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
+    """The run's events as far as they are written, while it runs: none before the file exists, and a line still
+    being appended is not one yet."""
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return [e for e in found if kind is None or e["kind"] == kind]
+
+
 def incidents(run_dir: Path) -> list[dict[str, Any]]:
     files = sorted((run_dir / "incidents").glob("*.json"))
     return sorted((json.loads(p.read_text()) for p in files), key=lambda i: i["wall_time"])

@@ -17,3 +17,14 @@ def store(request, tmp_path):
         return LocalStore(tmp_path / "ckpt")
     url, endpoint = request.getfixturevalue("s3_url")
     return S3Store(url, endpoint)
+
+
+# The longest files, started first when tests run two at a time (scripts/test.sh): a long file taken last would
+# leave one process working alone at the end.  Order only; every test runs either way.
+LONGEST_FIRST = ("test_sharded.py", "test_deploy_compose.py", "test_torch_next.py", "test_agent_inproc.py",
+                 "test_deploy_slurm.py", "test_crash_consistency.py", "test_agent.py", "test_step_atomicity.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .agent_helpers import events, incidents, node_status, start_agent, wait_for
+from .agent_helpers import events, events_so_far, incidents, node_status, start_agent, wait_for
 from .helpers import read_trace
 
 
@@ -58,19 +58,7 @@ def _finish(agents: dict[str, object], timeout: float) -> dict[str, int]:
 
 def _outage_noticed_by(run_dir: Path) -> set[str]:
     """The nodes whose agents said the store became unreachable, so far."""
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return set()
-    noticed = set()
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:  # a line being appended
-            break
-        if event["kind"] == "store_outage_start":
-            noticed.add(event["node"])
-    return noticed
+    return {e["node"] for e in events_so_far(run_dir, "store_outage_start")}
 
 
 def _kill_all(agents: dict[str, object]) -> None:

@@ -157,6 +157,7 @@ def test_without_a_spare_the_run_shrinks_and_keeps_the_global_batch(tmp_path: Pa
     assert final["samples"] * 1 == final["samples"] and final["step"] == STEPS
 
 
+@pytest.mark.serial  # "at once": two self-kills in one step, which a loaded machine can spread over two decisions
 def test_two_ranks_lost_at_once_with_one_spare_promote_one_and_shrink(tmp_path: Path, reference3: Path) -> None:
     out, proc = elastic_run(tmp_path, "two", "--nproc-per-node", "2:3", "--spares", "1",
                             die=("w1,w2", "start"), extra=("--spares-ready", "1", "--spares-at-end", "2", "--plain"))

@@ -23,7 +23,17 @@ from resilient.agent.sweep import AgentAlreadyRunningError, NodeProcesses, Stuck
 from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_UNHEALTHY
 from resilient.watchdog.procfs import read_stat
 
-from .agent_helpers import agent_env, events, explain, incidents, node_status, run_agent, start_agent, wait_for
+from .agent_helpers import (
+    agent_env,
+    events,
+    events_so_far,
+    explain,
+    incidents,
+    node_status,
+    run_agent,
+    start_agent,
+    wait_for,
+)
 from .helpers import read_trace
 
 NODE = "n0"
@@ -225,7 +235,7 @@ def test_status_and_ledger_keep_updating_while_etcd_is_down(tmp_path, etcd_outag
     try:
         wait_for(lambda: (s := node_status(run_dir, NODE)) and s["ranks"] and s["ranks"]["0"]["step"] >= 3,
                  timeout=180, what="the worker past step 3")
-        earlier = len(_events_so_far(run_dir))
+        earlier = len(events_so_far(run_dir))
         etcd_outage_server.stop()
         start = wait_for(lambda: _next(run_dir, earlier, "store_outage_start"), timeout=HANG_GUARD_S,
                          what="the agent to notice the outage")
@@ -257,24 +267,9 @@ def test_status_and_ledger_keep_updating_while_etcd_is_down(tmp_path, etcd_outag
     assert all(start["time"] < t < end["time"] for t in status_writes), (start, sorted(status_writes), end)
 
 
-def _events_so_far(run_dir: Path) -> list[dict]:
-    """The run's events as far as they are written (a line being appended is not one yet)."""
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    found = []
-    for line in lines:
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return found
-
-
 def _next(run_dir: Path, after: int, kind: str) -> dict | None:
     """The first event of ``kind`` after the first ``after`` events of the run, or None (none yet)."""
-    return next((e for e in _events_so_far(run_dir)[after:] if e["kind"] == kind), None)
+    return next((e for e in events_so_far(run_dir)[after:] if e["kind"] == kind), None)
 
 
 # ------------------------------------------------------------ a made-up /proc

@@ -10,7 +10,7 @@ import pytest
 
 from .agent_helpers import agent_env, events, node_status, start_agent, wait_for
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 

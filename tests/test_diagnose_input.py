@@ -13,7 +13,7 @@ from resilient.watchdog.input_path import judge_input, phase_times
 
 from .agent_helpers import agent_env
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.serial]
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 

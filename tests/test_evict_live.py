@@ -14,8 +14,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from .agent_helpers import events, explain, incidents, start_agent
 from .test_agent_inproc import WORKER, by_step, elastic_run, trace
+
+pytestmark = pytest.mark.serial  # timing detection: run alone, not beside another test's load
 
 STEPS = 300
 ARGS = ("--step-sleep", "0.03", "--every", "50")

@@ -25,7 +25,7 @@ import pytest
 from .agent_helpers import agent_env, events, node_status, start_agent, wait_for
 from .test_stragglers_live import scrape
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.serial]
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 EXPIRY_S = 20

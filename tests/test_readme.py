@@ -77,11 +77,11 @@ def test_readme_hsdp_example_replaces_a_killed_rank_without_replay(tmp_path):
 
 
 def test_readme_commands_exist():
-    for command in ("bash scripts/demo.sh", "bash scripts/test.sh"):
+    for command in ("bash scripts/demo.sh", "bash scripts/test.sh --all"):
         assert command in README
         assert (Path(__file__).parent.parent / command.split()[1]).exists()
     ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
-    assert "bash scripts/test.sh" in ci
+    assert "exec bash scripts/test.sh --all\n" in ci  # CI runs the README's test command, every tier
 
 
 def test_readme_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):

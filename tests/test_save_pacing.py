@@ -276,7 +276,9 @@ def test_run_loop_defers_and_its_final_save_waits_for_the_busy_writer(tmp_path, 
     gate.set()
     loop.join(30)
     assert finished.is_set()
-    assert order[0] == "write released" and order[-1] == "finished", \
+    # Nothing finished before the held write was let through (the final save's own writes may land after the loop:
+    # it commits in the background until close()).
+    assert order[0] == "write released" and "finished" in order, \
         f"the final save did not wait for the busy writer: {order}"
     result = run.close()
     assert (result.step, result.ok, result.deferred_from, result.deferred_slots) == (4, True, 2, 2)

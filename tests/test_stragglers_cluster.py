@@ -13,7 +13,7 @@ import pytest
 
 from .agent_helpers import events, node_status, start_agent
 
-pytestmark = pytest.mark.timeout(360)
+pytestmark = [pytest.mark.timeout(360), pytest.mark.serial]
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 NODES = ("n0", "n1", "n2")

@@ -15,7 +15,11 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from .agent_helpers import agent_env, events, explain, incidents, node_status, run_agent, start_agent, wait_for
+
+pytestmark = pytest.mark.serial  # timing detection: run alone, not beside another test's load
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 RUN_ID = "slow"
