@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import socket
 import struct
 import sys
 import threading
 import time
 from collections.abc import Callable
+
+from ..fsutil import write_text_atomic
 
 SO_ORIGINAL_DST = 80
 CHUNK = 65536
@@ -75,10 +76,7 @@ class Delay:
             ms = 0.0
         self.s = ms / 1e3
         if ms != self._applied:
-            tmp = applied_path(self.path) + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(f"{ms!r}")
-            os.replace(tmp, applied_path(self.path))
+            write_text_atomic(applied_path(self.path), f"{ms!r}")
             self._applied = ms
 
 
