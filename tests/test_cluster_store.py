@@ -1,9 +1,12 @@
 """The launch's recovery keys across machines (``resilient.agent.cluster``) against a real etcd.
 
 What several agents rely on when they recover in process together: one
-decider per generation, a spare taken by one decision only, a pool entry
-that leaves with its agent's lease, and nothing written without the run
-token counted.
+decider per generation, whose claim goes with its lease; a decision
+committed with its spares and the generation counter in one transaction
+(all or nothing), a commit in doubt settled; a spare taken by one decision
+only; a pool entry that leaves with its agent's lease; nothing written
+without the run token counted.  The same protocol under random faults, on
+a model of etcd, is ``test_claims_protocol``.
 """
 
 from __future__ import annotations
@@ -12,30 +15,61 @@ import json
 import threading
 
 from resilient.agent.cluster import ClusterStore
+from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.proof import SignedStore
-from resilient.coord.store import EtcdControlStore
+from resilient.coord.store import EtcdControlStore, StoreUnavailableError
 
 TOKEN = "t" * 64
 LAUNCH = "launch/l1/"
 
 
-def _store(url: str, run_id: str, node: str, token: str = TOKEN) -> ClusterStore:
-    client = EtcdClient(EtcdConfig.from_url(url))
+def _store(url: str, run_id: str, node: str, token: str = TOKEN, client=None) -> ClusterStore:
+    client = client or EtcdClient(EtcdConfig.from_url(url))
     signed = SignedStore(EtcdControlStore.for_run(client, run_id), token)
     return ClusterStore(signed, client, f"/resilient/{run_id}/", LAUNCH, node, token)
+
+
+def _counter(url: str, run_id: str, value: int) -> None:
+    EtcdClient(EtcdConfig.from_url(url)).put(f"/resilient/{run_id}/generation", str(value).encode())
+
+
+def _promote(store: ClusterStore, generation: int, spares: list) -> dict:
+    return {"action": "promote_spare", "node": store.node, "generation": generation + 1,
+            "members": [s.worker for s in spares]}
+
+
+class _Answerless:
+    """Once armed, the store applies (``applies=True``) or never sees the next transaction, and its answer is
+    lost."""
+
+    def __init__(self, client: EtcdClient, applies: bool) -> None:
+        self.client, self.applies, self.armed, self.sent = client, applies, False, []
+
+    def txn(self, txn):
+        if self.armed:
+            self.armed = False
+            self.sent.append(txn)
+            if self.applies:
+                self.client.txn(txn)
+            raise StoreUnavailableError("the answer was lost")
+        return self.client.txn(txn)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
 
 
 def test_exactly_one_agent_decides_a_generation_and_a_released_claim_can_be_taken_again(etcd_server,
                                                                                          etcd_run_id) -> None:
     stores = [_store(etcd_server.url, etcd_run_id, f"n{i}") for i in range(4)]
-    won: list[str] = []
+    won: list = []
     barrier = threading.Barrier(len(stores))
 
     def claim(store: ClusterStore) -> None:
         barrier.wait()
-        if store.claim(7, "recover"):
-            won.append(store.node)
+        held = store.claim(7, "recover")
+        if held is not None:
+            won.append((store, held))
 
     threads = [threading.Thread(target=claim, args=(s,)) for s in stores]
     for t in threads:
@@ -43,36 +77,94 @@ def test_exactly_one_agent_decides_a_generation_and_a_released_claim_can_be_take
     for t in threads:
         t.join(timeout=30)
     assert len(won) == 1, won
-    assert stores[0].view(7).claim["node"] == won[0]  # type: ignore[index]
+    (winner, held), = won
+    assert stores[0].view(7).claim["node"] == winner.node  # type: ignore[index]
     assert not any(s.claim(7, "grow") for s in stores)
-    stores[0].release_claim(7)  # the ladder said wait: the next settled agent decides again
-    assert stores[1].claim(7, "recover")
+    assert winner.release_claim(held)  # the ladder said wait: the next settled agent decides again
+    assert stores[1].claim(7, "recover") is not None
 
 
-def test_a_spare_is_taken_by_one_decision_only(etcd_server, etcd_run_id) -> None:
+def test_a_deciders_claim_goes_with_its_lease_and_its_stale_release_removes_no_one_elses(etcd_server,
+                                                                                      etcd_run_id) -> None:
+    a, b = _store(etcd_server.url, etcd_run_id, "n0"), _store(etcd_server.url, etcd_run_id, "n1")
+    stale = a.claim(7, "recover")
+    assert stale is not None and b.claim(7, "recover") is None
+    a.close()  # the decider died (its lease revoked, as its expiry would): the claim goes with it
+    assert b.view(7).claim is None
+    held = b.claim(7, "recover")
+    assert held is not None
+    assert a.release_claim(stale) is False, "a stale holder removed another agent's claim"
+    assert b.view(7).claim["node"] == "n1"  # type: ignore[index]
+    assert b.commit(stale, 7, {"action": "restart", "node": "n0", "reason": "x"}) is claims.Outcome.CLAIM_LOST
+    assert b.view(7).decision is None
+    b.close()
+
+
+def test_a_decision_commits_with_its_spares_and_the_counter_all_or_nothing(etcd_server, etcd_run_id) -> None:
     owner, a, b = (_store(etcd_server.url, etcd_run_id, n) for n in ("spare0", "n0", "n1"))
-    owner.register_spare("spare0.s0", ready_wall=1000.0)
-    [seen_a], [seen_b] = a.pool(), b.pool()
-    assert (seen_a.worker, seen_a.node, seen_a.claimed) == ("spare0.s0", "spare0", None)
-    # Two decisions that read the pool at the same revision: the second compare-and-set fails.
-    assert a.claim_spare(seen_a, 5) is True
-    assert b.claim_spare(seen_b, 9) is False
-    [after] = b.pool()
-    assert after.claimed == 5
-    owner.close()  # a claimed spare's key stays on its agent's lease: it leaves the pool with its agent
-    assert b.pool() == []
-
-
-def test_spares_are_taken_all_or_none(etcd_server, etcd_run_id) -> None:
-    owner, a, b = (_store(etcd_server.url, etcd_run_id, n) for n in ("spare0", "n0", "n1"))
+    _counter(etcd_server.url, etcd_run_id, 5)
     owner.register_spare("spare0.s0", ready_wall=1.0)
     owner.register_spare("spare0.s1", ready_wall=2.0)
     first, second = sorted(a.pool(), key=lambda p: p.worker)
-    assert b.claim_spare(second, 4)  # another decision takes the second spare first
-    assert a.claim_spares([first, second], 4) is False
-    assert {p.worker: p.claimed for p in b.pool()} == {"spare0.s0": None, "spare0.s1": 4}, \
-        "the spare taken before the failed claim was not put back"
+    held = a.claim(5, "recover")
+    assert held is not None
+    counter, revision = a.counter()
+    assert counter == 5
+    owner.unregister_spare("spare0.s1")  # the second spare's process ended after the decider read the pool
+    outcome = a.commit(held, 5, _promote(a, 5, [first, second]), spares=[first, second], counter_revision=revision)
+    assert outcome is claims.Outcome.SPARES_MOVED
+    assert a.view(5).decision is None and a.current() is None and a.counter() == (5, revision)
+    assert {p.worker: p.claimed for p in a.pool()} == {"spare0.s0": None}, "half a decision was written"
+    assert a.commit(held, 5, _promote(a, 5, [first]), spares=[first], counter_revision=revision) \
+        is claims.Outcome.COMMITTED
+    assert b.view(5).decision["members"] == ["spare0.s0"] and b.current() == 6  # type: ignore[index]
+    assert b.counter()[0] == 6 and [(p.worker, p.claimed) for p in b.pool()] == [("spare0.s0", 6)]
+    # The next generation's decider read the pool before that commit: the spare is not promoted twice.
+    held6 = b.claim(6, "recover")
+    assert held6 is not None
+    _, revision6 = b.counter()
+    assert b.commit(held6, 6, _promote(b, 6, [first]), spares=[first], counter_revision=revision6) \
+        is claims.Outcome.SPARES_MOVED
+    assert b.view(6).decision is None and b.counter()[0] == 6
+    # A restart moved the counter after the decider read it: nothing applies.
+    _counter(etcd_server.url, etcd_run_id, 9)
+    assert b.commit(held6, 6, _promote(b, 6, []), counter_revision=revision6) is claims.Outcome.COUNTER_MOVED
+    assert b.view(6).decision is None and b.current() == 6
     owner.close()
+
+
+def test_a_commit_in_doubt_is_settled_by_withdrawing_the_claim(etcd_server, etcd_run_id) -> None:
+    real = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    for applies, expected in ((True, claims.Outcome.COMMITTED), (False, claims.Outcome.WITHDRAWN)):
+        _counter(etcd_server.url, etcd_run_id, 3)
+        flaky = _Answerless(real, applies)  # the network between this agent and etcd
+        store = _store(etcd_server.url, etcd_run_id, "n0", client=flaky)
+        held = store.claim(3, "recover")
+        assert held is not None
+        _, revision = store.counter()
+        flaky.armed = True
+        outcome = store.commit(held, 3, _promote(store, 3, []), counter_revision=revision)
+        assert outcome is expected, applies
+        view = store.view(3)
+        if applies:
+            assert view.decision is not None and store.counter()[0] == 4
+            real.delete(f"/resilient/{etcd_run_id}/{LAUNCH}rec/g3/decision")
+        else:
+            assert view.decision is None and view.claim is None and store.counter()[0] == 3
+            # The lost commit arrives late: it can never apply, its claim's revision is gone.
+            assert real.txn(flaky.sent[0]).succeeded is False
+            assert store.view(3).decision is None
+        store.close()
+
+
+def test_a_claim_of_this_agent_that_it_does_not_hold_is_cleared_and_no_one_elses(etcd_server, etcd_run_id) -> None:
+    a, b = _store(etcd_server.url, etcd_run_id, "n0"), _store(etcd_server.url, etcd_run_id, "n1")
+    assert a.claim(4, "recover") is not None  # created, its answer lost: the agent does not know it holds it
+    assert b.clear_stale_claim(4) is False and b.view(4).claim["node"] == "n0"  # type: ignore[index]
+    assert a.clear_stale_claim(4) is True and a.view(4).claim is None
+    assert b.claim(4, "recover") is not None
+    a.close()
+    b.close()
 
 
 def test_a_pool_entry_leaves_with_its_agents_lease_and_an_unsigned_one_never_counts(etcd_server,
@@ -101,5 +193,11 @@ def test_a_generation_view_joins_every_nodes_members_and_reports(etcd_server, et
     assert view.members() == {0: ("n0.w0", "n0"), 1: ("n0.w1", "n0"), 2: ("n1.w0", "n1")}
     assert set(view.lost) == {"n1.w0"} and view.lost["n1.w0"]["node"] == "n1"
     assert set(view.waiting) == {"n0.w1"} and view.decision is None
-    n0.decide(3, {"action": "shrink", "generation": 4})
-    assert n1.view(3).decision == {"action": "shrink", "generation": 4} and n1.current() == 4
+    _counter(etcd_server.url, etcd_run_id, 3)
+    held = n0.claim(3, "recover")
+    assert held is not None
+    outcome = n0.commit(held, 3, {"action": "shrink", "generation": 4}, counter_revision=n0.counter()[1])
+    assert outcome is claims.Outcome.COMMITTED
+    decision = n1.view(3).decision
+    assert decision is not None and decision["action"] == "shrink" and decision["generation"] == 4
+    assert n1.current() == 4

@@ -12,16 +12,21 @@ under ``rec/`` (every value signed with the run token):
 * ``rec/g<G>/lost/<worker>`` and ``rec/g<G>/waiting/<worker>``: a member
   whose process died (written by its own agent) and a survivor that left
   the failed group and waits (relayed by its agent from its report);
-* ``rec/g<G>/claim``: created once, by compare-and-set, by the one agent
-  that decides what follows ``G`` (after a failure, or to grow): two
-  agents never decide the same generation twice;
+* ``rec/g<G>/claim``: created where absent, on the claiming agent's lease,
+  by the one agent that decides what follows ``G`` (after a failure, or
+  to grow): it goes with its holder's lease, and is released only by its
+  holder (compared on its revision);
 * ``rec/g<G>/decision``: that decision, with the members of generation
   ``G + 1`` (worker, node, old and new rank), the source rank and the
   store the new group forms on;
 * ``pool/<worker>``: the spare pool, one key per warm spare on a lease its
   agent keeps alive (a spare whose node dies leaves the pool with its
-  lease).  A decision takes a spare by compare-and-set on its key, so two
-  decisions never promote the same spare.
+  lease).
+
+A decision is committed in one transaction with ``rec/current``, the
+run's generation counter and the pool keys of the spares it promotes
+(:mod:`resilient.coord.claims`): two decisions for one generation, or one
+spare promoted twice, cannot both commit.
 
 Each agent then carries out its own part of a decision: its lost members
 retire, its spares named in it are promoted, its survivors get their new
@@ -39,12 +44,14 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..coord import claims
 from ..coord.proof import SignedStore, sign, verify
-from ..coord.store import ControlStoreError
+from ..coord.store import ControlStoreError, Entry
+from ..coord.txn import Compare, Put
 from ..events import Emit, EventKind
 
 if TYPE_CHECKING:
@@ -54,7 +61,10 @@ if TYPE_CHECKING:
     from .policy import Failure
 
 POOL_TTL_S = 5
-"""Seconds a spare's pool key outlives its agent's last renewal."""
+"""Seconds a spare's pool key, or a generation's claim, outlives its agent's last renewal."""
+
+COUNTER_KEY = "generation"
+"""The run's generation counter, under the control store's prefix (the rendezvous advances it too)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +130,12 @@ class ClusterStore:
         self.registered: set[str] = set()
         """Spares of this node in the pool under the current lease."""
 
+    @property
+    def lease(self) -> int:
+        """This agent's lease, which its claims and pool keys live on (0 before the first or after it expired)."""
+        with self._lease_lock:
+            return self._lease
+
     # ------------------------------------------------------------ generations
     def _put(self, key: str, value: dict[str, Any]) -> None:
         self.signed.store.put(key, sign(self._token, key, value))
@@ -176,24 +192,79 @@ class ClusterStore:
                 found.add(entry.key[len(self._nodes):])
         return found
 
-    def claim(self, generation: int, what: str) -> bool:
-        """Take the right to decide what follows ``generation``; True for exactly one caller."""
+    def _nonce_of(self, key: str) -> claims.NonceOf:
+        def nonce_of(entry: Entry) -> str | None:
+            value = verify(self._token, key, entry.value).value
+            return str(value.get("nonce")) if value is not None and value.get("nonce") else None
+        return nonce_of
+
+    def claim(self, generation: int, what: str) -> claims.Claim | None:
+        """Take the right to decide what follows ``generation``, on this agent's lease: exactly one caller gets
+        it, and it goes with the lease when this agent dies (:mod:`resilient.coord.claims`)."""
+        key = f"{self.prefix}g{generation}/claim"
         nonce = secrets.token_hex(8)  # a retried create that did land reads back as ours, not as a peer's
-        _, held = self.signed.put_if_absent(f"{self.prefix}g{generation}/claim",
-                                            {"node": self.node, "what": what, "at": time.time(), "nonce": nonce})
-        return held.get("nonce") == nonce
+        value = sign(self._token, key, {"node": self.node, "what": what, "at": time.time(), "nonce": nonce})
+        return claims.claim(self._client, self._root + key, value, nonce, self._agent_lease(), self._nonce_of(key))
 
-    def release_claim(self, generation: int) -> None:
-        """Give the right back (the ladder said wait, or deciding failed): whoever is settled decides again."""
-        self.signed.store.delete(f"{self.prefix}g{generation}/claim")
+    def release_claim(self, held: claims.Claim) -> bool:
+        """Give the right back (the ladder said wait, or deciding failed), only if it is still ours."""
+        return claims.release(self._client, held)
 
-    def decide(self, generation: int, decision: Mapping[str, Any]) -> None:
-        self._put(f"{self.prefix}g{generation}/decision", dict(decision))
+    def clear_stale_claim(self, generation: int) -> bool:
+        """Delete ``generation``'s claim if it names this agent, which holds no claim between its decisions: one
+        whose create was in doubt and landed late.  Left alone, it would stall the generation for as long as
+        this agent keeps its lease."""
+        key = f"{self.prefix}g{generation}/claim"
+        entry = self.signed.store.get(key)
+        value = verify(self._token, key, entry.value).value if entry is not None else None
+        if entry is None or value is None or value.get("node") != self.node:
+            return False
+        return claims.release(self._client, claims.Claim(self._root + key, str(value.get("nonce")),
+                                                         entry.mod_revision))
+
+    def counter(self) -> tuple[int, int]:
+        """The run's generation counter and the revision it was written at (0, 0 before any generation)."""
+        entry = self.signed.store.get(COUNTER_KEY)
+        return (int(entry.value.decode()), entry.mod_revision) if entry is not None else (0, 0)
+
+    def commit(self, held: claims.Claim, generation: int, decision: Mapping[str, Any], *,
+               spares: Sequence[PoolEntry] = (), counter_revision: int | None = None) -> claims.Outcome:
+        """Publish the decision that follows ``generation`` under ``held``, in one transaction.
+
+        A decision that goes on in process (its body names the next
+        ``generation``) also moves the launch's current generation and the
+        run's counter to it (compared against ``counter_revision``, the
+        counter's revision when it read ``generation``), and marks each of
+        ``spares`` taken by it (compared against the revision the pool showed).
+        """
+        key = f"{self.prefix}g{generation}/decision"
+        nonce = secrets.token_hex(8)
+        body = {**decision, "nonce": nonce}
+        writes: list[Put] = []
+        guards: list[Compare] = []
+        counter = None
         if decision.get("generation"):
-            self.set_current(int(decision["generation"]))
+            following = int(decision["generation"])
+            current = f"{self.prefix}current"
+            writes.append(Put(self._root + current, sign(self._token, current, {"generation": following,
+                                                                               "node": self.node})))
+            assert counter_revision is not None, "a decision that moves the generation compares the counter"
+            counter = Compare.unchanged(self._root + COUNTER_KEY, counter_revision)
+            writes.append(Put(self._root + COUNTER_KEY, str(following).encode()))
+            for spare in spares:
+                pool_key = f"{self.pool_prefix}{spare.worker}"
+                value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall,
+                         "claimed": following, "lease": spare.lease}
+                writes.append(Put(self._root + pool_key, sign(self._token, pool_key, value), spare.lease))
+                guards.append(Compare.unchanged(self._root + pool_key, spare.revision))
+        else:
+            assert not spares, "only a decision that goes on in process promotes spares"
+        return claims.commit(self._client, held, claims.Decision(
+            self._root + key, sign(self._token, key, body), nonce, tuple(writes), counter, tuple(guards)),
+            self._nonce_of(key))
 
     # ------------------------------------------------------------ the pool
-    def _pool_lease(self) -> int:
+    def _agent_lease(self) -> int:
         with self._lease_lock:
             if not self._lease:
                 self._lease = self._client.lease_grant(POOL_TTL_S)
@@ -202,7 +273,7 @@ class ClusterStore:
     def register_spare(self, worker: str, ready_wall: float) -> None:
         """Put a warm spare in the pool, on this agent's lease (it leaves the pool when the agent dies)."""
         key = f"{self.pool_prefix}{worker}"
-        lease = self._pool_lease()
+        lease = self._agent_lease()
         value = {"worker": worker, "node": self.node, "ready_wall": ready_wall, "claimed": None, "lease": lease}
         self._client.put(self._root + key, sign(self._token, key, value), lease=lease)
         with self._lease_lock:
@@ -232,35 +303,6 @@ class ClusterStore:
                                    entry.mod_revision, int(claimed) if claimed is not None else None,
                                    int(value.get("lease") or 0)))
         return found
-
-    def _set_claim(self, spare: PoolEntry, revision: int, generation: int | None) -> bool:
-        key = f"{self.pool_prefix}{spare.worker}"
-        value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall, "claimed": generation,
-                 "lease": spare.lease}
-        ok, _ = self._client.compare_and_swap(self._root + key, revision, sign(self._token, key, value),
-                                              lease=spare.lease)  # the key stays on its agent's lease
-        return ok
-
-    def claim_spare(self, spare: PoolEntry, generation: int) -> bool:
-        """Take ``spare`` for ``generation`` by compare-and-set: False when another decision took it first."""
-        return self._set_claim(spare, spare.revision, generation)
-
-    def claim_spares(self, spares: list[PoolEntry], generation: int) -> bool:
-        """Take all of ``spares`` or none: a spare taken before one that fails is put back in the pool."""
-        taken: list[PoolEntry] = []
-        for spare in spares:
-            if not self.claim_spare(spare, generation):
-                self.unclaim_spares(taken, generation)
-                return False
-            taken.append(spare)
-        return True
-
-    def unclaim_spares(self, spares: list[PoolEntry], generation: int) -> None:
-        """Put spares this agent claimed for ``generation`` back (best effort: a spare gone meanwhile stays gone)."""
-        for spare in spares:
-            current = next((p for p in self.pool() if p.worker == spare.worker and p.claimed == generation), None)
-            if current is not None:
-                self._set_claim(current, current.revision, None)
 
     def close(self) -> None:
         with self._lease_lock:

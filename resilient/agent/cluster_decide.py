@@ -4,9 +4,11 @@ Taken by the one agent that won the generation's claim in the store, over
 what every node published: the members, who waits, who was lost, who fell
 silent (presumed lost with their node once the settle time passed), the
 pool's spares and the batch plan.  The ladder is the same pure
-:func:`~resilient.elastic.decide.decide_recovery` as on one machine; spares
-it promotes are taken from the pool by compare-and-set before the decision
-is published, so a spare another decision took is never used twice.
+:func:`~resilient.elastic.decide.decide_recovery` as on one machine.  The
+decision is committed in one transaction with the spares it promotes and
+the run's generation counter (:mod:`resilient.coord.claims`): a spare
+another decision took, or a restart that moved the counter, makes the
+commit fail whole, and the ladder is asked again over the pool as it is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from ..coord import claims
 from ..coord.store import ControlStoreError
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.decide import Action, RecoveryDecision, decide_recovery
@@ -55,24 +58,24 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
                 return None
             return (f"ranks {alive} on live nodes neither left the failed group of generation {a.generation} nor "
                     f"failed within {ctx.config.recovery_timeout_s:g} s")
-    if not cs.store.claim(a.generation, "recover"):
+    held = cs.store.claim(a.generation, "recover")
+    if held is None:
         return None  # another agent decides; its decision arrives through the watch
-    taken: list[PoolEntry] = []
     try:
-        return _decided(ctx, a, view, inv, now, members, missing, taken)
+        return _decided(ctx, a, view, inv, now, members, missing, held)
     except ControlStoreError:
-        try:  # give the generation's claim and the spares back, so that deciding can happen again
-            cs.store.unclaim_spares(taken, a.generation + 1)
-            cs.store.release_claim(a.generation)
+        try:  # never leave the generation claimed by an agent that is not deciding (a commit in doubt included)
+            cs.store.release_claim(held)
         except ControlStoreError:
-            pass  # the store is out: the members' recovery timeout ends the generation as a failure
+            pass  # the store is out: the claim goes with this agent's lease if it is out for long
         raise
 
 
 def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Involvement, now: float,
              members: dict[int, tuple[str, str]], missing: dict[int, tuple[str, str]],
-             taken: list[PoolEntry]) -> dict[str, Any] | None:
-    """The decision, once this agent holds the generation's claim; ``taken`` collects the spares it claimed."""
+             held: claims.Claim) -> dict[str, Any] | None:
+    """The decision, once this agent holds the generation's claim, committed in one transaction with the
+    spares it promotes; None when it was not (another agent's decision, a claim lost, the ladder says wait)."""
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster
@@ -101,57 +104,67 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     # This node's own view when none of its members died: its collectives failed (or a node went silent).
     failure = inv.failure or Failure(kind="node_lost" if kind is FaultKind.NODE_LOST else "collective", time=now,
                                      node=", ".join(sorted(silent)) or ctx.config.node_id, step=step, detail=detail)
-    assert ctx.restart_outlook is not None and ctx.next_generation is not None
+    assert ctx.restart_outlook is not None
     outlook = ctx.restart_outlook(failure)
     live = cs.store.live_nodes()
     for _ in range(3):
         pool, obs = observation(ctx, view, members, fault, outlook, {r: s for r, s in steps.items() if r not in lost},
                                 live, now, inv.wait_since, dirty - lost)
         decision = inp.decide_cluster(obs)
+        if decision.action is Action.WAIT_FOR_REPAIR:
+            if inv.wait_since is None:
+                inv.wait_since = now
+            cs.store.release_claim(held)
+            return None
+        if decision.action not in (Action.RETRY_IN_PLACE, Action.PROMOTE_SPARE, Action.SHRINK):
+            body: dict[str, Any] = {"action": decision.action.value, "reason": decision.reason,
+                                    "node": ctx.config.node_id}
+            return body if _committed(cs.store.commit(held, a.generation, body), cs, held) else None
+        counter, counter_revision = cs.store.counter()
+        if counter != a.generation:
+            body = {"action": "restart", "node": ctx.config.node_id,
+                    "reason": f"the run's generation counter moved to {counter} while generation {a.generation} "
+                              "was being recovered in process (a restart ran meanwhile)"}
+            return body if _committed(cs.store.commit(held, a.generation, body), cs, held) else None
+        generation = a.generation + 1
         by_id = {s.worker: s for s in pool}
-        wanted = [by_id[p.spare] for p in decision.promotions]
-        if cs.store.claim_spares(wanted, a.generation + 1):
-            taken.extend(wanted)
-            break
-    else:
-        decision = None
-    if decision is None or decision.action is Action.WAIT_FOR_REPAIR:
-        if decision is not None and inv.wait_since is None:
-            inv.wait_since = now
-        cs.store.release_claim(a.generation)
-        return None
-    if decision.action not in (Action.RETRY_IN_PLACE, Action.PROMOTE_SPARE, Action.SHRINK):
-        body = {"action": decision.action.value, "reason": decision.reason, "node": ctx.config.node_id}
-        cs.store.decide(a.generation, body)
+        promoted = {p.rank: p for p in decision.promotions}
+        new_members: list[dict[str, Any]] = []
+        for old, new in sorted(decision.rank_map(world).items(), key=lambda kv: kv[1]):
+            if old in promoted:
+                new_members.append({"worker_id": promoted[old].spare, "node": promoted[old].node, "new_rank": new,
+                                    "old_rank": None})
+            else:
+                new_members.append({"worker_id": members[old][0], "node": members[old][1], "new_rank": new,
+                                    "old_rank": old})
+        incident = incident_of(ctx, a, inv, kind, step, detail, decision, generation)
+        body = {"action": decision.action.value, "reason": decision.reason, "node": ctx.config.node_id,
+                "generation": generation, "world_size": decision.world_size, "step": step, "members": new_members,
+                "source_rank": min(m["new_rank"] for m in new_members if m["old_rank"] is not None),
+                "store": f"{inp.host}:{inp.port}", "incident": incident.id,
+                "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.promotions],
+                "dropped": list(decision.dropped_ranks)}
+        outcome = cs.store.commit(held, a.generation, body, spares=[by_id[p.spare] for p in decision.promotions],
+                                  counter_revision=counter_revision)
+        if outcome is claims.Outcome.SPARES_MOVED:
+            continue  # a spare was taken or left meanwhile: decide again over the pool as it is now
+        if not _committed(outcome, cs, held):
+            return None
+        assert ctx.record_incident is not None
+        ctx.record_incident(incident)
         return body
-    generation = ctx.next_generation()
-    if generation != a.generation + 1:
-        cs.store.unclaim_spares(taken, a.generation + 1)
-        body = {"action": "restart", "node": ctx.config.node_id,
-                "reason": f"the run's generation counter moved to {generation} while generation {a.generation} "
-                          "was being recovered in process (a restart ran meanwhile)"}
-        cs.store.decide(a.generation, body)
-        return body
-    promoted = {p.rank: p for p in decision.promotions}
-    new_members: list[dict[str, Any]] = []
-    for old, new in sorted(decision.rank_map(world).items(), key=lambda kv: kv[1]):
-        if old in promoted:
-            new_members.append({"worker_id": promoted[old].spare, "node": promoted[old].node, "new_rank": new,
-                                "old_rank": None})
-        else:
-            new_members.append({"worker_id": members[old][0], "node": members[old][1], "new_rank": new,
-                                "old_rank": old})
-    incident = incident_of(ctx, a, inv, kind, step, detail, decision, generation)
-    body = {"action": decision.action.value, "reason": decision.reason, "node": ctx.config.node_id,
-            "generation": generation, "world_size": decision.world_size, "step": step, "members": new_members,
-            "source_rank": min(m["new_rank"] for m in new_members if m["old_rank"] is not None),
-            "store": f"{inp.host}:{inp.port}", "incident": incident.id,
-            "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.promotions],
-            "dropped": list(decision.dropped_ranks)}
-    assert ctx.record_incident is not None
-    ctx.record_incident(incident)
-    cs.store.decide(a.generation, body)
-    return body
+    cs.store.release_claim(held)
+    return None
+
+
+def _committed(outcome: claims.Outcome, cs: Any, held: claims.Claim) -> bool:
+    """True when this agent's decision is the generation's; otherwise the claim is given back where it is still
+    held (the counter moved, or the pool kept moving) and the watch brings whatever was decided."""
+    if outcome is claims.Outcome.COMMITTED:
+        return True
+    if outcome in (claims.Outcome.COUNTER_MOVED, claims.Outcome.SPARES_MOVED):
+        cs.store.release_claim(held)
+    return False
 
 
 def observation(ctx: GenerationContext, view: GenerationView, members: dict[int, tuple[str, str]], fault: Fault,

@@ -27,12 +27,13 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
+from ..coord import claims
 from ..coord.store import ControlStoreError
 from ..elastic.grow import GrowAction, decide_grow
 from ..elastic.observe import FaultKind, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments
 from ..events import EventKind, OutcomeKind
-from .cluster import ClusterState, Involvement, PoolEntry, Snapshot
+from .cluster import ClusterState, Involvement, Snapshot
 from .cluster_decide import decide, membership_of
 from .continuation import Hold, continue_as, grow_boundary
 from .failures import Outcome
@@ -136,6 +137,12 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
                 _store_error(ctx, e)
                 return f"the store failed while deciding how to recover generation {a.generation}: {e}"
             return _apply(ctx, group, a, gdir, body, now) if isinstance(body, dict) else body
+        if view.claim.get("node") == ctx.config.node_id:
+            try:  # this agent holds no claim between ticks: a create in doubt that landed late
+                cs.store.clear_stale_claim(a.generation)
+            except ControlStoreError as e:
+                _store_error(ctx, e)
+            return None
         if now - inv.since > ctx.config.recovery_timeout_s:
             return (f"node {view.claim.get('node')} claimed the decision after generation {a.generation} and "
                     f"published none within {ctx.config.recovery_timeout_s:g} s")
@@ -192,7 +199,7 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
           now: float) -> Assignment | None:
     """The node holding rank 0 grows a shrunk world onto settled pool spares, a little ahead of every rank."""
     inp = ctx.inproc
-    assert inp is not None and inp.cluster is not None and ctx.next_generation is not None
+    assert inp is not None and inp.cluster is not None
     cs = inp.cluster
     view = snap.view
     pool = [s for s in snap.pool if s.claimed is None and s.node in snap.live]
@@ -207,15 +214,18 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
     spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall)) for s in pool]
     decision = decide_grow(membership_of(ctx, view, members), spares, step=at_step, costs=inp.costs(), cfg=inp.ladder,
                            now=now)
-    if decision.action is not GrowAction.GROW or not cs.store.claim(a.generation, "grow"):
+    if decision.action is not GrowAction.GROW:
+        return None
+    held = cs.store.claim(a.generation, "grow")
+    if held is None:
         return None
     by_id = {s.worker: s for s in pool}
-    joiners = [by_id[p.spare] for p in decision.joiners]
     try:
-        if not cs.store.claim_spares(joiners, a.generation + 1):
-            cs.store.release_claim(a.generation)
+        counter, counter_revision = cs.store.counter()
+        if counter != a.generation:
+            cs.store.release_claim(held)  # a restart is under way: this generation is not the one to grow
             return None
-        generation = ctx.next_generation()
+        generation = a.generation + 1
         new_members = [{"worker_id": w, "node": n, "new_rank": r, "old_rank": r}
                        for r, (w, n) in sorted(members.items())]
         new_members += [{"worker_id": p.spare, "node": p.node, "new_rank": p.rank, "old_rank": None}
@@ -225,27 +235,21 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
                 "members": new_members, "source_rank": 0, "store": f"{inp.host}:{inp.port}", "incident": None,
                 "promotions": [{"rank": p.rank, "spare": p.spare, "node": p.node} for p in decision.joiners],
                 "dropped": []}
-        if generation != a.generation + 1:
-            cs.store.unclaim_spares(joiners, a.generation + 1)
-            body = {"action": "restart", "node": ctx.config.node_id,
-                    "reason": f"the run's generation counter moved to {generation} during a grow of {a.generation}"}
-        cs.store.decide(a.generation, body)
+        outcome = cs.store.commit(held, a.generation, body, spares=[by_id[p.spare] for p in decision.joiners],
+                                  counter_revision=counter_revision)
+        if outcome is not claims.Outcome.COMMITTED:
+            if outcome in (claims.Outcome.SPARES_MOVED, claims.Outcome.COUNTER_MOVED):
+                cs.store.release_claim(held)  # grow later, over the pool as it is then
+            return None  # or another agent's decision arrives through the watch
     except ControlStoreError:
-        _undo_claims(cs, a.generation, joiners)
+        try:
+            cs.store.release_claim(held)
+        except ControlStoreError:
+            pass  # the store is out: the claim goes with this agent's lease
         raise
-    if body["action"] == "grow":
-        inp.note_decision(f"grow: {decision.reason}", decision.to_event())
+    inp.note_decision(f"grow: {decision.reason}", decision.to_event())
     result = _apply(ctx, group, a, gdir, body, now)
     return result if isinstance(result, Assignment) else None
-
-
-def _undo_claims(cs: ClusterState, generation: int, spares: list[PoolEntry]) -> None:
-    """Deciding failed halfway (the store): give back the generation's claim and the spares (best effort)."""
-    try:
-        cs.store.unclaim_spares(spares, generation + 1)
-        cs.store.release_claim(generation)
-    except ControlStoreError:
-        pass  # the store is out: the members' recovery timeout ends this generation as a failure
 
 
 def _apply(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, body: dict[str, Any],

@@ -15,6 +15,7 @@ from typing import Any
 
 from .etcd_transport import NOT_FOUND, EtcdConfig, EtcdTransport, OutageCallback
 from .store import Entry, StoreRequestError
+from .txn import Compare, Delete, Put, Txn, TxnResult
 
 __all__ = ["EtcdClient", "EtcdConfig", "OutageCallback"]
 
@@ -79,7 +80,7 @@ class EtcdClient(EtcdTransport):
 
     def put_if_absent(self, key: str, value: bytes, *, lease: int = 0) -> tuple[bool, Entry]:
         """Create ``key`` if absent: ``(True, new entry)`` or ``(False, existing entry)``."""
-        ok, entry = self._txn(key, {"target": "CREATE", "create_revision": "0"}, value, lease)
+        ok, entry = self._txn(key, Compare.absent(key), value, lease)
         assert entry is not None, "etcd returned no entry for a key that exists"
         return ok, entry
 
@@ -90,19 +91,40 @@ class EtcdClient(EtcdTransport):
 
         Returns ``(True, new entry)`` or ``(False, current entry or None)``.
         """
-        return self._txn(key, {"target": "MOD", "mod_revision": str(expected_mod_revision)}, value, lease)
+        return self._txn(key, Compare.unchanged(key, expected_mod_revision), value, lease)
 
-    def _txn(self, key: str, compare: dict[str, str], value: bytes, lease: int) -> tuple[bool, Entry | None]:
-        k = _b64(_key(key))
-        read = {"request_range": {"key": k}}
-        body = {
-            "compare": [{"key": k, "result": "EQUAL", **compare}],
-            "success": [{"request_put": {"key": k, "value": _b64(value), "lease": str(lease)}}, read],
-            "failure": [read],
-        }
-        result = self.call("/v3/kv/txn", body)
-        kvs = result["responses"][-1]["response_range"].get("kvs", [])
-        return bool(result.get("succeeded", False)), (_entry(kvs[0]) if kvs else None)
+    def _txn(self, key: str, compare: Compare, value: bytes, lease: int) -> tuple[bool, Entry | None]:
+        result = self.txn(Txn((compare,), (Put(key, value, lease),), read=(key,)))
+        return result.succeeded, result.entries[key]
+
+    def txn(self, txn: Txn) -> TxnResult:
+        """Apply ``txn`` in one request: its writes if every comparison holds; its reads either way."""
+        compares = []
+        for c in txn.compare:
+            k = _b64(_key(c.key))
+            if c.target == "value":
+                assert isinstance(c.expected, bytes)
+                compares.append({"key": k, "result": "EQUAL", "target": "VALUE", "value": _b64(c.expected)})
+            else:
+                field = {"create": "create_revision", "mod": "mod_revision", "version": "version"}[c.target]
+                compares.append({"key": k, "result": "EQUAL", "target": c.target.upper(), field: str(c.expected)})
+        writes: list[dict[str, Any]] = []
+        for op in txn.success:
+            if isinstance(op, Put):
+                writes.append({"request_put": {"key": _b64(_key(op.key)), "value": _b64(op.value),
+                                               "lease": str(op.lease)}})
+            else:
+                assert isinstance(op, Delete)
+                writes.append({"request_delete_range": {"key": _b64(_key(op.key))}})
+        reads = [{"request_range": {"key": _b64(_key(k))}} for k in txn.read]
+        result = self.call("/v3/kv/txn", {"compare": compares, "success": writes + reads, "failure": reads})
+        succeeded = bool(result.get("succeeded", False))
+        answers = result.get("responses", [])[len(writes) if succeeded else 0:]
+        entries: dict[str, Entry | None] = {}
+        for key, answer in zip(txn.read, answers):
+            kvs = answer.get("response_range", {}).get("kvs", [])
+            entries[key] = _entry(kvs[0]) if kvs else None
+        return TxnResult(succeeded, int(result["header"]["revision"]), entries)
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; ``True`` if it existed."""
