@@ -44,14 +44,15 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..coord import claims
 from ..coord.proof import SignedStore, sign, verify
 from ..coord.store import ControlStoreError, Entry
 from ..coord.txn import Compare, Put
+from ..coord.watch import PrefixWatch
 from ..events import Emit, EventKind
 
 if TYPE_CHECKING:
@@ -117,11 +118,11 @@ class ClusterStore:
     def __init__(self, signed: SignedStore, client: Any, root: str, launch_prefix: str, node: str,
                  token: str) -> None:
         self.signed = signed
-        self._client = client
-        self._root = root
+        self.client = client
+        self.root = root
         """The control store's own prefix (``/resilient/<run>/``), for the writes that need a lease."""
         self.prefix = f"{launch_prefix}rec/"
-        self._nodes = f"{launch_prefix}nodes/"
+        self.nodes_prefix = f"{launch_prefix}nodes/"
         self.pool_prefix = f"{launch_prefix}pool/"
         self.node = node
         self._token = token
@@ -160,12 +161,19 @@ class ClusterStore:
         self._put(f"{self.prefix}g{generation}/{kind}/{worker}", {**body, "node": self.node})
 
     def view(self, generation: int) -> GenerationView:
+        return self.view_of(generation, self.signed.get_prefix(f"{self.prefix}g{generation}/"))
+
+    def view_of(self, generation: int, values: Mapping[str, dict[str, Any]]) -> GenerationView:
+        """Generation ``generation`` in verified ``values`` (key -> value, keys under the control store's prefix;
+        keys of other generations are ignored)."""
         base = f"{self.prefix}g{generation}/"
         nodes: dict[str, dict[str, Any]] = {}
         waiting: dict[str, dict[str, Any]] = {}
         lost: dict[str, dict[str, Any]] = {}
         claim = decision = None
-        for key, value in self.signed.get_prefix(base).items():
+        for key, value in values.items():
+            if not key.startswith(base):
+                continue
             rest = key[len(base):]
             kind, _, name = rest.partition("/")
             if kind == "node":
@@ -182,14 +190,17 @@ class ClusterStore:
 
     def live_nodes(self) -> set[str]:
         """Nodes whose agent keeps its presence key alive (:mod:`resilient.coord.presence`)."""
+        return self.live_of(self.signed.store.get_prefix(self.nodes_prefix))
+
+    def live_of(self, entries: Iterable[Entry]) -> set[str]:
         found = set()
-        for entry in self.signed.store.get_prefix(self._nodes):
+        for entry in entries:
             try:
                 state = json.loads(entry.value).get("state")
             except (ValueError, AttributeError):
                 continue
-            if state == "running":
-                found.add(entry.key[len(self._nodes):])
+            if state == "running" and entry.key.startswith(self.nodes_prefix):
+                found.add(entry.key[len(self.nodes_prefix):])
         return found
 
     def _nonce_of(self, key: str) -> claims.NonceOf:
@@ -204,11 +215,11 @@ class ClusterStore:
         key = f"{self.prefix}g{generation}/claim"
         nonce = secrets.token_hex(8)  # a retried create that did land reads back as ours, not as a peer's
         value = sign(self._token, key, {"node": self.node, "what": what, "at": time.time(), "nonce": nonce})
-        return claims.claim(self._client, self._root + key, value, nonce, self._agent_lease(), self._nonce_of(key))
+        return claims.claim(self.client, self.root + key, value, nonce, self._agent_lease(), self._nonce_of(key))
 
     def release_claim(self, held: claims.Claim) -> bool:
         """Give the right back (the ladder said wait, or deciding failed), only if it is still ours."""
-        return claims.release(self._client, held)
+        return claims.release(self.client, held)
 
     def clear_stale_claim(self, generation: int) -> bool:
         """Delete ``generation``'s claim if it names this agent, which holds no claim between its decisions: one
@@ -219,7 +230,7 @@ class ClusterStore:
         value = verify(self._token, key, entry.value).value if entry is not None else None
         if entry is None or value is None or value.get("node") != self.node:
             return False
-        return claims.release(self._client, claims.Claim(self._root + key, str(value.get("nonce")),
+        return claims.release(self.client, claims.Claim(self.root + key, str(value.get("nonce")),
                                                          entry.mod_revision))
 
     def counter(self) -> tuple[int, int]:
@@ -246,28 +257,28 @@ class ClusterStore:
         if decision.get("generation"):
             following = int(decision["generation"])
             current = f"{self.prefix}current"
-            writes.append(Put(self._root + current, sign(self._token, current, {"generation": following,
+            writes.append(Put(self.root + current, sign(self._token, current, {"generation": following,
                                                                                "node": self.node})))
             assert counter_revision is not None, "a decision that moves the generation compares the counter"
-            counter = Compare.unchanged(self._root + COUNTER_KEY, counter_revision)
-            writes.append(Put(self._root + COUNTER_KEY, str(following).encode()))
+            counter = Compare.unchanged(self.root + COUNTER_KEY, counter_revision)
+            writes.append(Put(self.root + COUNTER_KEY, str(following).encode()))
             for spare in spares:
                 pool_key = f"{self.pool_prefix}{spare.worker}"
                 value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall,
                          "claimed": following, "lease": spare.lease}
-                writes.append(Put(self._root + pool_key, sign(self._token, pool_key, value), spare.lease))
-                guards.append(Compare.unchanged(self._root + pool_key, spare.revision))
+                writes.append(Put(self.root + pool_key, sign(self._token, pool_key, value), spare.lease))
+                guards.append(Compare.unchanged(self.root + pool_key, spare.revision))
         else:
             assert not spares, "only a decision that goes on in process promotes spares"
-        return claims.commit(self._client, held, claims.Decision(
-            self._root + key, sign(self._token, key, body), nonce, tuple(writes), counter, tuple(guards)),
+        return claims.commit(self.client, held, claims.Decision(
+            self.root + key, sign(self._token, key, body), nonce, tuple(writes), counter, tuple(guards)),
             self._nonce_of(key))
 
     # ------------------------------------------------------------ the pool
     def _agent_lease(self) -> int:
         with self._lease_lock:
             if not self._lease:
-                self._lease = self._client.lease_grant(POOL_TTL_S)
+                self._lease = self.client.lease_grant(POOL_TTL_S)
             return self._lease
 
     def register_spare(self, worker: str, ready_wall: float) -> None:
@@ -275,7 +286,7 @@ class ClusterStore:
         key = f"{self.pool_prefix}{worker}"
         lease = self._agent_lease()
         value = {"worker": worker, "node": self.node, "ready_wall": ready_wall, "claimed": None, "lease": lease}
-        self._client.put(self._root + key, sign(self._token, key, value), lease=lease)
+        self.client.put(self.root + key, sign(self._token, key, value), lease=lease)
         with self._lease_lock:
             self.registered.add(worker)
 
@@ -287,16 +298,19 @@ class ClusterStore:
     def keep_pool_alive(self) -> None:
         with self._lease_lock:
             lease = self._lease
-        if lease and self._client.lease_keepalive(lease) <= 0:
+        if lease and self.client.lease_keepalive(lease) <= 0:
             with self._lease_lock:  # expired in an outage: its keys are gone, so register the spares again
                 self._lease = 0
                 self.registered.clear()
 
     def pool(self) -> list[PoolEntry]:
+        return self.pool_of(self.signed.store.get_prefix(self.pool_prefix))
+
+    def pool_of(self, entries: Iterable[Entry]) -> list[PoolEntry]:
         found = []
-        for entry in self.signed.store.get_prefix(self.pool_prefix):
+        for entry in entries:
             value = verify(self._token, entry.key, entry.value).value  # a forged spare is never promoted
-            if value is None:
+            if value is None or not entry.key.startswith(self.pool_prefix):
                 continue
             claimed = value.get("claimed")
             found.append(PoolEntry(str(value["worker"]), str(value["node"]), float(value["ready_wall"]),
@@ -309,15 +323,16 @@ class ClusterStore:
             lease, self._lease = self._lease, 0
         if lease:
             try:
-                self._client.lease_revoke(lease)
+                self.client.lease_revoke(lease)
             except ControlStoreError:
                 pass
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One consistent read of the launch's recovery keys (``current`` read first: a decision is written before
-    it, so a snapshot that shows a newer generation also shows the decision that led there)."""
+    """The launch's recovery keys as the watches hold them: ``current`` and the generation's keys from one
+    revision (a decision and ``rec/current`` are written in one transaction, so a snapshot that shows a newer
+    generation also shows the decision that led there)."""
 
     current: int | None
     view: GenerationView
@@ -326,44 +341,79 @@ class Snapshot:
 
 
 class ClusterWatch:
-    """Polls the launch's recovery keys on its own thread; the watch loop reads :attr:`snapshot`."""
+    """Follows the launch's recovery keys, its pool and its nodes' presence through etcd watches
+    (:class:`~resilient.coord.watch.PrefixWatch`): no request while nothing changes.  A change wakes the watch
+    loop, which reads :attr:`snapshot`.  Its thread starts the watches (again, while the store is out) and
+    keeps this agent's lease alive: one request a second."""
 
     def __init__(self, store: ClusterStore, generation: Callable[[], int], wake: Callable[[], None],
-                 on_error: Callable[[str], None], interval_s: float = 0.1) -> None:
+                 on_error: Callable[[str], None], keepalive_s: float = 1.0) -> None:
         self._store = store
         self._generation = generation
         self._wake = wake
         self._on_error = on_error
-        self._interval = interval_s
-        self.snapshot: Snapshot | None = None
+        self._keepalive = keepalive_s
+        self._watches = [PrefixWatch(store.client, store.root + prefix, on_change=wake, on_error=on_error)
+                         for prefix in (store.prefix, store.pool_prefix, store.nodes_prefix)]
+        self._started = False
+        self._lock = threading.Lock()
+        self._cached: tuple[tuple[int, ...], Snapshot] | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
         self._thread.start()
 
+    @property
+    def requests(self) -> int:
+        """Streams the watches opened so far (each one request to the store)."""
+        return sum(w.streams for w in self._watches)
+
     def _loop(self) -> None:
-        renewed = 0.0
-        live: frozenset[str] = frozenset()
-        while not self._done.wait(self._interval):
+        while not self._done.is_set():
             try:
-                current = self._store.current()
-                view = self._store.view(self._generation())
-                pool = tuple(self._store.pool())
-                now = time.monotonic()
-                if now - renewed >= 1.0:
-                    renewed = now
-                    self._store.keep_pool_alive()
-                    live = frozenset(self._store.live_nodes())
+                if not self._started:
+                    for watch in self._watches:
+                        if not watch.running:
+                            watch.start()
+                    self._started = True
+                    self._wake()
+                self._store.keep_pool_alive()
             except (ControlStoreError, OSError, ValueError) as e:
                 self._on_error(f"{type(e).__name__}: {e}")
-                continue
-            snapshot = Snapshot(current, view, pool, live)
-            changed = snapshot != self.snapshot
-            self.snapshot = snapshot  # one reference swapped: readers see a whole snapshot or the previous one
-            if changed:
-                self._wake()
+            self._done.wait(self._keepalive)
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """The keys as the watches hold them now, for the generation followed now (None before they started)."""
+        if not self._started:
+            return None
+        generation = self._generation()
+        rec, pool, nodes = (w.view() for w in self._watches)
+        key = (generation, rec.revision, pool.revision, nodes.revision)
+        with self._lock:
+            if self._cached is not None and self._cached[0] == key:
+                return self._cached[1]
+        root = len(self._store.root)
+
+        def relative(entries: Iterable[Entry]) -> list[Entry]:
+            return [replace(e, key=e.key[root:]) for e in entries]
+
+        base = f"{self._store.prefix}g{generation}/"
+        current_key = f"{self._store.prefix}current"
+        values = self._store.signed.verified(relative(e for k, e in rec.entries.items()
+                                                      if k[root:].startswith(base) or k[root:] == current_key))
+        current = values.get(current_key)
+        snapshot = Snapshot(int(current["generation"]) if current is not None else None,
+                            self._store.view_of(generation, values),
+                            tuple(self._store.pool_of(relative(pool.entries.values()))),
+                            frozenset(self._store.live_of(relative(nodes.entries.values()))))
+        with self._lock:
+            self._cached = (key, snapshot)
+        return snapshot
 
     def close(self) -> None:
         self._done.set()
+        for watch in self._watches:
+            watch.close()
         self._thread.join(timeout=10)
 
 

@@ -11,13 +11,33 @@ re-exported here, where callers have always found them.
 from __future__ import annotations
 
 import base64
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from .etcd_transport import NOT_FOUND, EtcdConfig, EtcdTransport, OutageCallback
 from .store import Entry, StoreRequestError
 from .txn import Compare, Delete, Put, Txn, TxnResult
 
-__all__ = ["EtcdClient", "EtcdConfig", "OutageCallback"]
+__all__ = ["Compacted", "EtcdClient", "EtcdConfig", "OutageCallback", "WatchBatch"]
+
+
+class Compacted(StoreRequestError):
+    """A watch asked for a revision etcd has compacted away: read the keys again, then watch from there."""
+
+    def __init__(self, revision: int) -> None:
+        super().__init__(f"etcd compacted its history up to revision {revision}")
+        self.revision = revision
+
+
+@dataclass(frozen=True)
+class WatchBatch:
+    revision: int
+    """The store's revision when etcd sent the batch."""
+    events: list[tuple[str, Entry]]
+    """``("PUT", entry)`` or ``("DELETE", entry)`` (a deleted entry carries its key and revision only)."""
 
 
 def _b64(data: bytes) -> str:
@@ -66,6 +86,34 @@ class EtcdClient(EtcdTransport):
         p = _key(prefix)
         body = {"key": _b64(p), "range_end": _b64(_prefix_end(p))}
         return [_entry(kv) for kv in self.call("/v3/kv/range", body).get("kvs", [])]
+
+    def snapshot_prefix(self, prefix: str) -> tuple[list[Entry], int]:
+        """Every entry under ``prefix`` and the store's revision they were read at (one read, one revision)."""
+        p = _key(prefix)
+        result = self.call("/v3/kv/range", {"key": _b64(p), "range_end": _b64(_prefix_end(p))})
+        return [_entry(kv) for kv in result.get("kvs", [])], int(result["header"]["revision"])
+
+    def watch_prefix(self, prefix: str, start_revision: int, idle_s: float, stop: threading.Event | None = None,
+                     on_open: Callable[[socket.socket], None] | None = None) -> Iterator[WatchBatch]:
+        """The changes under ``prefix`` from ``start_revision`` on, one batch per revision, as etcd sends them.
+
+        Ends when the stream does (see :meth:`EtcdTransport.stream`); raises
+        :class:`Compacted` when etcd no longer has ``start_revision``.
+        """
+        p = _key(prefix)
+        body = {"create_request": {"key": _b64(p), "range_end": _b64(_prefix_end(p)),
+                                   "start_revision": str(start_revision)}}
+        for message in self.stream("/v3/watch", body, idle_s, stop, on_open):
+            result = message.get("result")
+            if not isinstance(result, dict):
+                error = message.get("error") or message
+                raise StoreRequestError(f"etcd ended a watch of {prefix!r}: {error}")
+            if result.get("compact_revision"):
+                raise Compacted(int(result["compact_revision"]))
+            if result.get("canceled"):
+                raise StoreRequestError(f"etcd cancelled a watch of {prefix!r}: {result.get('cancel_reason')}")
+            events = [(str(e.get("type", "PUT")), _entry(e["kv"])) for e in result.get("events", [])]
+            yield WatchBatch(int(result.get("header", {}).get("revision", 0)), events)
 
     def count_prefix(self, prefix: str) -> int:
         """How many keys start with ``prefix``."""

@@ -26,7 +26,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -289,13 +289,7 @@ class EtcdTransport:
         return None
 
     def _post(self, url: str, path: str, payload: bytes, token: str | None) -> tuple[int, dict[str, Any]]:
-        parts = urlsplit(url)
-        host, port = parts.hostname or "", parts.port
-        conn: http.client.HTTPConnection
-        if parts.scheme == "https":
-            conn = http.client.HTTPSConnection(host, port, timeout=self.config.timeout_s, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=self.config.timeout_s)
+        conn = self._connection(url)
         headers = {"Content-Type": "application/json", "Connection": "close"}
         if token is not None:
             headers["Authorization"] = token
@@ -314,6 +308,82 @@ class EtcdTransport:
         if not isinstance(answer, dict):
             answer = {"message": str(answer)[:200]}
         return status, answer
+
+    def stream(self, path: str, body: dict[str, Any], idle_s: float, stop: threading.Event | None = None,
+               on_open: Callable[[socket.socket], None] | None = None) -> Iterator[dict[str, Any]]:
+        """POST ``body`` to a streaming call and yield each message it answers, as they come.
+
+        Tried once on each endpoint, preferred first, without the outage
+        retries of :meth:`call` (a watch resumes from its revision, and its
+        owner paces the tries): raises :class:`StoreUnavailableError` when
+        no endpoint answered.  The stream ends, without error, when the
+        server closes it, when no message came for ``idle_s`` (a silent
+        peer: the caller opens a new one), or once ``stop`` is set.
+        ``on_open`` receives the stream's socket, so that another thread can
+        shut it down to end the stream at once.
+        """
+        if self.config.username is not None and self._token is None:
+            self._authenticate()
+        payload = json.dumps(body).encode()
+        errors = []
+        n = len(self.config.endpoints)
+        for i in ((self._preferred + j) % n for j in range(n)):
+            url = self.config.endpoints[i]
+            conn = self._connection(url)
+            try:
+                headers = {"Content-Type": "application/json"}
+                if self._token is not None:
+                    headers["Authorization"] = self._token
+                conn.request("POST", path, body=payload, headers=headers)
+                response = conn.getresponse()
+                if response.status != 200:
+                    raw = response.read()
+                    try:
+                        answer = json.loads(raw.split(b"\n", 1)[0]) if raw.strip() else {}
+                    except ValueError:
+                        answer = {"message": raw[:200].decode(errors="replace")}
+                    if response.status in (408, 502, 503, 504) or answer.get("code") in _UNAVAILABLE_CODES:
+                        errors.append(f"{url}: HTTP {response.status}: {answer.get('message', answer)}")
+                        conn.close()
+                        continue
+                    conn.close()
+                    try:
+                        self._raise_for(url, path, response.status, answer, self._token)
+                    except _TokenRejected:
+                        self._token = None  # fetched again on the next stream
+                        raise StoreAuthError(f"etcd at {url} rejected the auth token of a stream") from None
+                assert conn.sock is not None
+                conn.sock.settimeout(idle_s)
+                if on_open is not None:
+                    on_open(conn.sock)
+            except (OSError, http.client.HTTPException) as e:
+                errors.append(f"{url}: {type(e).__name__}: {e}")
+                conn.close()
+                continue
+            self._preferred = i
+            try:
+                while stop is None or not stop.is_set():
+                    try:
+                        line = response.readline()
+                    except (OSError, http.client.HTTPException):
+                        return  # idle for idle_s, or the connection broke: the caller resumes
+                    if not line:
+                        return
+                    if line.strip():
+                        message = json.loads(line)
+                        if isinstance(message, dict):
+                            yield message
+            finally:
+                conn.close()
+            return
+        raise StoreUnavailableError(f"no etcd endpoint answered a stream: {'; '.join(errors)}")
+
+    def _connection(self, url: str) -> http.client.HTTPConnection:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+        if parts.scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=self.config.timeout_s, context=self._ssl)
+        return http.client.HTTPConnection(host, port, timeout=self.config.timeout_s)
 
     def close(self) -> None:
         """Nothing to release (connections are per request); present for symmetry with other clients."""

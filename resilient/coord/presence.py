@@ -3,8 +3,9 @@
 An agent writes ``<prefix><node>`` = ``{"state": "running"}`` attached to an
 etcd lease of ``ttl_s`` seconds and renews the lease every ``interval_s``.
 A node whose agent dies (killed, machine gone, cut off) stops renewing, and
-etcd deletes its key ``ttl_s`` later: the survivors, which list the keys on
-every renewal, see a node that was running disappear and report it as lost.
+etcd deletes its key ``ttl_s`` later: the survivors, which follow the keys
+through an etcd watch (no request while nothing changes), see a node that
+was running disappear and report it as lost.
 An agent that ends normally first rewrites its key as ``{"state": "left"}``
 without a lease, so leaving is never mistaken for being lost.
 
@@ -19,6 +20,7 @@ from collections.abc import Callable, Mapping
 
 from .etcd import EtcdClient
 from .store import ControlStoreError
+from .watch import PrefixWatch
 
 
 def lost_nodes(before: Mapping[str, str], now: Mapping[str, str], me: str) -> list[str]:
@@ -27,7 +29,7 @@ def lost_nodes(before: Mapping[str, str], now: Mapping[str, str], me: str) -> li
 
 
 class Presence:
-    """Keeps this node's presence key alive and reports peers whose key expired; one daemon thread."""
+    """Keeps this node's presence key alive (a daemon thread) and reports peers whose key expired (a watch)."""
 
     def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str], None],
                  on_error: Callable[[str], None], *, ttl_s: int = 5, interval_s: float = 1.0) -> None:
@@ -42,43 +44,48 @@ class Presence:
         self._interval = interval_s
         self._lease = 0
         self._seen: dict[str, str] = {}
+        self._judging = threading.Lock()
+        self._watch = PrefixWatch(client, prefix, on_change=self._judge, on_error=on_error)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="presence", daemon=True)
 
     def start(self) -> None:
-        """Write the presence key and start renewing it."""
+        """Write the presence key, start following the peers' keys and renewing this one."""
         self._announce()
+        self._watch.start()
+        self._judge()
         self._thread.start()
 
     def _announce(self) -> None:
         self._lease = self._client.lease_grant(self._ttl)
         self._client.put(self._prefix + self._node, json.dumps({"state": "running"}).encode(), lease=self._lease)
 
-    def _peers(self) -> dict[str, str]:
+    def _judge(self) -> None:
+        """Compare the peers' keys with the last look: a node that was running and has no key now is lost."""
         found = {}
-        for entry in self._client.get_prefix(self._prefix):
+        for key, entry in self._watch.view().entries.items():
             try:
-                found[entry.key[len(self._prefix):]] = str(json.loads(entry.value).get("state"))
+                found[key[len(self._prefix):]] = str(json.loads(entry.value).get("state"))
             except (ValueError, AttributeError):
                 continue
-        return found
+        with self._judging:
+            lost = lost_nodes(self._seen, found, self._node)
+            self._seen = found
+        for node in lost:
+            self._on_lost(node)
 
     def _loop(self) -> None:
         while not self._done.wait(self._interval):
             try:
                 if self._client.lease_keepalive(self._lease) <= 0:
                     self._announce()  # our own lease expired (a long outage): we are back
-                now = self._peers()
-            except ControlStoreError as e:  # an outage: peers' keys cannot be judged now
+            except ControlStoreError as e:
                 self._on_error(f"{type(e).__name__}: {e}")
-                continue
-            for node in lost_nodes(self._seen, now, self._node):
-                self._on_lost(node)
-            self._seen = now
 
     def leave(self) -> None:
         """Stop renewing and mark this node as gone on purpose."""
         self._done.set()
+        self._watch.close()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         try:

@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,6 +107,16 @@ class SignedStore:
         """The raw entry (for its revision) and its verified value (``None`` if absent or rejected)."""
         found = self.store.get(key)
         return found, (None if found is None else self._check(found))
+
+    def verified(self, entries: Iterable[Entry]) -> dict[str, dict[str, Any]]:
+        """Verified values of ``entries`` (read elsewhere, e.g. by a watch; keys as in the store), rejected ones
+        reported and left out."""
+        found = {}
+        for entry in entries:
+            value = self._check(entry)
+            if value is not None:
+                found[entry.key] = value
+        return found
 
     def get_prefix(self, prefix: str, only: Callable[[str], bool] | None = None) -> dict[str, dict[str, Any]]:
         """Verified values of the keys under ``prefix`` (those ``only`` accepts); rejected ones are reported."""

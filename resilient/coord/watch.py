@@ -1,0 +1,140 @@
+"""A local copy of the keys under a prefix, kept current by an etcd watch instead of polling.
+
+:class:`PrefixWatch` reads the prefix once, at one revision, then follows
+etcd's watch from the next revision on its own thread: every change is
+applied to the copy as etcd sends it, a revision's changes together, and
+``on_change`` is called after each batch.  Readers take :meth:`view`, the
+copy at one revision.
+
+Steady state costs the store nothing but an open stream.  A stream that
+stays silent for ``idle_s`` is closed and opened again from the last
+revision applied (a stream to a peer that vanished without a reset would
+otherwise never end), which is one request per ``idle_s`` at rest.  After a
+broken stream the watch resumes from its revision, so no change is missed;
+when etcd has compacted that revision away it reads the prefix again.
+While etcd cannot be reached the copy stays as it was, :attr:`stale_since`
+says since when, and ``on_error`` hears of it once per outage.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from .etcd import Compacted, EtcdClient
+from .store import ControlStoreError, Entry
+
+
+@dataclass(frozen=True)
+class View:
+    """The copy at one revision: key -> entry (read-only)."""
+
+    revision: int
+    entries: Mapping[str, Entry]
+
+    def under(self, prefix: str) -> dict[str, Entry]:
+        return {k: e for k, e in self.entries.items() if k.startswith(prefix)}
+
+
+class PrefixWatch:
+    def __init__(self, client: EtcdClient, prefix: str, *, on_change: Callable[[], None] = lambda: None,
+                 on_error: Callable[[str], None] = lambda _: None, idle_s: float = 5.0,
+                 retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self.prefix = prefix
+        self._on_change = on_change
+        self._on_error = on_error
+        self._idle = idle_s
+        self._retry = retry_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._view = View(0, MappingProxyType({}))
+        self.stale_since: float | None = None
+        self.streams = 0
+        """Streams opened (the first and every resume), for the load they cost."""
+        self._done = threading.Event()
+        self._socket: socket.socket | None = None
+        self._thread = threading.Thread(target=self._loop, name=f"watch {prefix}", daemon=True)
+
+    def start(self) -> PrefixWatch:
+        """Read the prefix (raises :class:`ControlStoreError` when etcd cannot be reached) and start following."""
+        self._read()
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def view(self) -> View:
+        return self._view
+
+    def _read(self) -> None:
+        entries, revision = self._client.snapshot_prefix(self.prefix)
+        with self._lock:
+            self._entries = {e.key: e for e in entries}
+            self._view = View(revision, MappingProxyType(dict(self._entries)))
+
+    def _loop(self) -> None:
+        while not self._done.is_set():
+            try:
+                self.streams += 1
+                for batch in self._client.watch_prefix(self.prefix, self._view.revision + 1, self._idle, self._done,
+                                                       self._opened):
+                    self._apply(batch.events)
+                    if self.stale_since is not None:
+                        self.stale_since = None
+            except Compacted:
+                try:
+                    self._read()
+                except ControlStoreError as e:
+                    self._failed(e)
+                else:
+                    self._on_change()
+                continue
+            except (ControlStoreError, OSError, ValueError) as e:
+                self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        if self.stale_since is None:
+            self.stale_since = self._clock()
+            self._on_error(f"watch of {self.prefix}: {type(e).__name__}: {e}")
+        self._done.wait(self._retry)
+
+    def _apply(self, events: list[tuple[str, Entry]]) -> None:
+        if not events:
+            return
+        with self._lock:
+            for kind, entry in events:
+                if kind == "DELETE":
+                    self._entries.pop(entry.key, None)
+                else:
+                    self._entries[entry.key] = entry
+            # Resume after the newest change applied (the header's revision may be ahead of changes still coming).
+            applied = max(self._view.revision, max(e.mod_revision for _, e in events))
+            self._view = View(applied, MappingProxyType(dict(self._entries)))
+        self._on_change()
+
+    def _opened(self, sock: socket.socket) -> None:
+        self._socket = sock
+        if self._done.is_set():
+            self._shut()
+
+    def _shut(self) -> None:
+        sock = self._socket
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+    def close(self) -> None:
+        self._done.set()
+        self._shut()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._idle + 5)

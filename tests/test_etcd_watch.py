@@ -1,0 +1,161 @@
+"""A prefix followed by an etcd watch (``resilient.coord.watch``) against a real etcd.
+
+What the agents rely on once they stop polling: the copy matches the store
+after every change, a transaction's writes appear together, no change is
+lost when the stream is reopened or broken, a compacted revision is read
+again, an outage leaves the copy stale and says so, and closing ends the
+watch at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.txn import Put, Txn
+from resilient.coord.watch import PrefixWatch
+
+
+class Changes:
+    """Every view the watch published, and a way to wait for one that satisfies a condition."""
+
+    def __init__(self) -> None:
+        self.views: list[dict[str, bytes]] = []
+        self.cond = threading.Condition()
+        self.watch: PrefixWatch | None = None
+
+    def __call__(self) -> None:
+        assert self.watch is not None
+        with self.cond:
+            self.views.append({k: e.value for k, e in self.watch.view().entries.items()})
+            self.cond.notify_all()
+
+    def wait_for(self, ok, timeout_s: float = 30.0) -> dict[str, bytes]:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                assert self.watch is not None
+                now = {k: e.value for k, e in self.watch.view().entries.items()}
+                if ok(now):
+                    return now
+                left = deadline - time.monotonic()
+                assert left > 0, f"the watch never showed it; last view: {now}"
+                self.cond.wait(left)
+
+
+def _watch(client: EtcdClient, prefix: str, **options) -> tuple[PrefixWatch, Changes]:
+    changes = Changes()
+    watch = PrefixWatch(client, prefix, on_change=changes, **options)
+    changes.watch = watch
+    return watch.start(), changes
+
+
+def test_the_copy_follows_every_put_and_delete_and_a_transaction_shows_whole(etcd_server, etcd_run_id) -> None:
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/"
+    client.put(base + "a", b"1")
+    client.put(base + "other-prefix-not-watched", b"x")
+    watch, changes = _watch(client, base + "w/")
+    try:
+        assert watch.view().entries == {}
+        client.put(base + "w/a", b"1")
+        client.put(base + "w/b", b"2")
+        client.delete(base + "w/a")
+        client.txn(Txn((), (Put(base + "w/c", b"3"), Put(base + "w/d", b"4"))))
+        final = changes.wait_for(lambda v: set(v) == {base + "w/b", base + "w/c", base + "w/d"})
+        assert final[base + "w/b"] == b"2"
+        assert all((base + "w/c" in v) == (base + "w/d" in v) for v in changes.views), \
+            "a view showed half of a transaction"
+        assert watch.view().revision == client.snapshot_prefix(base)[1], "the copy is not at the store's revision"
+    finally:
+        watch.close()
+
+
+def test_no_change_is_lost_across_reopened_streams(etcd_server, etcd_run_id) -> None:
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/w/"
+    watch, changes = _watch(client, base, idle_s=0.2)  # reopened after every 0.2 s of silence
+    try:
+        for i in range(30):
+            client.put(f"{base}k{i % 7}", str(i).encode())
+            if i % 5 == 0:
+                time.sleep(0.3)  # a silence: the stream is closed and opened again from its revision
+        expected = {f"{base}k{j}": str(max(i for i in range(30) if i % 7 == j)).encode() for j in range(7)}
+        assert changes.wait_for(lambda v: v == expected) == expected
+        assert watch.streams > 1, "the stream was never reopened"
+    finally:
+        watch.close()
+
+
+class HeldClient:
+    """A real client whose first watch waits until the test lets it open (so the test can compact first)."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self.client = client
+        self.go = threading.Event()
+
+    def watch_prefix(self, *args, **kwargs):
+        assert self.go.wait(30)
+        return self.client.watch_prefix(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+def test_a_compacted_revision_is_read_again(etcd_server, etcd_run_id) -> None:
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/w/"
+    client.put(base + "gone", b"0")
+    held = HeldClient(client)
+    watch, changes = _watch(held, base)  # type: ignore[arg-type]
+    try:
+        client.delete(base + "gone")
+        revision = client.put(base + "new", b"1")
+        client.call("/v3/kv/compaction", {"revision": str(revision)})
+        held.go.set()
+        assert changes.wait_for(lambda v: v == {base + "new": b"1"}) == {base + "new": b"1"}
+        client.put(base + "after", b"2")
+        changes.wait_for(lambda v: base + "after" in v)
+    finally:
+        watch.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_outage_leaves_the_copy_stale_and_says_so_then_it_catches_up(etcd_outage_server) -> None:
+    client = EtcdClient(EtcdConfig.from_url(etcd_outage_server.url, outage_tolerance_s=0.5))
+    errors: list[str] = []
+    changes = Changes()
+    watch = PrefixWatch(client, "/w/", on_change=changes, on_error=errors.append, idle_s=1.0)
+    changes.watch = watch
+    watch.start()
+    try:
+        client.put("/w/a", b"1")
+        changes.wait_for(lambda v: v == {"/w/a": b"1"})
+        etcd_outage_server.stop()
+        deadline = time.monotonic() + 30
+        while watch.stale_since is None:
+            assert time.monotonic() < deadline, "the outage was never noticed"
+            time.sleep(0.05)
+        assert watch.view().entries.keys() == {"/w/a"}, "the copy changed while the store was away"
+        assert len(errors) == 1 and "/w/" in errors[0], errors
+        etcd_outage_server.start()
+        client.put("/w/b", b"2")
+        changes.wait_for(lambda v: v == {"/w/a": b"1", "/w/b": b"2"})
+        deadline = time.monotonic() + 30
+        while watch.stale_since is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        watch.close()
+
+
+@pytest.mark.timeout(60)
+def test_closing_ends_a_silent_stream_at_once(etcd_server, etcd_run_id) -> None:
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    watch, _ = _watch(client, f"/resilient/{etcd_run_id}/w/", idle_s=3600.0)
+    time.sleep(0.2)  # the stream is open and silent
+    watch.close()  # waits for its thread up to idle_s: an hour, unless closing shuts the stream
+    assert not watch.running
