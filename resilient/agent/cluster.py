@@ -116,7 +116,10 @@ class ClusterStore:
     """The launch's recovery keys, read and written by this node's agent (synchronous etcd calls)."""
 
     def __init__(self, signed: SignedStore, client: Any, root: str, launch_prefix: str, node: str,
-                 token: str) -> None:
+                 token: str, *, lease: Callable[[], int] | None = None, watch: PrefixWatch | None = None) -> None:
+        """``lease``: the agent's lease, kept alive by its owner (the node's presence); without one the store
+        takes a lease of its own and renews it in :meth:`keep_pool_alive`.  ``watch``: the agent's watch of
+        ``root + "launch"``, which :class:`ClusterWatch` reads (without one it starts its own)."""
         self.signed = signed
         self.client = client
         self.root = root
@@ -127,6 +130,8 @@ class ClusterStore:
         self.node = node
         self._token = token
         self._lease = 0
+        self._lease_source = lease
+        self.watch = watch
         self._lease_lock = threading.Lock()
         self.registered: set[str] = set()
         """Spares of this node in the pool under the current lease."""
@@ -276,6 +281,13 @@ class ClusterStore:
 
     # ------------------------------------------------------------ the pool
     def _agent_lease(self) -> int:
+        if self._lease_source is not None:
+            lease = self._lease_source()
+            with self._lease_lock:
+                if lease != self._lease:  # the owner's lease expired and was replaced: the spares' keys went
+                    self._lease = lease
+                    self.registered.clear()
+                return lease
         with self._lease_lock:
             if not self._lease:
                 self._lease = self.client.lease_grant(POOL_TTL_S)
@@ -296,6 +308,10 @@ class ClusterStore:
         self.signed.store.delete(f"{self.pool_prefix}{worker}")
 
     def keep_pool_alive(self) -> None:
+        """Renew this store's own lease (a request), or notice that its owner's was replaced (none)."""
+        if self._lease_source is not None:
+            self._agent_lease()
+            return
         with self._lease_lock:
             lease = self._lease
         if lease and self.client.lease_keepalive(lease) <= 0:
@@ -321,6 +337,14 @@ class ClusterStore:
     def close(self) -> None:
         with self._lease_lock:
             lease, self._lease = self._lease, 0
+            spares, self.registered = sorted(self.registered), set()
+        if self._lease_source is not None:  # the lease is its owner's: take this launch's spares out by hand
+            for worker in spares:
+                try:
+                    self.signed.store.delete(f"{self.pool_prefix}{worker}")
+                except ControlStoreError:
+                    pass  # the store is out: they go with the owner's lease when the agent ends
+            return
         if lease:
             try:
                 self.client.lease_revoke(lease)
@@ -343,8 +367,10 @@ class Snapshot:
 class ClusterWatch:
     """Follows the launch's recovery keys, its pool and its nodes' presence through etcd watches
     (:class:`~resilient.coord.watch.PrefixWatch`): no request while nothing changes.  A change wakes the watch
-    loop, which reads :attr:`snapshot`.  Its thread starts the watches (again, while the store is out) and
-    keeps this agent's lease alive: one request a second."""
+    loop, which reads :attr:`snapshot`.  Given the agent's watch of the run's launches (``store.watch``) it
+    reads that one; otherwise it starts its own.  Its thread starts them (again, while the store is out) and
+    keeps the store's lease as it should be (a request a second only when the store renews a lease of its own).
+    """
 
     def __init__(self, store: ClusterStore, generation: Callable[[], int], wake: Callable[[], None],
                  on_error: Callable[[str], None], keepalive_s: float = 1.0) -> None:
@@ -353,19 +379,19 @@ class ClusterWatch:
         self._wake = wake
         self._on_error = on_error
         self._keepalive = keepalive_s
-        self._watches = [PrefixWatch(store.client, store.root + prefix, on_change=wake, on_error=on_error)
-                         for prefix in (store.prefix, store.pool_prefix, store.nodes_prefix)]
+        self._owned = store.watch is None
+        if store.watch is not None:
+            self._watches = [store.watch]
+            store.watch.subscribe(wake)
+        else:
+            self._watches = [PrefixWatch(store.client, store.root + prefix, on_change=wake, on_error=on_error)
+                             for prefix in (store.prefix, store.pool_prefix, store.nodes_prefix)]
         self._started = False
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, ...], Snapshot] | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
         self._thread.start()
-
-    @property
-    def requests(self) -> int:
-        """Streams the watches opened so far (each one request to the store)."""
-        return sum(w.streams for w in self._watches)
 
     def _loop(self) -> None:
         while not self._done.is_set():
@@ -387,33 +413,43 @@ class ClusterWatch:
         if not self._started:
             return None
         generation = self._generation()
-        rec, pool, nodes = (w.view() for w in self._watches)
-        key = (generation, rec.revision, pool.revision, nodes.revision)
+        views = [w.view() for w in self._watches]
+        key = (generation, *(v.revision for v in views))
         with self._lock:
             if self._cached is not None and self._cached[0] == key:
                 return self._cached[1]
-        root = len(self._store.root)
-
-        def relative(entries: Iterable[Entry]) -> list[Entry]:
-            return [replace(e, key=e.key[root:]) for e in entries]
-
-        base = f"{self._store.prefix}g{generation}/"
-        current_key = f"{self._store.prefix}current"
-        values = self._store.signed.verified(relative(e for k, e in rec.entries.items()
-                                                      if k[root:].startswith(base) or k[root:] == current_key))
+        store = self._store
+        cut = len(store.root)
+        base = f"{store.prefix}g{generation}/"
+        current_key = f"{store.prefix}current"
+        rec: list[Entry] = []
+        pool: list[Entry] = []
+        nodes: list[Entry] = []
+        for view in views:
+            for k, e in view.entries.items():
+                relative = k[cut:]
+                if relative.startswith(base) or relative == current_key:
+                    rec.append(replace(e, key=relative))
+                elif relative.startswith(store.pool_prefix):
+                    pool.append(replace(e, key=relative))
+                elif relative.startswith(store.nodes_prefix):
+                    nodes.append(replace(e, key=relative))
+        values = store.signed.verified(rec)
         current = values.get(current_key)
         snapshot = Snapshot(int(current["generation"]) if current is not None else None,
-                            self._store.view_of(generation, values),
-                            tuple(self._store.pool_of(relative(pool.entries.values()))),
-                            frozenset(self._store.live_of(relative(nodes.entries.values()))))
+                            store.view_of(generation, values), tuple(store.pool_of(pool)),
+                            frozenset(store.live_of(nodes)))
         with self._lock:
             self._cached = (key, snapshot)
         return snapshot
 
     def close(self) -> None:
         self._done.set()
-        for watch in self._watches:
-            watch.close()
+        if self._owned:
+            for watch in self._watches:
+                watch.close()
+        else:
+            self._watches[0].unsubscribe(self._wake)
         self._thread.join(timeout=10)
 
 

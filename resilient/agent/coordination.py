@@ -49,6 +49,9 @@ class Coordination:
         """This launch's shared facts; set once the agent has joined a launch."""
         self.rendezvous: Rendezvous | None = None
         self._presence: Any = None
+        self.launch_watch: Any = None
+        self.timing_watch: Any = None
+        """Across machines: the agent's watch of the run's launches (:class:`~resilient.coord.watch.PrefixWatch`)."""
         self._launch_retried = False
         self.restarts_used_cached = 0
         """The restart count last read from the store (for readers that must not do I/O)."""
@@ -90,14 +93,29 @@ class Coordination:
                     f"agent of run {c.run_id} holds that token any more, delete key "
                     f"/resilient/{c.run_id}/token_fingerprint")
         decision = begin_launch(self.signed, c.launch_id)
-        self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope)
+        root = f"/resilient/{c.run_id}/"
+        if c.store_url is not None and self.launch_watch is None:
+            from ..coord.watch import PrefixWatch
+
+            # Every launch of the run and the run's launch record, followed for the agent's life: the shared
+            # facts, the presence of the nodes and the recovery keys are read from it, not polled.
+            self.launch_watch = PrefixWatch(self._etcd_client, root + "launch", on_error=self._store_unreachable)
+            self.launch_watch.start()
+            # The nodes' timing windows change every second on every node: a watch of their own, kept out of
+            # the launch's, which every reader of the launch's facts would otherwise be woken by.
+            self.timing_watch = PrefixWatch(self._etcd_client, root + "timing/", on_error=self._store_unreachable)
+            self.timing_watch.start()
+        self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope,
+                                  watch=self.launch_watch, root=root, timing_watch=self.timing_watch)
         self._emit(EventKind.LAUNCH_JOINED, launch_id=decision.launch_id, action=decision.action,
                    reason=decision.reason)
         if c.store_url is not None:
             from ..coord.presence import Presence
 
-            self._presence = Presence(self._etcd_client, f"/resilient/{c.run_id}/{self.shared.prefix}nodes/",
-                                      c.node_id, self._on_node_lost, self._store_unreachable)
+            assert self.launch_watch is not None
+            self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}nodes/",
+                                      c.node_id, self._on_node_lost, self._store_unreachable,
+                                      watch=self.launch_watch)
             self._presence.start()
         return None
 
@@ -125,8 +143,11 @@ class Coordination:
         from .cluster import ClusterStore
 
         assert self.shared is not None and self._config.store_url is not None
+        presence = self._presence
         return ClusterStore(self.signed, self._etcd_client, f"/resilient/{self._config.run_id}/", self.shared.prefix,
-                            self._config.node_id, self._token)
+                            self._config.node_id, self._token,
+                            lease=(lambda: presence.lease) if presence is not None else None,
+                            watch=self.launch_watch)
 
     def quarantine_gate(self, scratch: Path, set_phase: Callable[[str], None]) -> QuarantineGate | None:
         """Across machines, this node's side of the fleet's quarantine; None on one machine (no other node could
@@ -179,6 +200,9 @@ class Coordination:
                 self.rendezvous.shutdown()
         if self._presence is not None:
             self._presence.leave()
+        for watch in (self.launch_watch, self.timing_watch):
+            if watch is not None:
+                watch.close()
 
     # ------------------------------------------------------------ shared facts
     def restarts_used(self) -> int:

@@ -100,11 +100,17 @@ class GenerationContext:
     slowness: SlownessWatch | None = None
     """Straggler and slowdown detection over the ranks' timing windows."""
     quarantined: Callable[[], Standing | None] | None = None
-    """Across machines: read this node's quarantine record (the peer watch asks once a second)."""
+    """Across machines: read this node's quarantine record (the peer watch asks every 5 s)."""
+
+
+QUARANTINE_EVERY = 5
+"""The peer watch reads this node's quarantine record every 5th pass (a request to the fleet's store; the other
+facts come from the agent's watch)."""
 
 
 class PeerWatch:
-    """Polls the shared store once a second on its own thread; the watch loop reads the results."""
+    """Reads the shared facts once a second on its own thread (across machines from the agent's watch of the
+    launch, no request while they do not change); the watch loop reads the results."""
 
     def __init__(self, ctx: GenerationContext, interval_s: float = 1.0) -> None:
         self._ctx = ctx
@@ -127,6 +133,7 @@ class PeerWatch:
     def _loop(self) -> None:
         ctx = self._ctx
         multi = ctx.config.multi_node
+        checks = 0
         while not self._done.wait(self._interval):
             try:
                 self.verdict = ctx.shared.verdict()
@@ -137,7 +144,8 @@ class PeerWatch:
                     self.ended = ctx.shared.ended()
                     self.detectors = ctx.shared.detectors()
                     self._exchange_timing()
-                if ctx.quarantined is not None:
+                checks += 1
+                if ctx.quarantined is not None and checks % QUARANTINE_EVERY == 1:
                     self.quarantined = ctx.quarantined()
             except Exception as e:  # an outage must not end a healthy generation
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")

@@ -77,8 +77,7 @@ class QuarantineGate:
     def check(self) -> Standing | None:
         """Read this node's record now; an outage keeps the last answer (an outage never ends a generation)."""
         try:
-            standing = self.fleet.get(self.node_id)
-            self.offences = self.fleet.offences(self.node_id)
+            standing, self.offences = self.fleet.standing_and_offences(self.node_id)
         except ControlStoreError as e:
             self._emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
             return self.standing

@@ -12,9 +12,20 @@ Each key here changes the run, so each carries a token proof
 * ``detectors``: detector settings changed on the running job through the
   store (``resilient detectors --store``): every change so far, merged, with
   a sequence number; each agent applies a sequence it has not applied yet;
-* ``timing/<node>``: the newest timing windows of the node's ranks, which
-  every peer scores its stragglers against (one rank per node is compared
-  with the others), rewritten once a second while they change.
+
+and, outside the launch's prefix (it changes every second on every node,
+and the launch's prefix is followed by a watch on every agent),
+``timing/<launch>/<node>``: the newest timing windows of the node's ranks,
+which every peer scores its stragglers against (one rank per node is
+compared with the others), rewritten once a second while they change.
+
+Across machines the facts polled by the watch loop (verdict, stop, stop
+request, detector changes, whether the launch ended, the restarts used for
+status) are read from the agent's watch of the run's launches
+(:class:`~resilient.coord.watch.PrefixWatch`), which costs the store
+nothing while nothing changes; while that watch is not following (not
+started, or an outage broke it) they are read from the store.  What a
+decision needs (the restart history) is always read from the store.
 
 With ``budget_scope="run"`` the restart records of earlier launches count
 too; the crash-loop count is always this launch's (a resubmission is a new
@@ -23,10 +34,13 @@ attempt at the cause, and a crash loop is about the current one).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
-from ..coord.launch import current_launch, end_launch, launch_prefix
+from ..coord.launch import LAUNCH_KEY, LaunchRecord, current_launch, end_launch, launch_prefix, record_of
 from ..coord.proof import SignedStore
+from ..coord.store import Entry
+from ..coord.watch import PrefixWatch
 from .policy import History
 
 BudgetScope = Literal["launch", "run"]
@@ -35,16 +49,36 @@ BudgetScope = Literal["launch", "run"]
 class SharedFacts:
     """One launch's shared facts, as this node reads and writes them."""
 
-    def __init__(self, signed: SignedStore, launch_id: str, node_id: str, budget_scope: BudgetScope = "launch") -> None:
+    def __init__(self, signed: SignedStore, launch_id: str, node_id: str, budget_scope: BudgetScope = "launch",
+                 watch: PrefixWatch | None = None, root: str = "", timing_watch: PrefixWatch | None = None) -> None:
+        """``watch``: a watch of ``root + "launch"`` (every launch of the run and the run's launch record), where
+        ``root`` is the control store's prefix; ``timing_watch``: one of ``root + "timing/"``."""
         self.signed = signed
         self.launch_id = launch_id
         self.prefix = launch_prefix(launch_id)
         self._node = node_id
         self._scope = budget_scope
+        self._watch = watch
+        self._root = root
+        self._timing_watch = timing_watch
+
+    def _watched(self) -> dict[str, Entry] | None:
+        """Key (as in the control store) -> entry, from the watch while it follows the store; else None."""
+        if self._watch is None or not self._watch.fresh:
+            return None
+        cut = len(self._root)
+        return {k[cut:]: replace(e, key=k[cut:]) for k, e in self._watch.view().entries.items()}
+
+    def _get(self, key: str) -> dict[str, Any] | None:
+        entries = self._watched()
+        if entries is None:
+            return self.signed.get(key)
+        entry = entries.get(key)
+        return None if entry is None else self.signed.verified([entry]).get(key)
 
     def verdict(self) -> dict[str, Any] | None:
         """The launch's verdict (verified), or ``None``."""
-        return self.signed.get(self.prefix + "verdict")
+        return self._get(self.prefix + "verdict")
 
     def publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
         """Publish a stop verdict (a peer's earlier one stays) and mark the launch ended."""
@@ -54,7 +88,7 @@ class SharedFacts:
 
     def stop(self) -> dict[str, Any] | None:
         """The agreed graceful stop ``{stop_at_step, reason, node}``, or ``None``."""
-        return self.signed.get(self.prefix + "stop")
+        return self._get(self.prefix + "stop")
 
     def propose_stop(self, stop_at_step: int, reason: str) -> int:
         """Propose a stop step; returns the agreed one (a peer's earlier proposal wins)."""
@@ -64,23 +98,35 @@ class SharedFacts:
 
     def stop_request(self) -> dict[str, Any] | None:
         """A request from ``resilient stop --store`` (verified), or ``None``."""
-        return self.signed.get(self.prefix + "stop_request")
+        return self._get(self.prefix + "stop_request")
 
     def detectors(self) -> dict[str, Any] | None:
         """Detector changes requested through the store ``{seq, changes, by}`` (verified), or ``None``."""
-        return self.signed.get(self.prefix + "detectors")
+        return self._get(self.prefix + "detectors")
 
     def publish_timing(self, record: dict[str, Any]) -> None:
         """This node's newest timing windows (:meth:`~resilient.agent.slowness.SlownessWatch.outbox`)."""
-        self.signed.put(f"{self.prefix}timing/{self._node}", record)
+        self.signed.put(f"timing/{self.launch_id}/{self._node}", record)
 
     def timing(self) -> list[dict[str, Any]]:
         """Every node's newest timing windows (verified), this node's included."""
-        return list(self.signed.get_prefix(self.prefix + "timing/").values())
+        under = f"timing/{self.launch_id}/"
+        if self._timing_watch is None or not self._timing_watch.fresh:
+            return list(self.signed.get_prefix(under).values())
+        cut = len(self._root)
+        found = [replace(e, key=k[cut:]) for k, e in self._timing_watch.view().entries.items()
+                 if k[cut:].startswith(under)]
+        return list(self.signed.verified(found).values())
 
     def ended(self) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it."""
-        record = current_launch(self.signed)
+        entries = self._watched()
+        record: LaunchRecord | None
+        if entries is None:
+            record = current_launch(self.signed)
+        else:
+            entry = entries.get(LAUNCH_KEY)
+            record = None if entry is None else record_of(self.signed.verified([entry]).get(LAUNCH_KEY))
         return record is None or record.id != self.launch_id or record.state == "ended"
 
     def end(self, reason: str) -> None:
@@ -94,8 +140,14 @@ class SharedFacts:
         return list(self.signed.get_prefix("launch/", only=lambda key: "/restarts/" in key).values())
 
     def restarts_used(self) -> int:
-        """Restarts counted against the budget (this launch's, or the run's with ``budget_scope="run"``)."""
-        return len(self._records(self._scope))
+        """Restarts counted against the budget (this launch's, or the run's with ``budget_scope="run"``), for
+        status: from the watch when it follows the store (a record written a moment ago may not be in yet)."""
+        entries = self._watched()
+        if entries is None:
+            return len(self._records(self._scope))
+        under = self.prefix + "restarts/" if self._scope == "launch" else "launch/"
+        found = [e for k, e in entries.items() if k.startswith(under) and "/restarts/" in k]
+        return len(self.signed.verified(found))
 
     def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:
         """The global restart history: every node reads the same records.

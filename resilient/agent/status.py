@@ -10,8 +10,9 @@ through its control socket (no token needed) whenever it can reach it, so
 the rank rows it shows are as new as the newest heartbeat the agent has
 received: at most one heartbeat batch (20 ms) behind the worker.  The file
 and the store copy, read when the socket cannot be reached (another host,
-an agent that ended), are at most one interval (1 s) plus their write
-behind.
+an agent that ended), are at most one interval plus their write behind:
+1 s for the file, 5 s for the store copy (a put a second from each of a
+thousand agents would be most of what the store serves).
 
 Local first, network second: one thread saves ``ledger.json`` and writes
 ``status.json`` every second and touches nothing but local files and
@@ -58,7 +59,8 @@ class StatusPublisher:
                  accounting: NodeAccounting, restarts_used: Callable[[], int | None],
                  refresh_restarts: Callable[[], object] | None, store_put: Callable[[str, bytes], None] | None,
                  emit: Emit, clock: Callable[[], float] = time.monotonic,
-                 interval_s: float = 1.0, final_store_timeout_s: float = 10.0) -> None:
+                 interval_s: float = 1.0, final_store_timeout_s: float = 10.0,
+                 store_interval_s: float = 5.0) -> None:
         self._config = config
         self._status_file = status_file
         self._control_socket = control_socket
@@ -70,6 +72,7 @@ class StatusPublisher:
         self._emit = emit
         self._clock = clock
         self._interval = interval_s
+        self._store_interval = store_interval_s
         self._final_store_timeout = final_store_timeout_s
         self._group: WorkerGroup | None = None
         self._assignment: Assignment | None = None
@@ -174,18 +177,24 @@ class StatusPublisher:
 
     # ------------------------------------------------------------ store
     def _store_loop(self) -> None:
+        put_at = -float("inf")
         while True:
-            self._publish_store()
+            now = time.monotonic()
+            due = now - put_at >= self._store_interval
+            self._publish_store(put=due)
+            if due:
+                put_at = now
             if self._store_done.wait(self._interval):
-                self._publish_store()
+                self._publish_store(put=True)
                 return
 
-    def _publish_store(self) -> None:
+    def _publish_store(self, *, put: bool) -> None:
+        """Read the restart count (every interval) and, when ``put``, copy the newest snapshot to the store."""
         try:
             if self._refresh_restarts is not None:
                 self._refresh_restarts()
             snap = self._latest
-            if self._store_put is not None and snap is not None:
+            if put and self._store_put is not None and snap is not None:
                 self._store_put(f"status/{self._config.node_id}", json.dumps(snap).encode())
                 self._store_published_at = time.time()
         except Exception as e:  # reported, never fatal: status is for humans

@@ -31,7 +31,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from ..errors import ConfigError
 from .proof import SignedStore
@@ -94,12 +94,16 @@ def decide_launch(current: LaunchRecord | None, verdict: bool, requested: str | 
     return LaunchDecision("join", current.id, f"launch {current.id} is running")
 
 
+def record_of(value: dict[str, Any] | None) -> LaunchRecord | None:
+    """The launch record in a verified value of the launch key (None when absent or not one)."""
+    if value is None or not isinstance(value.get("id"), str):
+        return None
+    return LaunchRecord(value["id"], str(value.get("state", "running")), str(value.get("reason", "")))
+
+
 def _read(signed: SignedStore) -> tuple[int, LaunchRecord | None]:
     entry, value = signed.get_entry(LAUNCH_KEY)
-    revision = 0 if entry is None else entry.mod_revision
-    if value is None or not isinstance(value.get("id"), str):
-        return revision, None
-    return revision, LaunchRecord(value["id"], str(value.get("state", "running")), str(value.get("reason", "")))
+    return (0 if entry is None else entry.mod_revision), record_of(value)
 
 
 def current_launch(signed: SignedStore) -> LaunchRecord | None:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .txn import Txn
 
 if TYPE_CHECKING:
     from .etcd import EtcdClient
@@ -173,6 +174,12 @@ class FleetQuarantine:
         if entry.lease and remaining < 0:
             return None
         return Standing(QuarantineRecord.decode(node, entry.value), max(0, remaining))
+
+    def standing_and_offences(self, node: str) -> tuple[Standing | None, int]:
+        """:meth:`get` and :meth:`offences` together, in one request (a read-only transaction, one revision)."""
+        keys = (self._key("quarantine", node), self._key("offences", node))
+        found = self.client.txn(Txn((), (), read=keys)).entries
+        return self._standing(node, found[keys[0]]), _count(found[keys[1]])
 
     def offences(self, node: str) -> int:
         """How many times the node was quarantined in this fleet (kept across runs and releases)."""

@@ -46,7 +46,7 @@ class PrefixWatch:
                  retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self.prefix = prefix
-        self._on_change = on_change
+        self._listeners: list[Callable[[], None]] = [on_change]
         self._on_error = on_error
         self._idle = idle_s
         self._retry = retry_s
@@ -70,6 +70,23 @@ class PrefixWatch:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def fresh(self) -> bool:
+        """Following the store now: started, and its stream not broken by an outage."""
+        return self.running and self.stale_since is None
+
+    def subscribe(self, on_change: Callable[[], None]) -> None:
+        """Call ``on_change`` too after each change (on the watch's thread)."""
+        self._listeners.append(on_change)
+
+    def unsubscribe(self, on_change: Callable[[], None]) -> None:
+        if on_change in self._listeners:
+            self._listeners.remove(on_change)
+
+    def _changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     def view(self) -> View:
         return self._view
@@ -95,7 +112,7 @@ class PrefixWatch:
                 except ControlStoreError as e:
                     self._failed(e)
                 else:
-                    self._on_change()
+                    self._changed()
                 continue
             except (ControlStoreError, OSError, ValueError) as e:
                 self._failed(e)
@@ -118,7 +135,7 @@ class PrefixWatch:
             # Resume after the newest change applied (the header's revision may be ahead of changes still coming).
             applied = max(self._view.revision, max(e.mod_revision for _, e in events))
             self._view = View(applied, MappingProxyType(dict(self._entries)))
-        self._on_change()
+        self._changed()
 
     def _opened(self, sock: socket.socket) -> None:
         self._socket = sock
