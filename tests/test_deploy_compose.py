@@ -109,6 +109,14 @@ def query(port: int, expr: str) -> list[dict]:
         return list(json.load(r)["data"]["result"])
 
 
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/ready", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def up_by_instance(port: int, expr: str = "up") -> dict[str, str]:
     return {s["metric"]["instance"]: s["value"][1] for s in query(port, expr)}
 
@@ -133,16 +141,23 @@ def test_the_rendered_stack_trains_two_nodes_through_a_lost_node_with_its_spare(
     project, ports = stack(tmp_path)
     engine.compose(project, "build")
     try:
+        # The servers first, Prometheus ready, then the agents: Prometheus (the stand-in with the rendered
+        # configuration) must scrape every agent by its service name, the node to be lost included, before it is
+        # lost, and the run is short.
+        engine.compose(project, "up", "-d", "etcd", "s3", "prometheus", "alertmanager")
+        deadline = time.monotonic() + 120
+        while not ready(ports["prometheus"]):
+            assert time.monotonic() < deadline, engine.compose(project, "logs", "--tail", "30", check=False).stdout
+            time.sleep(0.5)
         engine.compose(project, "up", "-d")
-        # Prometheus (the stand-in with the rendered configuration) scrapes every agent by its service name,
-        # the node to be lost included, before it is lost.
         agents = {"node0:9400": "1", "node1:9400": "1", "spare0:9400": "1"}
         deadline = time.monotonic() + 240
         while up_by_instance(ports["prometheus"]) != agents:
             assert time.monotonic() < deadline, (up_by_instance(ports["prometheus"]), engine.compose(
                 project, "logs", "--tail", "30", check=False).stdout)
-            time.sleep(1)
+            time.sleep(0.5)
         ckpt = f"/work/runs/{RUN}/ckpt"
+        deadline = time.monotonic() + 240
         while "step_0000000060" not in engine.compose(project, "run", "--rm", "--no-deps", "-T", "--entrypoint",
                                                        "ls", "node0", ckpt, check=False, timeout=120).stdout.decode():
             assert time.monotonic() < deadline, engine.compose(project, "logs", "--tail", "30", check=False).stdout

@@ -33,8 +33,9 @@ from ..elastic.grow import GrowAction, decide_grow
 from ..elastic.observe import FaultKind, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments
 from ..events import EventKind, OutcomeKind
-from .cluster import ClusterState, Involvement, Snapshot
+from .cluster import ClusterState, Involvement
 from .cluster_decide import decide, membership_of
+from .cluster_watch import Snapshot
 from .continuation import Hold, continue_as, grow_boundary
 from .failures import Outcome
 from .policy import Failure

@@ -37,9 +37,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Literal
 
-from ..coord.launch import LAUNCH_KEY, LaunchRecord, current_launch, end_launch, launch_prefix, record_of
+from ..coord.launch import LAUNCH_KEY, current_launch, end_launch, launch_prefix, record_of
 from ..coord.proof import SignedStore
-from ..coord.store import Entry
 from ..coord.watch import PrefixWatch
 from .policy import History
 
@@ -62,19 +61,19 @@ class SharedFacts:
         self._root = root
         self._timing_watch = timing_watch
 
-    def _watched(self) -> dict[str, Entry] | None:
-        """Key (as in the control store) -> entry, from the watch while it follows the store; else None."""
+    def _watched(self, key: str) -> tuple[bool, dict[str, Any] | None]:
+        """``(True, verified value or None)`` from the watch while it follows the store; ``(False, None)`` when
+        the store must be read instead."""
         if self._watch is None or not self._watch.fresh:
-            return None
-        cut = len(self._root)
-        return {k[cut:]: replace(e, key=k[cut:]) for k, e in self._watch.view().entries.items()}
+            return False, None
+        entry = self._watch.view().entries.get(self._root + key)
+        if entry is None:
+            return True, None
+        return True, self.signed.verified([replace(entry, key=key)]).get(key)
 
     def _get(self, key: str) -> dict[str, Any] | None:
-        entries = self._watched()
-        if entries is None:
-            return self.signed.get(key)
-        entry = entries.get(key)
-        return None if entry is None else self.signed.verified([entry]).get(key)
+        watched, value = self._watched(key)
+        return value if watched else self.signed.get(key)
 
     def verdict(self) -> dict[str, Any] | None:
         """The launch's verdict (verified), or ``None``."""
@@ -120,13 +119,8 @@ class SharedFacts:
 
     def ended(self) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it."""
-        entries = self._watched()
-        record: LaunchRecord | None
-        if entries is None:
-            record = current_launch(self.signed)
-        else:
-            entry = entries.get(LAUNCH_KEY)
-            record = None if entry is None else record_of(self.signed.verified([entry]).get(LAUNCH_KEY))
+        watched, value = self._watched(LAUNCH_KEY)
+        record = record_of(value) if watched else current_launch(self.signed)
         return record is None or record.id != self.launch_id or record.state == "ended"
 
     def end(self, reason: str) -> None:
@@ -142,11 +136,12 @@ class SharedFacts:
     def restarts_used(self) -> int:
         """Restarts counted against the budget (this launch's, or the run's with ``budget_scope="run"``), for
         status: from the watch when it follows the store (a record written a moment ago may not be in yet)."""
-        entries = self._watched()
-        if entries is None:
+        if self._watch is None or not self._watch.fresh:
             return len(self._records(self._scope))
-        under = self.prefix + "restarts/" if self._scope == "launch" else "launch/"
-        found = [e for k, e in entries.items() if k.startswith(under) and "/restarts/" in k]
+        cut = len(self._root)
+        under = self._root + (self.prefix + "restarts/" if self._scope == "launch" else "launch/")
+        found = [replace(e, key=k[cut:]) for k, e in self._watch.view().entries.items()
+                 if k.startswith(under) and "/restarts/" in k]
         return len(self.signed.verified(found))
 
     def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:

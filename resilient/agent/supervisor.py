@@ -34,7 +34,7 @@ from ..elastic.observe import RestartOutlook
 from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
-from . import cluster
+from . import cluster_watch
 from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .bookkeeping import ProcessBookkeeping
@@ -244,7 +244,7 @@ class Agent:
             for receiver in self._receivers:
                 receiver.close()
             if self.inproc is not None:
-                cluster.detach(self.inproc)
+                cluster_watch.detach(self.inproc)
                 self.inproc.close()
             self.coordination.close(leave_run_open=self._quiet)
             self.bookkeeping.release()
@@ -253,7 +253,7 @@ class Agent:
     def _attach_cluster(self) -> None:
         """Across machines: follow the joined launch's recovery keys in the store."""
         if self.inproc is not None and self.config.multi_node:
-            cluster.attach(self.inproc, self.coordination, self.emit)
+            cluster_watch.attach(self.inproc, self.coordination, self.emit)
 
     def _followed(self) -> int:
         """The newest generation this node took part in (across machines another node may have numbered it)."""
