@@ -117,7 +117,7 @@ class ClusterStore:
                  token: str, *, lease: Callable[[], int] | None = None, watch: PrefixWatch | None = None) -> None:
         """``lease``: the agent's lease, kept alive by its owner (the node's presence); without one the store
         takes a lease of its own and renews it in :meth:`keep_pool_alive`.  ``watch``: the agent's watch of
-        ``root + "launch"``, which :class:`ClusterWatch` reads (without one it starts its own)."""
+        ``root + "launch"``, which :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
         self.signed = signed
         self.client = client
         self.root = root

@@ -1,6 +1,6 @@
 """Across machines, how an agent follows the launch's recovery keys (:mod:`resilient.agent.cluster`).
 
-:class:`ClusterWatch` reads them from etcd watches, not by polling, and
+:class:`ClusterWatch` reads them from the agent's etcd watch, not by polling, and
 gives the watch loop a :class:`Snapshot`; :func:`attach` and :func:`detach`
 start and stop following a launch.
 """
@@ -13,7 +13,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ..coord.store import ControlStoreError, Entry
-from ..coord.watch import PrefixWatch
 from ..events import Emit, EventKind
 from .cluster import ClusterState, ClusterStore, GenerationView, PoolEntry
 
@@ -35,30 +34,23 @@ class Snapshot:
 
 
 class ClusterWatch:
-    """Follows the launch's recovery keys, its pool and its nodes' presence through etcd watches
-    (:class:`~resilient.coord.watch.PrefixWatch`): no request while nothing changes.  A change wakes the watch
-    loop, which reads :attr:`snapshot`.  Given the agent's watch of the run's launches (``store.watch``) it
-    reads that one; otherwise it starts its own.  Its thread starts them (again, while the store is out) and
-    keeps the store's lease as it should be (a request a second only when the store renews a lease of its own).
-    """
+    """Follows the launch's recovery keys, its pool and its nodes' presence in the agent's watch of the run's
+    launches (``store.watch``, a :class:`~resilient.coord.watch.PrefixWatch`): no request while nothing
+    changes.  A change wakes the watch loop, which reads :attr:`snapshot`.  Its thread keeps the store's
+    lease as it should be (a request a second only when the store renews a lease of its own)."""
 
     def __init__(self, store: ClusterStore, generation: Callable[[], int], wake: Callable[[], None],
                  on_error: Callable[[str], None], keepalive_s: float = 1.0) -> None:
+        assert store.watch is not None, "across machines the agent's watch of its launches is started first"
         self._store = store
         self._generation = generation
         self._wake = wake
         self._on_error = on_error
         self._keepalive = keepalive_s
-        self._owned = store.watch is None
-        if store.watch is not None:
-            self._watches = [store.watch]
-            store.watch.subscribe(wake)
-        else:
-            self._watches = [PrefixWatch(store.client, store.root + prefix, on_change=wake, on_error=on_error)
-                             for prefix in (store.prefix, store.pool_prefix, store.nodes_prefix)]
-        self._started = False
+        self._watch = store.watch
+        self._watch.subscribe(wake)
         self._lock = threading.Lock()
-        self._cached: tuple[tuple[int, ...], Snapshot] | None = None
+        self._cached: tuple[tuple[int, int], Snapshot] | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
         self._thread.start()
@@ -66,12 +58,6 @@ class ClusterWatch:
     def _loop(self) -> None:
         while not self._done.is_set():
             try:
-                if not self._started:
-                    for watch in self._watches:
-                        if not watch.running:
-                            watch.start()
-                    self._started = True
-                    self._wake()
                 self._store.keep_pool_alive()
             except (ControlStoreError, OSError, ValueError) as e:
                 self._on_error(f"{type(e).__name__}: {e}")
@@ -80,11 +66,11 @@ class ClusterWatch:
     @property
     def snapshot(self) -> Snapshot | None:
         """The keys as the watches hold them now, for the generation followed now (None before they started)."""
-        if not self._started:
+        if not self._watch.running:
             return None
         generation = self._generation()
-        views = [w.view() for w in self._watches]
-        key = (generation, *(v.revision for v in views))
+        view = self._watch.view()
+        key = (generation, view.revision)
         with self._lock:
             if self._cached is not None and self._cached[0] == key:
                 return self._cached[1]
@@ -95,15 +81,14 @@ class ClusterWatch:
         rec: list[Entry] = []
         pool: list[Entry] = []
         nodes: list[Entry] = []
-        for view in views:
-            for k, e in view.entries.items():
-                relative = k[cut:]
-                if relative.startswith(base) or relative == current_key:
-                    rec.append(replace(e, key=relative))
-                elif relative.startswith(store.pool_prefix):
-                    pool.append(replace(e, key=relative))
-                elif relative.startswith(store.nodes_prefix):
-                    nodes.append(replace(e, key=relative))
+        for k, e in view.entries.items():
+            relative = k[cut:]
+            if relative.startswith(base) or relative == current_key:
+                rec.append(replace(e, key=relative))
+            elif relative.startswith(store.pool_prefix):
+                pool.append(replace(e, key=relative))
+            elif relative.startswith(store.nodes_prefix):
+                nodes.append(replace(e, key=relative))
         values = store.signed.verified(rec)
         current = values.get(current_key)
         snapshot = Snapshot(int(current["generation"]) if current is not None else None,
@@ -115,11 +100,7 @@ class ClusterWatch:
 
     def close(self) -> None:
         self._done.set()
-        if self._owned:
-            for watch in self._watches:
-                watch.close()
-        else:
-            self._watches[0].unsubscribe(self._wake)
+        self._watch.unsubscribe(self._wake)
         self._thread.join(timeout=10)
 
 

@@ -34,6 +34,7 @@ attempt at the cause, and a crash loop is about the current one).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -70,6 +71,12 @@ class SharedFacts:
         if entry is None:
             return True, None
         return True, self.signed.verified([replace(entry, key=key)]).get(key)
+
+    def _verified_in(self, watch: PrefixWatch, keep: Callable[[str], bool]) -> dict[str, dict[str, Any]]:
+        """Verified values of the keys (as in the control store) of ``watch``'s copy that ``keep`` accepts."""
+        cut = len(self._root)
+        return self.signed.verified(replace(e, key=k[cut:]) for k, e in watch.view().entries.items()
+                                    if keep(k[cut:]))
 
     def _get(self, key: str) -> dict[str, Any] | None:
         watched, value = self._watched(key)
@@ -112,10 +119,7 @@ class SharedFacts:
         under = f"timing/{self.launch_id}/"
         if self._timing_watch is None or not self._timing_watch.fresh:
             return list(self.signed.get_prefix(under).values())
-        cut = len(self._root)
-        found = [replace(e, key=k[cut:]) for k, e in self._timing_watch.view().entries.items()
-                 if k[cut:].startswith(under)]
-        return list(self.signed.verified(found).values())
+        return list(self._verified_in(self._timing_watch, lambda key: key.startswith(under)).values())
 
     def ended(self) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it."""
@@ -138,11 +142,8 @@ class SharedFacts:
         status: from the watch when it follows the store (a record written a moment ago may not be in yet)."""
         if self._watch is None or not self._watch.fresh:
             return len(self._records(self._scope))
-        cut = len(self._root)
-        under = self._root + (self.prefix + "restarts/" if self._scope == "launch" else "launch/")
-        found = [replace(e, key=k[cut:]) for k, e in self._watch.view().entries.items()
-                 if k.startswith(under) and "/restarts/" in k]
-        return len(self.signed.verified(found))
+        under = self.prefix + "restarts/" if self._scope == "launch" else "launch/"
+        return len(self._verified_in(self._watch, lambda key: key.startswith(under) and "/restarts/" in key))
 
     def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:
         """The global restart history: every node reads the same records.

@@ -92,7 +92,7 @@ def claim(client: Transactional, key: str, value: bytes, nonce: str, lease: int,
         result = client.txn(Txn((compare,), (Put(key, value, lease),), read=(key,)))
         entry = result.entries.get(key)
         if entry is None:
-            compare = Compare.absent(key)  # gone between a failed write and its read: impossible in one txn
+            compare = Compare.absent(key)  # the forged value compared against was deleted meanwhile: create
             continue
         found = nonce_of(entry)
         if found == nonce:

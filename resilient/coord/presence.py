@@ -32,10 +32,10 @@ class Presence:
     """Keeps this node's presence key alive (a daemon thread) and reports peers whose key expired (a watch)."""
 
     def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str], None],
-                 on_error: Callable[[str], None], *, ttl_s: int = 5, interval_s: float = 1.0,
-                 watch: PrefixWatch | None = None) -> None:
+                 on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = 5,
+                 interval_s: float = 1.0) -> None:
         """``watch``: a started watch of a prefix that holds ``prefix`` (the agent's, shared with its other
-        readers); without one, the presence keys get a watch of their own."""
+        readers)."""
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client
@@ -48,17 +48,14 @@ class Presence:
         self._lease = 0
         self._seen: dict[str, str] = {}
         self._judging = threading.Lock()
-        self._own_watch = watch is None
-        self._watch = watch if watch is not None else PrefixWatch(client, prefix, on_error=on_error)
-        self._watch.subscribe(self._judge)
+        self._watch = watch
+        watch.subscribe(self._judge)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="presence", daemon=True)
 
     def start(self) -> None:
         """Write the presence key, start following the peers' keys and renewing this one."""
         self._announce()
-        if self._own_watch:
-            self._watch.start()
         self._judge()
         self._thread.start()
 
@@ -97,8 +94,6 @@ class Presence:
         """Stop renewing and mark this node as gone on purpose."""
         self._done.set()
         self._watch.unsubscribe(self._judge)
-        if self._own_watch:
-            self._watch.close()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         try:
