@@ -88,7 +88,8 @@ class EventKind(str, Enum):
     MEMBERSHIP_CHANGED = "membership_changed"  # nodes wait to join: a new round, not counted as a failure
     RESTART = "restart"  # the policy restarts the group after a failure (counted against the budget)
     INCIDENT = "incident"  # an incident file was written (failure, hang, lost node, unhealthy node)
-    NODE_LOST = "node_lost"  # a peer's presence lease expired while it was running
+    NODE_LOST = "node_lost"  # a peer was judged lost: its probes unanswered, or its presence lease expired
+    PEER_CONNECTIONS_SEVERED = "peer_connections_severed"  # this node's workers' connections to a lost node shut
     NODE_UNHEALTHY = "node_unhealthy"  # a health check failed, or workers SIGKILL did not end
     STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last
     RESTORED = "restored"  # a generation's ranks on this node reported what they restored (or a fresh start)

@@ -104,8 +104,8 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     out.mkdir()
     run = out / "run"
     script = _script(out, steps, *samples, "--hold-at", "9", "--step-sleep", "0.3")
-    # A step timeout (2 s) shorter than the lost node's presence lease (5 s): the survivors wait in their step
-    # for the shrink longer than a step may take, and must not be taken for hung while they do.
+    # A step timeout of 2 s: the survivors wait in their step for the shrink, and must not be taken for hung
+    # while they do.
     flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
              for n in ("n0", "n1", "n2")}
     agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")

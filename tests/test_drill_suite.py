@@ -108,6 +108,13 @@ def _kill_node(drill_dir: Path, record: dict[str, Any]) -> None:
     assert {t["worker"] for t in trace if t["rank"] == 1 and t["step"] > 31} == {"spare0.s0"}
 
 
+def _partition_node(drill_dir: Path, record: dict[str, Any]) -> None:
+    """The survivor's connections to the silent node were shut, and the spare node's worker took rank 1."""
+    severed = _jsonl(drill_dir / "faulted" / "run" / "events.jsonl", "peer_connections_severed")
+    assert severed and all(e["node"] == "n0" and e["sockets"] > 0 and e["problem"] is None for e in severed), severed
+    _kill_node(drill_dir, record)
+
+
 def _shrink_node(drill_dir: Path, record: dict[str, Any]) -> None:
     """The shrink left two ranks."""
     trace = _jsonl(drill_dir / "faulted" / "trace.jsonl")
@@ -117,7 +124,7 @@ def _shrink_node(drill_dir: Path, record: dict[str, Any]) -> None:
 CHECKS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "hang-alert": _hang_alert, "gameday": _gameday, "s3-flaky": _s3_flaky, "s3-outage": _s3_outage,
     "packet-loss": _packet_loss, "nan-loss": _nan_loss, "zombie-launch": _zombie_launch, "kill-node": _kill_node,
-    "shrink-node": _shrink_node,
+    "shrink-node": _shrink_node, "partition-node": _partition_node,
 }
 
 

@@ -114,10 +114,13 @@ class ClusterStore:
     """The launch's recovery keys, read and written by this node's agent (synchronous etcd calls)."""
 
     def __init__(self, signed: SignedStore, client: Any, root: str, launch_prefix: str, node: str,
-                 token: str, *, lease: Callable[[], int] | None = None, watch: PrefixWatch | None = None) -> None:
+                 token: str, *, lease: Callable[[], int] | None = None,
+                 live: Callable[[], frozenset[str]] | None = None, watch: PrefixWatch | None = None) -> None:
         """``lease``: the agent's lease, kept alive by its owner (the node's presence); without one the store
-        takes a lease of its own and renews it in :meth:`keep_pool_alive`.  ``watch``: the agent's watch of
-        ``root + "launch"``, which :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
+        takes a lease of its own and renews it in :meth:`keep_pool_alive`.  ``live``: the nodes the presence
+        judges alive (:mod:`resilient.coord.liveness`); without it, the nodes whose presence key is there.
+        ``watch``: the agent's watch of ``root + "launch"``, which
+        :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
         self.signed = signed
         self.client = client
         self.root = root
@@ -129,6 +132,7 @@ class ClusterStore:
         self._token = token
         self._lease = 0
         self._lease_source = lease
+        self._live = live
         self.watch = watch
         self._lease_lock = threading.Lock()
         self.registered: set[str] = set()
@@ -192,10 +196,15 @@ class ClusterStore:
         return GenerationView(generation, nodes, waiting, lost, claim, decision)
 
     def live_nodes(self) -> set[str]:
-        """Nodes whose agent keeps its presence key alive (:mod:`resilient.coord.presence`)."""
+        """Nodes judged alive (:mod:`resilient.coord.presence`): by the presence's evidence, or by their keys."""
+        if self._live is not None:
+            return set(self._live())
         return self.live_of(self.signed.store.get_prefix(self.nodes_prefix))
 
     def live_of(self, entries: Iterable[Entry]) -> set[str]:
+        """The nodes alive among presence keys ``entries`` (the presence's judgement when the store has one)."""
+        if self._live is not None:
+            return set(self._live())
         found = set()
         for entry in entries:
             try:

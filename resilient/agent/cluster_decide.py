@@ -49,8 +49,9 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
             return None
         return f"generation {a.generation}'s membership was never published by every node"
     if missing:
-        # A member that neither waits nor was reported lost is lost only with its node (its agent's presence
-        # lease expired): a live node's member may be outside any collective for a while (it fails in its next).
+        # A member that neither waits nor was reported lost is lost only with its node (judged lost from its
+        # peers' probes, or its presence lease): a live node's member may be outside any collective for a while
+        # (it fails in its next).
         live = cs.store.live_nodes()
         alive = sorted(r for r, (_, node) in missing.items() if node in live)
         if alive:
@@ -206,8 +207,8 @@ def describe(view: GenerationView, missing: dict[int, tuple[str, str]], silent: 
               step: int) -> str:
     parts = [str(b.get("detail")) for b in view.lost.values()]
     if silent:
-        parts.append(f"node {', '.join(sorted(silent))} was lost with ranks {sorted(missing)} (its agent's presence "
-                     "lease expired)")
+        parts.append(f"node {', '.join(sorted(silent))} was lost with ranks {sorted(missing)} (its agent answers "
+                     "neither its peers' probes nor the store)")
     if kind is FaultKind.COLLECTIVE_ERROR:
         first = next(iter(view.waiting.values()), {})
         parts.append(f"every rank's collective failed at step {step}, none died: {str(first.get('error'))[:200]}")

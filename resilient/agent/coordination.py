@@ -37,7 +37,7 @@ class Coordination:
     """The control store as this node's agent uses it: launch, presence, rendezvous, restart budget, verdict."""
 
     def __init__(self, config: AgentConfig, run_dir: RunDir, token: str, *, emit: Emit,
-                 on_node_lost: Callable[[str], None]) -> None:
+                 on_node_lost: Callable[[str, str], None]) -> None:
         self._config = config
         self._run_dir = run_dir
         self._emit = emit
@@ -113,9 +113,9 @@ class Coordination:
             from ..coord.presence import Presence
 
             assert self.launch_watch is not None
-            self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}nodes/",
-                                      c.node_id, self._on_node_lost, self._store_unreachable,
-                                      watch=self.launch_watch)
+            self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
+                                      self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
+                                      probe_host=c.local_addr)
             self._presence.start()
         return None
 
@@ -138,6 +138,10 @@ class Coordination:
             self.rendezvous.stop_keep_alive()
         self.make_rendezvous()
 
+    def peer_host(self, node: str) -> str | None:
+        """The address a peer's agent published (where its workers' connections go), if it published one."""
+        return self._presence.address_of(node) if self._presence is not None else None
+
     def cluster_store(self) -> Any:
         """The joined launch's recovery keys (:class:`~resilient.agent.cluster.ClusterStore`), across machines."""
         from .cluster import ClusterStore
@@ -147,7 +151,7 @@ class Coordination:
         return ClusterStore(self.signed, self._etcd_client, f"/resilient/{self._config.run_id}/", self.shared.prefix,
                             self._config.node_id, self._token,
                             lease=(lambda: presence.lease) if presence is not None else None,
-                            watch=self.launch_watch)
+                            live=presence.live if presence is not None else None, watch=self.launch_watch)
 
     def quarantine_gate(self, scratch: Path, set_phase: Callable[[str], None]) -> QuarantineGate | None:
         """Across machines, this node's side of the fleet's quarantine; None on one machine (no other node could

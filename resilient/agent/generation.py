@@ -340,7 +340,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
             if ctx.inproc is not None:
                 # A rank that said it left the group and waits for the next generation is not hung: its wait is
                 # bounded by the recovery timeout (then it exits and fails like a crash).  Across machines the
-                # decision on a lost node comes with its presence lease (5 s), as late as a step's timeout floor.
+                # decision on a lost node waits for its peers' probes (or, without them, its presence lease).
                 waiting = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
                 views = {r: v for r, v in views.items() if group.workers[r].worker_id not in waiting}
             if located[0] != ctx.tracker.checkpoint_location:

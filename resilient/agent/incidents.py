@@ -143,10 +143,9 @@ def stuck_incident(node: str, generation: int, stuck: Sequence[Any], *, after: s
                     problems=problems)
 
 
-def node_lost_incident(node: str, observer: str, generation: int) -> Incident:
-    """The incident for a peer whose presence lease expired, as node ``observer`` saw it."""
-    summary = (f"node {node} was lost: its agent's presence lease in the store expired "
-               f"(seen by node {observer} in generation {generation})")
+def node_lost_incident(node: str, observer: str, generation: int, why: str) -> Incident:
+    """The incident for a peer judged lost (``why``: the evidence), as node ``observer`` saw it."""
+    summary = f"node {node} was lost: {why} (seen by node {observer} in generation {generation})"
     return Incident(id=f"g{generation:04d}-{node}-lost", node=node, generation=generation, kind="node_lost",
                     rank=None, pid=None, section=None, step=None, summary=summary)
 

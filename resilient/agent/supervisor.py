@@ -34,7 +34,7 @@ from ..elastic.observe import RestartOutlook
 from ..events import EventKind, EventLog, OutcomeKind
 from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
-from . import cluster_watch
+from . import cluster_watch, severance
 from . import generation as gen_mod
 from .accounting import NodeAccounting
 from .bookkeeping import ProcessBookkeeping
@@ -144,11 +144,18 @@ class Agent:
         self.emit(EventKind.STOP_REQUEST_RECEIVED, reason=reason)
         self.stop_requested = reason
 
-    def _node_lost(self, node: str) -> None:
-        """A peer's presence lease expired: record a node_lost incident (once per node and generation)."""
+    def _node_lost(self, node: str, why: str) -> None:
+        """A peer was judged lost (:mod:`resilient.coord.liveness`): record a node_lost incident, and end this
+        node's workers' connections to it, so that none waits in a collective on a peer that cannot answer."""
         generation = self._generation
-        self.emit(EventKind.NODE_LOST, lost_node=node, generation=generation)
-        self.record_incident(node_lost_incident(node, self.config.node_id, generation))
+        self.emit(EventKind.NODE_LOST, lost_node=node, generation=generation, why=why)
+        self.record_incident(node_lost_incident(node, self.config.node_id, generation, why))
+        host = self.coordination.peer_host(node)
+        if host is None:
+            return
+        for cut in severance.sever(severance.children(), host, self.config.local_addr):
+            self.emit(EventKind.PEER_CONNECTIONS_SEVERED, lost_node=node, pid=cut.pid, sockets=cut.sockets,
+                      problem=cut.problem)
 
     def record_incident(self, incident: Incident) -> None:
         """Every incident goes through here: its file, event and store copy, and its count in the metrics."""

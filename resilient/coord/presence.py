@@ -1,61 +1,84 @@
-"""Presence: each agent of a launch keeps a key alive on a lease, and notices when a peer's key dies.
+"""Presence: each agent of a launch keeps a key alive on a lease, probes a few peers, and says which are lost.
 
-An agent writes ``<prefix><node>`` = ``{"state": "running"}`` attached to an
-etcd lease of ``ttl_s`` seconds and renews the lease every ``interval_s``.
-A node whose agent dies (killed, machine gone, cut off) stops renewing, and
-etcd deletes its key ``ttl_s`` later: the survivors, which follow the keys
-through an etcd watch (no request while nothing changes), see a node that
-was running disappear and report it as lost.
-An agent that ends normally first rewrites its key as ``{"state": "left"}``
-without a lease, so leaving is never mistaken for being lost.
-
-:func:`lost_nodes` is the pure rule; :class:`Presence` is the thread.
+An agent writes ``<launch>nodes/<node>`` = ``{"state": "running", "probe":
+"host:port"}`` attached to an etcd lease of ``ttl_s`` seconds and renews
+the lease every ``interval_s``; an agent that ends normally first rewrites
+its key as ``{"state": "left"}`` without a lease, so leaving is never
+mistaken for being lost.  The lease is the slow signal (a dead agent's
+key lapses ``ttl_s`` later).  The fast one is the probes
+(:mod:`resilient.coord.liveness`): the agent answers probes on its probe
+address, pings the next few nodes of the ring, and writes an accusation
+(``suspect/<node>/<me>``) for a peer that stops answering, or a vouch
+(``vouch/<node>/<me>``) for one that answers while its key is gone.  Every
+agent follows those keys through its etcd watch (no request while nothing
+changes) and applies :func:`~resilient.coord.liveness.judge` to them: a
+node that was alive and is judged lost is reported once.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable
+from typing import Any
 
 from .etcd import EtcdClient
+from .liveness import INTERVAL_S, PROBERS, SILENCE_S, Evidence, Prober, ProbeServer, Verdict, judge, ring_after
 from .store import ControlStoreError
 from .watch import PrefixWatch
 
 
-def lost_nodes(before: Mapping[str, str], now: Mapping[str, str], me: str) -> list[str]:
-    """Nodes that were running in ``before`` and have no key in ``now`` (their lease expired); never ``me``."""
-    return sorted(n for n, state in before.items() if state == "running" and n not in now and n != me)
-
-
 class Presence:
-    """Keeps this node's presence key alive (a daemon thread) and reports peers whose key expired (a watch)."""
+    """Keeps this node's presence key alive and its probes running, and reports peers judged lost."""
 
-    def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str], None],
+    def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str, str], None],
                  on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = 5,
-                 interval_s: float = 1.0) -> None:
-        """``watch``: a started watch of a prefix that holds ``prefix`` (the agent's, shared with its other
-        readers)."""
+                 interval_s: float = 1.0, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
+                 silence_s: float = SILENCE_S) -> None:
+        """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
+        started watch of a prefix that holds ``prefix`` (the agent's, shared with its other readers).
+        ``probe_host``: the address this agent answers probes on (None: presence by lease alone).
+        ``on_lost(node, why)``."""
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client
         self._prefix = prefix
+        self._nodes = prefix + "nodes/"
+        self._suspect = prefix + "suspect/"
+        self._vouch = prefix + "vouch/"
         self._node = node
         self._on_lost = on_lost
         self._on_error = on_error
         self._ttl = ttl_s
         self._interval = interval_s
         self._lease = 0
-        self._seen: dict[str, str] = {}
         self._judging = threading.Lock()
+        self._verdict = Verdict(frozenset({node}), {}, frozenset({node}))
+        self._alive_once: set[str] = set()
+        self._reported: set[str] = set()
+        self._addresses: dict[str, str] = {}
+        self._keys = threading.Lock()
+        self._accusations: dict[str, str] = {}
+        """peer -> why this agent's probes say it is down."""
+        self._desired: dict[str, bytes] = {}
+        self._written: dict[str, bytes] = {}
         self._watch = watch
-        watch.subscribe(self._judge)
+        self._server = ProbeServer(probe_host, node) if probe_host is not None else None
+        self._prober = (Prober(node, self._probed, interval_s=probe_interval_s, silence_s=silence_s)
+                        if probe_host is not None else None)
+        self._poke = threading.Event()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="presence", daemon=True)
 
     def start(self) -> None:
-        """Write the presence key, start following the peers' keys and renewing this one."""
+        """Answer probes, write the presence key, start following the peers' keys and renewing this one."""
+        if self._server is not None:
+            self._server.start()
         self._announce()
+        self._watch.subscribe(self._judge)
+        if self._prober is not None:
+            self._prober.start()
         self._judge()
         self._thread.start()
 
@@ -64,41 +87,155 @@ class Presence:
         """The lease this node's presence key lives on (a new one after an outage outlived it)."""
         return self._lease
 
+    @property
+    def probe_address(self) -> str | None:
+        return self._server.address if self._server is not None else None
+
+    def live(self) -> frozenset[str]:
+        """The nodes judged alive now (this one included)."""
+        with self._judging:
+            return self._verdict.live
+
+    def address_of(self, node: str) -> str | None:
+        """The host a peer's agent answers probes on (its address on the network), if it published one."""
+        with self._judging:
+            found = self._addresses.get(node)
+        return found.rpartition(":")[0] if found else None
+
     def _announce(self) -> None:
         self._lease = self._client.lease_grant(self._ttl)
-        self._client.put(self._prefix + self._node, json.dumps({"state": "running"}).encode(), lease=self._lease)
+        value: dict[str, Any] = {"state": "running"}
+        if self._server is not None:
+            value["probe"] = self._server.address
+        self._client.put(self._nodes + self._node, json.dumps(value).encode(), lease=self._lease)
+        with self._keys:
+            self._written.clear()  # the old lease took them with it
+
+    def _evidence(self) -> tuple[Evidence, frozenset[str], dict[str, str]]:
+        running: set[str] = set()
+        left: set[str] = set()
+        addresses: dict[str, str] = {}
+        suspects: dict[str, set[str]] = {}
+        vouches: dict[str, set[str]] = {}
+        for key, entry in self._watch.view().under(self._prefix).items():
+            if key.startswith(self._nodes):
+                try:
+                    value = json.loads(entry.value)
+                    state = str(value.get("state"))
+                except (ValueError, AttributeError):
+                    continue
+                name = key[len(self._nodes):]
+                if state == "running":
+                    running.add(name)
+                    if value.get("probe"):
+                        addresses[name] = str(value["probe"])
+                elif state == "left":
+                    left.add(name)
+            else:
+                for base, found in ((self._suspect, suspects), (self._vouch, vouches)):
+                    if key.startswith(base):
+                        target, _, by = key[len(base):].partition("/")
+                        if target and by:
+                            found.setdefault(target, set()).add(by)
+        evidence = Evidence(frozenset(running), {n: frozenset(b) for n, b in suspects.items() if n not in left},
+                            {n: frozenset(b) for n, b in vouches.items() if n not in left})
+        return evidence, frozenset(left), addresses
 
     def _judge(self) -> None:
-        """Compare the peers' keys with the last look: a node that was running and has no key now is lost."""
-        found = {}
-        for key, entry in self._watch.view().under(self._prefix).items():
-            try:
-                found[key[len(self._prefix):]] = str(json.loads(entry.value).get("state"))
-            except (ValueError, AttributeError):
-                continue
+        """Weigh the keys as the watch holds them now: report newly lost nodes, choose whom to probe."""
+        evidence, left, addresses = self._evidence()
+        verdict = judge(evidence, self._node)
         with self._judging:
-            lost = lost_nodes(self._seen, found, self._node)
-            self._seen = found
-        for node in lost:
-            self._on_lost(node)
+            self._addresses.update(addresses)
+            self._verdict = verdict
+            self._alive_once |= verdict.live
+            newly = [n for n in sorted(verdict.lost) if n in self._alive_once and n not in self._reported]
+            self._reported = {n for n in self._reported | set(newly) if n in verdict.lost}
+            # A peer this agent reaches stays in its ring while its key is gone: it is the one to vouch for it.
+            reached = {n for n, up in (self._prober.state() if self._prober is not None else {}).items() if up}
+            ring = (verdict.known | reached) - left
+            targets = {n: self._addresses[n] for n in ring_after(ring, self._node, PROBERS) if n in self._addresses}
+        if self._prober is not None:
+            self._prober.follow(targets)
+            self._want_keys(evidence, targets)
+        for node in newly:
+            self._on_lost(node, verdict.lost[node])
+
+    def _probed(self, node: str, up: bool, why: str) -> None:
+        """The prober's news (its thread): an accusation to write or take back, on the presence thread."""
+        with self._keys:
+            if up:
+                self._accusations.pop(node, None)
+            else:
+                self._accusations[node] = why
+        self._poke.set()
+
+    def _want_keys(self, evidence: Evidence, targets: dict[str, str]) -> None:
+        """The accusations and vouches this agent should have in the store now."""
+        assert self._prober is not None
+        state = self._prober.state()
+        desired: dict[str, bytes] = {}
+        with self._keys:
+            for node in list(self._accusations):
+                if node not in targets:
+                    del self._accusations[node]  # no longer probed by this agent: not its to say
+            for node, why in self._accusations.items():
+                desired[f"{self._suspect}{node}/{self._node}"] = json.dumps({"why": why, "at": time.time()}).encode()
+            for node in targets:
+                if state.get(node) is True and node not in evidence.running:
+                    desired[f"{self._vouch}{node}/{self._node}"] = json.dumps({"at": time.time()}).encode()
+            # A key already written stays as written (its time is when it was first said).
+            self._desired = {k: self._written.get(k, v) for k, v in desired.items()}
+            changed = self._desired.keys() != self._written.keys()
+        if changed:
+            self._poke.set()
+
+    def _write_keys(self) -> None:
+        with self._keys:
+            puts = {k: v for k, v in self._desired.items() if k not in self._written}
+            deletes = [k for k in self._written if k not in self._desired]
+        for key, value in puts.items():
+            self._client.put(key, value, lease=self._lease)
+            with self._keys:
+                self._written[key] = value
+        for key in deletes:
+            self._client.delete(key)
+            with self._keys:
+                self._written.pop(key, None)
 
     def _loop(self) -> None:
-        while not self._done.wait(self._interval):
+        renew_at = time.monotonic() + self._interval
+        while not self._done.is_set():
+            self._poke.wait(max(0.0, renew_at - time.monotonic()))
+            self._poke.clear()
+            if self._done.is_set():
+                break
             try:
-                if self._client.lease_keepalive(self._lease) <= 0:
-                    self._announce()  # our own lease expired (a long outage): we are back
+                if time.monotonic() >= renew_at:
+                    renew_at = time.monotonic() + self._interval
+                    if self._client.lease_keepalive(self._lease) <= 0:
+                        self._announce()  # our own lease expired (a long outage): we are back
+                if self._prober is not None:
+                    self._judge()  # the prober's news changes whom this agent vouches for
+                    self._write_keys()
             except ControlStoreError as e:
                 self._on_error(f"{type(e).__name__}: {e}")
+                self._done.wait(self._interval)  # the keys are written again on the next pass, not in a spin
 
     def leave(self) -> None:
-        """Stop renewing and mark this node as gone on purpose."""
+        """Stop renewing and probing, and mark this node as gone on purpose."""
         self._done.set()
+        self._poke.set()
         self._watch.unsubscribe(self._judge)
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        if self._prober is not None:
+            self._prober.close()
         try:
-            self._client.put(self._prefix + self._node, json.dumps({"state": "left"}).encode())
+            self._client.put(self._nodes + self._node, json.dumps({"state": "left"}).encode())
             if self._lease:
                 self._client.lease_revoke(self._lease)
         except ControlStoreError as e:
             self._on_error(f"{type(e).__name__}: {e}")
+        if self._server is not None:
+            self._server.close()

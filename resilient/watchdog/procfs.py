@@ -18,6 +18,7 @@ class ProcStat:
     """One letter (see :data:`STATES`)."""
     pgid: int
     start_ticks: int
+    ppid: int = 0
 
     @property
     def state_name(self) -> str:
@@ -37,7 +38,7 @@ def read_stat(pid: int, proc_root: Path = Path("/proc")) -> ProcStat | None:
         return None
     # The command name (field 2) is in parentheses and may hold spaces and ')': split after the last one.
     rest = text[text.rindex(")") + 2:].split()
-    return ProcStat(pid=pid, state=rest[0], pgid=int(rest[2]), start_ticks=int(rest[19]))
+    return ProcStat(pid=pid, state=rest[0], pgid=int(rest[2]), start_ticks=int(rest[19]), ppid=int(rest[1]))
 
 
 def frozen_by_cgroup(pid: int, proc_root: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> bool:

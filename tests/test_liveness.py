@@ -1,0 +1,277 @@
+"""Which nodes are alive, from evidence (``resilient.coord.liveness``, ``presence``, ``agent.severance``).
+
+- the rule by table: accusations by a quorum of live probers make a node
+  lost; one prober's accusation (a link cut between two nodes) does not; a
+  node whose presence key is gone stays alive while a live node vouches
+  for it (cut off from etcd, not from its peers), and is lost otherwise;
+- the probes over real sockets: a peer whose agent is gone is down at once
+  (its port refuses), a silent one (it accepts nothing) after the silence,
+  an impostor on the port is down, and a peer that answers again is up;
+- presences on a real etcd: an agent that stops answering is judged lost by
+  its peers' accusations, long before its lease lapses; one whose lease is
+  revoked while it still answers is vouched for and never lost;
+- the severance: a process blocked reading a connection to a lost address
+  gets its end of file at once; connections to this node's own address are
+  never touched.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from resilient.agent import severance
+from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.liveness import Evidence, Prober, ProbeServer, judge, probers_of, ring_after
+from resilient.coord.presence import Presence
+from resilient.coord.watch import PrefixWatch
+
+
+def _ev(running: str, suspects: dict[str, str] | None = None, vouches: dict[str, str] | None = None) -> Evidence:
+    return Evidence(frozenset(running.split()), {n: frozenset(b.split()) for n, b in (suspects or {}).items()},
+                    {n: frozenset(b.split()) for n, b in (vouches or {}).items()})
+
+
+def test_the_ring_gives_each_node_its_probers_and_targets() -> None:
+    nodes = ["a", "b", "c", "d", "e"]
+    assert ring_after(nodes, "d", 3) == ["e", "a", "b"]
+    assert probers_of(nodes, "a", 3) == ["e", "d", "c"]
+    assert ring_after(["a", "b"], "a", 3) == ["b"]
+    for node in nodes:  # every target's probers include the node probing it
+        for target in ring_after(nodes, node, 3):
+            assert node in probers_of(nodes, target, 3)
+
+
+@pytest.mark.parametrize("evidence, lost, live", [
+    # Everyone answers: nothing lost.
+    (_ev("a b c"), {}, "a b c"),
+    # b accused by both of its live probers (a and c, in a ring of three): lost while its key still stands.
+    (_ev("a b c", {"b": "a c"}), {"b": "probes"}, "a c"),
+    # One accusation among two live probers: a link cut between two nodes, not a lost node.
+    (_ev("a b c", {"b": "a"}), {}, "a b c"),
+    # Accused by nodes that are themselves not running: no evidence.
+    (_ev("a b c", {"b": "x y"}), {}, "a b c"),
+    # Two nodes: the one live prober's accusation is enough.
+    (_ev("a b", {"b": "a"}), {"b": "probes"}, "a"),
+    # b's key is gone and nobody vouches: lost with its lease.
+    (_ev("a c", {}), {}, "a c"),
+    (_ev("a c", {"b": "a"}), {"b": "lease"}, "a c"),
+    # b's key is gone but c reaches it: alive (cut off from etcd only).
+    (_ev("a c", {}, {"b": "c"}), {}, "a b c"),
+    # Vouched for by a node that is not running itself: not enough.
+    (_ev("a c", {}, {"b": "x"}), {}, "a c"),
+    # Vouched for by one, accused by the other two of its probers (a ring of four): the accusers win.
+    (_ev("a c d", {"b": "a d"}, {"b": "c"}), {"b": "probes"}, "a c d"),
+    # Never me, whatever the others say.
+    (_ev("a b c", {"a": "b c"}), {}, "a b c"),
+])
+def test_the_rule_by_table(evidence: Evidence, lost: dict[str, str], live: str) -> None:
+    verdict = judge(evidence, "a")
+    assert set(verdict.lost) == set(lost)
+    for node, why in lost.items():
+        assert ("probes" in verdict.lost[node]) is (why == "probes"), verdict.lost[node]
+    assert verdict.live == frozenset(live.split())
+
+
+def test_a_large_ring_needs_a_quorum_of_its_probers() -> None:
+    running = " ".join(f"n{i:02d}" for i in range(20))
+    probers = probers_of(running.split(), "n10")
+    assert len(probers) == 3
+    assert "n10" not in judge(_ev(running, {"n10": probers[0]}), "n00").lost
+    assert "n10" in judge(_ev(running, {"n10": " ".join(probers[:2])}), "n00").lost
+
+
+class Changes:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, bool, str]] = []
+        self.cond = threading.Condition()
+
+    def __call__(self, node: str, up: bool, why: str) -> None:
+        with self.cond:
+            self.seen.append((node, up, why))
+            self.cond.notify_all()
+
+    def wait_for(self, ok: Callable[[list[tuple[str, bool, str]]], bool], timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while not ok(self.seen):
+                left = deadline - time.monotonic()
+                assert left > 0, f"never happened; seen: {self.seen}"
+                self.cond.wait(left)
+
+
+def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
+    changes = Changes()
+    prober = Prober("me", changes, interval_s=0.05, silence_s=0.4)
+    prober.start()
+    peer = ProbeServer("127.0.0.1", "peer")
+    peer.start()
+    silent = socket.create_server(("127.0.0.1", 0))  # listens, accepts nothing: connections sit in its backlog
+    impostor = ProbeServer("127.0.0.1", "someone-else")
+    impostor.start()
+    try:
+        prober.follow({"peer": peer.address})
+        deadline = time.monotonic() + 20
+        while prober.state().get("peer") is not True:
+            assert time.monotonic() < deadline, prober.state()
+            time.sleep(0.02)
+        assert changes.seen == []  # the first answer is no news
+        peer.close()
+        changes.wait_for(lambda s: ("peer", False) in [(n, u) for n, u, _ in s])
+        assert "refused" in changes.seen[-1][2] or "closed" in changes.seen[-1][2], changes.seen
+
+        prober.follow({"silent": f"127.0.0.1:{silent.getsockname()[1]}",
+                       "liar": impostor.address})
+        changes.wait_for(lambda s: {n for n, u, _ in s if not u} >= {"silent", "liar"})
+        why = {n: w for n, u, w in changes.seen if not u}
+        assert "no answer" in why["silent"], why
+        assert "someone-else" in why["liar"], why
+
+        back = ProbeServer("127.0.0.1", "silent")
+        back.start()
+        try:
+            prober.follow({"silent": back.address})
+            changes.wait_for(lambda s: ("silent", True) in [(n, u) for n, u, _ in s])
+        finally:
+            back.close()
+    finally:
+        prober.close()
+        impostor.close()
+        silent.close()
+
+
+# --------------------------------------------------------------- on real etcd
+
+
+class Lost:
+    def __init__(self) -> None:
+        self.nodes: dict[str, str] = {}
+        self.cond = threading.Condition()
+
+    def __call__(self, node: str, why: str) -> None:
+        with self.cond:
+            self.nodes[node] = why
+            self.cond.notify_all()
+
+
+def _presences(etcd_server, run_id: str, names: list[str]) -> tuple[dict[str, Presence], dict[str, Lost],
+                                                                     list[PrefixWatch], EtcdClient]:
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    prefix = f"/resilient/{run_id}/launch/l1/"
+    presences, losts, watches = {}, {}, []
+    for name in names:
+        watch = PrefixWatch(EtcdClient(EtcdConfig.from_url(etcd_server.url)), f"/resilient/{run_id}/launch")
+        watch.start()
+        watches.append(watch)
+        losts[name] = Lost()
+        presences[name] = Presence(watch._client, prefix, name, losts[name], lambda e: None, watch=watch,
+                                   ttl_s=30, probe_host="127.0.0.1", probe_interval_s=0.05, silence_s=0.4)
+    for presence in presences.values():
+        presence.start()
+    return presences, losts, watches, client
+
+
+def _wait(ok: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_an_agent_that_stops_answering_is_lost_by_its_peers_accusations(etcd_server, etcd_run_id) -> None:
+    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "b", "c"])
+    try:
+        _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
+        b = presences["b"]
+        # b's agent dies: its probe port closes and it renews nothing (its key would stand for 30 s more).
+        b._done.set()
+        b._prober.close()  # type: ignore[union-attr]
+        b._server.close()  # type: ignore[union-attr]
+        for name in ("a", "c"):
+            with losts[name].cond:
+                losts[name].cond.wait_for(lambda n=name: "b" in losts[n].nodes, 20)
+            assert "does not answer probes from a, c" in losts[name].nodes["b"], losts[name].nodes
+            assert presences[name].live() == {"a", "c"}
+        entry = client.get(f"/resilient/{etcd_run_id}/launch/l1/nodes/b")
+        assert entry is not None, "b's key still stands: the accusations, not the lease, found it lost"
+        assert presences["a"].address_of("b") == "127.0.0.1"
+    finally:
+        for name, presence in presences.items():
+            if name != "b":
+                presence.leave()
+        for watch in watches:
+            watch.close()
+
+
+def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(etcd_server, etcd_run_id) -> None:
+    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "b", "c"])
+    try:
+        _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
+        b = presences["b"]
+        b._done.set()  # b stops renewing (cut off from etcd) but keeps answering probes
+        b._thread.join(5)
+        client.lease_revoke(b.lease)  # its lease lapses
+        base = f"/resilient/{etcd_run_id}/launch/l1/"
+        _wait(lambda: client.get(base + "vouch/b/a") is not None and client.get(base + "vouch/b/c") is not None,
+              "a and c vouch for b")
+        time.sleep(1.0)  # several rounds of probes and judgements
+        assert losts["a"].nodes == {} and losts["c"].nodes == {}
+        assert presences["a"].live() == {"a", "b", "c"}
+        # Once b stops answering too, it is lost (by its accusers, the vouches withdrawn).
+        b._prober.close()  # type: ignore[union-attr]
+        b._server.close()  # type: ignore[union-attr]
+        with losts["a"].cond:
+            losts["a"].cond.wait_for(lambda: "b" in losts["a"].nodes, 20)
+        _wait(lambda: client.get(base + "vouch/b/a") is None, "a's vouch withdrawn")
+    finally:
+        for name, presence in presences.items():
+            if name != "b":
+                presence.leave()
+        for watch in watches:
+            watch.close()
+
+
+# --------------------------------------------------------------- severance
+
+
+def test_a_connection_to_a_lost_address_is_shut_and_the_blocked_reader_wakes() -> None:
+    lost = socket.create_server(("127.0.0.2", 0))  # the lost node (another loopback address)
+    mine = socket.create_server(("127.0.0.1", 0))  # a peer at this node's own address
+    code = ("import socket, sys\n"
+            f"a = socket.create_connection(('127.0.0.2', {lost.getsockname()[1]}))\n"
+            f"b = socket.create_connection(('127.0.0.1', {mine.getsockname()[1]}))\n"
+            "print('ready', flush=True)\n"
+            "print('read', a.recv(10), flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        held = [lost.accept()[0], mine.accept()[0]]
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert severance.sever([child.pid], "127.0.0.1", "127.0.0.1") == []  # this node's own address: untouched
+        assert sorted(severance.connections(child.pid).values()) == ["127.0.0.1", "127.0.0.2"]
+        cut = severance.sever([child.pid], "127.0.0.2", "127.0.0.1")
+        assert [(c.pid, c.sockets, c.problem) for c in cut] == [(child.pid, 1, None)]
+        assert child.stdout.readline().strip() == "read b''"
+        assert child.wait(timeout=10) == 0
+        for conn in held:
+            conn.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        lost.close()
+        mine.close()
+
+
+def test_children_are_this_process_s_children() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in severance.children()
+        assert child.pid not in severance.children(child.pid)
+    finally:
+        child.kill()
+        child.wait()
