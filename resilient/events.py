@@ -89,6 +89,8 @@ class EventKind(str, Enum):
     RESTART = "restart"  # the policy restarts the group after a failure (counted against the budget)
     INCIDENT = "incident"  # an incident file was written (failure, hang, lost node, unhealthy node)
     NODE_LOST = "node_lost"  # a peer was judged lost: its probes unanswered, or its presence lease expired
+    PEER_UNANSWERED = "peer_unanswered"  # this agent's probes of a peer failed: it accuses the peer in the store
+    PEER_ANSWERS_AGAIN = "peer_answers_again"  # a peer this agent accused answers its probes again
     PEER_CONNECTIONS_SEVERED = "peer_connections_severed"  # this node's workers' connections to a lost node shut
     NODE_UNHEALTHY = "node_unhealthy"  # a health check failed, or workers SIGKILL did not end
     STUCK_WORKERS_GONE = "stuck_workers_gone"  # workers SIGKILL had not ended are gone at last

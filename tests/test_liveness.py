@@ -106,25 +106,43 @@ class Changes:
                 self.cond.wait(left)
 
 
+def _served_elsewhere(node: str) -> tuple[subprocess.Popen[str], str]:
+    """A probe server in a process of its own (to be killed: a death, with no goodbye), and its address."""
+    code = ("import sys, time\nfrom resilient.coord.liveness import ProbeServer\n"
+            f"s = ProbeServer('127.0.0.1', {node!r}); s.start(); print(s.address, flush=True); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline().strip()
+
+
+def _until_up(prober: Prober, node: str) -> None:
+    deadline = time.monotonic() + 20
+    while prober.state().get(node) is not True:
+        assert time.monotonic() < deadline, prober.state()
+        time.sleep(0.02)
+
+
 def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
     changes = Changes()
     prober = Prober("me", changes, interval_s=0.05, silence_s=0.4)
     prober.start()
-    peer = ProbeServer("127.0.0.1", "peer")
-    peer.start()
+    proc, address = _served_elsewhere("peer")
     silent = socket.create_server(("127.0.0.1", 0))  # listens, accepts nothing: connections sit in its backlog
     impostor = ProbeServer("127.0.0.1", "someone-else")
     impostor.start()
+    leaver = ProbeServer("127.0.0.1", "leaver")
+    leaver.start()
     try:
-        prober.follow({"peer": peer.address})
-        deadline = time.monotonic() + 20
-        while prober.state().get("peer") is not True:
-            assert time.monotonic() < deadline, prober.state()
-            time.sleep(0.02)
+        prober.follow({"peer": address, "leaver": leaver.address})
+        _until_up(prober, "peer")
+        _until_up(prober, "leaver")
         assert changes.seen == []  # the first answer is no news
-        peer.close()
+        proc.kill()  # its agent dies: the connection ends and the port refuses
         changes.wait_for(lambda s: ("peer", False) in [(n, u) for n, u, _ in s])
         assert "refused" in changes.seen[-1][2] or "closed" in changes.seen[-1][2], changes.seen
+        leaver.close()  # a server closed on purpose says goodbye: nobody accuses it
+        time.sleep(0.5)  # ten pings' worth: a refused reconnect would have been seen by now
+        assert "leaver" not in [n for n, _, _ in changes.seen], changes.seen
 
         prober.follow({"silent": f"127.0.0.1:{silent.getsockname()[1]}",
                        "liar": impostor.address})
@@ -143,7 +161,10 @@ def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
     finally:
         prober.close()
         impostor.close()
+        leaver.close()
         silent.close()
+        proc.kill()
+        proc.wait()
 
 
 # --------------------------------------------------------------- on real etcd
@@ -163,18 +184,36 @@ class Lost:
 def _presences(etcd_server, run_id: str, names: list[str]) -> tuple[dict[str, Presence], dict[str, Lost],
                                                                      list[PrefixWatch], EtcdClient]:
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
-    prefix = f"/resilient/{run_id}/launch/l1/"
     presences, losts, watches = {}, {}, []
     for name in names:
         watch = PrefixWatch(EtcdClient(EtcdConfig.from_url(etcd_server.url)), f"/resilient/{run_id}/launch")
         watch.start()
         watches.append(watch)
         losts[name] = Lost()
-        presences[name] = Presence(watch._client, prefix, name, losts[name], lambda e: None, watch=watch,
-                                   ttl_s=30, probe_host="127.0.0.1", probe_interval_s=0.05, silence_s=0.4)
+        presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
+                                   lambda e: None, watch=watch, ttl_s=30, probe_host="127.0.0.1",
+                                   probe_interval_s=0.05, silence_s=0.4)
     for presence in presences.values():
         presence.start()
     return presences, losts, watches, client
+
+
+def _agent_elsewhere(etcd_server, run_id: str, name: str) -> tuple[subprocess.Popen[str], int]:
+    """Node ``name``'s presence in a process of its own (killed: a death), renewing its 30 s lease only every
+    29 s; returns the process and its lease."""
+    code = ("import sys, time\n"
+            "from resilient.coord.etcd import EtcdClient, EtcdConfig\n"
+            "from resilient.coord.presence import Presence\n"
+            "from resilient.coord.watch import PrefixWatch\n"
+            f"w = PrefixWatch(EtcdClient(EtcdConfig.from_url({etcd_server.url!r})), '/resilient/{run_id}/launch')\n"
+            "w.start()\n"
+            f"p = Presence(w._client, '/resilient/{run_id}/launch/l1/', {name!r}, lambda n, y: None, print,\n"
+            "             watch=w, ttl_s=30, interval_s=29, probe_host='127.0.0.1', probe_interval_s=0.05,\n"
+            "             silence_s=0.4)\n"
+            "p.start(); print(p.lease, flush=True); time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return proc, int(proc.stdout.readline())
 
 
 def _wait(ok: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
@@ -184,51 +223,69 @@ def _wait(ok: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def _wait_lost(lost: Lost, node: str) -> str:
+    with lost.cond:
+        assert lost.cond.wait_for(lambda: node in lost.nodes, 20), f"{node} never judged lost"
+        return lost.nodes[node]
+
+
 def test_an_agent_that_stops_answering_is_lost_by_its_peers_accusations(etcd_server, etcd_run_id) -> None:
-    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "b", "c"])
+    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "c"])
+    b, _ = _agent_elsewhere(etcd_server, etcd_run_id, "b")
     try:
         _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
-        b = presences["b"]
-        # b's agent dies: its probe port closes and it renews nothing (its key would stand for 30 s more).
-        b._done.set()
-        b._prober.close()  # type: ignore[union-attr]
-        b._server.close()  # type: ignore[union-attr]
+        b.kill()  # b's agent dies: its probe port closes; its key would stand for 30 s more
         for name in ("a", "c"):
-            with losts[name].cond:
-                losts[name].cond.wait_for(lambda n=name: "b" in losts[n].nodes, 20)
-            assert "does not answer probes from a, c" in losts[name].nodes["b"], losts[name].nodes
+            assert "does not answer probes from a, c" in _wait_lost(losts[name], "b"), losts[name].nodes
             assert presences[name].live() == {"a", "c"}
         entry = client.get(f"/resilient/{etcd_run_id}/launch/l1/nodes/b")
         assert entry is not None, "b's key still stands: the accusations, not the lease, found it lost"
         assert presences["a"].address_of("b") == "127.0.0.1"
     finally:
-        for name, presence in presences.items():
-            if name != "b":
-                presence.leave()
+        b.kill()
+        b.wait()
+        for presence in presences.values():
+            presence.leave()
         for watch in watches:
             watch.close()
 
 
 def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(etcd_server, etcd_run_id) -> None:
+    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "c"])
+    b, lease = _agent_elsewhere(etcd_server, etcd_run_id, "b")
+    base = f"/resilient/{etcd_run_id}/launch/l1/"
+    try:
+        _wait(lambda: all(p.live() == {"a", "b", "c"} and p._prober.state().get("b") is True  # type: ignore[union-attr]
+                          for p in presences.values()), "all three alive, a and c reaching b")
+        client.lease_revoke(lease)  # b's lease lapses (as in an etcd outage of its own) while it answers probes
+        _wait(lambda: client.get(base + "nodes/b") is None, "b's key gone")
+        _wait(lambda: client.get(base + "vouch/b/a") is not None and client.get(base + "vouch/b/c") is not None,
+              "a and c vouch for b")
+        time.sleep(1.0)  # twenty rounds of probes and judgements
+        assert losts["a"].nodes == {} and losts["c"].nodes == {}
+        assert presences["a"].live() == {"a", "b", "c"}
+        # Once b stops answering too, it is lost (by its accusers), and the vouches are withdrawn.
+        b.kill()
+        assert "does not answer probes" in _wait_lost(losts["a"], "b")
+        _wait(lambda: client.get(base + "vouch/b/a") is None, "a's vouch withdrawn")
+    finally:
+        b.kill()
+        b.wait()
+        for presence in presences.values():
+            presence.leave()
+        for watch in watches:
+            watch.close()
+
+
+def test_an_agent_that_leaves_is_never_lost(etcd_server, etcd_run_id) -> None:
     presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "b", "c"])
     try:
         _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
-        b = presences["b"]
-        b._done.set()  # b stops renewing (cut off from etcd) but keeps answering probes
-        b._thread.join(5)
-        client.lease_revoke(b.lease)  # its lease lapses
-        base = f"/resilient/{etcd_run_id}/launch/l1/"
-        _wait(lambda: client.get(base + "vouch/b/a") is not None and client.get(base + "vouch/b/c") is not None,
-              "a and c vouch for b")
-        time.sleep(1.0)  # several rounds of probes and judgements
+        presences["b"].leave()
+        _wait(lambda: all(p.live() == {"a", "c"} for n, p in presences.items() if n != "b"), "b gone")
+        time.sleep(0.5)
         assert losts["a"].nodes == {} and losts["c"].nodes == {}
-        assert presences["a"].live() == {"a", "b", "c"}
-        # Once b stops answering too, it is lost (by its accusers, the vouches withdrawn).
-        b._prober.close()  # type: ignore[union-attr]
-        b._server.close()  # type: ignore[union-attr]
-        with losts["a"].cond:
-            losts["a"].cond.wait_for(lambda: "b" in losts["a"].nodes, 20)
-        _wait(lambda: client.get(base + "vouch/b/a") is None, "a's vouch withdrawn")
+        assert client.get_prefix(f"/resilient/{etcd_run_id}/launch/l1/suspect/") == []
     finally:
         for name, presence in presences.items():
             if name != "b":

@@ -78,6 +78,12 @@ class Coordination:
         self._emit(EventKind.STORE_WRITE_REJECTED, key=key, problem=problem,
                    hint="only holders of the run token may change the run; this entry is ignored")
 
+    def _probed(self, node: str, up: bool, why: str) -> None:
+        if up:
+            self._emit(EventKind.PEER_ANSWERS_AGAIN, peer=node)
+        else:
+            self._emit(EventKind.PEER_UNANSWERED, peer=node, why=why)
+
     def _store_unreachable(self, error: str) -> None:
         self._emit(EventKind.STORE_UNREACHABLE, error=error)
 
@@ -115,7 +121,7 @@ class Coordination:
             assert self.launch_watch is not None
             self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
                                       self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
-                                      probe_host=c.local_addr)
+                                      probe_host=c.local_addr, on_probe=self._probed)
             self._presence.start()
         return None
 

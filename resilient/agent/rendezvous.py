@@ -52,8 +52,10 @@ class RendezvousTimeouts:
     last_call_s: float = 1.0
     """After the minimum number of nodes joined, wait this long for more before closing the round."""
     close_s: float = 30.0
-    keep_alive_s: float = 1.0
-    """Interval of the rendezvous keep-alive each node writes."""
+    keep_alive_s: float = 2.0
+    """Interval of the rendezvous keep-alive each node writes (a read and a compare-and-set in the store: the
+    largest share of an agent's steady load on it; a node's liveness while it trains is judged by its peers'
+    probes, not by this)."""
     keep_alive_attempts: int = 3
     """Missed keep-alives after which a node is considered dead."""
 

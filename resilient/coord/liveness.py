@@ -53,6 +53,8 @@ MAX_CONNECTIONS = 64
 """Probe connections a server keeps at once (each node is probed by :data:`PROBERS` peers)."""
 
 _PING = b"."
+_BYE = b"!"
+"""Sent by a server that closes on purpose (its agent leaves the launch): its probers stop, accusing nobody."""
 
 
 def ring_after(nodes: Iterable[str], node: str, k: int) -> list[str]:
@@ -145,6 +147,10 @@ class ProbeServer:
                     assert isinstance(target, socket.socket)
                     self._answer(target)
         for conn in list(self._conns):
+            try:
+                conn.send(_BYE)
+            except OSError:
+                pass
             self._drop(conn)
         self._selector.close()
         self._listener.close()
@@ -189,7 +195,7 @@ class ProbeServer:
         conn.close()
 
     def close(self) -> None:
-        """Stop answering: the probers' connections end, as they would with this agent's death."""
+        """Stop answering, saying goodbye on every connection (a peer that leaves is not lost)."""
         if self._done:
             return
         self._done = True
@@ -212,6 +218,8 @@ class _Peer:
     failures: int = 0
     retry_at: float = 0.0
     pending: bytes = b""
+    departed: bool = False
+    """It said goodbye: not probed again until it is followed at another address."""
 
 
 class Prober:
@@ -255,7 +263,7 @@ class Prober:
             self._sync_targets()
             now = self._clock()
             for peer in list(self._peers.values()):
-                if peer.sock is None and now >= peer.retry_at:
+                if peer.sock is None and not peer.departed and now >= peer.retry_at:
                     self._connect(peer, now)
             timeout = max(0.0, min(next_ping - now, self._interval))
             for key, events in self._selector.select(timeout=timeout):
@@ -290,7 +298,7 @@ class Prober:
             for node, peer in self._peers.items():
                 if peer.address != wanted[node]:  # its agent started again elsewhere: the same peer, its state kept
                     self._close(peer)
-                    peer.address, peer.failures, peer.retry_at = wanted[node], 0, 0.0
+                    peer.address, peer.failures, peer.retry_at, peer.departed = wanted[node], 0, 0.0, False
             for node, address in wanted.items():
                 if node not in self._peers and node != self._me:
                     self._peers[node] = _Peer(node, address)
@@ -332,6 +340,10 @@ class Prober:
             return
         if not data:
             self._failed(peer, "its agent closed the connection")
+            return
+        if _BYE in data:  # it leaves on purpose: no accusation, and no new connection to a port it gave up
+            self._close(peer)
+            peer.departed, peer.failures = True, 0
             return
         if not peer.greeted:
             peer.pending += data

@@ -35,11 +35,12 @@ class Presence:
     def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str, str], None],
                  on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = 5,
                  interval_s: float = 1.0, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
-                 silence_s: float = SILENCE_S) -> None:
+                 silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None) -> None:
         """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
         started watch of a prefix that holds ``prefix`` (the agent's, shared with its other readers).
         ``probe_host``: the address this agent answers probes on (None: presence by lease alone).
-        ``on_lost(node, why)``."""
+        ``on_lost(node, why)``; ``on_probe(node, up, why)``: this agent's probes of a peer failed (it accuses
+        it) or are answered again."""
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client
@@ -50,6 +51,7 @@ class Presence:
         self._node = node
         self._on_lost = on_lost
         self._on_error = on_error
+        self._on_probe = on_probe
         self._ttl = ttl_s
         self._interval = interval_s
         self._lease = 0
@@ -169,6 +171,8 @@ class Presence:
             else:
                 self._accusations[node] = why
         self._poke.set()
+        if self._on_probe is not None:
+            self._on_probe(node, up, why)
 
     def _want_keys(self, evidence: Evidence, targets: dict[str, str]) -> None:
         """The accusations and vouches this agent should have in the store now."""
