@@ -93,8 +93,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "node_loss_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# A whole node lost: fault to the next new step", "",
-             f"commit `{result['commit']}`; `{result['command']}`; {result['seconds']} s; load before "
-             f"{load_before['loadavg']}, after {result['load_after']['loadavg']}", "",
+             (f"commit `{result['commit']}`; `{result['command']}`; {result['seconds']} s; load before "
+              f"{load_before['loadavg']}, after {result['load_after']['loadavg']}"), "",
              "| drill | run | fault → decision (s) | fault → next new step (s) | rung | re-done | equal |",
              "|---|---|---|---|---|---|---|"]
     for name, found in runs.items():
