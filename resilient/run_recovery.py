@@ -65,10 +65,14 @@ from .elastic import groups, mesh_rebind
 from .elastic.observe import ranks_text
 from .elastic.reform import (
     Assignment,
+    AssignmentError,
     AssignmentTimeoutError,
+    ReformError,
     abandon,
+    abort_key,
     connect_store,
     grow_key,
+    is_peer_failure,
     reform,
     wait_for_assignment,
 )
@@ -86,6 +90,11 @@ if TYPE_CHECKING:
     from .run import Run
     from .worker.env import WorkerEnv
     from .worker.hooks import WorkerHooks
+
+
+MAX_REFORMATIONS = 3
+"""Generations a survivor tries to join after one failure: each further one follows a failure during the
+re-formation before it (a member, a spare or the deciding agent lost while the group formed)."""
 
 
 class InProcessRecovery:
@@ -116,6 +125,8 @@ class InProcessRecovery:
         """Why this run recovers by restart only (said once to the agent, which then starts no spare)."""
         self.user_groups: list[Any] = []
         """The process groups ``Run(groups=fn)`` made in the current generation."""
+        self._received = False
+        """This rank began taking its state from a peer in the generation it joins (its own is no longer whole)."""
 
     # ------------------------------------------------------------------ members
     def attempt_entered(self) -> None:
@@ -178,14 +189,41 @@ class InProcessRecovery:
             self._release(exc)
             abandon_s = time.monotonic() - failed_at
             store = self._connect()
-            waited = time.monotonic()
-            assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
-            self._join(assignment, step, clean, mine, failed_at=failed_at, abandon_s=abandon_s,
-                       wait_s=time.monotonic() - waited)
+            for attempt in range(MAX_REFORMATIONS):
+                waited = time.monotonic()
+                assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+                self._received = False
+                try:
+                    with run.section("restore"):  # the agent times the re-formation; a drill can strike in it
+                        self._join(assignment, step, clean, mine, failed_at=failed_at, abandon_s=abandon_s,
+                                   wait_s=time.monotonic() - waited)
+                    return True
+                except Exception as again:
+                    if attempt + 1 == MAX_REFORMATIONS or not self._may_form_again(again):
+                        raise
+                    # The new generation failed before it formed or while it took its state (a second failure
+                    # during the re-formation): leave it as a survivor of it and wait for the one after.
+                    clean = clean and not self._received
+                    failed_at = time.monotonic()
+                    self.generation = assignment.generation
+                    self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                                  "step": step, "position": position.value if clean else "receiving",
+                                  "failed_at": failed_at, "error": f"{type(again).__qualname__}: {again}"[:500]})
+                    self._release(None)
+                    abandon_s = time.monotonic() - failed_at
+            raise AssertionError("unreachable: the last attempt's failure is raised")
         except Exception as err:  # whatever failed, the agent must hear of it and restart
             self._give_up(err)
             raise exc from err
-        return True
+
+    def _may_form_again(self, err: BaseException) -> bool:
+        """Whether a failure while joining a generation is one its next generation can recover from: the
+        generation was abandoned, a member never arrived, the store it formed on went away, or a peer failed
+        while the state was taken.  Not a malformed assignment or inconsistent state; not a sharded model
+        (its meshes were rebound: a restart is the way back)."""
+        if self.layout is not None or isinstance(err, (AssignmentError, StateSyncError)):
+            return False
+        return isinstance(err, ReformError) or is_peer_failure(err)
 
     # ------------------------------------------------------------------- growing
     def at_boundary(self) -> None:
@@ -267,7 +305,22 @@ class InProcessRecovery:
                     break
                 except AssignmentTimeoutError:
                     continue  # no bound of its own: the agent ends a spare it no longer needs
-            self._join(assignment, None, True, self._extra(None, None), failed_at=None, abandon_s=0.0, wait_s=0.0)
+            for attempt in range(MAX_REFORMATIONS):
+                try:
+                    self._join(assignment, None, True, self._extra(None, None), failed_at=None, abandon_s=0.0,
+                               wait_s=0.0)
+                    return
+                except Exception as again:
+                    if attempt + 1 == MAX_REFORMATIONS or not self._may_form_again(again):
+                        raise
+                    # Promoted, then the generation failed while it formed: a member of it without state, which
+                    # waits for the next generation like its survivors (the agent need not replace it).
+                    self.generation = assignment.generation
+                    self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                                  "step": None, "position": "stateless", "stateless": True,
+                                  "failed_at": time.monotonic(), "error": f"{type(again).__qualname__}: {again}"[:500]})
+                    self._release(None)
+                    assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
         except Exception as err:
             self._give_up(err)
             raise
@@ -290,7 +343,8 @@ class InProcessRecovery:
             if run._make_groups is not None:
                 makers.append(self.make_user_groups)
             reformed = reform(assignment, timeout_s=self.timeout_s, store=self._group_store(assignment),
-                              subgroups=makers, collective_timeout=self.collective_timeout)
+                              subgroups=makers, collective_timeout=self.collective_timeout,
+                              aborted=lambda: self._connect().check([abort_key(assignment.generation)]))
             if ckpt is not None:
                 ckpt.regroup(reformed.subgroups[1 if layout is not None else 0])
         else:  # a spare promoted in resilient.device_mesh(): its Run made the checkpoint sub-groups since
@@ -301,6 +355,7 @@ class InProcessRecovery:
         formed = time.monotonic()
         agreement = agree_step(completed, clean, preferred_source=assignment.source_rank)
         module = unwrap(run.model)
+        self._received = agreement.source_rank != assignment.rank
         if layout is not None:  # each shard from a replica that holds it, the rest from the source
             extra = sync_sharded(agreement, layout, module, run.optimizer, run.scheduler, run.scaler, mine)
         else:

@@ -141,3 +141,44 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     assert final["step"] == steps and final["world"] == 3
     [shrunk] = [i for i in incidents(run) if (i.get("decision") or {}).get("action") == "shrink"]
     assert "n2" in shrunk["summary"] and shrunk["recovered"]["world_size"] == 2, shrunk
+
+
+def test_a_member_lost_while_the_group_re_forms_across_machines_is_folded_in_without_a_restart(
+        tmp_path: Path, etcd_server, etcd_run_id: str) -> None:
+    """A second fault during a re-formation across machines: n2's rank is killed at DIE_STEP and the spare node's
+    worker takes its place; while that generation forms, a planned fault kills n1's rank as it enters the
+    re-formation.  Every agent sees the loss in the store and abandons the generation: its members still
+    forming it (n0's, and the spare node's, which holds no state) leave it and wait, and the next decision
+    answers the loss in process (the spare node's refilled spare, or a shrink): no restart, every sample of
+    the epoch once, each step's global sample set the reference's."""
+    steps, samples = 14, ("--samples", "84", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore"}]}))
+    out = tmp_path / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, steps, *samples, "--die-worker", "n2.w0", "--die-step", str(DIE_STEP), "--die-how", "kill",
+                     "--spares-ready", "1")
+    agents = {n: start_agent(run, *_node(etcd_server.url, etcd_run_id, n, "2:3", "--fault-plan", str(plan), *role),
+                             script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
+              for n, role in (("n0", ()), ("n1", ()), ("n2", ()), ("spare0", ("--role", "spare")))}
+    codes = _finish(agents, 240)
+    assert codes == {"n0": 0, "n1": 0, "n2": 0, "spare0": 0}, _logs(tmp_path)
+    assert not events(run, "restart"), _logs(tmp_path)
+    decided = events(run, "recovery_decided")
+    assert [d["action"] for d in decided][0] == "promote_spare" and len(decided) == 2, decided
+    assert decided[1]["action"] in ("promote_spare", "shrink"), decided[1]
+    assert not events(run, "recovery_abandoned")
+    done = events(run, "recovered_in_process")
+    assert {d["rung"] for d in done} == {decided[1]["action"]} and all(d["resumed_after_step"] == DIE_STEP
+                                                                        for d in done), done
+    lines = trace(out)
+    assert "spare0.s0" in {line["worker"] for line in lines if line["step"] > DIE_STEP}, "the promoted spare left"
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps

@@ -217,6 +217,37 @@ def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_s
     assert_bitwise_equal(out, reference2)
 
 
+def test_a_member_lost_while_the_group_re_forms_is_folded_into_the_next_generation_in_process(
+        tmp_path: Path, reference3: Path) -> None:
+    """A second fault during a re-formation: w2 dies at DIE_STEP; while the survivors and the promoted spare form
+    the next generation, a planned fault kills w1 as it enters the re-formation.  The agent abandons that
+    generation: its members still forming it (w0, and the promoted spare, which holds no state) leave it and
+    wait, and the next decision promotes one more spare into w1's rank: no restart, nothing re-done, bitwise the
+    uninterrupted run."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore"}]}))
+    out, proc = elastic_run(tmp_path, "second", "--nproc-per-node", "3", "--spares", "3", "--fault-plan", str(plan),
+                            die=("w2", "kill"), extra=("--spares-ready", "3", "--plain"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart"), "recovered by a restart, not in process"
+    decided = events(run, "recovery_decided")
+    assert [d["action"] for d in decided] == ["promote_spare", "promote_spare"], decided
+    [first] = decided[0]["promotions"]
+    assert first["rank"] == 2, decided[0]
+    [second] = decided[1]["promotions"]
+    assert second["rank"] == 1 and second["spare"] != first["spare"], decided[1]
+    continued = events(run, "generation_continued")
+    assert [e["generation"] for e in continued] == [2, 3]
+    # The spare promoted into generation 2 was still forming it: it left on the abort and stays rank 2.
+    assert continued[1]["members"] == {"0": "w0", "1": second["spare"], "2": first["spare"]}, continued[1]
+    assert not events(run, "recovery_abandoned")
+    done = events(run, "recovered_in_process")
+    assert len(done) == 1 and done[0]["generation"] == 3 and done[0]["resumed_after_step"] == DIE_STEP, done
+    assert_bitwise_equal(out, reference3, world=3)
+
+
 def test_a_shrunk_run_grows_back_when_its_replacement_is_warm(tmp_path: Path) -> None:
     """2:3 without a spare: one rank lost, the run shrinks, the agent starts a replacement, the run grows back.
 

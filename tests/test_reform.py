@@ -352,3 +352,24 @@ def _measure(hidden: int, layers: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["measure"]:
         _measure(*(int(a) for a in sys.argv[2:4])) if len(sys.argv) > 2 else _measure(2048, 6)
+
+
+def test_a_member_waiting_for_the_others_leaves_when_its_generation_is_abandoned_and_not_before():
+    """The arrival count before ``init_process_group`` is the interruptible part of forming a group: a member
+    whose peer died before arriving leaves on the agent's abort instead of waiting out its timeout."""
+    from resilient.elastic.reform import ReformAborted, reform
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    [mine] = [a for a in plan_assignments(5, [Member(worker_id="w0", new_rank=0, old_rank=0),
+                                               Member(worker_id="w1", new_rank=1, old_rank=1)], 0, "127.0.0.1",
+                                          store.port) if a.worker_id == "w0"]
+    asked: list[float] = []
+
+    def aborted() -> bool:
+        asked.append(time.monotonic())
+        return len(asked) >= 5  # the agent abandons the generation after a few looks
+
+    with pytest.raises(ReformAborted, match="generation 5 was abandoned while it formed \\(1 of 2 members"):
+        reform(mine, timeout_s=60, store=store, aborted=aborted)
+    assert len(asked) == 5  # it left at the first look that said so (a timeout is a ReformError, not this)
+    assert not dist.is_initialized()

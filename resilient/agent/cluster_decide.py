@@ -95,7 +95,11 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
         kind = FaultKind.NODE_LOST
     else:
         kind = FaultKind.COLLECTIVE_ERROR
-    steps = {rank_of[w]: int(b.get("step") or 0) for w, b in view.waiting.items() if w in rank_of}
+    steps = {rank_of[w]: int(b.get("step") or 0) for w, b in view.waiting.items()
+             if w in rank_of and not b.get("stateless")}
+    if steps:  # members without state (a promoted spare whose generation failed as it formed) take the source's
+        steps.update({rank_of[w]: max(steps.values()) for w, b in view.waiting.items()
+                      if w in rank_of and b.get("stateless")})
     dirty = frozenset(rank_of[w] for w, b in view.waiting.items() if w in rank_of and not clean_position(b))
     step = max([*steps.values(), *(int(b.get("step") or 0) for b in view.lost.values())], default=0)
     codes = frozenset(c for b in view.lost.values() for c in b.get("exit_codes") or () if c)
@@ -182,7 +186,7 @@ def observation(ctx: GenerationContext, view: GenerationView, members: dict[int,
     replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
     return pool, Observation(fault=fault, membership=membership_of(ctx, view, members), restart=outlook,
                              spares=spares, survivor_steps=survivor_steps, opted_in=opted, dirty=dirty,
-                             declined=ctx.inproc.declined,
+                             declined=ctx.inproc.declined, inproc_failures=ctx.inproc.failed_recoveries(fault.step),
                              waiting_since=waiting_since, replicas=replicas)
 
 

@@ -125,6 +125,11 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
     if snap is None or snap.view.generation != a.generation:
         return None
     view = snap.view
+    recovering = inp.recovering
+    if recovering is not None and recovering.generation == a.generation and (view.lost or view.waiting):
+        # A member of the generation this node's members are still forming was lost (or left it): it cannot
+        # form.  Its members leave it, say they wait, and the next decision folds this failure in.
+        inp.abandon_recovery(another_failure=True)
     if view.decision is not None:
         return _apply(ctx, group, a, gdir, view.decision, now)
     if not group.workers:

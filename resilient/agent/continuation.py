@@ -126,8 +126,8 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
                                    exit_codes=exit_codes, detected_at=detected_at, last_progress_at=last_progress_at)
     if not any(r not in lost for r in group.workers):
         return None
-    if inp.recovering is not None:  # a failure while the previous recovery was under way: that one failed
-        inp.abandon_recovery()
+    if inp.recovering is not None:  # a failure while the previous recovery was under way: fold it into this one
+        inp.abandon_recovery(another_failure=True)
     now = ctx.clock()
     live = [w.worker_id for r, w in group.workers.items() if r not in lost and w.exit is None]
     if (hold is None or hold.settling) and not inp.waiting(a.generation, live):
@@ -138,12 +138,16 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     if hold is not None and hold.settling:
         hold = None  # settled: the ladder's own hold (wait for repair) starts from its first decision
     ranks = ctx.tracker.ranks()
-    survivors = {r: ranks[r].step for r in group.workers if r not in lost and r in ranks}
+    left = {r: w.worker_id for r, w in group.workers.items() if r not in lost}
+    stateless = inp.stateless_ranks(a.generation, left)
+    survivors = {r: ranks[r].step for r in left if r in ranks and r not in stateless}
     # The survivors' view of the step is the fresher one: the lost rank's last heartbeat may still have been
     # queued in its sender when it died or was stopped.
     step = max([*survivors.values(), *([failure.step] if failure.step is not None else [])], default=0)
+    if survivors:  # members without state have nothing to agree on: they take the source's, as replacements do
+        survivors.update({r: max(survivors.values()) for r in stateless})
     outlook = outlook_of(failure)
-    dirty = inp.dirty_ranks(a.generation, {r: w.worker_id for r, w in group.workers.items() if r not in lost})
+    dirty = inp.dirty_ranks(a.generation, left)  # a member without state is never a source either
     decision = inp.decide(group, lost, kind, step, exit_codes, outlook, survivors, failure.describe(),
                           waiting_since=hold.since if hold is not None else None, dirty=dirty)
     if decision.action is Action.WAIT_FOR_REPAIR:

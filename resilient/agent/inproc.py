@@ -35,7 +35,7 @@ from ..elastic.batch import feasible_world_sizes
 from ..elastic.costs import RecoveryCosts
 from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
-from ..elastic.reform import Member, plan_assignments, publish_assignments
+from ..elastic.reform import Member, abort_key, plan_assignments, publish_assignments
 from ..events import Emit, EventKind
 from .inproc_state import Recovering, Reports, SpareState, clean_position
 
@@ -50,6 +50,11 @@ ACTING = (Action.RETRY_IN_PLACE, Action.PROMOTE_SPARE, Action.SHRINK)
 """The rungs this agent carries out in process; the others end the generation (restart or stop)."""
 _DEFAULT_SPARE_WARM_S = 10.0
 """Expected seconds from a spare's start to its "ready" before one was measured (imports, model, restore)."""
+
+
+FOLDED_PER_STEP = 2
+"""Failures during the re-formation of one step folded into the next decision; past that, the step's re-formations
+count as failing (``max_inproc_retries_per_step``), so a member that fails every re-formation ends in a restart."""
 
 
 class InProcess:
@@ -79,7 +84,9 @@ class InProcess:
         self.spare_failures = 0
         """Spares in a row that exited before they were ready (a script that cannot run as a spare)."""
         self._failed_at_step: Counter[int] = Counter()
-        """In-process recoveries per fault step that a new fault interrupted before they completed."""
+        """In-process recoveries per fault step that failed (their deadline passed, or too many were folded)."""
+        self._folded_at_step: Counter[int] = Counter()
+        """Recoveries of a step abandoned because a member failed while they formed (folded into the next)."""
         self._rate_mark: tuple[int, float, int] | None = None
         """(generation, agent clock, furthest step) at the start of the step-rate measure."""
         self.last_decision: str | None = None
@@ -220,11 +227,20 @@ class InProcess:
             found = {r: self._reports.waiting.get((generation, w)) for r, w in members.items()}
         return frozenset(r for r, entry in found.items() if entry is not None and not clean_position(entry[1]))
 
-    def opted_in(self, worker_ids: Sequence[str]) -> bool:
-        """Every one of these members said ``ready`` (its script runs its steps under ``run.attempt()``)."""
+    def stateless_ranks(self, generation: int, members: Mapping[int, str]) -> frozenset[int]:
+        """The members (rank -> worker id) whose ``waiting`` report for ``generation`` says they hold no state: a
+        promoted spare whose first generation failed while it formed."""
         with self._lock:
-            return all(w in self._reports.ready and self._reports.ready[w][1].get("role") == "worker"
-                       for w in worker_ids)
+            found = {r: self._reports.waiting.get((generation, w)) for r, w in members.items()}
+        return frozenset(r for r, entry in found.items() if entry is not None and entry[1].get("stateless"))
+
+    def opted_in(self, worker_ids: Sequence[str]) -> bool:
+        """Every one of these members said ``ready``: as a worker (its script runs its steps under
+        ``run.attempt()``), or, for a promoted spare that has not trained yet, as a spare of the same script; at
+        least one of them as a worker."""
+        with self._lock:
+            roles = [self._reports.ready[w][1].get("role") if w in self._reports.ready else None for w in worker_ids]
+        return all(role in ("worker", "promoted") for role in roles) and "worker" in roles
 
     # ------------------------------------------------------------ decide
     def costs(self) -> RecoveryCosts:
@@ -260,8 +276,7 @@ class InProcess:
         old_world = len(group.workers)
         survivors = [r for r in group.workers if r not in lost]
         spares, feasible = self.spare_view(group)
-        with self._lock:
-            failures = self._failed_at_step[step]
+        failures = self.failed_recoveries(step)
         obs = Observation(
             fault=Fault(kind=kind, step=step, ranks=frozenset(lost), exit_codes=frozenset(exit_codes), detail=detail),
             membership=Membership(rank_nodes=(c.node_id,) * old_world, min_size=min(c.min_ranks, old_world),
@@ -342,7 +357,9 @@ class InProcess:
         group.promote(spare, rank)
         with self._lock:
             self.spares.pop(spare, None)
-            self._reports.ready.pop(spare, None)
+            found = self._reports.ready.get(spare)
+            if found is not None:  # a member now; its next ``ready`` (at its first attempt) says ``worker``
+                self._reports.ready[spare] = (found[0], {**found[1], "role": "promoted"})
 
     def start_recovery(self, recovering: Recovering) -> None:
         """``recovering`` is under way: the watch loop follows its members until they rejoin (or it fails)."""
@@ -382,13 +399,30 @@ class InProcess:
                             "grow": "grow_s"}[r.rung]].append(took)
         return r.record(took, reports)
 
-    def abandon_recovery(self) -> Recovering | None:
-        """The recovery under way will not complete (a member failed or the deadline passed): forget it."""
+    def abandon_recovery(self, *, another_failure: bool = False) -> Recovering | None:
+        """The recovery under way will not complete: forget it, and tell its members still forming the new group
+        to leave it and wait for the next generation.  ``another_failure``: a member was lost while it formed (a
+        second fault, which the next decision folds in); otherwise the recovery itself failed (its deadline
+        passed), which counts against ``max_inproc_retries_per_step``."""
         with self._lock:
             r, self.recovering = self.recovering, None
-            if r is not None:
-                self._failed_at_step[r.step] += 1
-            return r
+            if r is not None and another_failure:
+                self._folded_at_step[r.step] += 1
+            if r is not None and (not another_failure or self._folded_at_step[r.step] > FOLDED_PER_STEP):
+                self._failed_at_step[r.step] += 1  # a step whose re-formations keep failing is not folded forever
+        if r is not None:
+            self.abort(r.generation)
+        return r
+
+    def failed_recoveries(self, step: int) -> int:
+        """In-process recoveries of ``step`` that failed so far (what ``max_inproc_retries_per_step`` bounds)."""
+        with self._lock:
+            return self._failed_at_step[step]
+
+    def abort(self, generation: int) -> None:
+        """Generation ``generation`` failed before it formed: its members still forming it leave and wait (the
+        ones that formed it fail in their next collective anyway)."""
+        self._store.set(abort_key(generation), "1")
 
     def group_stopped(self) -> None:
         """The generation's processes are gone (the group stopped): no spare, no recovery under way."""

@@ -58,9 +58,19 @@ class AssignmentTimeoutError(ReformError):
     """No assignment arrived for this worker within the timeout."""
 
 
+class ReformAborted(ReformError):
+    """The generation being formed was abandoned (a member failed while it formed): wait for the next one."""
+
+
 def assignment_key(generation: int, worker_id: str) -> str:
     """The store key under which the agent publishes ``worker_id``'s assignment for ``generation``."""
     return f"assign/{generation}/{worker_id}"
+
+
+def abort_key(generation: int) -> str:
+    """The store key by which the agent tells its workers that ``generation`` failed before it formed (a member
+    died while the group was forming or taking its state): they leave it and wait for the next generation."""
+    return f"abort/{generation}"
 
 
 def grow_key(generation: int) -> str:
@@ -332,13 +342,48 @@ class Reformed:
     subgroups_s: float
 
 
+ARRIVAL_POLL_S = 0.02
+"""How often a member waiting for the others to arrive checks whether its generation was abandoned."""
+
+
+def _arrive(store: Store, assignment: Assignment, timeout_s: float, aborted: Callable[[], bool],
+            clock: Callable[[], float]) -> None:
+    """Count this member in and wait until every member arrived, leaving as soon as ``aborted()`` says the
+    generation was abandoned: a member that died before it arrived would otherwise hold the others in
+    ``init_process_group`` until its timeout (it cannot be interrupted)."""
+    import torch.distributed as dist
+
+    key = f"{assignment.prefix}arrived"
+    deadline = clock() + timeout_s
+    try:
+        arrived = store.add(key, 1)
+        while arrived < assignment.world_size:
+            if aborted():
+                raise ReformAborted(
+                    f"worker {assignment.worker_id}: generation {assignment.generation} was abandoned while it formed "
+                    f"({arrived} of {assignment.world_size} members had arrived): a member failed; waiting for the "
+                    "next generation")
+            if clock() > deadline:
+                raise ReformError(
+                    f"worker {assignment.worker_id}: generation {assignment.generation}: {arrived} of "
+                    f"{assignment.world_size} members arrived within {timeout_s:g} s; the agent should announce "
+                    "another generation or restart the group")
+            time.sleep(ARRIVAL_POLL_S)
+            arrived = store.add(key, 0)
+    except (RuntimeError, dist.DistError) as e:
+        raise ReformError(f"worker {assignment.worker_id}: the store generation {assignment.generation} forms on "
+                          f"failed ({e}): its agent may be gone; waiting for the next generation") from None
+
+
 def reform(
     assignment: Assignment, *, timeout_s: float, store: Store | None = None,
     subgroups: Sequence[Callable[[], Any]] = (), clock: Callable[[], float] = time.monotonic,
-    collective_timeout: timedelta | None = None,
+    collective_timeout: timedelta | None = None, aborted: Callable[[], bool] | None = None,
 ) -> Reformed:
     """Abandon the current groups and form the one ``assignment`` describes (gloo).
 
+    ``aborted``: whether the agent abandoned this generation meanwhile; with it, the members first count in on
+    the store and wait for each other there, interruptibly (:class:`ReformAborted`).
     ``timeout_s`` bounds forming the group (every member must arrive);
     ``collective_timeout`` is the new group's collective timeout once formed
     (the script's, :func:`resilient.elastic.groups.collective_timeout`;
@@ -360,6 +405,8 @@ def reform(
     abandon()
     abandoned = clock()
     base = store if store is not None else connect_store(assignment.store_host, assignment.store_port, timeout_s)
+    if aborted is not None:
+        _arrive(base, assignment, timeout_s, aborted, clock)
     try:
         dist.init_process_group(
             "gloo", store=dist.PrefixStore(assignment.prefix, base), rank=rank,
