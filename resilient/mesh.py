@@ -99,7 +99,7 @@ def worker_hooks(env: WorkerEnv | None, events: EventLog, joined: Joined | None)
 
 
 def _join_as_spare(env: WorkerEnv) -> Joined:
-    from .elastic.reform import AssignmentTimeoutError, connect_store, reform, wait_for_assignment
+    from .elastic.reform import AssignmentTimeoutError, abort_key, connect_store, reform, wait_for_assignment
     from .worker.hooks import WorkerHooks
 
     assert env.recovery_store is not None and env.worker_id is not None
@@ -123,7 +123,8 @@ def _join_as_spare(env: WorkerEnv) -> Joined:
         from torch.distributed.constants import default_pg_timeout
 
         # Formed under the recovery's deadline, then torch's default collective timeout, as a group Run makes.
-        reform(assignment, timeout_s=env.recovery_timeout_s, store=group_store, collective_timeout=default_pg_timeout)
+        reform(assignment, timeout_s=env.recovery_timeout_s, store=group_store, collective_timeout=default_pg_timeout,
+               aborted=lambda: store.check([abort_key(assignment.generation)]))
     except Exception as err:
         error = f"{type(err).__qualname__}: {err}"[:1000]
         hooks.recovery({"event": "gave_up", "worker": env.worker_id, "generation": env.generation, "error": error})

@@ -139,7 +139,8 @@ def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
         assert changes.seen == []  # the first answer is no news
         proc.kill()  # its agent dies: the connection ends and the port refuses
         changes.wait_for(lambda s: ("peer", False) in [(n, u) for n, u, _ in s])
-        assert "refused" in changes.seen[-1][2] or "closed" in changes.seen[-1][2], changes.seen
+        assert changes.seen[-1][2].startswith(("connecting failed", "the connection failed", "its agent closed")), \
+            changes.seen  # the kernel answered for the dead process: no waiting for silence
         leaver.close()  # a server closed on purpose says goodbye: nobody accuses it
         time.sleep(0.5)  # ten pings' worth: a refused reconnect would have been seen by now
         assert "leaver" not in [n for n, _, _ in changes.seen], changes.seen

@@ -382,8 +382,9 @@ def reform(
 ) -> Reformed:
     """Abandon the current groups and form the one ``assignment`` describes (gloo).
 
-    ``aborted``: whether the agent abandoned this generation meanwhile; with it, the members first count in on
-    the store and wait for each other there, interruptibly (:class:`ReformAborted`).
+    The members first count in on the store and wait for each other there (every member of a generation joins
+    through here, so each counts), interruptibly: ``aborted`` says whether the agent abandoned the generation
+    meanwhile (:class:`ReformAborted`; None: never).
     ``timeout_s`` bounds forming the group (every member must arrive);
     ``collective_timeout`` is the new group's collective timeout once formed
     (the script's, :func:`resilient.elastic.groups.collective_timeout`;
@@ -405,8 +406,7 @@ def reform(
     abandon()
     abandoned = clock()
     base = store if store is not None else connect_store(assignment.store_host, assignment.store_port, timeout_s)
-    if aborted is not None:
-        _arrive(base, assignment, timeout_s, aborted, clock)
+    _arrive(base, assignment, timeout_s, aborted or (lambda: False), clock)
     try:
         dist.init_process_group(
             "gloo", store=dist.PrefixStore(assignment.prefix, base), rank=rank,
