@@ -20,7 +20,7 @@ import json
 import signal
 from pathlib import Path
 
-from .agent_helpers import events, incidents, start_agent, wait_for
+from .agent_helpers import events, events_so_far, incidents, start_agent, wait_for
 from .test_agent_inproc import (
     DIE_STEP,
     SHRINK_TOLERANCE,
@@ -177,6 +177,52 @@ def test_a_member_lost_while_the_group_re_forms_across_machines_is_folded_in_wit
                                                                         for d in done), done
     lines = trace(out)
     assert "spare0.s0" in {line["worker"] for line in lines if line["step"] > DIE_STEP}, "the promoted spare left"
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps
+
+
+def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recovered_in_process(
+        tmp_path: Path, etcd_server, etcd_run_id: str) -> None:
+    """Group formation survives the death of the agent it forms on: n2's rank is killed, an agent decides (the
+    spare node's worker takes rank 2) and the next generation forms on its store; n1's rank is held 3 s in the
+    re-formation by a planned fault, and meanwhile the deciding agent is SIGKILLed (its node's rank with it).
+    The members still forming leave (the store failed, or the agent aborted the generation), say they wait, and
+    another agent decides the next generation in process: no restart, every sample once."""
+    steps, samples = 14, ("--samples", "84", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "hang", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore", "duration_s": 3.0}]}))
+    out = tmp_path / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, steps, *samples, "--die-worker", "n2.w0", "--die-step", str(DIE_STEP), "--die-how", "kill",
+                     "--spares-ready", "1")
+    agents = {n: start_agent(run, *_node(etcd_server.url, etcd_run_id, n, "2:3", "--fault-plan", str(plan), *role),
+                             script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
+              for n, role in (("n0", ()), ("n1", ()), ("n2", ()), ("spare0", ("--role", "spare")))}
+    try:
+        wait_for(lambda: events_so_far(run, "recovery_decided"), timeout=180, what="the first decision")
+        decider = events_so_far(run, "recovery_decided")[0]["node"]
+        wait_for(lambda: events_so_far(run, "fault_injected"), timeout=30, what="n1's rank held in the re-formation")
+        agents[decider].send_signal(signal.SIGKILL)  # its worker, if it holds one, dies with it
+        agents[decider].wait(timeout=30)
+    except BaseException:
+        _finish(agents, 0)
+        raise
+    codes = _finish({n: a for n, a in agents.items() if n != decider}, 240)
+    assert set(codes.values()) == {0}, (decider, codes, _logs(tmp_path))
+    assert not events(run, "restart"), _logs(tmp_path)
+    decided = events(run, "recovery_decided")
+    assert len(decided) == 2 and decided[0]["action"] == "promote_spare", decided
+    assert decided[1]["node"] != decider and decided[1]["action"] in ("shrink", "retry_in_place"), decided[1]
+    done = events(run, "recovered_in_process")
+    assert done and all(d["resumed_after_step"] == DIE_STEP for d in done), done
+    lines = trace(out)
     assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
     assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
     final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
