@@ -143,6 +143,27 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     assert "n2" in shrunk["summary"] and shrunk["recovered"]["world_size"] == 2, shrunk
 
 
+SECOND_FAULT_STEPS = 14
+
+
+def _second_fault_run(tmp_path: Path, url: str, run_id: str, fault: dict[str, object]) -> tuple[Path, Path, dict]:
+    """The uninterrupted 3-rank reference, then three nodes of one rank and a spare node started on ``url``: n2's
+    rank killed at DIE_STEP (after the spare is ready) and ``fault`` planned on every node."""
+    samples = ("--samples", "84", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=SECOND_FAULT_STEPS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [fault]}))
+    out = tmp_path / "run"
+    out.mkdir()
+    script = _script(out, SECOND_FAULT_STEPS, *samples, "--die-worker", "n2.w0", "--die-step", str(DIE_STEP),
+                     "--die-how", "kill", "--spares-ready", "1")
+    agents = {n: start_agent(out / "run", *_node(url, run_id, n, "2:3", "--fault-plan", str(plan), *role),
+                             script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
+              for n, role in (("n0", ()), ("n1", ()), ("n2", ()), ("spare0", ("--role", "spare")))}
+    return ref, out, agents
+
+
 def test_a_member_lost_while_the_group_re_forms_across_machines_is_folded_in_without_a_restart(
         tmp_path: Path, etcd_server, etcd_run_id: str) -> None:
     """A second fault during a re-formation across machines: n2's rank is killed at DIE_STEP and the spare node's
@@ -151,25 +172,14 @@ def test_a_member_lost_while_the_group_re_forms_across_machines_is_folded_in_wit
     forming it (n0's, and the spare node's, which holds no state) leave it and wait, and the next decision
     answers the loss in process (the spare node's refilled spare, or a shrink): no restart, every sample of
     the epoch once, each step's global sample set the reference's."""
-    steps, samples = 14, ("--samples", "84", "--plain")
-    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
-        {"kind": "kill", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore"}]}))
-    out = tmp_path / "run"
-    out.mkdir()
+    ref, out, agents = _second_fault_run(tmp_path, etcd_server.url, etcd_run_id,
+                                         {"kind": "kill", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore"})
     run = out / "run"
-    script = _script(out, steps, *samples, "--die-worker", "n2.w0", "--die-step", str(DIE_STEP), "--die-how", "kill",
-                     "--spares-ready", "1")
-    agents = {n: start_agent(run, *_node(etcd_server.url, etcd_run_id, n, "2:3", "--fault-plan", str(plan), *role),
-                             script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
-              for n, role in (("n0", ()), ("n1", ()), ("n2", ()), ("spare0", ("--role", "spare")))}
     codes = _finish(agents, 240)
     assert codes == {"n0": 0, "n1": 0, "n2": 0, "spare0": 0}, _logs(tmp_path)
     assert not events(run, "restart"), _logs(tmp_path)
     decided = events(run, "recovery_decided")
-    assert [d["action"] for d in decided][0] == "promote_spare" and len(decided) == 2, decided
+    assert len(decided) == 2 and decided[0]["action"] == "promote_spare", decided
     assert decided[1]["action"] in ("promote_spare", "shrink"), decided[1]
     assert not events(run, "recovery_abandoned")
     done = events(run, "recovered_in_process")
@@ -181,7 +191,7 @@ def test_a_member_lost_while_the_group_re_forms_across_machines_is_folded_in_wit
     assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
     final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
     assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
-    assert final["step"] == steps
+    assert final["step"] == SECOND_FAULT_STEPS
 
 
 def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recovered_in_process(
@@ -191,20 +201,10 @@ def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recover
     re-formation by a planned fault, and meanwhile the deciding agent is SIGKILLed (its node's rank with it).
     The members still forming leave (the store failed, or the agent aborted the generation), say they wait, and
     another agent decides the next generation in process: no restart, every sample once."""
-    steps, samples = 14, ("--samples", "84", "--plain")
-    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plan = tmp_path / "plan.json"
-    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
-        {"kind": "hang", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore", "duration_s": 3.0}]}))
-    out = tmp_path / "run"
-    out.mkdir()
+    ref, out, agents = _second_fault_run(tmp_path, etcd_server.url, etcd_run_id,
+                                         {"kind": "hang", "rank": 1, "step": DIE_STEP, "attempt": 0, "section": "restore",
+                                          "duration_s": 3.0})
     run = out / "run"
-    script = _script(out, steps, *samples, "--die-worker", "n2.w0", "--die-step", str(DIE_STEP), "--die-how", "kill",
-                     "--spares-ready", "1")
-    agents = {n: start_agent(run, *_node(etcd_server.url, etcd_run_id, n, "2:3", "--fault-plan", str(plan), *role),
-                             script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
-              for n, role in (("n0", ()), ("n1", ()), ("n2", ()), ("spare0", ("--role", "spare")))}
     try:
         wait_for(lambda: events_so_far(run, "recovery_decided"), timeout=180, what="the first decision")
         decider = events_so_far(run, "recovery_decided")[0]["node"]
@@ -227,4 +227,4 @@ def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recover
     assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
     final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
     assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
-    assert final["step"] == steps
+    assert final["step"] == SECOND_FAULT_STEPS

@@ -17,12 +17,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -182,26 +183,35 @@ class Lost:
             self.cond.notify_all()
 
 
-def _presences(etcd_server, run_id: str, names: list[str]) -> tuple[dict[str, Presence], dict[str, Lost],
-                                                                     list[PrefixWatch], EtcdClient]:
+@contextlib.contextmanager
+def _presences(etcd_server, run_id: str, names: list[str]) -> Iterator[tuple[dict[str, Presence], dict[str, Lost],
+                                                                            EtcdClient]]:
+    """Presences of ``names`` in this process, each with its own watch; they leave and stop at the end."""
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     presences, losts, watches = {}, {}, []
-    for name in names:
-        watch = PrefixWatch(EtcdClient(EtcdConfig.from_url(etcd_server.url)), f"/resilient/{run_id}/launch")
-        watch.start()
-        watches.append(watch)
-        losts[name] = Lost()
-        presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
-                                   lambda e: None, watch=watch, ttl_s=30, probe_host="127.0.0.1",
-                                   probe_interval_s=0.05, silence_s=0.4)
-    for presence in presences.values():
-        presence.start()
-    return presences, losts, watches, client
+    try:
+        for name in names:
+            watch = PrefixWatch(EtcdClient(EtcdConfig.from_url(etcd_server.url)), f"/resilient/{run_id}/launch")
+            watch.start()
+            watches.append(watch)
+            losts[name] = Lost()
+            presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
+                                       lambda e: None, watch=watch, ttl_s=30, probe_host="127.0.0.1",
+                                       probe_interval_s=0.05, silence_s=0.4)
+        for presence in presences.values():
+            presence.start()
+        yield presences, losts, client
+    finally:
+        for presence in presences.values():
+            presence.leave()
+        for watch in watches:
+            watch.close()
 
 
-def _agent_elsewhere(etcd_server, run_id: str, name: str) -> tuple[subprocess.Popen[str], int]:
+@contextlib.contextmanager
+def _agent_elsewhere(etcd_server, run_id: str, name: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """Node ``name``'s presence in a process of its own (killed: a death), renewing its 30 s lease only every
-    29 s; returns the process and its lease."""
+    29 s; yields the process and its lease, and kills it at the end."""
     code = ("import sys, time\n"
             "from resilient.coord.etcd import EtcdClient, EtcdConfig\n"
             "from resilient.coord.presence import Presence\n"
@@ -213,8 +223,12 @@ def _agent_elsewhere(etcd_server, run_id: str, name: str) -> tuple[subprocess.Po
             "             silence_s=0.4)\n"
             "p.start(); print(p.lease, flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    return proc, int(proc.stdout.readline())
+    try:
+        assert proc.stdout is not None
+        yield proc, int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _wait(ok: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
@@ -231,9 +245,8 @@ def _wait_lost(lost: Lost, node: str) -> str:
 
 
 def test_an_agent_that_stops_answering_is_lost_by_its_peers_accusations(etcd_server, etcd_run_id) -> None:
-    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "c"])
-    b, _ = _agent_elsewhere(etcd_server, etcd_run_id, "b")
-    try:
+    with _presences(etcd_server, etcd_run_id, ["a", "c"]) as (presences, losts, client), \
+            _agent_elsewhere(etcd_server, etcd_run_id, "b") as (b, _):
         _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
         b.kill()  # b's agent dies: its probe port closes; its key would stand for 30 s more
         for name in ("a", "c"):
@@ -242,20 +255,12 @@ def test_an_agent_that_stops_answering_is_lost_by_its_peers_accusations(etcd_ser
         entry = client.get(f"/resilient/{etcd_run_id}/launch/l1/nodes/b")
         assert entry is not None, "b's key still stands: the accusations, not the lease, found it lost"
         assert presences["a"].address_of("b") == "127.0.0.1"
-    finally:
-        b.kill()
-        b.wait()
-        for presence in presences.values():
-            presence.leave()
-        for watch in watches:
-            watch.close()
 
 
 def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(etcd_server, etcd_run_id) -> None:
-    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "c"])
-    b, lease = _agent_elsewhere(etcd_server, etcd_run_id, "b")
     base = f"/resilient/{etcd_run_id}/launch/l1/"
-    try:
+    with _presences(etcd_server, etcd_run_id, ["a", "c"]) as (presences, losts, client), \
+            _agent_elsewhere(etcd_server, etcd_run_id, "b") as (b, lease):
         _wait(lambda: all(p.live() == {"a", "b", "c"} and p._prober.state().get("b") is True  # type: ignore[union-attr]
                           for p in presences.values()), "all three alive, a and c reaching b")
         client.lease_revoke(lease)  # b's lease lapses (as in an etcd outage of its own) while it answers probes
@@ -269,30 +274,16 @@ def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(
         b.kill()
         assert "does not answer probes" in _wait_lost(losts["a"], "b")
         _wait(lambda: client.get(base + "vouch/b/a") is None, "a's vouch withdrawn")
-    finally:
-        b.kill()
-        b.wait()
-        for presence in presences.values():
-            presence.leave()
-        for watch in watches:
-            watch.close()
 
 
 def test_an_agent_that_leaves_is_never_lost(etcd_server, etcd_run_id) -> None:
-    presences, losts, watches, client = _presences(etcd_server, etcd_run_id, ["a", "b", "c"])
-    try:
+    with _presences(etcd_server, etcd_run_id, ["a", "b", "c"]) as (presences, losts, client):
         _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
         presences["b"].leave()
         _wait(lambda: all(p.live() == {"a", "c"} for n, p in presences.items() if n != "b"), "b gone")
         time.sleep(0.5)
         assert losts["a"].nodes == {} and losts["c"].nodes == {}
         assert client.get_prefix(f"/resilient/{etcd_run_id}/launch/l1/suspect/") == []
-    finally:
-        for name, presence in presences.items():
-            if name != "b":
-                presence.leave()
-        for watch in watches:
-            watch.close()
 
 
 # --------------------------------------------------------------- severance

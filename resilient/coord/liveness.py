@@ -199,10 +199,14 @@ class ProbeServer:
         if self._done:
             return
         self._done = True
-        os.write(self._wake_w, b"x")
-        os.close(self._wake_w)
         if self._thread.is_alive():
+            os.write(self._wake_w, b"x")
             self._thread.join(timeout=5)
+        else:  # never started: nothing of it runs to close what it holds
+            self._selector.close()
+            self._listener.close()
+            os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 @dataclass

@@ -227,7 +227,9 @@ class Presence:
                 self._done.wait(self._interval)  # the keys are written again on the next pass, not in a spin
 
     def leave(self) -> None:
-        """Stop renewing and probing, and mark this node as gone on purpose."""
+        """Stop renewing and probing, and mark this node as gone on purpose (once; again does nothing)."""
+        if self._done.is_set():
+            return
         self._done.set()
         self._poke.set()
         self._watch.unsubscribe(self._judge)
