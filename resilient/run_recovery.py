@@ -209,7 +209,7 @@ class InProcessRecovery:
                     self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
                                   "step": step, "position": position.value if clean else "receiving",
                                   "failed_at": failed_at, "error": f"{type(again).__qualname__}: {again}"[:500]})
-                    self._release(None)
+                    self._release(again)  # its traceback holds the failed generation's groups: cleared first
                     abandon_s = time.monotonic() - failed_at
             raise AssertionError("unreachable: the last attempt's failure is raised")
         except Exception as err:  # whatever failed, the agent must hear of it and restart
@@ -319,7 +319,7 @@ class InProcessRecovery:
                     self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
                                   "step": None, "position": "stateless", "stateless": True,
                                   "failed_at": time.monotonic(), "error": f"{type(again).__qualname__}: {again}"[:500]})
-                    self._release(None)
+                    self._release(again)
                     assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
         except Exception as err:
             self._give_up(err)

@@ -142,9 +142,14 @@ def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
         changes.wait_for(lambda s: ("peer", False) in [(n, u) for n, u, _ in s])
         assert changes.seen[-1][2].startswith(("connecting failed", "the connection failed", "its agent closed")), \
             changes.seen  # the kernel answered for the dead process: no waiting for silence
-        leaver.close()  # a server closed on purpose says goodbye: nobody accuses it
+        leaver.close()  # a server closed on purpose says goodbye: nobody accuses it, nobody vouches for it
+        deadline = time.monotonic() + 20
+        while prober.state().get("leaver") is not None:
+            assert time.monotonic() < deadline, prober.state()
+            time.sleep(0.02)
         time.sleep(0.5)  # ten pings' worth: a refused reconnect would have been seen by now
         assert "leaver" not in [n for n, _, _ in changes.seen], changes.seen
+        assert "leaver" not in prober.down() and prober.state().get("leaver") is None
 
         prober.follow({"silent": f"127.0.0.1:{silent.getsockname()[1]}",
                        "liar": impostor.address})
@@ -152,6 +157,7 @@ def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
         why = {n: w for n, u, w in changes.seen if not u}
         assert "no answer" in why["silent"], why
         assert "someone-else" in why["liar"], why
+        assert prober.down() == {"silent": why["silent"], "liar": why["liar"]}, prober.down()
 
         back = ProbeServer("127.0.0.1", "silent")
         back.start()
@@ -167,6 +173,38 @@ def test_probes_see_a_peer_go_refuse_stay_silent_or_lie_and_come_back() -> None:
         silent.close()
         proc.kill()
         proc.wait()
+
+
+def test_the_server_drops_probers_gone_without_a_word_and_makes_room_for_new_ones(monkeypatch) -> None:
+    """A prober that lost power leaves a half-open connection: the server drops it once idle, and when full it
+    drops the connection heard from least recently instead of turning a live prober away."""
+    from resilient.coord import liveness
+
+    monkeypatch.setattr(liveness, "IDLE_S", 0.4)
+    monkeypatch.setattr(liveness, "MAX_CONNECTIONS", 2)
+    server = ProbeServer("127.0.0.1", "peer")
+    server.start()
+    host, port = server.address.rsplit(":", 1)
+    conns = []
+    try:
+        for _ in range(2):
+            conn = socket.create_connection((host, int(port)), timeout=10)
+            assert conn.recv(16) == b"peer\n"
+            conns.append(conn)
+        conns[1].sendall(b".")
+        assert conns[1].recv(16) == b"."
+        third = socket.create_connection((host, int(port)), timeout=10)  # full: the silent first one goes
+        conns.append(third)
+        assert third.recv(16) == b"peer\n"
+        assert conns[0].recv(16) == b"", "the least recently heard connection was kept"
+        third.sendall(b".")
+        assert third.recv(16) == b"."
+        # Nothing more from any of them: each is dropped once idle.
+        assert conns[1].recv(16) == b"" and third.recv(16) == b""
+    finally:
+        for conn in conns:
+            conn.close()
+        server.close()
 
 
 # --------------------------------------------------------------- on real etcd

@@ -77,6 +77,22 @@ def connections(pid: int) -> dict[int, str]:
     return found
 
 
+def _peer_address(sock: socket.socket) -> str | None:
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    if not isinstance(peer, tuple):
+        return None
+    try:
+        address = ipaddress.ip_address(str(peer[0]).split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
 @dataclass(frozen=True)
 class Severed:
     pid: int
@@ -84,7 +100,7 @@ class Severed:
     problem: str | None = None
 
 
-def _shut(pid: int, fds: list[int]) -> Severed:
+def _shut(pid: int, fds: list[int], lost: frozenset[str]) -> Severed:
     libc = ctypes.CDLL(None, use_errno=True)
     try:
         pidfd = os.pidfd_open(pid)
@@ -98,10 +114,17 @@ def _shut(pid: int, fds: list[int]) -> Severed:
                 code = ctypes.get_errno()
                 return Severed(pid, done, f"pidfd_getfd: {os.strerror(code)} (Linux 5.6 or later, and the right "
                                           "to trace the worker, are needed)")
-            sock = socket.socket(fileno=copy)
             try:
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
+                sock = socket.socket(fileno=copy)
+            except OSError:  # the number was closed and reused for something else meanwhile
+                os.close(copy)
+                continue
+            try:
+                # The worker may have closed the fd and reused its number since /proc was read: only a connection
+                # to the lost node is shut.
+                if _peer_address(sock) in lost:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
             except OSError:
                 pass  # it closed meanwhile
             finally:
@@ -121,7 +144,7 @@ def sever(pids: list[int], lost_host: str, own_host: str) -> list[Severed]:
     for pid in pids:
         fds = [fd for fd, remote in connections(pid).items() if remote in lost]
         if fds:
-            results.append(_shut(pid, fds))
+            results.append(_shut(pid, fds, lost))
     return results
 
 

@@ -148,14 +148,14 @@ class Agent:
         """A peer was judged lost (:mod:`resilient.coord.liveness`): record a node_lost incident, and end this
         node's workers' connections to it, so that none waits in a collective on a peer that cannot answer."""
         generation = self._generation
-        self.emit(EventKind.NODE_LOST, lost_node=node, generation=generation, why=why)
-        self.record_incident(node_lost_incident(node, self.config.node_id, generation, why))
         host = self.coordination.peer_host(node)
-        if host is None:
-            return
-        for cut in severance.sever(severance.children(), host, self.config.local_addr):
+        # First what frees a blocked collective (local and quick), then what is written down.
+        severed = severance.sever(severance.children(), host, self.config.local_addr) if host is not None else []
+        self.emit(EventKind.NODE_LOST, lost_node=node, generation=generation, why=why)
+        for cut in severed:
             self.emit(EventKind.PEER_CONNECTIONS_SEVERED, lost_node=node, pid=cut.pid, sockets=cut.sockets,
                       problem=cut.problem)
+        self.record_incident(node_lost_incident(node, self.config.node_id, generation, why))
 
     def record_incident(self, incident: Incident) -> None:
         """Every incident goes through here: its file, event and store copy, and its count in the metrics."""

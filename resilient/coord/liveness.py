@@ -40,8 +40,9 @@ from dataclasses import dataclass, field
 INTERVAL_S = 0.15
 """Seconds between two pings of one peer."""
 
-SILENCE_S = 0.6
-"""A peer that answers nothing (a ping, or a connection being made) for this long is accused."""
+SILENCE_S = 1.0
+"""A peer that answers nothing (a ping, or a connection being made) for this long is accused: longer than a
+garbage collection or a scheduling stall of a loaded agent, shorter than what a lost node may cost."""
 
 PROBERS = 3
 """How many peers each agent probes: each node is probed by as many (fewer in a smaller launch)."""
@@ -51,6 +52,10 @@ QUORUM = 2
 
 MAX_CONNECTIONS = 64
 """Probe connections a server keeps at once (each node is probed by :data:`PROBERS` peers)."""
+
+IDLE_S = 5.0
+"""A probe connection that sent nothing for this long is dropped by the server (its prober pings far more often:
+it is gone without a word)."""
 
 _PING = b"."
 _BYE = b"!"
@@ -123,10 +128,13 @@ class ProbeServer:
         self._node = node
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
-        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        bound = self._listener.getsockname()
+        # The address as bound (an IP, not a name): probers connect without a name lookup on their thread.
+        self.address = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, float] = {}
+        """Each connection and when it last sent anything (monotonic)."""
         self._wake_r, self._wake_w = os.pipe()
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._done = False
@@ -137,7 +145,7 @@ class ProbeServer:
 
     def _serve(self) -> None:
         while not self._done:
-            for key, _ in self._selector.select(timeout=1.0):
+            for key, _ in self._selector.select(timeout=IDLE_S / 4):
                 target = key.fileobj
                 if target is self._listener:
                     self._accept()
@@ -146,6 +154,9 @@ class ProbeServer:
                 else:
                     assert isinstance(target, socket.socket)
                     self._answer(target)
+            idle = time.monotonic() - IDLE_S
+            for conn in [c for c, heard in self._conns.items() if heard < idle]:
+                self._drop(conn)  # its prober is gone without a word (powered off, cut off): not a slot kept
         for conn in list(self._conns):
             try:
                 conn.send(_BYE)
@@ -161,9 +172,8 @@ class ProbeServer:
             conn, _ = self._listener.accept()
         except OSError:
             return
-        if len(self._conns) >= MAX_CONNECTIONS:
-            conn.close()
-            return
+        if len(self._conns) >= MAX_CONNECTIONS:  # make room: the connection heard from least recently goes
+            self._drop(min(self._conns, key=lambda c: self._conns[c]))
         conn.setblocking(False)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
@@ -171,13 +181,14 @@ class ProbeServer:
         except OSError:
             conn.close()
             return
-        self._conns.add(conn)
+        self._conns[conn] = time.monotonic()
         self._selector.register(conn, selectors.EVENT_READ)
 
     def _answer(self, conn: socket.socket) -> None:
         try:
             data = conn.recv(256)
             if data:
+                self._conns[conn] = time.monotonic()
                 conn.send(_PING * len(data))
                 return
         except (BlockingIOError, InterruptedError):
@@ -187,7 +198,7 @@ class ProbeServer:
         self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
-        self._conns.discard(conn)
+        self._conns.pop(conn, None)
         try:
             self._selector.unregister(conn)
         except (KeyError, ValueError):
@@ -219,6 +230,8 @@ class _Peer:
     heard: float = 0.0
     """Monotonic time of the last answer (or of the first connection attempt, before any)."""
     up: bool | None = None
+    why: str = ""
+    """Why it is down (when ``up`` is False)."""
     failures: int = 0
     retry_at: float = 0.0
     pending: bytes = b""
@@ -246,6 +259,8 @@ class Prober:
         self._peers: dict[str, _Peer] = {}
         self._selector = selectors.DefaultSelector()
         self._done = threading.Event()
+        self.error: str | None = None
+        """The last error the prober's thread survived (None: none)."""
         self._thread = threading.Thread(target=self._loop, name="prober", daemon=True)
 
     def start(self) -> None:
@@ -257,42 +272,61 @@ class Prober:
             self._wanted = dict(targets)
 
     def state(self) -> dict[str, bool | None]:
-        """node -> up (True), down (False) or not known yet (None), for the peers probed now."""
+        """node -> up (True), down (False) or not known (None), for the peers probed now; nothing known once the
+        prober stopped."""
+        if not self._thread.is_alive():
+            return {}
         with self._lock:
             return {n: p.up for n, p in self._peers.items()}
+
+    def down(self) -> dict[str, str]:
+        """node -> why, for the peers probed now that do not answer."""
+        if not self._thread.is_alive():
+            return {}
+        with self._lock:
+            return {n: p.why for n, p in self._peers.items() if p.up is False}
 
     def _loop(self) -> None:
         next_ping = self._clock()
         while not self._done.is_set():
-            self._sync_targets()
-            now = self._clock()
-            for peer in list(self._peers.values()):
-                if peer.sock is None and not peer.departed and now >= peer.retry_at:
-                    self._connect(peer, now)
-            timeout = max(0.0, min(next_ping - now, self._interval))
-            for key, events in self._selector.select(timeout=timeout):
-                peer = key.data
-                if events & selectors.EVENT_WRITE and not peer.connected:
-                    self._connected(peer)
-                if events & selectors.EVENT_READ and peer.sock is not None:
-                    self._read(peer)
-            now = self._clock()
-            if now >= next_ping:
-                next_ping = now + self._interval
-                for peer in list(self._peers.values()):
-                    if peer.sock is not None and peer.greeted:
-                        try:
-                            peer.sock.send(_PING)
-                        except (BlockingIOError, InterruptedError):
-                            pass
-                        except OSError as e:
-                            self._failed(peer, f"the connection failed: {os.strerror(e.errno or errno.EIO)}")
-            for peer in list(self._peers.values()):
-                if peer.sock is not None and now - peer.heard >= self._silence:
-                    self._failed(peer, f"no answer for {self._silence:g} s", hard=False)
+            try:
+                next_ping = self._round(next_ping)
+            except Exception as e:  # noqa: BLE001 - the probes must outlive any one peer's surprise
+                self.error = f"{type(e).__name__}: {e}"
+                self._done.wait(self._interval)
         for peer in list(self._peers.values()):
             self._close(peer)
         self._selector.close()
+
+    def _round(self, next_ping: float) -> float:
+        """Connect where due, read what arrived, ping when due, accuse the silent; returns the next ping time."""
+        self._sync_targets()
+        now = self._clock()
+        for peer in list(self._peers.values()):
+            if peer.sock is None and not peer.departed and now >= peer.retry_at:
+                self._connect(peer, now)
+        timeout = max(0.0, min(next_ping - now, self._interval))
+        for key, events in self._selector.select(timeout=timeout):
+            peer = key.data
+            if events & selectors.EVENT_WRITE and not peer.connected:
+                self._connected(peer)
+            if events & selectors.EVENT_READ and peer.sock is not None:
+                self._read(peer)
+        now = self._clock()
+        if now >= next_ping:
+            next_ping = now + self._interval
+            for peer in list(self._peers.values()):
+                if peer.sock is not None and peer.greeted:
+                    try:
+                        peer.sock.send(_PING)
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                    except OSError as e:
+                        self._failed(peer, f"the connection failed: {os.strerror(e.errno or errno.EIO)}")
+        for peer in list(self._peers.values()):
+            if peer.sock is not None and now - peer.heard >= self._silence:
+                self._failed(peer, f"no answer for {self._silence:g} s", hard=False)
+        return next_ping
 
     def _sync_targets(self) -> None:
         with self._lock:
@@ -309,16 +343,21 @@ class Prober:
 
     def _connect(self, peer: _Peer, now: float) -> None:
         host, _, port = peer.address.rpartition(":")
+        host = host.strip("[]")
         try:
+            target = (host, int(port))
             sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        except OSError as e:
-            self._failed(peer, f"no socket: {e}")
+        except (OSError, ValueError) as e:
+            self._failed(peer, f"cannot probe {peer.address}: {e}")
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer.heard = now  # a connection being made is silent for at most SILENCE_S too
         peer.sock, peer.connected, peer.greeted, peer.pending = sock, False, False, b""
-        code = sock.connect_ex((host.strip("[]"), int(port)))
+        try:
+            code = sock.connect_ex(target)
+        except OSError as e:  # an address this host cannot reach at all
+            code = e.errno or errno.EHOSTUNREACH
         if code not in (0, errno.EINPROGRESS):
             self._failed(peer, f"connecting failed: {os.strerror(code)}")
             return
@@ -345,9 +384,10 @@ class Prober:
         if not data:
             self._failed(peer, "its agent closed the connection")
             return
-        if _BYE in data:  # it leaves on purpose: no accusation, and no new connection to a port it gave up
-            self._close(peer)
-            peer.departed, peer.failures = True, 0
+        if peer.greeted and _BYE in data:  # it leaves on purpose: no accusation, no new connection to its port,
+            self._close(peer)              # and no vouching for it (it is neither up nor down now)
+            with self._lock:
+                peer.departed, peer.failures, peer.up = True, 0, None
             return
         if not peer.greeted:
             peer.pending += data
@@ -379,6 +419,8 @@ class Prober:
     def _set(self, peer: _Peer, up: bool, reason: str) -> None:
         with self._lock:
             before, peer.up = peer.up, up
+            if not up and before is not False:
+                peer.why = reason
         if before is not up and (not up or before is False):
             self._on_change(peer.node, up, reason)
 
@@ -395,3 +437,5 @@ class Prober:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        elif self._thread.ident is None:  # never started
+            self._selector.close()

@@ -56,13 +56,12 @@ class Presence:
         self._interval = interval_s
         self._lease = 0
         self._judging = threading.Lock()
+        self._serial = threading.Lock()
         self._verdict = Verdict(frozenset({node}), {}, frozenset({node}))
         self._alive_once: set[str] = set()
         self._reported: set[str] = set()
         self._addresses: dict[str, str] = {}
         self._keys = threading.Lock()
-        self._accusations: dict[str, str] = {}
-        """peer -> why this agent's probes say it is down."""
         self._desired: dict[str, bytes] = {}
         self._written: dict[str, bytes] = {}
         self._watch = watch
@@ -144,7 +143,19 @@ class Presence:
         return evidence, frozenset(left), addresses
 
     def _judge(self) -> None:
-        """Weigh the keys as the watch holds them now: report newly lost nodes, choose whom to probe."""
+        """Weigh the keys as the watch holds them now: report newly lost nodes, choose whom to probe.
+
+        Called by the watch's thread and the presence thread: one at a time, each reading the watch's newest view,
+        so a verdict is never replaced by one from an older view."""
+        with self._serial:
+            newly, verdict = self._weigh()
+        for node in newly:
+            try:
+                self._on_lost(node, verdict.lost[node])
+            except Exception as e:  # noqa: BLE001 - one report's failure must not keep the others or the thread
+                self._on_error(f"reporting node {node} lost failed: {type(e).__name__}: {e}")
+
+    def _weigh(self) -> tuple[list[str], Verdict]:
         evidence, left, addresses = self._evidence()
         verdict = judge(evidence, self._node)
         with self._judging:
@@ -160,31 +171,25 @@ class Presence:
         if self._prober is not None:
             self._prober.follow(targets)
             self._want_keys(evidence, targets)
-        for node in newly:
-            self._on_lost(node, verdict.lost[node])
+        return newly, verdict
 
     def _probed(self, node: str, up: bool, why: str) -> None:
-        """The prober's news (its thread): an accusation to write or take back, on the presence thread."""
-        with self._keys:
-            if up:
-                self._accusations.pop(node, None)
-            else:
-                self._accusations[node] = why
+        """The prober's news (its thread): the keys are weighed again on the presence thread."""
         self._poke.set()
         if self._on_probe is not None:
             self._on_probe(node, up, why)
 
     def _want_keys(self, evidence: Evidence, targets: dict[str, str]) -> None:
-        """The accusations and vouches this agent should have in the store now."""
+        """The accusations and vouches this agent should have in the store now: an accusation of each peer it
+        probes that does not answer, a vouch for each that answers while its presence key is gone."""
         assert self._prober is not None
-        state = self._prober.state()
+        state, down = self._prober.state(), self._prober.down()
         desired: dict[str, bytes] = {}
         with self._keys:
-            for node in list(self._accusations):
-                if node not in targets:
-                    del self._accusations[node]  # no longer probed by this agent: not its to say
-            for node, why in self._accusations.items():
-                desired[f"{self._suspect}{node}/{self._node}"] = json.dumps({"why": why, "at": time.time()}).encode()
+            for node in targets:
+                if node in down:
+                    desired[f"{self._suspect}{node}/{self._node}"] = json.dumps(
+                        {"why": down[node], "at": time.time()}).encode()
             for node in targets:
                 if state.get(node) is True and node not in evidence.running:
                     desired[f"{self._vouch}{node}/{self._node}"] = json.dumps({"at": time.time()}).encode()
@@ -222,7 +227,7 @@ class Presence:
                 if self._prober is not None:
                     self._judge()  # the prober's news changes whom this agent vouches for
                     self._write_keys()
-            except ControlStoreError as e:
+            except Exception as e:  # noqa: BLE001 - the lease must be renewed whatever one pass met
                 self._on_error(f"{type(e).__name__}: {e}")
                 self._done.wait(self._interval)  # the keys are written again on the next pass, not in a spin
 

@@ -342,8 +342,9 @@ class Reformed:
     subgroups_s: float
 
 
-ARRIVAL_POLL_S = 0.02
-"""How often a member waiting for the others to arrive checks whether its generation was abandoned."""
+ARRIVAL_POLL_S = (0.005, 0.1)
+"""How often a member waiting for the others to arrive looks again (first, and at most: the interval grows by half
+each time, so a quick formation is seen at once and a slow one costs the stores little)."""
 
 
 def _arrive(store: Store, assignment: Assignment, timeout_s: float, aborted: Callable[[], bool],
@@ -353,23 +354,26 @@ def _arrive(store: Store, assignment: Assignment, timeout_s: float, aborted: Cal
     ``init_process_group`` until its timeout (it cannot be interrupted)."""
     import torch.distributed as dist
 
-    key = f"{assignment.prefix}arrived"
+    count, everyone = f"{assignment.prefix}arrived", f"{assignment.prefix}all-arrived"
     deadline = clock() + timeout_s
+    pause, longest = ARRIVAL_POLL_S
     try:
-        arrived = store.add(key, 1)
-        while arrived < assignment.world_size:
+        if store.add(count, 1) >= assignment.world_size:
+            store.set(everyone, "1")  # the last to arrive says so: the others look for one key, not the count
+            return
+        while not store.check([everyone]):
             if aborted():
                 raise ReformAborted(
                     f"worker {assignment.worker_id}: generation {assignment.generation} was abandoned while it formed "
-                    f"({arrived} of {assignment.world_size} members had arrived): a member failed; waiting for the "
-                    "next generation")
+                    f"({store.add(count, 0)} of {assignment.world_size} members had arrived): a member failed; "
+                    "waiting for the next generation")
             if clock() > deadline:
                 raise ReformError(
-                    f"worker {assignment.worker_id}: generation {assignment.generation}: {arrived} of "
+                    f"worker {assignment.worker_id}: generation {assignment.generation}: {store.add(count, 0)} of "
                     f"{assignment.world_size} members arrived within {timeout_s:g} s; the agent should announce "
                     "another generation or restart the group")
-            time.sleep(ARRIVAL_POLL_S)
-            arrived = store.add(key, 0)
+            time.sleep(pause)
+            pause = min(longest, pause * 1.5)
     except (RuntimeError, dist.DistError) as e:
         raise ReformError(f"worker {assignment.worker_id}: the store generation {assignment.generation} forms on "
                           f"failed ({e}): its agent may be gone; waiting for the next generation") from None
