@@ -222,9 +222,10 @@ class Lost:
 
 
 @contextlib.contextmanager
-def _presences(etcd_server, run_id: str, names: list[str]) -> Iterator[tuple[dict[str, Presence], dict[str, Lost],
-                                                                            EtcdClient]]:
-    """Presences of ``names`` in this process, each with its own watch; they leave and stop at the end."""
+def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = True) -> Iterator[
+        tuple[dict[str, Presence], dict[str, Lost], EtcdClient]]:
+    """Presences of ``names`` in this process, each with its own watch (probing its peers unless ``probes`` is
+    False); they leave and stop at the end."""
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     presences, losts, watches = {}, {}, []
     try:
@@ -234,8 +235,9 @@ def _presences(etcd_server, run_id: str, names: list[str]) -> Iterator[tuple[dic
             watches.append(watch)
             losts[name] = Lost()
             presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
-                                       lambda e: None, watch=watch, ttl_s=30, probe_host="127.0.0.1",
-                                       probe_interval_s=0.05, silence_s=0.4)
+                                       lambda e: None, watch=watch, ttl_s=30,
+                                       probe_host="127.0.0.1" if probes else None, probe_interval_s=0.05,
+                                       silence_s=0.4)
         for presence in presences.values():
             presence.start()
         yield presences, losts, client
@@ -312,6 +314,17 @@ def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(
         b.kill()
         assert "does not answer probes" in _wait_lost(losts["a"], "b")
         _wait(lambda: client.get(base + "vouch/b/a") is None, "a's vouch withdrawn")
+
+
+def test_without_probes_a_node_whose_lease_lapsed_is_lost_by_the_lease(etcd_server, etcd_run_id) -> None:
+    """Nobody probes b (its peers' probes are off): the lease is the evidence left, as before the probes."""
+    with _presences(etcd_server, etcd_run_id, ["a", "c"], probes=False) as (presences, losts, client), \
+            _agent_elsewhere(etcd_server, etcd_run_id, "b") as (_, lease):
+        _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
+        client.lease_revoke(lease)
+        for name in ("a", "c"):
+            assert _wait_lost(losts[name], "b") == "its presence lease expired and no live node vouches for it"
+            assert presences[name].live() == {"a", "c"}
 
 
 def test_an_agent_that_leaves_is_never_lost(etcd_server, etcd_run_id) -> None:

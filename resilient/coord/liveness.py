@@ -105,7 +105,9 @@ def judge(evidence: Evidence, me: str, k: int = PROBERS, quorum: int = QUORUM) -
     vouched = {n for n, by in evidence.vouches.items() if by & running}
     known = running | vouched | {me}
     lost: dict[str, str] = {}
-    for node in sorted(known | {n for n, by in evidence.suspects.items() if by & running}):
+    # Only an accused node can be lost here (a node whose key is gone and that nobody accuses is simply not
+    # known): while every probe is answered nothing is weighed, so judging each change of a large launch is cheap.
+    for node in sorted(n for n, by in evidence.suspects.items() if by & running):
         if node == me:
             continue
         live_probers = [p for p in probers_of(known, node, k) if p in running]

@@ -28,6 +28,9 @@ from .liveness import INTERVAL_S, PROBERS, SILENCE_S, Evidence, Prober, ProbeSer
 from .store import ControlStoreError
 from .watch import PrefixWatch
 
+LEASE_GRACE_S = 2.0
+"""A node whose key lapsed is taken for lost by the lease only this long after (its vouches may be on the way)."""
+
 
 class Presence:
     """Keeps this node's presence key alive and its probes running, and reports peers judged lost."""
@@ -59,6 +62,7 @@ class Presence:
         self._serial = threading.Lock()
         self._verdict = Verdict(frozenset({node}), {}, frozenset({node}))
         self._alive_once: set[str] = set()
+        self._gone_since: dict[str, float] = {}
         self._reported: set[str] = set()
         self._addresses: dict[str, str] = {}
         self._keys = threading.Lock()
@@ -148,30 +152,42 @@ class Presence:
         Called by the watch's thread and the presence thread: one at a time, each reading the watch's newest view,
         so a verdict is never replaced by one from an older view."""
         with self._serial:
-            newly, verdict = self._weigh()
-        for node in newly:
+            newly = self._weigh()
+        for node, why in newly:
             try:
-                self._on_lost(node, verdict.lost[node])
+                self._on_lost(node, why)
             except Exception as e:  # noqa: BLE001 - one report's failure must not keep the others or the thread
                 self._on_error(f"reporting node {node} lost failed: {type(e).__name__}: {e}")
 
-    def _weigh(self) -> tuple[list[str], Verdict]:
+    def _weigh(self) -> list[tuple[str, str]]:
+        """The verdict on the newest view; returns the nodes newly lost, with why."""
         evidence, left, addresses = self._evidence()
         verdict = judge(evidence, self._node)
         with self._judging:
             self._addresses.update(addresses)
-            self._verdict = verdict
-            self._alive_once |= verdict.live
-            newly = [n for n in sorted(verdict.lost) if n in self._alive_once and n not in self._reported]
-            self._reported = {n for n in self._reported | set(newly) if n in verdict.lost}
-            # A peer this agent reaches stays in its ring while its key is gone: it is the one to vouch for it.
+            # A peer this agent reaches is alive to it while its key is gone (its vouch is on the way), and stays
+            # in its ring: it is the one to vouch for it.
             reached = {n for n, up in (self._prober.state() if self._prober is not None else {}).items() if up}
+            live = verdict.live | (reached - left - set(verdict.lost))
+            self._verdict = Verdict(live, verdict.lost, verdict.known)
+            self._alive_once |= live
+            # Lost: as judged, or alive before and now neither alive nor gone on purpose for LEASE_GRACE_S (its key
+            # lapsed and no live node vouched for it meanwhile; nobody accused it, e.g. nobody could probe it).
+            lost = dict(verdict.lost)
+            now = time.monotonic()
+            gone = self._alive_once - live - left - {self._node} - set(lost)
+            self._gone_since = {n: self._gone_since.get(n, now) for n in gone}
+            for node in sorted(gone):
+                if now - self._gone_since[node] >= LEASE_GRACE_S:
+                    lost[node] = "its presence lease expired and no live node vouches for it"
+            newly = [(n, lost[n]) for n in sorted(lost) if n in self._alive_once and n not in self._reported]
+            self._reported = {n for n in self._reported | {n for n, _ in newly} if n in lost}
             ring = (verdict.known | reached) - left
             targets = {n: self._addresses[n] for n in ring_after(ring, self._node, PROBERS) if n in self._addresses}
         if self._prober is not None:
             self._prober.follow(targets)
             self._want_keys(evidence, targets)
-        return newly, verdict
+        return newly
 
     def _probed(self, node: str, up: bool, why: str) -> None:
         """The prober's news (its thread): the keys are weighed again on the presence thread."""
@@ -224,8 +240,8 @@ class Presence:
                     renew_at = time.monotonic() + self._interval
                     if self._client.lease_keepalive(self._lease) <= 0:
                         self._announce()  # our own lease expired (a long outage): we are back
+                self._judge()  # the prober's news, or a lapsed key's grace running out
                 if self._prober is not None:
-                    self._judge()  # the prober's news changes whom this agent vouches for
                     self._write_keys()
             except Exception as e:  # noqa: BLE001 - the lease must be renewed whatever one pass met
                 self._on_error(f"{type(e).__name__}: {e}")
