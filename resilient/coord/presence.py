@@ -181,7 +181,8 @@ class Presence:
                 if now - self._gone_since[node] >= LEASE_GRACE_S:
                     lost[node] = "its presence lease expired and no live node vouches for it"
             newly = [(n, lost[n]) for n in sorted(lost) if n in self._alive_once and n not in self._reported]
-            self._reported = {n for n in self._reported | {n for n, _ in newly} if n in lost}
+            # Reported once until it is alive again (its accusations go with its key, and the lease follows).
+            self._reported = {n for n in self._reported | {n for n, _ in newly} if n not in live}
             ring = (verdict.known | reached) - left
             targets = {n: self._addresses[n] for n in ring_after(ring, self._node, PROBERS) if n in self._addresses}
         if self._prober is not None:
