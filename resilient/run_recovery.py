@@ -73,6 +73,7 @@ from .elastic.reform import (
     connect_store,
     grow_key,
     is_peer_failure,
+    reach_store,
     reform,
     wait_for_assignment,
 )
@@ -434,8 +435,9 @@ class InProcessRecovery:
         if (assignment.store_host, assignment.store_port) == self.env.recovery_store:
             return self._connect()
         if self._group_stores.get(assignment.generation) is None:
-            self._group_stores = {assignment.generation: connect_store(assignment.store_host, assignment.store_port,
-                                                                       self.timeout_s)}
+            self._group_stores = {assignment.generation: reach_store(
+                assignment.store_host, assignment.store_port, self.timeout_s, assignment.generation,
+                lambda: self._connect().check([abort_key(assignment.generation)]))}
         return self._group_stores[assignment.generation]
 
     def _ready(self, role: str) -> dict[str, Any]:

@@ -373,3 +373,22 @@ def test_a_member_waiting_for_the_others_leaves_when_its_generation_is_abandoned
         reform(mine, timeout_s=60, store=store, aborted=aborted)
     assert len(asked) == 5  # it left at the first look that said so (a timeout is a ReformError, not this)
     assert not dist.is_initialized()
+
+
+def test_a_member_gives_up_a_dead_agents_store_when_its_generation_is_abandoned():
+    """The store a generation forms on is the deciding agent's: if that agent is gone, connecting is retried a
+    second at a time until the member's own agent abandons the generation, not for the whole timeout."""
+    import socket
+
+    from resilient.elastic.reform import ReformAborted, reach_store
+
+    with socket.socket() as probe:  # a port with nothing behind it: the agent that hosted the store is gone
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    looks: list[int] = []
+    with pytest.raises(ReformAborted, match=f"store generation 7 forms on \\(127.0.0.1:{port}\\) is unreachable"):
+        reach_store("127.0.0.1", port, 60, 7, lambda: looks.append(1) or len(looks) >= 2)
+    assert len(looks) == 2
+    live = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    reached = reach_store("127.0.0.1", live.port, 60, 7, lambda: False)
+    assert reached.timeout == timedelta(seconds=60)  # its later waits keep the whole bound, not the 1 s attempt

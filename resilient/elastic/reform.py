@@ -247,6 +247,25 @@ def connect_store(host: str, port: int, timeout_s: float) -> Store:
         ) from None
 
 
+def reach_store(host: str, port: int, timeout_s: float, generation: int, aborted: Callable[[], bool],
+                clock: Callable[[], float] = time.monotonic) -> Store:
+    """:func:`connect_store` to the store generation ``generation`` forms on, a second at a time, leaving when
+    ``aborted()`` says the generation was abandoned: the agent hosting that store may be gone, and a connection
+    to a dead port is otherwise retried until ``timeout_s``."""
+    deadline = clock() + timeout_s
+    while True:
+        try:
+            store = connect_store(host, port, max(0.1, min(1.0, deadline - clock())))
+            store.set_timeout(timedelta(seconds=timeout_s))  # its later waits keep the whole bound
+            return store
+        except ReformError:
+            if aborted():
+                raise ReformAborted(f"the store generation {generation} forms on ({host}:{port}) is unreachable and "
+                                    "the generation was abandoned; waiting for the next one") from None
+            if clock() >= deadline:
+                raise
+
+
 def wait_for_assignment(
     store: Store, worker_id: str, after_generation: int, timeout_s: float,
     clock: Callable[[], float] = time.monotonic,
