@@ -219,7 +219,10 @@ def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recover
     assert not events(run, "restart"), _logs(tmp_path)
     decided = events(run, "recovery_decided")
     assert len(decided) == 2 and decided[0]["action"] == "promote_spare", decided
-    assert decided[1]["node"] != decider and decided[1]["action"] in ("shrink", "retry_in_place"), decided[1]
+    # Which in-process rung answers depends on who decided first (a spare a node keeps warm, a shrink, or the same
+    # members again when the store alone was lost); never a restart, and never the dead agent's decision.
+    assert decided[1]["node"] != decider and decided[1]["action"] in ("promote_spare", "shrink", "retry_in_place"), \
+        decided[1]
     done = events(run, "recovered_in_process")
     assert done and all(d["resumed_after_step"] == DIE_STEP for d in done), done
     lines = trace(out)
