@@ -72,10 +72,8 @@ def ring_after(nodes: Iterable[str], node: str, k: int) -> list[str]:
 
 def probers_of(nodes: Iterable[str], node: str, k: int = PROBERS) -> list[str]:
     """The nodes that probe ``node`` in the ring of ``nodes``: the ``k`` before it."""
-    ring = sorted(set(nodes) | {node})
-    at = ring.index(node)
-    others = ring[at + 1:] + ring[:at]
-    return list(reversed(others))[:k]
+    nodes = set(nodes)
+    return list(reversed(ring_after(nodes, node, len(nodes))))[:k]
 
 
 @dataclass(frozen=True)
