@@ -421,8 +421,12 @@ class InProcess:
 
     def abort(self, generation: int) -> None:
         """Generation ``generation`` failed before it formed: its members still forming it leave and wait (the
-        ones that formed it fail in their next collective anyway)."""
-        self._store.set(abort_key(generation), "1")
+        ones that formed it fail in their next collective anyway).  Returns once the store holds the key: a
+        TCPStore ``set`` is not answered, so the key is read back on the same connection, which the server serves in
+        order."""
+        key = abort_key(generation)
+        self._store.set(key, "1")
+        self._store.get(key)
 
     def group_stopped(self) -> None:
         """The generation's processes are gone (the group stopped): no spare, no recovery under way."""
