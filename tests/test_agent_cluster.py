@@ -231,3 +231,47 @@ def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recover
     final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
     assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
     assert final["step"] == SECOND_FAULT_STEPS
+
+
+def test_a_restart_takes_a_spare_node_in_a_lost_node_s_place_instead_of_waiting_for_it(
+        tmp_path: Path, etcd_server, etcd_run_id: str) -> None:
+    """The script makes a process group of its own, so it declines in-process recovery: a lost node means a
+    restart.  n1's agent is SIGKILLed (its worker dies with it) and never comes back; the spare node takes n1's
+    place in the restart's rendezvous (``--nnodes 2`` would otherwise wait for n1 until the join timeout), and
+    the resumed run equals the uninterrupted one bitwise: every step's losses and samples, as last done, and the
+    final parameters and optimizer state."""
+    steps, own = 12, ("--own-group", "script")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "2", extra=own, steps=steps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, steps, *own, "--step-sleep", "0.3")
+    agents = {n: start_agent(run, *_node(etcd_server.url, etcd_run_id, n, "2", *role), script=WORKER,
+                             script_args=script, log=tmp_path / f"{n}.log")
+              for n, role in (("n0", ()), ("n1", ()), ("spare0", ("--role", "spare")))}
+    try:
+        wait_for(lambda: (out / "trace.jsonl").exists() and any(
+            line["worker"] == "n1.w0" and line["step"] >= 4 for line in trace(out)),
+            timeout=180, what="node n1's rank to complete step 4")
+        agents["n1"].send_signal(signal.SIGKILL)  # the node is lost: its worker dies with its agent
+        agents["n1"].wait(timeout=30)
+    except BaseException:
+        _finish(agents, 0)
+        raise
+    codes = _finish({n: a for n, a in agents.items() if n != "n1"}, 240)
+    assert codes == {"n0": 0, "spare0": 0}, _logs(tmp_path)
+    assert [(e["node"], e["lost_node"]) for e in events(run, "spare_node_takes_place")] == [("spare0", "n1")], \
+        _logs(tmp_path)
+    [restart] = events(run, "restart")
+    joined = [(e["node"], e["num_nodes"]) for e in events(run, "rendezvous_joined")
+              if e["generation"] > restart["generation"]]
+    assert sorted(joined) == [("n0", 2), ("spare0", 2)], joined
+    lines = trace(out)
+    last = {(line["step"], line["rank"]): line for line in lines}  # a step re-done after the restart: as last done
+    want = {(line["step"], line["rank"]): line for line in trace(ref)}
+    assert sorted(last) == sorted(want)
+    assert all((last[k]["indices"], last[k]["losses"]) == (want[k]["indices"], want[k]["losses"]) for k in want)
+    assert last[(steps - 1, 1)]["worker"].startswith("spare0."), "rank 1 did not move to the spare node"
+    final, expected = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert final["params"] == expected["params"] and final["optimizer"] == expected["optimizer"]

@@ -387,3 +387,6 @@ class ClusterState:
     relayed: set[tuple[int, str]] = field(default_factory=set)
     opted_in_published: int = -1
     orphaned_since: float | None = None
+    places_claimed: int = -1
+    """A spare node: the newest generation whose lost nodes' places in the restart were all claimed (by other
+    spare nodes): not asked again."""

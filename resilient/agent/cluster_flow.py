@@ -170,6 +170,13 @@ def _idle(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapsho
     if snap.current is not None and snap.current > a.generation:
         return Outcome(OutcomeKind.MEMBERSHIP, f"the run went on to generation {snap.current} by a restart; this "
                                                "node's spares start again in it")
+    try:
+        place = _take_place(ctx, cs, a, snap)
+    except ControlStoreError as e:
+        _store_error(ctx, e)
+        place = None
+    if place is not None:
+        return place
     if snap.live and snap.view.nodes and not set(snap.view.nodes) & snap.live:
         cs.orphaned_since = cs.orphaned_since or now
         if now - cs.orphaned_since > ORPHANED_S:
@@ -178,6 +185,28 @@ def _idle(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapsho
                                                 f"{ORPHANED_S:.0f} s; this node's spares are no longer needed")
     else:
         cs.orphaned_since = None
+    return None
+
+
+def _take_place(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapshot) -> Outcome | None:
+    """The run restarts after generation ``a`` without some of its nodes (lost: their peers no longer reach them):
+    a spare node takes one lost node's place in the restart's rendezvous, so that the run restarts at its size
+    at once instead of waiting for the node to come back.  Each lost node's place is claimed once in the store;
+    a spare node takes at most one."""
+    if cs.places_claimed >= a.generation or not snap.live:
+        return None
+    nodes = set(snap.view.nodes)
+    lost = sorted(nodes - snap.live)
+    if not lost or not nodes & snap.live:
+        return None  # none lost; or none left to restart with (the run ends, see _idle)
+    if ctx.shared.restarted(a.generation) is None:
+        return None  # not a restart (yet): an in-process recovery may still take this node's spares
+    for slot, node in enumerate(lost):
+        if ctx.shared.take_place(a.generation, slot):
+            return Outcome(OutcomeKind.MEMBERSHIP, f"the run restarts after generation {a.generation} without node "
+                                                   f"{node} (lost): this spare node takes its place",
+                           takes_place_of=node)
+    cs.places_claimed = a.generation
     return None
 
 

@@ -57,6 +57,9 @@ class Outcome:
     """Agent clock when the failure was detected."""
     last_progress_at: float = 0.0
     """Agent clock of the failing rank's last sign of progress (its last heartbeat)."""
+    takes_place_of: str | None = None
+    """A spare node's generation ended to take this lost node's place in the run's restart (it joins the
+    rendezvous as a node of the run)."""
 
 
 

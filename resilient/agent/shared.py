@@ -159,6 +159,16 @@ class SharedFacts:
         since = sum(1 for r in here if r.get("committed_step") == committed_step)
         return History(restarts_used=len(used), restarts_since_progress=since, newest_committed_step=committed_step)
 
+    def restarted(self, generation: int) -> dict[str, Any] | None:
+        """The restart record of ``generation``, once a node counted one (its nodes meet again in a rendezvous)."""
+        return self._get(f"{self.prefix}restarts/{generation:08d}")
+
+    def take_place(self, generation: int, slot: int) -> bool:
+        """Claim place ``slot`` of the nodes lost before the restart after ``generation`` for this node (a spare
+        node taking it in the restart's rendezvous): True for the one node that holds it."""
+        _, holder = self.signed.put_if_absent(f"{self.prefix}places/{generation:08d}/{slot}", {"node": self._node})
+        return holder.get("node") == self._node
+
     def count_restart(self, generation: int, reason: str, committed_step: int | None) -> None:
         """Record one restart for ``generation``, once for all nodes (the first writer wins)."""
         record = {"generation": generation, "node": self._node, "reason": reason, "committed_step": committed_step,

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from ..coord.store import ControlStoreError
@@ -213,7 +213,10 @@ class Agent:
                 self.emit(EventKind.TOKEN_MISMATCH, reason=problem)
                 return self._finish(EXIT_CONFIG, "token_mismatch", problem, generation)
             if c.role == "spare":
-                return self._run_spare()
+                result = self._run_spare()
+                if result is not None:
+                    return result
+                generation = self._generation  # it took a lost node's place: a node of the run from here on
             self.coordination.make_rendezvous()
             while True:
                 result = self._before_round(generation)
@@ -268,9 +271,10 @@ class Agent:
             self._generation = max(self._generation, self.inproc.cluster.following)
         return self._generation
 
-    def _run_spare(self) -> AgentResult:
+    def _run_spare(self) -> AgentResult | None:
         """``--role spare``: keep warm workers in the launch's pool, generation after generation, until the run
-        ends; a promoted spare makes this node a member until the next restart."""
+        ends; a promoted spare makes this node a member until the next restart.  None: this node took a lost
+        node's place in the run's restart (it joins the rendezvous from here on)."""
         generation = 0
         self._attach_cluster()
         assert self.inproc is not None and self.inproc.cluster is not None
@@ -301,9 +305,22 @@ class Agent:
             outcome = gen_mod.run_generation(self.generation_context(), a, self.coordination.restarts_used(),
                                              restart=False)
             generation = self._followed()
+            if outcome.takes_place_of is not None:
+                self._take_place(outcome, generation)
+                return None
             result = self._after(outcome, generation)
             if result is not None:
                 return result
+
+    def _take_place(self, outcome: Outcome, generation: int) -> None:
+        """This spare node takes a lost node's place in the run's restart: from here on it is a node of the run
+        (it joins the restart's rendezvous and runs ranks), as the lost node was."""
+        self.last_outcome = outcome.kind
+        self.accounting.apply("generation_ended", outcome.kind)
+        self.config = replace(self.config, role="worker")
+        self.emit(EventKind.SPARE_NODE_TAKES_PLACE, generation=generation, lost_node=outcome.takes_place_of,
+                  reason=outcome.reason)
+        print(f"resilient: {outcome.reason}", file=sys.stderr, flush=True)
 
     def _before_round(self, generation: int) -> AgentResult | None:
         """What may end the agent before it joins the next round: a verdict, stuck workers, health, a stop."""
