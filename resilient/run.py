@@ -49,7 +49,7 @@ from .run_payloads import (
     stop_at_boundary,
 )
 from .run_recovery import InProcessRecovery
-from .run_sections import BETWEEN, Section
+from .run_sections import AFTER_STEPS, BETWEEN, Section
 from .run_timing import step_timer
 from .state import Stateful, check_stateful, model_fingerprint
 from .worker.env import WorkerEnv
@@ -279,6 +279,8 @@ class Run:
         ckpt = self.checkpoints
         if ckpt is not None and ckpt.config.save_on_finish and self._last_saved_step != self.step:
             self._save(wait=False)
+        if hooks is not None:
+            self._enter(AFTER_STEPS)
 
     def report(self, *, loss: Any = None, tokens: int = 0, samples: int | None = None) -> None:
         """Count this rank's progress for the current update."""

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 BETWEEN = ""
 """The section between two updates (at a step boundary): not reported."""
+AFTER_STEPS = "after_steps"
+"""The section a rank is in once ``Run.steps`` has done its last update (and its final save): the script's own
+work after training (an evaluation, an export, a wait for its peers), held to the generous default timeout,
+not to the calibrated timeout of the checkpoint it saved last."""
 
 
 class Section:

@@ -28,7 +28,8 @@ FORMAT = 1
     CATEGORIES.index(c) for c in ("productive", "init", "checkpoint_stall", "failure_detection", "recovery",
                                   "replay", "data_wait", "slowdown_excess", "degraded", "idle"))
 LOST_TO_ETTR = (INIT, DETECTION, RECOVERY, REPLAY, IDLE)
-SECTION_CATEGORY = {"data": DATA, "checkpoint": CHECKPOINT, "init": RECOVERY, "restore": RECOVERY}
+SECTION_CATEGORY = {"data": DATA, "checkpoint": CHECKPOINT, "init": RECOVERY, "restore": RECOVERY,
+                    "after_steps": IDLE}
 """Sections that are not step work, and their category once the generation has stepped."""
 Piece = tuple[float, float, int]
 """An attributed interval: (t0, t1, category index)."""
