@@ -14,14 +14,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
-from ..watchdog.sections import SectionTimeouts, decide_hang, for_storage
-from .continuation import Hold, continue_after, follow, start_spares
+from ..watchdog.sections import SectionTimeouts, for_storage
+from . import machine
+from .continuation import continue_after, follow, start_spares
 from .eviction import weigh_straggler
 from .failures import (
     STACK_SIGNAL,
@@ -32,7 +33,7 @@ from .failures import (
     recovery_failed,
     stop_on_failure,
 )
-from .health import assess, probe
+from .health import probe
 from .incidents import (
     Incident,
     format_incident,
@@ -266,115 +267,119 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
 
 def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch,
            report_restores: Callable[[bool], None]) -> Outcome:
+    """The executor of the generation's state machine (:mod:`resilient.agent.machine`): observe, let
+    :func:`~resilient.agent.machine.transition` decide, carry out its commands (feeding what the ladder answers
+    to :func:`~resilient.agent.machine.settle`), until the generation ends."""
     c = ctx.config
-    stop_deadline: float | None = None
-    stop_at: int | None = None
-    hold: Hold | None = None
-    next_health = ctx.clock() + c.health_interval_s
+    cfg = machine.Settings(preempt_grace_s=c.preempt_grace_s, health_interval_s=c.health_interval_s, health=c.health,
+                           sections=c.sections)
+    state = machine.WatchState(phase=machine.Phase.RUNNING, next_health=ctx.clock() + c.health_interval_s)
     # The checkpoint location the ranks reported, and the section timeouts for it (saves to S3 ride out retries).
     located: tuple[str | None, SectionTimeouts] = (None, c.sections)
     while True:
-        now = ctx.clock()
         report_restores(False)
-        failed = [e for e in group.exits() if e.returncode != 0]
-        problem = follow(ctx, group, a, gdir, now) if stop_deadline is None else None
-        if isinstance(problem, Outcome):
-            return problem
-        if isinstance(problem, Assignment):  # grew back onto a spare, or carried out a decision from the store
-            a, hold = problem, None
-            continue
-        if problem is not None:
+        if located[0] != ctx.tracker.checkpoint_location:
+            located = (ctx.tracker.checkpoint_location, for_storage(c.sections, ctx.tracker.checkpoint_location))
+        observed = _observe(ctx, group, a, gdir, peers, state, located[1])
+        plan = machine.transition(state, observed, cfg)
+        while plan.commands:
+            command, rest = plan.commands[0], replace(plan, commands=plan.commands[1:])
+            answer = _carry_out(ctx, group, a, gdir, peers, command)
+            if isinstance(command, machine.Adopt):
+                a = command.assignment
+            plan = machine.settle(rest, command, answer)
+        state = plan.state
+        if state.phase is machine.Phase.ENDED:
+            assert state.outcome is not None
+            return state.outcome
+        if plan.pause:
+            group.pause(c.monitor_interval_s)
+
+
+def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch,
+             state: machine.WatchState, sections: SectionTimeouts) -> machine.Observation:
+    """One pass's inputs.  Reading some has effects the loop relies on: the in-process bookkeeping's pass
+    (:func:`~resilient.agent.continuation.follow`), the slowness watch's scoring, the health probe when due."""
+    c = ctx.config
+    now = ctx.clock()
+    stopping = state.phase is machine.Phase.STOPPING
+    exits = [e for e in group.exits() if e.returncode != 0]
+    failed = tuple(machine.Failed(e.rank, e.returncode) for e in exits)
+    news = _news(follow(ctx, group, a, gdir, now)) if not stopping else None
+    together = False
+    if failed and not stopping and news is None and state.hold is None:
+        together = _signalled_with_agent(exits, ctx.stop_requested, ctx.clock, c.signalled_together_s)
+    running = {r: w for r, w in group.workers.items() if w.exit is None}
+    views = {r: v for r, v in ctx.tracker.views().items() if r in running}
+    waiting: list[int] = []
+    if ctx.inproc is not None:
+        # A rank that said it left the group and waits for the next generation is not hung: its wait is bounded
+        # by the recovery timeout (then it exits and fails like a crash).  Across machines the decision on a lost
+        # node waits for its peers' probes (or, without them, its presence lease).
+        gone = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
+        waiting = [r for r, w in group.workers.items() if w.worker_id in gone]
+    straggler = None
+    all_exited = group.all_exited()
+    if ctx.slowness is not None and not stopping and not failed and news is None and not all_exited:
+        if peers.detectors is not None:
+            ctx.slowness.from_store(peers.detectors)
+        warming = ctx.inproc is not None and ctx.inproc.warming_spares() > 0
+        ctx.slowness.poll(a.generation, list(running), disturbed=warming)
+        straggler = ctx.slowness.take_eviction()
+    health = probe(list(c.health_paths)) if now >= state.next_health else None
+    return machine.Observation(
+        now=now, failed=failed, all_exited=all_exited, members_here=bool(group.workers),
+        signalled_together=together, views=views, stats=ctx.tracker.stats, waiting_members=waiting,
+        sections=sections, across_machines=ctx.inproc is not None and ctx.inproc.cluster is not None,
+        verdict=peers.verdict, quarantined=peers.quarantined.describe() if peers.quarantined is not None else None,
+        waiting_nodes=peers.waiting, run_ended=peers.ended, straggler=straggler, news=news,
+        recovering=ctx.inproc is not None and ctx.inproc.recovering is not None, interrupted=ctx.interrupted(),
+        stop_asked=bool(ctx.stop_requested() or peers.stop or peers.stop_request), health=health)
+
+
+def _news(followed: str | Assignment | Outcome | None) -> machine.News | None:
+    if isinstance(followed, str):
+        return machine.RecoveryFailed(followed)
+    if isinstance(followed, Assignment):
+        return machine.Moved(followed)
+    return followed
+
+
+def _carry_out(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch,
+               command: machine.Command) -> Any:
+    """Carry out one command of the state machine; what it returns goes to :func:`~resilient.agent.machine.settle`."""
+    c = ctx.config
+    now = ctx.clock()
+    match command:
+        case machine.Adopt():
+            return None
+        case machine.AnswerFailure():
+            return end_on_failure(ctx, group, a, gdir, now)
+        case machine.ResumeHold(hold=hold):
+            again = continue_after(ctx, group, a, gdir, lost=hold.lost, kind=hold.kind, failure=hold.failure,
+                                   exit_codes=hold.exit_codes, incident=hold.incident, detected_at=hold.detected_at,
+                                   last_progress_at=hold.last_progress_at, hold=hold)
+            return again
+        case machine.StopOnFailure(ladder=ladder):
+            return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), ladder)
+        case machine.AnswerHang(hang=hang):
+            return end_on_hang(ctx, group, a, gdir, hang, now)
+        case machine.FailRecovery(problem=problem):
             return recovery_failed(ctx, group, a, problem, now)
-        if failed and stop_deadline is None:
-            if hold is not None and {e.rank for e in failed} <= set(hold.lost):
-                again = continue_after(ctx, group, a, gdir, lost=hold.lost, kind=hold.kind, failure=hold.failure,
-                                       exit_codes=hold.exit_codes, incident=hold.incident,
-                                       detected_at=hold.detected_at, last_progress_at=hold.last_progress_at,
-                                       hold=hold)
-                if isinstance(again, Assignment):
-                    a, hold = again, None
-                elif isinstance(again, Hold):
-                    hold = again
-                    group.pause(c.monitor_interval_s)
-                else:
-                    return stop_on_failure(ctx, group, a, ctx.tracker.ranks(), again)
-                continue
-            if hold is None and _signalled_with_agent(failed, ctx.stop_requested, ctx.clock, c.signalled_together_s):
-                return Outcome(OutcomeKind.PREEMPTED, "the workers and this agent got SIGTERM together (a scheduler "
-                                                      "ending the job: a preemption or requeue); no checkpoint was "
-                                                      "taken, the next launch resumes from the newest commit")
-            ended = end_on_failure(ctx, group, a, gdir, now)
-            if isinstance(ended, Outcome):
-                return ended
-            a, hold = (ended, None) if isinstance(ended, Assignment) else (a, ended)
-            continue
-        cluster = ctx.inproc is not None and ctx.inproc.cluster is not None
-        if cluster and not group.workers and stop_deadline is None:  # only spares here: the run ends elsewhere
-            if peers.ended:
-                return Outcome(OutcomeKind.SUCCEEDED, "the run ended on the nodes that held its ranks")
-        elif group.all_exited():
-            if ctx.slowness is not None:  # the last windows came just before the exits; a slowdown ends with the run
+        case machine.EndUnhealthy(reason=reason, problems=problems):
+            ctx.emit(EventKind.NODE_UNHEALTHY, reason=reason, problems=list(problems))
+            return Outcome(OutcomeKind.UNHEALTHY, reason, incident=unhealthy_incident(
+                c.node_id, a.generation, problems, when="while running"))
+        case machine.RequestStop():
+            return _request_stop(ctx, group, gdir, peers.stop, peers.stop_request)
+        case machine.CloseSlowness():
+            if ctx.slowness is not None:  # the last windows came just before the exits
                 ctx.slowness.poll(a.generation, list(group.workers))
                 ctx.slowness.run_ended(a.generation)
-            if stop_deadline is not None:
-                note = f"; some workers failed: {[e.returncode for e in failed]}" if failed else ""
-                return Outcome(OutcomeKind.PREEMPTED,
-                               f"workers stopped at step {stop_at} after committing a checkpoint{note}")
-            return Outcome(OutcomeKind.SUCCEEDED, "all workers exited 0")
-        if ctx.interrupted():
-            return Outcome(OutcomeKind.INTERRUPTED, "SIGINT: workers stopped without a checkpoint")
-        if peers.verdict is not None:
-            return Outcome(OutcomeKind.VERDICT,
-                           f"node {peers.verdict.get('node')} stopped the run: {peers.verdict.get('reason')}")
-        if peers.quarantined is not None and stop_deadline is None:
-            return Outcome(OutcomeKind.QUARANTINED, f"{peers.quarantined.describe()}: it leaves the run")
-        if stop_deadline is None and (ctx.stop_requested() or peers.stop or peers.stop_request):
-            stop_at = _request_stop(ctx, group, gdir, peers.stop, peers.stop_request)
-            stop_deadline = now + c.preempt_grace_s
-        if stop_deadline is not None:
-            if now > stop_deadline:
-                return Outcome(OutcomeKind.PREEMPTED, f"workers did not stop within {c.preempt_grace_s:.0f} s; killed")
-        else:
-            # A rank that already exited (0: failures were handled above) cannot hang.
-            views = {r: v for r, v in ctx.tracker.views().items() if r in group.workers and group.workers[r].exit is None}
-            if ctx.inproc is not None:
-                # A rank that said it left the group and waits for the next generation is not hung: its wait is
-                # bounded by the recovery timeout (then it exits and fails like a crash).  Across machines the
-                # decision on a lost node waits for its peers' probes (or, without them, its presence lease).
-                waiting = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
-                views = {r: v for r, v in views.items() if group.workers[r].worker_id not in waiting}
-            if located[0] != ctx.tracker.checkpoint_location:
-                located = (ctx.tracker.checkpoint_location, for_storage(c.sections, ctx.tracker.checkpoint_location))
-            hang = decide_hang(views, ctx.tracker.stats, located[1], now)
-            if hang is not None and hold is None:
-                ended = end_on_hang(ctx, group, a, gdir, hang, now)
-                if isinstance(ended, Outcome):
-                    return ended
-                a, hold = (ended, None) if isinstance(ended, Assignment) else (a, ended)
-                continue
-            if peers.waiting > 0:
-                return Outcome(OutcomeKind.MEMBERSHIP, f"{peers.waiting} node(s) waiting to join the run")
-        if ctx.slowness is not None and stop_deadline is None:
-            if peers.detectors is not None:
-                ctx.slowness.from_store(peers.detectors)
-            warming = ctx.inproc is not None and ctx.inproc.warming_spares() > 0
-            ctx.slowness.poll(a.generation, [r for r, w in group.workers.items() if w.exit is None], disturbed=warming)
-            flag = ctx.slowness.take_eviction()
-            if flag is not None and hold is None:  # a persistent straggler: replace or drop it when that pays
-                evicted = weigh_straggler(ctx, group, a, gdir, flag, now)
-                if isinstance(evicted, Outcome):  # the ladder answered restart or stop after all
-                    return evicted
-                if evicted is not None:
-                    a, hold = (evicted, None) if isinstance(evicted, Assignment) else (a, evicted)
-                    continue
-        if now >= next_health:
-            next_health = now + c.health_interval_s
-            health = assess(probe(list(c.health_paths)), c.health)
-            if not health.healthy:
-                ctx.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
-                return Outcome(OutcomeKind.UNHEALTHY, health.reason, incident=unhealthy_incident(
-                    c.node_id, a.generation, health.problems, when="while running"))
-        group.pause(c.monitor_interval_s)
+            return None
+        case machine.Evict(flag=flag):
+            return weigh_straggler(ctx, group, a, gdir, dict(flag), now)
+    raise AssertionError(f"not a command: {command!r}")
 
 
 SIGNALLED_POLL_S = 0.02
