@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .etcd import EtcdClient, EtcdConfig, OutageCallback
-from .store import ControlStoreError, StoreUnavailableError
+from .store import ControlStoreError, StoreUnavailableError, run_prefix
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousBackend
@@ -129,6 +129,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def rendezvous_space(run_id: str, launch_id: str) -> str:
+    """Where launch ``launch_id``'s rendezvous keeps its state and store: beside the launch's keys
+    (``/resilient/<run_id>/rdzv/<launch_id>/``), not under them.  Every agent follows the launch's keys through
+    a watch, and torch's keep-alive rewrites the rendezvous state (a blob that grows with the nodes) every few
+    seconds on every node: under the launch each rewrite would reach every agent, N² events a keep-alive
+    period."""
+    return f"{run_prefix(run_id)}rdzv/{launch_id}/"
+
+
 def create_etcd_rendezvous_handler(
     etcd_config: EtcdConfig,
     run_id: str,
@@ -149,10 +158,10 @@ def create_etcd_rendezvous_handler(
     """A torch ``DynamicRendezvousHandler`` whose state and c10d store live in etcd.
 
     With ``launch_id`` the rendezvous belongs to that launch of the run: its
-    state is ``/resilient/<run_id>/launch/<launch_id>/rdzv`` and the store
-    given to the handler (used to publish the master address) is under
-    ``/resilient/<run_id>/launch/<launch_id>/c10d/``, so a rendezvous closed
-    when one launch ended cannot refuse the next.  Without it (a rendezvous
+    state is ``<rendezvous_space>rdzv`` and the store given to the handler
+    (used to publish the master address) is under ``<rendezvous_space>c10d/``
+    (:func:`rendezvous_space`), so a rendezvous closed when one launch ended
+    cannot refuse the next.  Without it (a rendezvous
     outside a run's launches) the state is ``/resilient/rdzv/<run_id>`` and
     the store ``/resilient/<run_id>/c10d/``.  ``client`` defaults to a new
     :class:`EtcdClient` over ``etcd_config`` reporting outages to ``on_outage``.
@@ -160,7 +169,6 @@ def create_etcd_rendezvous_handler(
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 
     from .etcd_store import make_etcd_c10d_store
-    from .store import run_prefix
 
     if not 1 <= min_nodes <= max_nodes:
         from ..errors import ConfigError
@@ -172,7 +180,7 @@ def create_etcd_rendezvous_handler(
         backend = make_etcd_rendezvous_backend(client, run_id)
         space, torch_run_id = run_prefix(run_id), run_id
     else:
-        space, torch_run_id = f"{run_prefix(run_id)}launch/{launch_id}/", f"{run_id}.{launch_id}"
+        space, torch_run_id = rendezvous_space(run_id, launch_id), f"{run_id}.{launch_id}"
         backend = make_etcd_rendezvous_backend(client, "rdzv", key_prefix=space)
     store = make_etcd_c10d_store(client, space + "c10d/", timedelta(seconds=store_timeout_s))
     timeout = RendezvousTimeout(
