@@ -159,3 +159,30 @@ def test_closing_ends_a_silent_stream_at_once(etcd_server, etcd_run_id) -> None:
     time.sleep(0.2)  # the stream is open and silent
     watch.close()  # waits for its thread up to idle_s: an hour, unless closing shuts the stream
     assert not watch.running
+
+
+def test_a_reader_of_some_keys_is_woken_by_their_changes_only(etcd_server, etcd_run_id) -> None:
+    """A subscriber ``under`` some prefixes hears a change of a key there, never one elsewhere in the watch
+    (what keeps a large launch's agents from judging presence on every write of every node); the view read after
+    either change shows it."""
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/launch/"
+    watch, changes = _watch(client, base)
+    woken: list[int] = []
+    watch.subscribe(lambda: woken.append(watch.view().revision), under=(base + "nodes/", base + "suspect/"))
+    try:
+        client.put(base + "rec/g1/node/n0", b"r")
+        changes.wait_for(lambda v: base + "rec/g1/node/n0" in v)
+        assert woken == [], "woken by a key it does not read"
+        client.put(base + "suspect/n1/n0", b"s")
+        changes.wait_for(lambda v: base + "suspect/n1/n0" in v)
+        client.put(base + "timing-like-other", b"t")
+        client.put(base + "nodes/n2", b"n")
+        changes.wait_for(lambda v: base + "nodes/n2" in v)
+        deadline = time.monotonic() + 10
+        while len(woken) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(woken) == 2, woken
+        assert woken[0] < woken[1] == watch.view().revision
+    finally:
+        watch.close()

@@ -48,7 +48,10 @@ class ClusterWatch:
         self._on_error = on_error
         self._keepalive = keepalive_s
         self._watch = store.watch
-        self._watch.subscribe(wake)
+        # Woken by its own keys only: the launch's other keys (its verdict, stop, restart records) are read on
+        # the watch loop's own cadence.
+        self._watch.subscribe(wake, under=tuple(store.root + p for p in (store.prefix, store.pool_prefix,
+                                                                       store.nodes_prefix)))
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, int], Snapshot] | None = None
         self._done = threading.Event()

@@ -81,7 +81,7 @@ class Presence:
         if self._server is not None:
             self._server.start()
         self._announce()
-        self._watch.subscribe(self._judge)
+        self._watch.subscribe(self._judge, under=(self._nodes, self._suspect, self._vouch))
         if self._prober is not None:
             self._prober.start()
         self._judge()

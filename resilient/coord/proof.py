@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,10 @@ from typing import Any
 from .store import ControlStore, Entry
 
 FINGERPRINT_KEY = "token_fingerprint"
+VERIFIED_KEPT = 16384
+"""Entries whose proof a :class:`SignedStore` remembers having checked (a launch's recovery keys, its pool and
+its presence: a few per node), so that a watch's view read again after one key changed costs no second check of
+the others."""
 _FINGERPRINT_LABEL = b"resilient run token fingerprint v1"
 
 RejectCallback = Callable[[str, str], None]
@@ -87,9 +92,23 @@ class SignedStore:
         self._on_rejected = on_rejected
         self._reported: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
+        self._good: OrderedDict[tuple[str, int, bytes], dict[str, Any]] = OrderedDict()
+        """Values whose proof checked, by (key, revision, raw value): the newest VERIFIED_KEPT."""
 
     def _check(self, entry: Entry) -> dict[str, Any] | None:
+        memo = (entry.key, entry.mod_revision, entry.value)
+        with self._lock:
+            known = self._good.get(memo)
+            if known is not None:
+                self._good.move_to_end(memo)
+                return known
         checked = verify(self._token, entry.key, entry.value)
+        if checked.value is not None:
+            with self._lock:
+                self._good[memo] = checked.value
+                if len(self._good) > VERIFIED_KEPT:
+                    self._good.popitem(last=False)
+            return checked.value
         if checked.problem is not None:
             with self._lock:
                 first = (entry.key, entry.mod_revision) not in self._reported

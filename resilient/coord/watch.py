@@ -46,14 +46,18 @@ class PrefixWatch:
                  retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self.prefix = prefix
-        self._listeners: list[Callable[[], None]] = [on_change]
+        self._listeners: list[tuple[Callable[[], None], tuple[str, ...] | None]] = [(on_change, None)]
         self._on_error = on_error
         self._idle = idle_s
         self._retry = retry_s
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
+        self._revision = 0
+        """The newest revision applied to the copy (the stream resumes after it)."""
         self._view = View(0, MappingProxyType({}))
+        """The copy as last read; made again by :meth:`view` only after a change (a change costs what it changes,
+        not a copy of every key: a large launch's watch sees a change per node)."""
         self.stale_since: float | None = None
         self.streams = 0
         """Streams opened (the first and every resume), for the load they cost."""
@@ -76,32 +80,38 @@ class PrefixWatch:
         """Following the store now: started, and its stream not broken by an outage."""
         return self.running and self.stale_since is None
 
-    def subscribe(self, on_change: Callable[[], None]) -> None:
-        """Call ``on_change`` too after each change (on the watch's thread)."""
-        self._listeners.append(on_change)
+    def subscribe(self, on_change: Callable[[], None], *, under: tuple[str, ...] | None = None) -> None:
+        """Call ``on_change`` too after each change (on the watch's thread); ``under``: only after a change of a
+        key under one of these prefixes (a reader of a few kinds of key is not woken by the others)."""
+        self._listeners.append((on_change, under))
 
     def unsubscribe(self, on_change: Callable[[], None]) -> None:
-        if on_change in self._listeners:
-            self._listeners.remove(on_change)
+        self._listeners = [(f, u) for f, u in self._listeners if f != on_change]
 
-    def _changed(self) -> None:
-        for listener in list(self._listeners):
-            listener()
+    def _changed(self, keys: list[str] | None = None) -> None:
+        """``keys``: the keys that changed (None: any may have, the copy was read again)."""
+        for listener, under in list(self._listeners):
+            if under is None or keys is None or any(k.startswith(under) for k in keys):
+                listener()
 
     def view(self) -> View:
-        return self._view
+        with self._lock:
+            if self._view.revision != self._revision:
+                self._view = View(self._revision, MappingProxyType(dict(self._entries)))
+            return self._view
 
     def _read(self) -> None:
         entries, revision = self._client.snapshot_prefix(self.prefix)
         with self._lock:
             self._entries = {e.key: e for e in entries}
+            self._revision = revision
             self._view = View(revision, MappingProxyType(dict(self._entries)))
 
     def _loop(self) -> None:
         while not self._done.is_set():
             try:
                 self.streams += 1
-                for batch in self._client.watch_prefix(self.prefix, self._view.revision + 1, self._idle, self._done,
+                for batch in self._client.watch_prefix(self.prefix, self._revision + 1, self._idle, self._done,
                                                        self._opened):
                     self._apply(batch.events)
                     if self.stale_since is not None:
@@ -133,9 +143,8 @@ class PrefixWatch:
                 else:
                     self._entries[entry.key] = entry
             # Resume after the newest change applied (the header's revision may be ahead of changes still coming).
-            applied = max(self._view.revision, max(e.mod_revision for _, e in events))
-            self._view = View(applied, MappingProxyType(dict(self._entries)))
-        self._changed()
+            self._revision = max(self._revision, max(e.mod_revision for _, e in events))
+        self._changed([entry.key for _, entry in events])
 
     def _opened(self, sock: socket.socket) -> None:
         self._socket = sock
