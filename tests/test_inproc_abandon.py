@@ -45,3 +45,20 @@ def test_an_abandoned_generation_is_aborted_and_folded_failures_are_bounded_per_
         assert inp.failed_recoveries(8) == 1
     finally:
         inp.close()
+
+
+def test_failures_folded_across_machines_are_counted_from_the_decisions_whoever_took_them() -> None:
+    """Across machines successive decisions of one step may be taken by different agents, each of which counts
+    only what it followed: the failures folded at a step are read from the launch's decisions instead (every
+    in-process decision at the step after the first answered a failure during the one before; a grow answers
+    none, and other steps do not count)."""
+    from resilient.agent.cluster import folded_at_step
+
+    def decided(action: str, step: int) -> dict[str, object]:
+        return {"action": action, "step": step, "generation": 9}
+
+    assert folded_at_step([], 7) == 0
+    assert folded_at_step([decided("promote_spare", 7)], 7) == 0
+    assert folded_at_step([decided("promote_spare", 7), decided("shrink", 7), decided("grow", 7),
+                           decided("promote_spare", 8), decided("restart", 7)], 7) == 1
+    assert folded_at_step([decided("retry_in_place", 7)] * (FOLDED_PER_STEP + 2), 7) == FOLDED_PER_STEP + 1

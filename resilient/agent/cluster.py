@@ -96,6 +96,16 @@ class GenerationView:
         return world is not None and sorted(self.members()) == list(range(world))
 
 
+IN_PROCESS_ACTIONS = ("retry_in_place", "promote_spare", "shrink")
+"""The decisions that answer a failure in process (a grow answers none)."""
+
+
+def folded_at_step(decisions: Iterable[Mapping[str, Any]], step: int) -> int:
+    """Failures folded into a later decision at ``step``, by whichever agents decided: every in-process decision
+    at ``step`` after the first answered a failure that came while the one before it formed."""
+    return max(0, sum(1 for d in decisions if d.get("action") in IN_PROCESS_ACTIONS and d.get("step") == step) - 1)
+
+
 @dataclass(frozen=True)
 class PoolEntry:
     """One spare of the pool, with the revision a claim must compare against."""

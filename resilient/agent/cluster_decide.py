@@ -22,8 +22,9 @@ from ..coord.store import ControlStoreError
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.decide import Action, RecoveryDecision, decide_recovery
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
-from .cluster import GenerationView, Involvement, PoolEntry
+from .cluster import GenerationView, Involvement, PoolEntry, folded_at_step
 from .incidents import Incident
+from .inproc import FOLDED_PER_STEP
 from .inproc_state import clean_position
 from .policy import Failure
 
@@ -186,8 +187,18 @@ def observation(ctx: GenerationContext, view: GenerationView, members: dict[int,
     replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
     return pool, Observation(fault=fault, membership=membership_of(ctx, view, members), restart=outlook,
                              spares=spares, survivor_steps=survivor_steps, opted_in=opted, dirty=dirty,
-                             declined=ctx.inproc.declined, inproc_failures=ctx.inproc.failed_recoveries(fault.step),
+                             declined=ctx.inproc.declined, inproc_failures=inproc_failures(ctx, fault.step),
                              waiting_since=waiting_since, replicas=replicas)
+
+
+def inproc_failures(ctx: GenerationContext, step: int) -> int:
+    """In-process recoveries of ``step`` that failed, counted across the launch: this agent's own count, or the
+    failures folded into later decisions past ``FOLDED_PER_STEP`` whoever decided them (each agent counts only
+    the recoveries it followed, and successive decisions may be taken by different agents)."""
+    assert ctx.inproc is not None and ctx.inproc.cluster is not None
+    watch = ctx.inproc.cluster.watch
+    folded = folded_at_step(watch.decisions(), step) if watch is not None else 0
+    return max(ctx.inproc.failed_recoveries(step), folded - FOLDED_PER_STEP)
 
 
 def preview(ctx: GenerationContext, a: Assignment, lost: dict[int, str], kind: FaultKind,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..coord.store import ControlStoreError, Entry
 from ..events import Emit, EventKind
@@ -65,6 +65,14 @@ class ClusterWatch:
             except (ControlStoreError, OSError, ValueError) as e:
                 self._on_error(f"{type(e).__name__}: {e}")
             self._done.wait(self._keepalive)
+
+    def decisions(self) -> list[dict[str, Any]]:
+        """Every generation's decision in the launch, as the watch holds them (verified)."""
+        store = self._store
+        cut = len(store.root)
+        found = [replace(e, key=k[cut:]) for k, e in self._watch.view().entries.items()
+                 if k[cut:].startswith(store.prefix) and k.endswith("/decision")]
+        return list(store.signed.verified(found).values())
 
     @property
     def snapshot(self) -> Snapshot | None:
