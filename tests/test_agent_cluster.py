@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 from .agent_helpers import events, events_so_far, incidents, start_agent, wait_for
 from .test_agent_inproc import (
@@ -56,6 +57,15 @@ def _finish(agents: dict[str, object], timeout: float) -> dict[str, int]:
             if agent.poll() is None:  # type: ignore[attr-defined]
                 agent.kill()  # type: ignore[attr-defined]
     return codes
+
+
+def _lose_node(agents: dict[str, Any], node: str, out: Path, *, step: int) -> None:
+    """Once ``node``'s rank completed ``step``, SIGKILL its agent: the node is lost (its worker dies with it)."""
+    wait_for(lambda: (out / "trace.jsonl").exists() and any(
+        line["worker"] == f"{node}.w0" and line["step"] >= step for line in trace(out)),
+        timeout=180, what=f"node {node}'s rank to complete step {step}")
+    agents[node].send_signal(signal.SIGKILL)
+    agents[node].wait(timeout=30)
 
 
 def _logs(tmp: Path) -> str:
@@ -111,11 +121,7 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
               for n in flags}
     try:
-        wait_for(lambda: (out / "trace.jsonl").exists() and any(
-            line["worker"] == "n2.w0" and line["step"] >= 2 for line in trace(out)),
-            timeout=180, what="node n2's rank to complete step 2")
-        agents["n2"].send_signal(signal.SIGKILL)  # the node is lost: its worker dies with its agent
-        agents["n2"].wait(timeout=30)
+        _lose_node(agents, "n2", out, step=2)
         wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
         agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
                                    log=tmp_path / "n2-back.log")
@@ -251,11 +257,7 @@ def test_a_restart_takes_a_spare_node_in_a_lost_node_s_place_instead_of_waiting_
                              script_args=script, log=tmp_path / f"{n}.log")
               for n, role in (("n0", ()), ("n1", ()), ("spare0", ("--role", "spare")))}
     try:
-        wait_for(lambda: (out / "trace.jsonl").exists() and any(
-            line["worker"] == "n1.w0" and line["step"] >= 4 for line in trace(out)),
-            timeout=180, what="node n1's rank to complete step 4")
-        agents["n1"].send_signal(signal.SIGKILL)  # the node is lost: its worker dies with its agent
-        agents["n1"].wait(timeout=30)
+        _lose_node(agents, "n1", out, step=4)
     except BaseException:
         _finish(agents, 0)
         raise
