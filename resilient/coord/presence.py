@@ -65,6 +65,8 @@ class Presence:
         self._gone_since: dict[str, float] = {}
         self._reported: set[str] = set()
         self._addresses: dict[str, str] = {}
+        self._parsed: dict[str, tuple[int, str, str | None]] = {}
+        """Each presence key as last parsed: (revision, state, probe address); judged under ``_serial``."""
         self._keys = threading.Lock()
         self._desired: dict[str, bytes] = {}
         self._written: dict[str, bytes] = {}
@@ -122,18 +124,24 @@ class Presence:
         addresses: dict[str, str] = {}
         suspects: dict[str, set[str]] = {}
         vouches: dict[str, set[str]] = {}
+        parsed: dict[str, tuple[int, str, str | None]] = {}
         for key, entry in self._watch.view().under(self._prefix).items():
             if key.startswith(self._nodes):
-                try:
-                    value = json.loads(entry.value)
-                    state = str(value.get("state"))
-                except (ValueError, AttributeError):
-                    continue
+                known = self._parsed.get(key)
+                if known is None or known[0] != entry.mod_revision:
+                    try:
+                        value = json.loads(entry.value)
+                        known = (entry.mod_revision, str(value.get("state")),
+                                 str(value["probe"]) if value.get("probe") else None)
+                    except (ValueError, AttributeError):
+                        continue
+                parsed[key] = known
+                _, state, probe = known
                 name = key[len(self._nodes):]
                 if state == "running":
                     running.add(name)
-                    if value.get("probe"):
-                        addresses[name] = str(value["probe"])
+                    if probe:
+                        addresses[name] = probe
                 elif state == "left":
                     left.add(name)
             else:
@@ -142,6 +150,7 @@ class Presence:
                         target, _, by = key[len(base):].partition("/")
                         if target and by:
                             found.setdefault(target, set()).add(by)
+        self._parsed = parsed  # the next judgement parses only the keys that changed (a large launch has many)
         evidence = Evidence(frozenset(running), {n: frozenset(b) for n, b in suspects.items() if n not in left},
                             {n: frozenset(b) for n, b in vouches.items() if n not in left})
         return evidence, frozenset(left), addresses
