@@ -444,6 +444,7 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
     agents: list[Agent] = []
     done = threading.Event()
     pool = ThreadPoolExecutor(args.threads)
+    loops = ThreadPoolExecutor(args.threads)  # the watch loops' passes, never queued behind the periodic writes
     threads: list[threading.Thread] = []
     started = time.monotonic()
     try:
@@ -467,7 +468,7 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
         for every, action in ((1.0, "publish_timing"), (2.0, "rendezvous_keep_alive"), (5.0, "read_quarantine")):
             chosen = member_agents if action != "read_quarantine" else agents
             threads.append(threading.Thread(target=_periodic, args=(chosen, every, action, pool, done), daemon=True))
-        threads.append(threading.Thread(target=_ticker, args=(agents, done, pool), daemon=True))
+        threads.append(threading.Thread(target=_ticker, args=(agents, done, loops), daemon=True))
         for t in threads:
             t.start()
         time.sleep(5.0)
@@ -543,9 +544,9 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
             grow["agents_applied"], grow["agents_alive"] = len(bench.applied_at), len(others)
         result["grow"] = grow
         print(f"N={n} grow: {json.dumps(grow)}", flush=True)
-    except TimeoutError as e:
-        result["failed"] = str(e)
-        print(f"N={n}: {e}", flush=True)
+    except (TimeoutError, ControlStoreError) as e:  # recorded: what this machine could not simulate is a result
+        result["failed"] = f"{type(e).__name__}: {e}"
+        print(f"N={n}: {result['failed']}", flush=True)
     finally:
         done.set()
         for t in threads:
@@ -557,6 +558,7 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
         with ThreadPoolExecutor(args.threads) as closing:
             list(closing.map(lambda a: a.close(), agents))
         pool.shutdown(wait=True, cancel_futures=True)
+        loops.shutdown(wait=True, cancel_futures=True)
         etcd.close()
     return result
 
