@@ -297,9 +297,12 @@ def test_run_reports_its_sections(tmp_path, agent):
         (S, "checkpoint", 2),  # the cadence checkpoint after 2 updates, at the boundary (between steps:
         (S, "step", 2), (S, "data", 2), (S, "step", 2),  # leaving it reports nothing until step 2 starts)
         (S, "checkpoint", 3),  # save_on_finish
-        (S, "eval", 3),  # a user section after the loop; leaving it re-enters nothing
+        (S, "after_steps", 3),  # the loop is done: the script's own work after training
+        (S, "eval", 3),  # a user section after the loop; leaving it re-enters after_steps
+        (S, "after_steps", 3),
         (S, "checkpoint", 3),  # close() waits for the last commit
-        ("bye", "checkpoint", 3),
+        (S, "after_steps", 3),
+        ("bye", "after_steps", 3),
     ]
     msgs = agent.seen()
     assert msgs[0].checkpoint == str(tmp_path / "ckpt") and msgs[0].pid == os.getpid()
