@@ -122,6 +122,7 @@ class EventKind(str, Enum):
     SPARE_LOST = "spare_lost"  # a spare exited before it was promoted
     SPARE_NODE_JOINED = "spare_node_joined"  # a --role spare agent starts its warm workers for a generation
     SPARE_NODE_TAKES_PLACE = "spare_node_takes_place"  # a spare node joins a restart in a lost node's place
+    FORK_SERVER_UNAVAILABLE = "fork_server_unavailable"  # workers start the plain way, and why (once per agent)
 
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on

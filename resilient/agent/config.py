@@ -103,6 +103,11 @@ class AgentConfig:
     """Copy worker output to this process's stdout with a rank prefix."""
     worker_env: Mapping[str, str] = field(default_factory=dict)
     """Base environment of the workers (the CLI passes its own)."""
+    fork_server: bool = True
+    """Fork workers from a process that has imported torch (:mod:`resilient.agent.forking`); False: start each
+    one as a new interpreter."""
+    preload: tuple[str, ...] = ()
+    """Modules the fork server imports before its first fork, besides torch and resilient."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0: a free one); None: no metrics server."""
     metrics_addr: str = "127.0.0.1"

@@ -33,6 +33,7 @@ from .failures import (
     recovery_failed,
     stop_on_failure,
 )
+from .forking import Spawner
 from .health import probe
 from .incidents import (
     Incident,
@@ -102,6 +103,8 @@ class GenerationContext:
     """Straggler and slowdown detection over the ranks' timing windows."""
     quarantined: Callable[[], Standing | None] | None = None
     """Across machines: read this node's quarantine record (the peer watch asks every 5 s)."""
+    spawner: Spawner | None = None
+    """Starts the workers (forked from the agent's fork server when it can); None: the plain way."""
 
 
 QUARANTINE_EVERY = 5
@@ -188,15 +191,21 @@ def worker_env(c: AgentConfig, run_dir: RunDir, launch_id: str, generation: int,
     return env
 
 
+def base_env(config: AgentConfig) -> dict[str, str]:
+    """What every worker's environment starts from (the fork server runs with it too)."""
+    base = dict(config.worker_env)
+    if config.nproc_per_node > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes must not each take every core
+    return base
+
+
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
                  gdir: Path, inproc: InProcess | None = None) -> list[WorkerSpec]:
     c = config
     if c.role == "spare":
         return []  # a spare node's processes are all spares (started by start_spares)
     world = a.num_nodes * c.nproc_per_node
-    base = dict(c.worker_env)
-    if c.nproc_per_node > 1:
-        base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes must not each take every core
+    base = base_env(c)
     specs = []
     for local in range(c.nproc_per_node):
         rank = a.node_rank * c.nproc_per_node + local
@@ -223,7 +232,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     gdir = ctx.run_dir.generation_dir(a.generation)
     gdir.mkdir(parents=True, exist_ok=True)
     specs = worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir, ctx.inproc)
-    group = WorkerGroup(specs, ctx.clock, ctx.echo_to)
+    group = WorkerGroup(specs, ctx.clock, ctx.echo_to, spawner=ctx.spawner)
     group.attempt = attempt
     pids = {rank: w.pid for rank, w in group.workers.items()}
     ctx.tracker.start_generation(pids, ctx.clock(), a.generation)

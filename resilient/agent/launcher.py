@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from ..worker.hooks import UNCAUGHT_PREFIX
+from .forking import Process, Spawner
 from .sweep import KILL_WAIT_S, Stuck, stuck_state
 
 PR_SET_PDEATHSIG = 1
@@ -71,6 +72,10 @@ def parent_death_signal() -> Callable[[], None] | None:
             kill(getpid(), sigkill)
 
     return set_parent_death_signal
+
+
+PLAIN = Spawner(enabled=False, base_env={})
+"""Starts every worker the plain way (``subprocess.Popen``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +117,8 @@ class Worker:
     """One running worker process."""
 
     def __init__(self, spec: WorkerSpec, clock: Callable[[], float], echo_to: IO[str],
-                 preexec: Callable[[], None] | None = None, changed: threading.Event | None = None) -> None:
+                 preexec: Callable[[], None] | None = None, changed: threading.Event | None = None,
+                 spawner: Spawner | None = None) -> None:
         self.spec = spec
         self.rank = spec.rank
         """Its rank now: in-process recovery promotes a spare (-1) and renumbers the ranks of a shrunk world."""
@@ -122,15 +128,7 @@ class Worker:
         self._clock = clock
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(spec.log_file, "ab", buffering=0)
-        self.proc = subprocess.Popen(
-            list(spec.argv),
-            env=dict(spec.env),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=preexec,  # noqa: PLW1509  the minimal, lock-free one of parent_death_signal()
-        )
+        self.proc: Process = (spawner or PLAIN).popen(spec.argv, spec.env, preexec)
         self.pid = self.proc.pid
         self.exit: Exit | None = None
         self.held_lines = 0
@@ -193,7 +191,8 @@ class WorkerGroup:
     """
 
     def __init__(self, specs: Sequence[WorkerSpec], clock: Callable[[], float] = time.monotonic,
-                 echo_to: IO[str] | None = None, *, kill_wait_s: float = KILL_WAIT_S) -> None:
+                 echo_to: IO[str] | None = None, *, kill_wait_s: float = KILL_WAIT_S,
+                 spawner: Spawner | None = None) -> None:
         self._clock = clock
         self._kill_wait_s = kill_wait_s
         self.workers: dict[int, Worker] = {}
@@ -209,16 +208,18 @@ class WorkerGroup:
         """Set when a worker exits (and by whoever else has news for the watch loop): wait on it, not a sleep."""
         self._out = echo_to if echo_to is not None else sys.stdout
         self._preexec = parent_death_signal()
+        self._spawner = spawner
         try:
             for spec in specs:
-                self.workers[spec.rank] = Worker(spec, clock, self._out, self._preexec, self.changed)
+                self.workers[spec.rank] = Worker(spec, clock, self._out, self._preexec, self.changed, spawner)
         except BaseException:
             self.stop(grace_s=0)
             raise
 
     def start_spare(self, spec: WorkerSpec) -> Worker:
         """Start a spare process (``spec.rank`` is -1); it waits in ``resilient.Run()`` to be promoted."""
-        worker = self.spares[spec.worker_id] = Worker(spec, self._clock, self._out, self._preexec, self.changed)
+        worker = self.spares[spec.worker_id] = Worker(spec, self._clock, self._out, self._preexec, self.changed,
+                                                      self._spawner)
         return worker
 
     def retire(self, rank: int) -> Worker:

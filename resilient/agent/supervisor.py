@@ -42,12 +42,14 @@ from .config import AgentConfig
 from .continuation import outlook_from
 from .control import ControlServer
 from .coordination import Coordination
+from .forking import Spawner
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .incident_book import IncidentBook
 from .incidents import Incident, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
+from .launcher import parent_death_signal
 from .policy import Action, Failure, decide_restart
 from .rendezvous import Assignment
 from .reporting import NodeReporting
@@ -123,6 +125,11 @@ class Agent:
         """Across machines: the fleet's quarantine as this node obeys it; None on one machine."""
         self.reporting.status.quarantine = self.gate.view if self.gate is not None else None
         self.reporting.slowness = self.slowness = watch_for(self)
+        self.spawner = Spawner(enabled=config.fork_server,
+                               base_env=gen_mod.base_env(config), preload=config.preload,
+                               log_file=self.run_dir.node_dir / "forkserver.log",
+                               unavailable=lambda reason: self.emit(EventKind.FORK_SERVER_UNAVAILABLE, reason=reason))
+        """Starts the workers: forked from a process that has imported torch when it can."""
 
     # ------------------------------------------------------------ plumbing
     def emit(self, kind: EventKind, **fields: Any) -> None:
@@ -150,7 +157,9 @@ class Agent:
         generation = self._generation
         host = self.coordination.peer_host(node)
         # First what frees a blocked collective (local and quick), then what is written down.
-        severed = severance.sever(severance.children(), host, self.config.local_addr) if host is not None else []
+        workers = severance.children() + (severance.children(self.spawner.server_pid)
+                                          if self.spawner.server_pid is not None else [])
+        severed = severance.sever(workers, host, self.config.local_addr) if host is not None else []
         self.emit(EventKind.NODE_LOST, lost_node=node, generation=generation, why=why)
         for cut in severed:
             self.emit(EventKind.PEER_CONNECTIONS_SEVERED, lost_node=node, pid=cut.pid, sockets=cut.sockets,
@@ -176,7 +185,7 @@ class Agent:
             restored=self.incidents.restored, inproc=self.inproc, restart_outlook=self._restart_outlook,
             next_generation=self._next_generation, record_incident=self.incidents.record_open,
             recovered=self.incidents.recovered, slowness=self.slowness,
-            quarantined=self.gate.check if self.gate is not None else None,
+            quarantined=self.gate.check if self.gate is not None else None, spawner=self.spawner,
         )
 
     def _restart_outlook(self, failure: Failure) -> RestartOutlook:
@@ -208,6 +217,8 @@ class Agent:
                                 self._on_stop_request, self.slowness)
         generation = 0
         try:
+            # From this thread, which starts the workers too: the server dies with it (parent-death signal).
+            self.spawner.start(parent_death_signal())
             problem = self.coordination.join_launch()
             if problem is not None:
                 self.emit(EventKind.TOKEN_MISMATCH, reason=problem)
@@ -257,6 +268,7 @@ class Agent:
                 cluster_watch.detach(self.inproc)
                 self.inproc.close()
             self.coordination.close(leave_run_open=self._quiet)
+            self.spawner.close()
             self.bookkeeping.release()
 
     # ------------------------------------------------------------ across machines

@@ -159,6 +159,11 @@ def add_parser(commands: Any) -> None:
                    help="an argument for the burn-in process, e.g. --burn-in-arg=--disk-mib=8; repeatable")
     p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
     p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
+    p.add_argument("--no-fork-server", dest="fork_server", action="store_false",
+                   help="start each worker as a new interpreter instead of forking it from a process that has "
+                        "imported torch")
+    p.add_argument("--preload", default="", metavar="MOD,...",
+                   help="modules the fork server imports before forking the workers, besides torch")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
@@ -265,7 +270,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         signalled_together_s=args.signalled_together,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
-        worker_env=dict(environ), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
+        worker_env=dict(environ), fork_server=args.fork_server,
+        preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         stall_alert_after_s=args.stall_alert_after, goodput_objective=args.goodput_objective,
         ideal_step_s=args.ideal_step_time, flops_per_step=args.flops_per_step,
         peak_flops_per_device=args.peak_tflops * 1e12 if args.peak_tflops else None,
