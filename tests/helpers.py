@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .launch import Finished, run_ranks
 
 WORKER = Path(__file__).with_name("worker_train.py")
 REPO = WORKER.parent.parent
@@ -39,20 +39,18 @@ def read_trace(prefix: Path, rank: int = 0) -> Trace:
 
 def run_worker(
     trace: Path, *args: str, nproc: int = 1, expect: str = "ok", timeout: float = 120, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    """Run the worker (under torchrun when ``nproc`` > 1); ``expect`` is "ok" or "killed"."""
+) -> list[Finished]:
+    """Run the worker, ``nproc`` ranks of it as torchrun would start them (forked from the tests' fork server,
+    :mod:`tests.launch`); ``expect`` is "ok" or "killed"."""
     cmd = [sys.executable, str(WORKER), "--trace", str(trace), *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=0", *cmd[1:]]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, check=False)
+    ranks = run_ranks(cmd, nproc, env, timeout=timeout, world=nproc > 1)
+    codes = [r.returncode for r in ranks]
+    shown = "\n".join(f"--- rank {i} (exit {r.returncode}):\n{r.output[-3000:]}" for i, r in enumerate(ranks))
     if expect == "ok":
-        assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        assert codes == [0] * nproc, f"worker failed {codes}:\n{shown}"
     elif expect == "killed":
-        killed = proc.returncode == -signal.SIGKILL or (nproc > 1 and proc.returncode != 0)
-        assert killed, f"worker was expected to be SIGKILLed, exit {proc.returncode}:\n{proc.stderr[-3000:]}"
-    return proc
+        assert -signal.SIGKILL in codes, f"a rank was expected to be SIGKILLed, exits {codes}:\n{shown}"
+    return ranks
 
 
 def assert_same_run(reference: Trace, resumed: Trace, from_step: int = 0) -> None:

@@ -10,7 +10,6 @@ import gc
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -22,7 +21,9 @@ import pytest
 import torch
 
 from resilient import ElasticLoader
+from resilient.agent.forking import Process
 from resilient.data import DataFetchError
+from tests import launch
 from tests.loader_worker import BATCH, SEED, N, Samples
 
 WORKER = Path(__file__).with_name("loader_worker.py")
@@ -262,18 +263,18 @@ def wait_calls(calls: list[float], n: int) -> None:
         time.sleep(0.005)
 
 
-def run_rank(tmp: Path, rank: int, world: int, steps: int) -> subprocess.Popen:
+def run_rank(tmp: Path, rank: int, world: int, steps: int) -> Process:
     cmd = [sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world), "--init", str(tmp / f"init{world}"),
            "--ckpt", str(tmp / "ckpt"), "--steps", str(steps), "--out", str(tmp / f"out{world}.{rank}.json")]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = launch.base_env()
     env.pop("RESILIENT_AGENT_SOCKET", None)
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return launch.popen(cmd, env)
 
 
-def finish(procs: list[subprocess.Popen]) -> None:
+def finish(procs: list[Process]) -> None:
     for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0, f"rank failed ({proc.returncode}):\n{out[-3000:]}"
+        done = launch.collect(proc, timeout=120)
+        assert done.returncode == 0, f"rank failed ({done.returncode}):\n{done.output[-3000:]}"
 
 
 def test_training_on_two_gloo_ranks_with_workers_resumes_on_one_rank_with_the_in_process_stream(tmp_path):

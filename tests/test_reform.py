@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from resilient.agent.forking import Process
 from resilient.elastic.reform import (
     Assignment,
     AssignmentError,
@@ -39,6 +40,7 @@ from resilient.elastic.reform import (
 )
 from resilient.elastic.state_sync import StateSyncError, decide_source
 
+from . import launch
 from .helpers import assert_same_tree
 
 WORKER = Path(__file__).with_name("reform_worker.py")
@@ -54,7 +56,7 @@ class Cluster:
 
     out: Path
     store: dist.TCPStore = field(init=False)
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[str, Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -64,9 +66,8 @@ class Cluster:
     def start(self, worker: str, *args: str) -> None:
         cmd = [sys.executable, str(WORKER), "--port", str(self.store.port), "--worker", worker,
                "--out", str(self.out), "--steps", str(STEPS), *args]
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-        log = (self.out / f"{worker}.log").open("w")
-        self.procs[worker] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with (self.out / f"{worker}.log").open("w") as log:
+            self.procs[worker] = launch.popen(cmd, output=log)
 
     def publish(self, generation: int, members: list[tuple[str, int | None]], standby: tuple[str, ...] = (),
                 source: int = 0) -> float:

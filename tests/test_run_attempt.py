@@ -24,19 +24,19 @@ from resilient import ConfigError, ElasticLoader, EventLog, Run
 from resilient.data import DataFetchError
 from resilient.run_attempt import is_recoverable
 
+from . import launch
+
 WORKER = Path(__file__).with_name("attempt_worker.py")
 REPO = WORKER.parent.parent
 GLOO_RESET = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234"
 
 
 def run_worker(trace: Path, *args: str, nproc: int) -> None:
-    cmd = [sys.executable, str(WORKER), "--trace", str(trace), *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "--max-restarts=0", *cmd[1:]]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=False)
-    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    """``nproc`` ranks of the worker, as torchrun would start them (forked: :mod:`tests.launch`)."""
+    ranks = launch.run_ranks([sys.executable, str(WORKER), "--trace", str(trace), *args], nproc, timeout=180,
+                             world=nproc > 1)
+    assert [r.returncode for r in ranks] == [0] * nproc, "worker failed:\n" + "\n".join(
+        f"--- rank {i} (exit {r.returncode}):\n{r.output[-3000:]}" for i, r in enumerate(ranks))
 
 
 def read(trace: Path, rank: int) -> tuple[list[dict], dict[int, dict], dict]:
@@ -114,12 +114,11 @@ def test_a_peer_killed_in_the_step_is_a_recoverable_failure_and_without_recovery
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(store.port), "WORLD_SIZE": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     trace = tmp_path / "t"
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "--trace", str(trace), "--style", "attempt", "--steps",
-                               "6", "--die-rank", "1", "--die-step", "3"],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [launch.popen([sys.executable, str(WORKER), "--trace", str(trace), "--style", "attempt", "--steps",
+                           "6", "--die-rank", "1", "--die-step", "3"], {**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(2)]
     try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
+        outputs = [launch.collect(p, timeout=120).output for p in procs]
     finally:
         for p in procs:
             p.kill()

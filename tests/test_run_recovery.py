@@ -27,9 +27,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from resilient.agent.forking import Process
 from resilient.elastic.reform import Member, plan_assignments, publish_assignments
 from resilient.worker.protocol import Heartbeat, decode_datagram
 
+from . import launch
 from .helpers import assert_same_tree
 
 WORKER = Path(__file__).with_name("recovery_worker.py")
@@ -50,7 +52,7 @@ class Agent:
                                    timeout=timedelta(seconds=WAIT_S))
         self.sock_dir = Path(f"/tmp/rrc-{os.getpid()}-{time.monotonic_ns()}")  # short: the 107-byte limit
         self.sock_dir.mkdir(mode=0o700)
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, Process] = {}
         self.sockets: dict[socket.socket, str] = {}
         self.heard: dict[str, list[Heartbeat]] = {}
         self._lock = threading.Lock()
@@ -79,10 +81,10 @@ class Agent:
             env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(self.store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"})
-        log = (self.out / f"{worker}.log").open("w")
-        self.procs[worker] = subprocess.Popen(
-            [sys.executable, str(WORKER), "--trace", str(self.out / "trace"), "--name", worker,
-             "--steps", str(STEPS), *args], stdout=log, stderr=subprocess.STDOUT, env=env)
+        with (self.out / f"{worker}.log").open("w") as log:
+            self.procs[worker] = launch.popen(
+                [sys.executable, str(WORKER), "--trace", str(self.out / "trace"), "--name", worker,
+                 "--steps", str(STEPS), *args], env, output=log)
 
     def _receive(self) -> None:
         while not self._closed.is_set():
