@@ -14,8 +14,10 @@ sure to fall inside the short run); Grafana is left out (no image of it can be m
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
+import tarfile
 import tempfile
 import time
 import urllib.parse
@@ -122,10 +124,17 @@ def up_by_instance(port: int, expr: str = "up") -> dict[str, str]:
 
 
 def read(engine: docker_engine.DockerEngine, project: Path, path: str) -> str:
-    """A file of the run volume, read through a one-off agent container."""
-    proc = engine.compose(project, "run", "--rm", "--no-deps", "-T", "--entrypoint", "cat", "node0", path,
-                          check=False, timeout=120)
-    return proc.stdout.decode() if proc.returncode == 0 else ""
+    """A file of the run volume, copied out of node0's container (``docker cp``, a tar stream: the bytes as they
+    are; a one-off container's output through ``docker-compose run`` came back with a line broken in two)."""
+    cid = engine.compose(project, "ps", "-q", "node0").stdout.decode().strip()
+    proc = engine.docker("cp", f"{cid}:{path}", "-", check=False, timeout=120)
+    if proc.returncode != 0:
+        return ""
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as archive:
+        [member] = archive.getmembers()
+        data = archive.extractfile(member)
+        assert data is not None, member
+        return data.read().decode()
 
 
 def exit_code(engine: docker_engine.DockerEngine, project: Path, service: str) -> int | None:
