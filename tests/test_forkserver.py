@@ -28,7 +28,8 @@ import numpy, torch
 seen = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "rank": os.environ.get("RANK"),
         "own_session": os.getsid(0) == os.getpid(), "ppid": os.getppid(), "stdin": sys.stdin.read(),
         "threads": torch.get_num_threads(), "random": random.random(), "numpy": float(numpy.random.random()),
-        "main_file": sys.modules["__main__"].__file__}
+        "main_file": sys.modules["__main__"].__file__,
+        "signals": [str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)]}
 print(json.dumps(seen))
 what = sys.argv[1] if len(sys.argv) > 1 else ""
 if what == "wait":  # unbuffered: the line above is out before the process goes on
@@ -85,7 +86,7 @@ def test_a_forked_worker_sees_what_a_fresh_interpreter_shows_it(spawner, script,
     code, out, proc = _run(s, argv, env)
     forked = json.loads(out)
     assert code == 0 and isinstance(proc, Forked) and told == [], (code, out, told)
-    for key in ("argv", "path0", "name", "rank", "own_session", "stdin", "threads", "main_file"):
+    for key in ("argv", "path0", "name", "rank", "own_session", "stdin", "threads", "main_file", "signals"):
         assert forked[key] == fresh[key], (key, forked[key], fresh[key])
     assert forked["ppid"] == s.server_pid and forked["threads"] == 1
     # Each fork draws its own random numbers, as separate interpreters would.
@@ -171,6 +172,10 @@ def test_workers_die_with_their_server_and_the_next_start_the_plain_way(script, 
         proc = s.popen([sys.executable, "-u", str(script), "wait", str(flag)], server_env, None)
         assert proc.stdout is not None and proc.stdout.readline()
         assert s.server_pid is not None
+        # A scheduler's SIGTERM to every process of the job leaves the server be (its workers get their own).
+        os.kill(s.server_pid, signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None and os.path.exists(f"/proc/{s.server_pid}")
         os.kill(s.server_pid, signal.SIGKILL)
         assert proc.wait(timeout=30) == -signal.SIGKILL
         deadline = time.monotonic() + 10

@@ -41,6 +41,9 @@ from typing import Any
 HEADER = struct.Struct("!I")
 MAX_FDS = 3
 PR_SET_PDEATHSIG = 1
+SURVIVED: dict[signal.Signals, Any] = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler,
+                                       signal.SIGHUP: signal.SIG_DFL}
+"""Signals the server ignores, with what a fresh interpreter has for them (a worker gets those back)."""
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -98,6 +101,11 @@ class Server:
         os.set_blocking(self.wake_w, False)
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        # A scheduler that ends a job signals every process in it (Slurm: the whole cgroup): the server must
+        # outlive that, or its workers die by its parent-death signal instead of the stop they were sent. It ends
+        # when its agent closes the socket, or dies with the agent.
+        for signum in SURVIVED:
+            signal.signal(signum, signal.SIG_IGN)
 
     def serve(self) -> None:
         """Answer requests and report exits until the agent closes the socket."""
@@ -154,6 +162,8 @@ def become_worker(request: dict[str, Any], fds: list[int], server: int, close: t
     """In the forked child: take the worker's place, run its script and end the process the way Python would."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for signum, disposition in SURVIVED.items():
+        signal.signal(signum, disposition)
     for fd in close:
         os.close(fd)
     os.setsid()
