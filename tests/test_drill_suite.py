@@ -103,9 +103,20 @@ def _zombie_launch(drill_dir: Path, record: dict[str, Any]) -> None:
 
 
 def _kill_node(drill_dir: Path, record: dict[str, Any]) -> None:
-    """The spare node's worker took rank 1."""
+    """The spare node's worker took rank 1: in the order they were written, rank 1's steps are n1's worker's up to a
+    step past the fault's trigger, then the spare's to the end, each step once and none after the other's.
+
+    The handover step is read, not assumed: the fault fires from outside once rank 1's trace shows the trigger step
+    (the injector looks ten times a second), and a step or two may complete before it takes hold."""
     trace = _jsonl(drill_dir / "faulted" / "trace.jsonl")
-    assert {t["worker"] for t in trace if t["rank"] == 1 and t["step"] > 31} == {"spare0.s0"}
+    [trigger] = [f["step"] for f in record["faults"]]
+    steps = sorted(t["step"] for t in trace if t["rank"] == 0)
+    rank1 = sorted((t for t in trace if t["rank"] == 1), key=lambda t: t["time"])
+    workers = [t["worker"] for t in rank1]
+    handover = workers.index("spare0.s0")
+    assert set(workers[:handover]) == {"n1.w0"} and set(workers[handover:]) == {"spare0.s0"}, workers
+    assert [t["step"] for t in rank1] == steps, "rank 1 did every step once, in order"
+    assert rank1[handover]["step"] > trigger, rank1[handover]
 
 
 def _partition_node(drill_dir: Path, record: dict[str, Any]) -> None:
