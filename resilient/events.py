@@ -118,6 +118,7 @@ class EventKind(str, Enum):
     RECOVERED_IN_PROCESS = "recovered_in_process"  # every member rejoined the new generation: where they resume
     RECOVERY_ABANDONED = "recovery_abandoned"  # a worker could not recover in process (it exits: a restart follows)
     SPARE_STARTED = "spare_started"  # a spare process started (it runs the script up to resilient.Run())
+    SPARE_PRIORITY = "spare_priority"  # spares cannot start at a lower priority here, or a promoted one kept it
     SPARE_READY = "spare_ready"  # a spare is warm (model built, checkpoint read) and waits for a rank
     SPARE_LOST = "spare_lost"  # a spare exited before it was promoted
     SPARE_NODE_JOINED = "spare_node_joined"  # a --role spare agent starts its warm workers for a generation

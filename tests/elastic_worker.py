@@ -161,6 +161,7 @@ def main() -> int:
                    help="the doomed worker first waits until the agent logged this many spare_ready events")
     args = p.parse_args()
     me = os.environ.get("RESILIENT_WORKER_ID", "")
+    started_nice = os.getpriority(os.PRIO_PROCESS, 0)  # a spare's until it is promoted
     doomed = args.die_worker is not None and me in args.die_worker.split(",")
 
     torch.set_num_threads(1)
@@ -237,7 +238,8 @@ def main() -> int:
             optimizer.zero_grad()
             run.report(loss=loss)
             line = {"step": step, "rank": run.rank, "world": run.world_size, "worker": me,
-                    "accumulation": run.accumulation, "indices": indices, "losses": losses}
+                    "accumulation": run.accumulation, "indices": indices, "losses": losses,
+                    "started_nice": started_nice, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
             os.write(fd, (json.dumps(line) + "\n").encode())
         if args.barrier_at == step:  # longer than the recovery timeout: the script's collective timeout holds
             with run.section("eval"):

@@ -100,6 +100,11 @@ def test_a_spare_replaces_a_killed_rank_with_nothing_redone(tmp_path: Path, refe
     started = [e["worker"] for e in events(run, "spare_started")]
     assert started[:1] == ["s2"] and len(started) == 2, started
     assert {e["worker"] for e in events(run, "spare_ready")} >= set(started[:1])
+    # The spare started at a lower priority and was given the workers' back when it took rank 1.
+    lines = trace(out)
+    assert {(line["started_nice"], line["nice"]) for line in lines if line["worker"] != "s2"} == {(0, 0)}
+    assert {(line["started_nice"], line["nice"]) for line in lines if line["worker"] == "s2"} == {(10, 0)}
+    assert not events(run, "spare_priority")
 
 
 def test_a_hung_rank_is_killed_and_replaced_by_the_spare(tmp_path: Path, reference2: Path) -> None:
@@ -195,6 +200,12 @@ def test_losing_every_rank_falls_back_to_a_restart_and_stays_bitwise_equal(tmp_p
     assert len(events(run, "restart")) == 1
     final, ref = json.loads((out / "final.json").read_text()), json.loads((reference2 / "final.json").read_text())
     assert final["params"] == ref["params"] and final["optimizer"] == ref["optimizer"]
+    # Workers first after the restart: its spare started once both of its workers had restored, not beside them.
+    [restart] = events(run, "restart")
+    after = [e for e in events(run, "workers_started") if e["generation"] > restart["generation"]][0]["generation"]
+    [restored] = [e for e in events(run, "restored") if e["generation"] == after]
+    spares = [e for e in events(run, "spare_started") if e["generation"] == after]
+    assert spares and all(e["time"] >= restored["time"] for e in spares), (restored, spares)
 
 
 def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_struck_again(

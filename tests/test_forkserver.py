@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from resilient.agent.forking import Forked, Spawner, unforkable
+from resilient.agent.launcher import PLAIN, Worker, WorkerSpec, why_not_renice
 
 from .agent_helpers import events, run_agent
 from .helpers import REPO
@@ -28,11 +29,17 @@ import numpy, torch
 seen = {"argv": sys.argv, "path0": sys.path[0], "name": __name__, "rank": os.environ.get("RANK"),
         "own_session": os.getsid(0) == os.getpid(), "ppid": os.getppid(), "stdin": sys.stdin.read(),
         "threads": torch.get_num_threads(), "random": random.random(), "numpy": float(numpy.random.random()),
-        "main_file": sys.modules["__main__"].__file__,
+        "main_file": sys.modules["__main__"].__file__, "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "signals": [str(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGCHLD)]}
 print(json.dumps(seen))
 what = sys.argv[1] if len(sys.argv) > 1 else ""
 if what == "wait":  # unbuffered: the line above is out before the process goes on
+    while not os.path.exists(sys.argv[2]):
+        time.sleep(0.01)
+if what == "threads":  # a second thread, then the line that says it runs
+    threading.Thread(target=lambda: [time.sleep(0.01) for _ in iter(lambda: os.path.exists(sys.argv[2]), True)],
+                     daemon=True).start()
+    print("threads", flush=True)
     while not os.path.exists(sys.argv[2]):
         time.sleep(0.01)
 if what == "raise":
@@ -213,3 +220,36 @@ def test_the_agent_forks_its_workers_from_its_server_unless_told_not_to(tmp_path
         assert told == [] and len(parents) == 1 and parents != {agent}, (parents, agent, told)
     else:
         assert parents == {agent} and told == [], (parents, agent)
+
+
+def _niceness(pid: int) -> set[int]:
+    """The niceness of every thread of ``pid`` (field 19 of each task's stat)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+    return found
+
+
+@pytest.mark.parametrize("how", ["forked", "plain"])
+def test_a_spare_starts_at_a_lower_priority_and_promotion_gives_every_thread_the_workers_back(
+        spawner, script, server_env, tmp_path, how):
+    assert why_not_renice() is None, "the tests run as root"
+    s = spawner[0] if how == "forked" else PLAIN
+    flag = tmp_path / "go"
+    spec = WorkerSpec(local_rank=0, rank=-1, argv=(sys.executable, "-u", str(script), "threads", str(flag)),
+                      env=server_env, log_file=tmp_path / "spare.log", echo=False, worker_id="s0", nice=7)
+    worker = Worker(spec, time.monotonic, sys.stdout, None, None, s)
+    try:
+        assert isinstance(worker.proc, Forked) == (how == "forked")
+        deadline = time.monotonic() + 60
+        while "threads" not in spec.log_file.read_text():
+            assert worker.exit is None and time.monotonic() < deadline, spec.log_file.read_text()
+            time.sleep(0.05)
+        assert json.loads(spec.log_file.read_text().splitlines()[0])["nice"] == 7
+        assert len(list(Path(f"/proc/{worker.pid}/task").iterdir())) >= 2 and _niceness(worker.pid) == {7}
+        assert worker.reprioritise(0) is None
+        assert _niceness(worker.pid) == {0}
+    finally:
+        flag.touch()
+        assert worker.proc.wait(timeout=60) == 0
+        worker.finish()

@@ -44,6 +44,9 @@ class AgentConfig:
     None: ``nproc_per_node`` (no shrink on this node)."""
     spares: int = 0
     """Extra worker processes kept warm on this node to take a failed rank's place (``--spares``)."""
+    spare_nice: int = 10
+    """Niceness a spare starts with, so that its start-up never takes CPU from the workers (``--spare-nice``);
+    set back to the members' at promotion.  Only where the agent may lower it again (CAP_SYS_NICE)."""
     role: str = "worker"
     """``worker``: a node of the run; ``spare``: a node of the launch's spare pool (``--role spare``), whose
     warm processes wait to take a lost node's ranks or to grow a shrunk world, across machines."""
@@ -142,6 +145,8 @@ class AgentConfig:
                               "1 <= MIN <= MAX")
         if self.spares < 0:
             raise ConfigError(f"--spares must be >= 0, got {self.spares}")
+        if not 0 <= self.spare_nice <= 19:
+            raise ConfigError(f"--spare-nice must be 0 (as the workers) to 19 (lowest priority), got {self.spare_nice}")
         if self.role not in ("worker", "spare"):
             raise ConfigError(f"--role {self.role!r} is not a role: use worker (the default) or spare")
         if self.role == "spare" and self.store_url is None:

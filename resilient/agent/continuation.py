@@ -2,7 +2,8 @@
 
 :mod:`resilient.agent.generation` calls in here at three points:
 
-* :func:`start_spares` when it starts a generation, and after each
+* :func:`start_spares` with the run's first workers, once the workers of a restart have
+  restored (or at its first failure, if that comes sooner), and after each
   promotion, to keep ``--spares`` warm processes (each on a heartbeat socket
   slot no live process uses);
 * :func:`continue_after` when members were lost (exited, or a hung rank the
@@ -83,7 +84,7 @@ def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, wor
     env = {**base, **worker_env(c, ctx.run_dir, ctx.launch_id, a.generation, attempt, slot, gdir, worker_id),
            **ctx.inproc.worker_env(worker_id, "spare")}
     return WorkerSpec(local_rank=0, rank=-1, argv=tuple(c.entrypoint), env=env, log_file=gdir / f"{worker_id}.log",
-                      echo=c.echo_output, worker_id=worker_id, slot=slot)
+                      echo=c.echo_output, worker_id=worker_id, slot=slot, nice=ctx.inproc.spare_nice)
 
 
 def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> None:
@@ -119,6 +120,7 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     inp, outlook_of, next_generation, record = ctx.inproc, ctx.restart_outlook, ctx.next_generation, ctx.record_incident
     if inp is None or outlook_of is None or next_generation is None or record is None:
         return None
+    start_spares(ctx, group, a, gdir)  # a failure before the workers had restored: the spares start now
     if inp.cluster is not None:  # across machines the decision goes through the store
         from .cluster_flow import report_lost
 

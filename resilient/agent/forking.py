@@ -109,6 +109,20 @@ def unforkable(argv: Sequence[str], env: Mapping[str, str], server_env: Mapping[
     return None
 
 
+def _niced(preexec: Callable[[], None] | None, nice: int) -> Callable[[], None] | None:
+    """``preexec`` (the minimal, lock-free one of ``parent_death_signal()``), then a bare ``nice`` system call."""
+    if not nice:
+        return preexec
+    raise_by = os.nice
+
+    def then_nice() -> None:
+        if preexec is not None:
+            preexec()
+        raise_by(nice)
+
+    return then_nice
+
+
 def _close(fd: int) -> None:
     if fd >= 0:
         os.close(fd)
@@ -213,12 +227,13 @@ class Spawner:
         self._ready.set()
 
     def popen(self, argv: Sequence[str], env: Mapping[str, str], preexec: Callable[[], None] | None, *,
-              output: int | None = None) -> Process:
+              output: int | None = None, nice: int = 0) -> Process:
         """Start one worker: stdin from /dev/null, stdout and stderr together on a pipe (``stdout``), or on
-        descriptor ``output`` when given (``stdout`` is then None), in a session of its own."""
+        descriptor ``output`` when given (``stdout`` is then None), in a session of its own, at niceness
+        ``nice`` (added to the agent's)."""
         reason = self._why_plain(argv, env)
         if reason is None:
-            forked = self._fork(argv, env, output)
+            forked = self._fork(argv, env, output, nice)
             if isinstance(forked, Forked):
                 return forked
             reason = forked
@@ -226,8 +241,8 @@ class Spawner:
             self._told = reason
             self._unavailable(reason)
         return subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE if output is None else output, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=preexec)  # noqa: PLW1509  the minimal, lock-free one of parent_death_signal()
+                                stdout=subprocess.PIPE if output is None else output, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_niced(preexec, nice))  # noqa: PLW1509
 
     def _why_plain(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
         if not self.enabled:
@@ -240,7 +255,7 @@ class Spawner:
             return self._problem
         return unforkable(argv, env, self._base_env)
 
-    def _fork(self, argv: Sequence[str], env: Mapping[str, str], output: int | None) -> Forked | str:
+    def _fork(self, argv: Sequence[str], env: Mapping[str, str], output: int | None, nice: int) -> Forked | str:
         assert self._sock is not None
         read_end, write_end = os.pipe() if output is None else (-1, os.dup(output))
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -251,7 +266,7 @@ class Spawner:
             try:
                 with self._send_lock:
                     send_message(self._sock, {"id": request_id, "argv": list(argv), "env": dict(env),
-                                              "cwd": os.getcwd()}, [devnull, write_end, write_end])
+                                              "cwd": os.getcwd(), "nice": nice}, [devnull, write_end, write_end])
             except OSError as e:
                 _close(read_end)
                 return f"the fork server did not take the request: {e}"

@@ -249,7 +249,10 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
             from .cluster_flow import start
 
             start(ctx, group, a)
-    start_spares(ctx, group, a, gdir)
+    if not restart or not group.workers:
+        start_spares(ctx, group, a, gdir)  # at the run's start (or on a spare node) beside the workers, niced
+    # After a restart they start once every worker has restored (below), or at the first failure
+    # (continue_after): a spare's start-up never takes CPU from a restarting worker's.
     peers = PeerWatch(ctx)
     reported = False
 
@@ -261,6 +264,8 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
             reported = True
             ctx.restored(summarise_restores(a.generation, ctx.config.node_id, expected, reports,
                                             multi_node=a.num_nodes > 1))
+            if not final and restart:
+                start_spares(ctx, group, a, gdir)  # the workers are past start-up: now the spares
 
     try:
         return _watch(ctx, group, a, gdir, peers, report_restores)

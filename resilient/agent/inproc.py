@@ -38,6 +38,7 @@ from ..elastic.observe import Fault, FaultKind, Membership, Observation, Restart
 from ..elastic.reform import Member, abort_key, plan_assignments, publish_assignments
 from ..events import Emit, EventKind
 from .inproc_state import Recovering, Reports, SpareState, clean_position
+from .launcher import why_not_renice
 
 if TYPE_CHECKING:
     from ..elastic.reform import Assignment
@@ -97,6 +98,14 @@ class InProcess:
         """Across machines: the launch's recovery keys in the store (:mod:`resilient.agent.cluster_flow`)."""
         self.declined: str | None = None
         """Why a worker said this run recovers by restart only (its first ``declined`` report): no spare is kept."""
+        self.spare_nice = config.spare_nice
+        """The niceness spares start with: ``--spare-nice``, or 0 where a promoted one could not be set back."""
+        if self.spare_nice:
+            why = why_not_renice()
+            if why is not None:
+                self.spare_nice = 0
+                emit(EventKind.SPARE_PRIORITY, nice=0, wanted=config.spare_nice,
+                     problem=f"{why}: spares start at the workers' priority")
 
     # ----------------------------------------------------------- workers
     def new_worker_id(self, role: str) -> str:
@@ -354,7 +363,9 @@ class InProcess:
 
     def promote(self, group: WorkerGroup, spare: str, rank: int) -> None:
         """Spare ``spare`` becomes the member of ``rank``, out of the pool (its next ``ready`` is a member's)."""
-        group.promote(spare, rank)
+        problem = group.promote(spare, rank).reprioritise(0)
+        if problem is not None:
+            self._emit(EventKind.SPARE_PRIORITY, worker=spare, rank=rank, problem=problem)
         with self._lock:
             self.spares.pop(spare, None)
             found = self._reports.ready.get(spare)

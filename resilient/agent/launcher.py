@@ -74,6 +74,30 @@ def parent_death_signal() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
+CAP_SYS_NICE = 23
+"""From <linux/capability.h>."""
+
+
+def why_not_renice(status: Path = Path("/proc/self/status")) -> str | None:
+    """Why this process could not set a child's niceness back to 0 once raised, or None (it may).
+
+    Lowering a niceness takes CAP_SYS_NICE, or an RLIMIT_NICE soft limit of 20 (``20 - limit`` is the lowest
+    niceness an unprivileged process may set)."""
+    try:
+        caps = next((line.split()[1] for line in status.read_text().splitlines() if line.startswith("CapEff:")), "0")
+        if int(caps, 16) >> CAP_SYS_NICE & 1:
+            return None
+    except (OSError, ValueError):
+        pass
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft == resource.RLIM_INFINITY or soft >= 20:
+        return None
+    return (f"the agent lacks CAP_SYS_NICE and its RLIMIT_NICE is {soft} (20 needed), so a promoted spare could "
+            "not be given the workers' priority back")
+
+
 PLAIN = Spawner(enabled=False, base_env={})
 """Starts every worker the plain way (``subprocess.Popen``)."""
 
@@ -94,6 +118,8 @@ class WorkerSpec:
     """The process's name across generations of in-process recovery (``RESILIENT_WORKER_ID``)."""
     slot: int = 0
     """Its heartbeat socket's index on this node (a replacement takes the slot the dead process left)."""
+    nice: int = 0
+    """The niceness it starts with (a spare's is raised, so that it never slows the workers it stands by for)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +154,7 @@ class Worker:
         self._clock = clock
         spec.log_file.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(spec.log_file, "ab", buffering=0)
-        self.proc: Process = (spawner or PLAIN).popen(spec.argv, spec.env, preexec)
+        self.proc: Process = (spawner or PLAIN).popen(spec.argv, spec.env, preexec, nice=spec.nice)
         self.pid = self.proc.pid
         self.exit: Exit | None = None
         self.held_lines = 0
@@ -171,6 +197,21 @@ class Worker:
             os.killpg(self.pid, signum)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def reprioritise(self, nice: int = 0) -> str | None:
+        """Give every thread of the worker's session niceness ``nice`` (a promoted spare's back to a member's);
+        why not, or None.  Lowering a niceness needs CAP_SYS_NICE (or RLIMIT_NICE room)."""
+        if self.exit is not None or self.spec.nice == nice:
+            return None
+        try:
+            os.setpriority(os.PRIO_PGRP, self.pid, nice)  # the session's process group: every thread of it
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return (f"the agent may not lower a process's niceness (no CAP_SYS_NICE): pid {self.pid} keeps "
+                    f"niceness {self.spec.nice}; run the agent with CAP_SYS_NICE or RLIMIT_NICE >= {20 - nice}, or "
+                    "--spare-nice 0")
+        return None
 
     def finish(self, timeout: float = 5.0) -> None:
         """Wait for output copying to end and close the log."""

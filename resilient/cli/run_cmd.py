@@ -58,6 +58,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--spares", type=int, default=0, metavar="N",
                    help="extra workers kept warm (script run up to resilient.Run) to take a failed rank's "
                    "place in process (default 0)")
+    p.add_argument("--spare-nice", type=int, default=10, metavar="N",
+                   help="niceness of a spare until it is promoted (default 10; 0: as the workers). Spares start "
+                   "once the workers have restored, at this lower priority; needs CAP_SYS_NICE to undo, without "
+                   "it spares start at 0")
     p.add_argument("--role", choices=("worker", "spare"), default="worker",
                    help="spare: join the run's spare pool (needs --store) with --nproc-per-node warm workers that "
                    "take a lost node's ranks, or grow a run shrunk below MAX of --nnodes, in process")
@@ -259,6 +263,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         token_file=args.token_file.absolute() if args.token_file else None,
         run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
         nproc_per_node=nproc, min_nproc_per_node=min_nproc if min_nproc != nproc else None, spares=args.spares,
+        spare_nice=args.spare_nice,
         role=args.role, in_process=args.in_process, recovery_timeout_s=args.recovery_timeout, grow_settle_s=args.grow_settle, min_nodes=min_nodes, max_nodes=max_nodes, store_url=store,
         etcd_options=etcd if store else {}, local_addr=local_addr,
         restart=RestartConfig(max_restarts=args.max_restarts, crash_loop_restarts=args.crash_loop_restarts,

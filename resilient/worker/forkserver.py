@@ -16,7 +16,7 @@ It refuses to fork while a Python thread besides its main one is alive or CUDA i
 survives; the agent then starts the workers the plain way.  Messages are one JSON object per datagram-sized frame, prefixed
 with its length; descriptors travel with a request (``SCM_RIGHTS``).
 
-Requests ``{"id", "argv", "env", "cwd"}`` (argv the Python command line, ``argv[0]`` the interpreter) with three
+Requests ``{"id", "argv", "env", "cwd", "nice"}`` (argv the Python command line, ``argv[0]`` the interpreter) with three
 descriptors get ``{"id", "pid"}`` or ``{"id", "refused": why}``; an exit is reported as ``{"exit": pid,
 "returncode": N}`` (negative for a signal, as ``subprocess`` does).  End of file on the socket ends the server, and
 with it (parent-death signal) every worker still running.
@@ -171,6 +171,8 @@ def become_worker(request: dict[str, Any], fds: list[int], server: int, close: t
     libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != server:  # the server died between the fork and the prctl
         os._exit(137)
+    if request.get("nice"):
+        os.nice(int(request["nice"]))  # before any thread of the worker's exists: every one inherits it
     for number, fd in enumerate(fds):
         os.dup2(fd, number)
     for fd in fds:
