@@ -166,7 +166,27 @@ def test_crash_loop_stops_with_a_verdict(tmp_path):
     found = incidents(run_dir)
     assert len(found) == 3 and all(i["exit_code"] == 3 for i in found)
     assert found[-1]["decision"]["verdict"] == "crash_loop"
+    assert "each failing the same way (at step 0)" in found[-1]["decision"]["reason"], found[-1]
     assert "crash_loop" in proc.stderr
+
+
+def test_independent_faults_without_a_commit_between_are_restarted_while_the_budget_lasts(tmp_path):
+    """Two faults on other ranks at other steps, no checkpoint at all: with --crash-loop-restarts 1 the second is
+    not taken for a loop (it is not the first failure again), so the run restarts and finishes."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 1, "step": 2, "attempt": 0, "section": "step"},
+        {"kind": "kill", "rank": 0, "step": 4, "attempt": 1, "section": "step"}]}))
+    run_dir = tmp_path / "run"
+    proc = run_agent(run_dir, "--nproc-per-node", "2", "--node-id", NODE, "--max-restarts", "3",
+                     "--crash-loop-restarts", "1", "--fault-plan", str(plan),
+                     script_args=("--steps", "6", "--trace", str(tmp_path / "trace")))
+    assert proc.returncode == 0, explain(proc)
+    restarts = events(run_dir, "restart")
+    assert len(restarts) == 2, restarts
+    assert "not a crash loop: 1 restarts without a new commit, but not the same failure again" in \
+        restarts[1]["reason"], restarts[1]
+    assert [(i["rank"], i["step"]) for i in incidents(run_dir)] == [(1, 2), (0, 4)]
 
 
 def test_restart_budget_is_counted_and_enforced(tmp_path):

@@ -8,14 +8,19 @@ import signal
 
 import pytest
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from resilient.agent.policy import (
     Action,
     Failure,
+    FailureMark,
     History,
     RestartConfig,
     backoff_s,
     decide_restart,
     first_failure,
+    same_way,
 )
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.store import EtcdControlStore
@@ -130,6 +135,9 @@ def test_budget_is_global_across_two_agents_on_a_real_etcd(tmp_path, etcd_server
     assert len(records) == 2, [r.key for r in records]
     failed = {e["generation"] for e in events(run_dir, "worker_failed")}
     assert {json.loads(r.value)["body"]["generation"] for r in records} == set(sorted(failed)[:2])
+    # Each record keeps how its failure happened: the crash-loop breaker compares the next one with it.
+    assert [(json.loads(r.value)["body"]["failure"]["step"], json.loads(r.value)["body"]["failure"]["exit_code"])
+            for r in records] == [(2, 3), (2, 3)]
     assert len(failed) == 3 and {e["node"] for e in events(run_dir, "worker_failed")} == {"n0", "n1"}
 
 
@@ -154,14 +162,98 @@ def test_crash_loop_before_first_commit_stops_with_verdict() -> None:
         actions.append(d.action)
         if d.action is Action.STOP:
             break
-        history = history.after_restart(None)
+        history = history.after_restart(None, FailureMark.of(failure))
     assert actions == [Action.RESTART] * 3 + [Action.STOP]
     assert d.verdict == "crash_loop"
     assert d.reason == (
-        "crash loop: 3 restarts in a row without a newly committed checkpoint (crash_loop_restarts=3); "
-        "every attempt failed before the first checkpoint was committed. "
+        "crash loop: 3 restarts in a row without a newly committed checkpoint (crash_loop_restarts=3), each "
+        "failing the same way (at step 0); every attempt failed before the first checkpoint was committed. "
         "Last failure: rank 0 failed with exit 1 in section 'init' at step 0"
     )
+
+
+def _fault(rank: int, sig: int, step: int | None, section: str | None = "restore") -> Failure:
+    return Failure(kind="signal", time=1.0, rank=rank, signal=sig, section=section, step=step)
+
+
+def test_independent_faults_are_not_a_crash_loop_and_the_budget_decides() -> None:
+    """Faults from outside (a soak's random signals to random ranks while they start) are not the same failure
+    again: each restart is allowed while the budget lasts, and the reason says why no loop was called."""
+    cfg = RestartConfig(max_restarts=5, crash_loop_restarts=2)
+    faults = [_fault(1, signal.SIGKILL, None), _fault(0, signal.SIGSEGV, None), _fault(1, signal.SIGTERM, None),
+              _fault(0, signal.SIGKILL, 3, "step"), _fault(1, signal.SIGKILL, None)]
+    history = History()
+    decisions = []
+    for failure in faults:
+        decisions.append(decide_restart(failure, history, cfg, now=1.0))
+        history = history.after_restart(None, FailureMark.of(failure))
+    assert [d.action for d in decisions] == [Action.RESTART] * 5
+    assert "not a crash loop: 2 restarts without a new commit, but not the same failure again" in decisions[2].reason
+    last = decide_restart(_fault(0, signal.SIGTERM, None), history, cfg, now=1.0)
+    assert last.verdict == "budget_exhausted" and "not a crash loop: 5 restarts" in last.reason
+
+
+@pytest.mark.parametrize(("earlier", "again", "how"), [
+    (_fault(1, signal.SIGKILL, 12, "step"), _fault(0, signal.SIGSEGV, 12, "step"), "at step 12"),
+    (Failure(kind="exit", time=1.0, rank=2, exit_code=1, section="step", step=3, detail="ValueError: bad shape"),
+     Failure(kind="exit", time=2.0, rank=0, exit_code=1, section="step", step=9, detail="ValueError: bad shape 2"),
+     "with ValueError in section 'step'"),
+    (_fault(1, signal.SIGSEGV, None, "restore"), _fault(1, signal.SIGSEGV, None, "restore"),
+     "rank 1 by SIGSEGV in section 'restore'"),
+    (Failure(kind="exit", time=1.0, rank=0, exit_code=3), Failure(kind="exit", time=2.0, rank=0, exit_code=3),
+     "rank 0 by exit 3"),
+])
+def test_the_same_failure_again_is_a_crash_loop_and_the_verdict_says_how(earlier, again, how) -> None:
+    history = History().after_restart(None, FailureMark.of(earlier))
+    d = decide_restart(again, history, RestartConfig(max_restarts=10, crash_loop_restarts=1), now=1.0)
+    assert d.verdict == "crash_loop" and f"each failing the same way ({how})" in d.reason, d.reason
+
+
+@pytest.mark.parametrize(("a", "b"), [
+    (_fault(1, signal.SIGKILL, None), _fault(0, signal.SIGKILL, None)),  # another rank
+    (_fault(1, signal.SIGKILL, None), _fault(1, signal.SIGTERM, None)),  # another signal
+    (_fault(1, signal.SIGKILL, 4, "step"), _fault(1, signal.SIGKILL, 5, "step")),  # another step
+    (Failure(kind="exit", time=1.0, rank=0, exit_code=1, section="step", detail="ValueError: x"),
+     Failure(kind="exit", time=1.0, rank=0, exit_code=1, section="step", detail="KeyError: x")),  # another error
+])
+def test_another_rank_signal_step_or_error_is_an_independent_fault(a, b) -> None:
+    assert same_way(FailureMark.of(a), FailureMark.of(b)) is None
+    history = History().after_restart(None, FailureMark.of(a))
+    assert decide_restart(b, history, RestartConfig(max_restarts=10, crash_loop_restarts=1), now=1.0).action \
+        is Action.RESTART
+
+
+MARKS = st.builds(FailureMark, kind=st.sampled_from(["exit", "signal", "hang"]), rank=st.integers(0, 3) | st.none(),
+                  exit_code=st.sampled_from([1, 3]) | st.none(), signal=st.sampled_from([9, 11, 15]) | st.none(),
+                  section=st.sampled_from(["step", "restore"]) | st.none(), step=st.integers(0, 5) | st.none(),
+                  error=st.sampled_from(["ValueError", "RuntimeError"]) | st.none())
+
+
+@given(MARKS, st.lists(MARKS | st.none(), max_size=4), st.integers(1, 3))
+def test_a_crash_loop_is_called_exactly_when_every_known_earlier_failure_is_the_same_again(mark, marks, k) -> None:
+    """Against the definition: K restarts since progress, each earlier one unknown or the same way as this one;
+    and a mark survives its record."""
+    assert all(m is None or FailureMark.from_record(m.to_record()) == m for m in marks)
+    history = History()
+    for m in marks:
+        history = history.after_restart(None, m)
+    failure = Failure(kind="exit", time=1.0, rank=mark.rank, exit_code=1, step=mark.step, section=mark.section,
+                      detail=None if mark.error is None else f"{mark.error}: boom")
+    this = FailureMark.of(failure)
+    d = decide_restart(failure, history, RestartConfig(max_restarts=100, crash_loop_restarts=k), now=1.0)
+    last = marks[-k:]
+    looping = len(marks) >= k and all(m is None or same_way(m, this) is not None for m in last)
+    assert (d.verdict == "crash_loop") == looping, (d.reason, marks, this)
+
+
+def test_a_restart_record_that_is_damaged_or_older_than_marks_is_not_known() -> None:
+    assert FailureMark.from_record(None) is None
+    assert FailureMark.from_record({"kind": "meteor"}) is None
+    assert FailureMark.from_record({"kind": "exit", "step": "12"}) is None
+    assert FailureMark.from_record({"kind": "exit", "step": 12}) == FailureMark(kind="exit", step=12)
+    # Unknown marks count as the same (as before marks were kept): three unknown restarts are a loop.
+    assert decide_restart(CRASH, History(restarts_since_progress=3), RestartConfig(max_restarts=10), now=0.0) \
+        .verdict == "crash_loop"
 
 
 def test_crash_loop_names_the_step_it_is_stuck_at() -> None:

@@ -21,7 +21,7 @@ from ..coord.proof import SignedStore
 from ..coord.store import ControlStoreError
 from ..events import Emit, EventKind
 from .config import AgentConfig
-from .policy import History
+from .policy import FailureMark, History
 from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
 from .rundir import RunDir
 from .shared import SharedFacts
@@ -225,9 +225,10 @@ class Coordination:
         assert self.shared is not None
         return self.shared.history(committed_step, exclude_generation)
 
-    def count_restart(self, generation: int, reason: str, committed_step: int | None) -> None:
+    def count_restart(self, generation: int, reason: str, committed_step: int | None,
+                      failure: FailureMark | None = None) -> None:
         assert self.shared is not None
-        self.shared.count_restart(generation, reason, committed_step)
+        self.shared.count_restart(generation, reason, committed_step, failure)
 
     def publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
         """Tell every node the launch stops, and close the rendezvous so that none waits in it."""

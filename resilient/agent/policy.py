@@ -7,8 +7,11 @@ per agent, and covers one launch or, if asked, the whole run) and carries out th
 1. exit-code contract: a rank that exited with a code in
    :data:`~resilient.exitcodes.NO_RESTART_CODES` said restarting cannot help;
 2. crash-loop breaker: ``crash_loop_restarts`` restarts in a row without a
-   newly committed checkpoint means every attempt dies before making
-   progress; named before the budget because it says more;
+   newly committed checkpoint, each attempt failing *the same way* as this
+   one (:func:`same_way`: at the same step, or with the same error in the
+   same place), means a restart cannot get past it; named before the budget
+   because it says more.  Independent faults (other ranks, signals, steps)
+   are left to the budget: each restart may still get further;
 3. global budget: ``max_restarts`` restarts used;
 4. otherwise restart after an exponential backoff in the restarts since the
    last progress (a run that keeps committing is never slowed down).
@@ -26,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..errors import ConfigError
-from ..events import FailureKind
+from ..events import FAILURE_KINDS, FailureKind
 from ..exitcodes import NO_RESTART_CODES, describe_exit, signal_name
 
 Verdict = Literal["budget_exhausted", "crash_loop", "do_not_restart"]
@@ -47,7 +50,7 @@ class RestartConfig:
     backoff_max_s: float = 30.0
     """The delay never exceeds this."""
     crash_loop_restarts: int = 3
-    """Stop after this many restarts in a row without a newly committed checkpoint."""
+    """Stop after this many restarts in a row without a newly committed checkpoint, each failing the same way."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0:
@@ -131,6 +134,69 @@ class Failure:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FailureMark:
+    """How a failure happened, without when: what a restart's failure is compared on (kept in its record)."""
+
+    kind: FailureKind
+    rank: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    section: str | None = None
+    step: int | None = None
+    error: str | None = None
+    """The exception's type, from the failure's ``exc_type: message`` evidence (None for a signal or a hang)."""
+
+    @classmethod
+    def of(cls, failure: Failure) -> FailureMark:
+        error = None
+        if failure.kind == "exit" and failure.detail and ":" in failure.detail:
+            head = failure.detail.split(":", 1)[0].strip()
+            error = head if head.replace(".", "").replace("_", "").isalnum() else None
+        return cls(kind=failure.kind, rank=failure.rank, exit_code=failure.exit_code, signal=failure.signal,
+                   section=failure.section, step=failure.step, error=error)
+
+    def to_record(self) -> dict[str, object]:
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    @classmethod
+    def from_record(cls, record: object) -> FailureMark | None:
+        """The mark a restart record holds, or None (a record from before marks were kept, or damaged)."""
+        if not isinstance(record, dict) or record.get("kind") not in FAILURE_KINDS:
+            return None
+        ints = {k: record.get(k) for k in ("rank", "exit_code", "signal", "step")}
+        texts = {k: record.get(k) for k in ("section", "error")}
+        if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in ints.values()) or \
+                not all(v is None or isinstance(v, str) for v in texts.values()):
+            return None
+        kind: FailureKind = record["kind"]
+        return cls(kind=kind, rank=ints["rank"], exit_code=ints["exit_code"], signal=ints["signal"],
+                   step=ints["step"], section=texts["section"], error=texts["error"])
+
+
+def same_way(a: FailureMark, b: FailureMark) -> str | None:
+    """How ``a`` and ``b`` are the same failure, in words, or None when they are independent.
+
+    The same step (whatever killed it: a rank that runs out of memory at step 37 dies at 37 on every attempt); or
+    the same error in the same section; or, without an error to compare and before any step, the same rank ending
+    the same way in the same section.  A signal or a hang on another rank, with another signal, or at another step
+    (the restart got elsewhere) is another fault."""
+    if a.step is not None and a.step == b.step:
+        return f"at step {a.step}"
+    where = "" if a.section is None else f" in section {a.section!r}"
+    if a.error is not None:
+        if (a.error, a.section) == (b.error, b.section):
+            return f"with {a.error}{where}"
+        return None
+    before_steps = a.step is None and b.step is None
+    if b.error is None and before_steps and \
+            (a.kind, a.rank, a.exit_code, a.signal, a.section) == (b.kind, b.rank, b.exit_code, b.signal, b.section):
+        how = (f"exit {a.exit_code}" if a.kind == "exit" else signal_name(a.signal) if a.kind == "signal" and a.signal
+               else a.kind)
+        return f"rank {a.rank} by {how}{where}" if a.rank is not None else f"by {how}{where}"
+    return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class History:
     """What the policy needs to know about earlier restarts of this run."""
 
@@ -140,6 +206,9 @@ class History:
     """Restarts since the newest committed checkpoint last advanced."""
     newest_committed_step: int | None = None
     """Step of the newest committed checkpoint; None if nothing was committed yet."""
+    marks: tuple[FailureMark | None, ...] = ()
+    """How the failures of the restarts since progress happened, oldest first (None: not known); fewer than
+    ``restarts_since_progress`` when some are not known."""
 
     def with_commit(self, committed_step: int | None) -> History:
         """This history after seeing ``committed_step`` committed; a newer step resets the crash-loop count."""
@@ -147,14 +216,20 @@ class History:
             self.newest_committed_step is not None and committed_step <= self.newest_committed_step
         ):
             return self
-        return replace(self, newest_committed_step=committed_step, restarts_since_progress=0)
+        return replace(self, newest_committed_step=committed_step, restarts_since_progress=0, marks=())
 
-    def after_restart(self, committed_step: int | None = None) -> History:
-        """This history after one more restart, resuming from ``committed_step`` (the newest commit known)."""
+    def after_restart(self, committed_step: int | None = None, failure: FailureMark | None = None) -> History:
+        """This history after one more restart (after ``failure``), resuming from ``committed_step``."""
         seen = self.with_commit(committed_step)
         return replace(
-            seen, restarts_used=seen.restarts_used + 1, restarts_since_progress=seen.restarts_since_progress + 1
+            seen, restarts_used=seen.restarts_used + 1, restarts_since_progress=seen.restarts_since_progress + 1,
+            marks=(*seen.marks, failure),
         )
+
+    def last_marks(self, n: int) -> tuple[FailureMark | None, ...]:
+        """The marks of the last ``n`` restarts since progress, None where one is not known."""
+        known = self.marks[-n:] if n else ()
+        return (None,) * (min(n, self.restarts_since_progress) - len(known)) + known
 
 
 class Action(enum.Enum):
@@ -209,21 +284,31 @@ def decide_restart(failure: Failure, history: History, cfg: RestartConfig, now: 
             f"not restarting: {what}; by the exit-code contract a restart cannot help. Fix the cause "
             "(the rank's error file has the traceback) and start the run again",
         )
+    independent = ""
     if history.restarts_since_progress >= cfg.crash_loop_restarts:
-        if history.newest_committed_step is None:
-            stuck = "every attempt failed before the first checkpoint was committed"
-        else:
-            stuck = f"every attempt failed before committing past step {history.newest_committed_step}"
-        return stop(
-            "crash_loop",
-            f"crash loop: {history.restarts_since_progress} restarts in a row without a newly committed "
-            f"checkpoint (crash_loop_restarts={cfg.crash_loop_restarts}); {stuck}. Last failure: {what}",
-        )
+        mark = FailureMark.of(failure)
+        earlier = history.last_marks(cfg.crash_loop_restarts)
+        ways = [None if m is None else same_way(m, mark) for m in earlier]
+        if all(m is None or w is not None for m, w in zip(earlier, ways)):
+            if history.newest_committed_step is None:
+                stuck = "every attempt failed before the first checkpoint was committed"
+            else:
+                stuck = f"every attempt failed before committing past step {history.newest_committed_step}"
+            known = [w for w in ways if w is not None]
+            again = "" if not known else f", each failing the same way ({known[-1]})"
+            return stop(
+                "crash_loop",
+                f"crash loop: {history.restarts_since_progress} restarts in a row without a newly committed "
+                f"checkpoint (crash_loop_restarts={cfg.crash_loop_restarts}){again}; {stuck}. Last failure: {what}",
+            )
+        independent = (f"; not a crash loop: {history.restarts_since_progress} restarts without a new commit, "
+                       "but not the same failure again (other ranks, signals or steps), so the budget decides")
     if history.restarts_used >= cfg.max_restarts:
         return stop(
             "budget_exhausted",
             f"restart budget exhausted: {history.restarts_used} of max_restarts={cfg.max_restarts} used by the "
-            f"whole {cfg.budget_scope}. Last failure: {what}. Raise --max-restarts or fix the cause; {_resume_point(history)}",
+            f"whole {cfg.budget_scope}. Last failure: {what}. Raise --max-restarts or fix the cause; "
+            f"{_resume_point(history)}{independent}",
         )
     delay = backoff_s(history, cfg)
     when = "now" if delay == 0 else f"in {delay:.1f} s"
@@ -236,7 +321,7 @@ def decide_restart(failure: Failure, history: History, cfg: RestartConfig, now: 
         action=Action.RESTART,
         delay_s=delay,
         not_before=now + delay,
-        reason=f"restart {history.restarts_used + 1} of {cfg.max_restarts} {when} after: {what}; {start}",
+        reason=f"restart {history.restarts_used + 1} of {cfg.max_restarts} {when} after: {what}; {start}{independent}",
         verdict=None,
     )
 

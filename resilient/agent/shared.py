@@ -41,7 +41,7 @@ from typing import Any, Literal
 from ..coord.launch import LAUNCH_KEY, current_launch, end_launch, launch_prefix, record_of
 from ..coord.proof import SignedStore
 from ..coord.watch import PrefixWatch
-from .policy import History
+from .policy import FailureMark, History
 
 BudgetScope = Literal["launch", "run"]
 
@@ -156,8 +156,11 @@ class SharedFacts:
 
         used = keep(self._records(self._scope))
         here = used if self._scope == "launch" else keep(self._records("launch"))
-        since = sum(1 for r in here if r.get("committed_step") == committed_step)
-        return History(restarts_used=len(used), restarts_since_progress=since, newest_committed_step=committed_step)
+        since = sorted((r for r in here if r.get("committed_step") == committed_step),
+                       key=lambda r: r.get("generation") or 0)
+        return History(restarts_used=len(used), restarts_since_progress=len(since),
+                       newest_committed_step=committed_step,
+                       marks=tuple(FailureMark.from_record(r.get("failure")) for r in since))
 
     def restarted(self, generation: int) -> dict[str, Any] | None:
         """The restart record of ``generation``, once a node counted one (its nodes meet again in a rendezvous)."""
@@ -169,8 +172,9 @@ class SharedFacts:
         _, holder = self.signed.put_if_absent(f"{self.prefix}places/{generation:08d}/{slot}", {"node": self._node})
         return holder.get("node") == self._node
 
-    def count_restart(self, generation: int, reason: str, committed_step: int | None) -> None:
-        """Record one restart for ``generation``, once for all nodes (the first writer wins)."""
+    def count_restart(self, generation: int, reason: str, committed_step: int | None,
+                      failure: FailureMark | None = None) -> None:
+        """Record one restart for ``generation`` after ``failure``, once for all nodes (the first writer wins)."""
         record = {"generation": generation, "node": self._node, "reason": reason, "committed_step": committed_step,
-                  "launch": self.launch_id}
+                  "launch": self.launch_id, "failure": None if failure is None else failure.to_record()}
         self.signed.put_if_absent(f"{self.prefix}restarts/{generation:08d}", record)

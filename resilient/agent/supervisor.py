@@ -50,7 +50,7 @@ from .incident_book import IncidentBook
 from .incidents import Incident, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
 from .launcher import parent_death_signal
-from .policy import Action, Failure, decide_restart
+from .policy import Action, Failure, FailureMark, decide_restart
 from .rendezvous import Assignment
 from .reporting import NodeReporting
 from .rundir import RunDir, heartbeat_socket, read_token
@@ -408,7 +408,7 @@ class Agent:
             self.coordination.publish_verdict(decision.verdict or "stopped", decision.reason, code)
             return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
         self.incidents.restart_incident = incident
-        self.coordination.count_restart(generation, decision.reason, committed)
+        self.coordination.count_restart(generation, decision.reason, committed, FailureMark.of(outcome.failure))
         self.accounting.restarted(outcome.failure.kind)
         self.emit(EventKind.RESTART, generation=generation, reason=decision.reason, delay_s=decision.delay_s,
                   restarts_used=self.coordination.restarts_used())

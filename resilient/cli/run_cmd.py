@@ -107,7 +107,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--timeout-warmup", type=int, metavar="N", help="observations before calibrating (default 5)")
     p.add_argument("--timeout-floor", type=float, metavar="S", help="lowest calibrated timeout (default 5)")
     p.add_argument("--crash-loop-restarts", type=int, default=3, metavar="K",
-                   help="stop after K restarts without a newly committed checkpoint (default 3)")
+                   help="stop after K restarts without a newly committed checkpoint that each failed the same way "
+                   "(same step, or same exception in the same section; default 3)")
     p.add_argument("--restart-backoff", type=float, default=0.0, metavar="S",
                    help="first restart delay, doubled per restart without progress (default 0)")
     p.add_argument("--stop-grace", type=float, default=5.0, metavar="S",

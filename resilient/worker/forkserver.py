@@ -16,8 +16,8 @@ It refuses to fork while a Python thread besides its main one is alive or CUDA i
 survives; the agent then starts the workers the plain way.  Messages are one JSON object per datagram-sized frame, prefixed
 with its length; descriptors travel with a request (``SCM_RIGHTS``).
 
-Requests ``{"id", "argv", "env", "cwd", "nice"}`` (argv the Python command line, ``argv[0]`` the interpreter) with three
-descriptors get ``{"id", "pid"}`` or ``{"id", "refused": why}``; an exit is reported as ``{"exit": pid,
+Requests ``{"id", "argv", "env", "cwd", "nice"}`` (argv the Python command line, ``argv[0]`` the interpreter;
+``nice`` added to the child's niceness before its threads exist) with three descriptors get ``{"id", "pid"}`` or ``{"id", "refused": why}``; an exit is reported as ``{"exit": pid,
 "returncode": N}`` (negative for a signal, as ``subprocess`` does).  End of file on the socket ends the server, and
 with it (parent-death signal) every worker still running.
 """
