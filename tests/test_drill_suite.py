@@ -103,11 +103,13 @@ def _zombie_launch(drill_dir: Path, record: dict[str, Any]) -> None:
 
 
 def _kill_node(drill_dir: Path, record: dict[str, Any]) -> None:
-    """The spare node's worker took rank 1: in the order they were written, rank 1's steps are n1's worker's up to a
-    step past the fault's trigger, then the spare's to the end, each step once and none after the other's.
+    """The spare node's worker took rank 1: in the order they were written, rank 1's steps are n1's worker's from
+    the first up to a step past the fault's trigger, then the spare's to the last, each at most once.
 
     The handover step is read, not assumed: the fault fires from outside once rank 1's trace shows the trigger step
-    (the injector looks ten times a second), and a step or two may complete before it takes hold."""
+    (the injector looks ten times a second), and a step or two may complete before it takes hold.  Between the two
+    workers at most one step has no line of rank 1's: the one a killed worker completed (rank 0 traced it, and the
+    spare took the state after it) but died before writing down."""
     trace = _jsonl(drill_dir / "faulted" / "trace.jsonl")
     [trigger] = [f["step"] for f in record["faults"]]
     steps = sorted(t["step"] for t in trace if t["rank"] == 0)
@@ -115,8 +117,9 @@ def _kill_node(drill_dir: Path, record: dict[str, Any]) -> None:
     workers = [t["worker"] for t in rank1]
     handover = workers.index("spare0.s0")
     assert set(workers[:handover]) == {"n1.w0"} and set(workers[handover:]) == {"spare0.s0"}, workers
-    assert [t["step"] for t in rank1] == steps, "rank 1 did every step once, in order"
-    assert rank1[handover]["step"] > trigger, rank1[handover]
+    old, new = [t["step"] for t in rank1[:handover]], [t["step"] for t in rank1[handover:]]
+    assert old == steps[:len(old)] and new == steps[-len(new):], (old, new)
+    assert trigger < new[0] and old[-1] < new[0] <= old[-1] + 2, (old, new)  # nothing re-done, one line at most lost
 
 
 def _partition_node(drill_dir: Path, record: dict[str, Any]) -> None:
