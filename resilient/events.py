@@ -64,6 +64,13 @@ class EventKind(str, Enum):
     CHECKPOINT_RESTORED = "checkpoint_restored"  # training state was loaded from a verified checkpoint
     CHECKPOINT_RESHARDED = "checkpoint_resharded"  # the restored checkpoint was saved on another world size
     CHECKPOINT_FALLBACK = "checkpoint_fallback"  # newer checkpoints failed verification; an older one was used
+    MEMORY_TIER_RESTORED = "memory_tier_restored"  # the state came from the node's memory tier, newer than any commit
+    MEMORY_TIER_FALLBACK = "memory_tier_fallback"  # the memory tier's newest common step failed somewhere: durable tier
+    MEMORY_TIER_OFF = "memory_tier_off"  # this rank saves nothing in the memory tier (no room, or why not)
+    MEMORY_CADENCE = "memory_cadence"  # the memory tier's interval changed, with the measured costs that chose it
+    MEMORY_TIER_FOUND = "memory_tier_found"  # an agent found its killed predecessor's memory tier, and what it holds
+    MEMORY_TIER_RELEASED = "memory_tier_released"  # the run ended on this node: its memory tier was removed
+    MEMORY_TIER_SWEPT = "memory_tier_swept"  # memory tiers of dead agents whose run directory is gone were removed
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # a corrupt checkpoint was moved out of the committed set
     CHECKPOINT_QUARANTINE_FAILED = "checkpoint_quarantine_failed"  # a corrupt checkpoint could not be moved
 
@@ -171,6 +178,8 @@ _WARNING_KINDS = frozenset(
         EventKind.CHECKPOINT_STORE_RETRYING,
         EventKind.CHECKPOINT_QUARANTINED,
         EventKind.CHECKPOINT_FALLBACK,
+        EventKind.MEMORY_TIER_FALLBACK,
+        EventKind.MEMORY_TIER_OFF,
         EventKind.CHECKPOINT_CONFLICT,
         EventKind.CHECKPOINT_FENCED,
     }
@@ -232,7 +241,9 @@ class EventLog:
 
 FORWARDED = frozenset({
     EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_CONFLICT, EventKind.CHECKPOINT_FENCED,
-    EventKind.CHECKPOINT_FALLBACK, EventKind.CHECKPOINT_QUARANTINED, EventKind.CHECKPOINT_QUARANTINE_FAILED,
+    EventKind.CHECKPOINT_FALLBACK, EventKind.MEMORY_TIER_FALLBACK, EventKind.MEMORY_TIER_OFF,
+    EventKind.MEMORY_TIER_RESTORED, EventKind.MEMORY_CADENCE, EventKind.CHECKPOINT_QUARANTINED,
+    EventKind.CHECKPOINT_QUARANTINE_FAILED,
     EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS, EventKind.CHECKPOINT_STORE_RETRYING,
     EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, EventKind.IN_PROCESS_DECLINED, EventKind.TORCH_FEATURES_OFF,
 })

@@ -38,6 +38,7 @@ from .elastic.batch import BatchPlan
 from .errors import ConfigError
 from .events import EventKind, EventLog, ForwardingLog
 from .mesh import take_joined, worker_hooks
+from .run_memory import open_memory
 from .run_payloads import (
     apply_restored,
     capture_payloads,
@@ -211,6 +212,8 @@ class Run:
         }
         self.checkpoints: CheckpointManager | None = None
         restore_started, diagnosing = time.perf_counter(), env is not None and env.diagnose is not None
+        self._memory = open_memory(self, env) if checkpoint is not None and not diagnosing else None
+        """The node's memory tier (:mod:`resilient.run_memory`): restored from first, saved at boundaries."""
         if checkpoint is not None and not diagnosing:  # a diagnosis job measures: it keeps nothing
             with self.section("restore"):
                 # A spare already in the group takes its state from the members, not from a checkpoint.
@@ -260,6 +263,8 @@ class Run:
             if _audit.due(self, self._audit_every):
                 self._audit_boundary()
             self._maybe_checkpoint()
+            if self._memory is not None:
+                self._memory.at_boundary()
             self._step_started = time.perf_counter()
             if hooks is not None:
                 self._enter("step")
@@ -345,6 +350,8 @@ class Run:
         if self.checkpoints is not None:
             with self.section("checkpoint"):
                 result = self.checkpoints.wait()
+        if self._memory is not None:
+            self._memory.close()
         if self.data is not None:
             self.data.close()  # stop its worker processes now, not whenever the loader is collected
         if self._ddp is not None:  # the wrapper Run made must not outlive the group (docs/architecture.md)

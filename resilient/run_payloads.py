@@ -54,14 +54,23 @@ def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, 
     manager = CheckpointManager(config, coordinator, run.events, fence=fence, claim=not spare)
     if not restore:
         return manager
+    if run._memory is not None and not spare:  # the node's memory tier first, when it is at least as new
+        durable = manager.newest()
+        restored = run._memory.restore(coordinator, durable)
+        if restored is not None:
+            run._apply(restored)
+            manager.last_committed = durable
+            return manager
     restored = manager.restore(targets=(lambda: sharded_targets(run)) if run._sharded else None)
     if restored is not None:
         run._apply(restored)
     return manager
 
 
-def capture_payloads(run: Run) -> dict[str, Any]:
-    """What one rank saves: its own state (RANK) and, on rank 0, the replicated state (REPLICATED)."""
+def capture_payloads(run: Run, *, replicated: bool | None = None) -> dict[str, Any]:
+    """What one rank saves: its own state (RANK) and, on rank 0 (or where ``replicated`` says), the replicated
+    state (REPLICATED)."""
+    with_replicated = run.rank == 0 if replicated is None else replicated
     payloads: dict[str, Any] = {
         RANK: {
             "rng": capture_rng(),
@@ -75,10 +84,10 @@ def capture_payloads(run: Run) -> dict[str, Any]:
         payloads[RANK][sharded.SHARDS] = parts.local
         payloads[sharded.INDEX] = parts.table
         model_state, optimizer_state = parts.replicated["model"], parts.replicated["optimizer"]
-    elif run.rank == 0:
+    elif with_replicated:
         model_state = unwrap(run.model).state_dict()
         optimizer_state = run.optimizer.state_dict() if run.optimizer is not None else None
-    if run.rank == 0:
+    if with_replicated:
         payloads[REPLICATED] = {
             "model": model_state,
             "optimizer": optimizer_state,

@@ -28,3 +28,25 @@ LONGEST_FIRST = ("test_sharded.py", "test_deploy_compose.py", "test_torch_next.p
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the memory tiers of this session's agents that a test killed (an agent removes its own only when
+    its run ends): they live in /dev/shm, outside the test's temporary directory."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from resilient.agent.memory_tier import OWNER, PREFIX
+
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if factory is None:
+        return
+    base = str(factory.getbasetemp().resolve())
+    for tier in Path("/dev/shm").glob(PREFIX + "*") if Path("/dev/shm").is_dir() else ():
+        try:
+            run_dir = json.loads((tier / OWNER).read_text())["run_dir"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if run_dir.startswith(base + "/"):
+            shutil.rmtree(tier, ignore_errors=True)

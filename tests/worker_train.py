@@ -9,7 +9,8 @@ line with digests of parameters, optimizer state and RNG streams.
 ``--fault POINT --fault-step S`` SIGKILLs the process at POINT during the
 save at step S (first attempt only: a marker file records that it fired);
 ``--fault-signal STOP`` SIGSTOPs it there instead, and it carries on from
-that point once continued (SIGCONT).  ``--events PATH`` writes the Run's
+that point once continued (SIGCONT).  ``--crash-step S`` SIGKILLs it in the
+middle of step S instead (after the backward, before the update).  ``--events PATH`` writes the Run's
 events as JSON lines.  ``--fsdp`` shards the model with FSDP2
 (``fully_shard``) instead of DDP; ``--mesh R,S`` makes it HSDP over R
 replicas of S shards.  Digests of sharded state are of the full tensors, so
@@ -164,6 +165,9 @@ def main() -> int:
                    help="CheckpointConfig.when_busy; 'wait' by default: the tests that compare runs need a save "
                         "at every scheduled step whatever the load on the machine (tests/test_save_pacing.py "
                         "passes 'defer')")
+    p.add_argument("--crash-step", type=int, default=None,
+                   help="SIGKILL this process after the backward of step S, before its update (first attempt only)")
+    p.add_argument("--crash-rank", type=int, default=None, help="only this rank crashes (default: all)")
     p.add_argument("--slow-storage", nargs=3, action="append", default=[], metavar=("RANK", "METHOD", "SECONDS"),
                    help="on RANK, LocalStorage.METHOD sleeps SECONDS first (e.g. write_file: a slow disk)")
     args = p.parse_args()
@@ -217,6 +221,7 @@ def main() -> int:
     if args.fsdp:  # what was restored, gathered to full tensors
         start |= {k: v for k, v in state_digests(model, optimizer).items() if k in ("params", "optimizer")}
     trace.write(json.dumps(start) + "\n")
+    trace.flush()  # a fault may end the process at its first step (os._exit: nothing buffered is written)
     for step in run.steps(args.steps):
         faulty = args.fault and args.fault_rank in (None, rank)
         if faulty and step == args.fault_step - 1 and not os.path.exists(marker):  # save runs at the top of fault_step
@@ -238,6 +243,11 @@ def main() -> int:
             indices = run.data.last_indices
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        crash_marker = f"{args.trace}.crash-fired"
+        if step == args.crash_step and args.crash_rank in (None, rank) and not os.path.exists(crash_marker):
+            open(crash_marker, "w").close()
+            trace.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

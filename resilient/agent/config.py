@@ -111,6 +111,16 @@ class AgentConfig:
     one as a new interpreter."""
     preload: tuple[str, ...] = ()
     """Modules the fork server imports before its first fork, besides torch and resilient."""
+    memory_tier: bool = True
+    """Keep each rank's state at step boundaries in shared memory this agent owns (:mod:`.memory_tier`), so a
+    restarted worker resumes from its newest step instead of the durable commit; False: durable tier only."""
+    memory_root: Path = Path("/dev/shm")
+    """The shared-memory filesystem the memory tier lives in (``--memory-root``)."""
+    memory_limit: int | None = None
+    """Bytes the node's memory tier may hold, all ranks together (``--memory-limit``); None: half of
+    ``memory_root``'s filesystem."""
+    memory_every: int | None = None
+    """Steps between memory saves (``--memory-every``); None: chosen from the measured cost of a save."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0: a free one); None: no metrics server."""
     metrics_addr: str = "127.0.0.1"
@@ -178,6 +188,10 @@ class AgentConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"AgentConfig.{name} must be > 0, got {value}")
+        if self.memory_limit is not None and self.memory_limit < 1:
+            raise ConfigError(f"--memory-limit must be a size above 0 (e.g. 8G), got {self.memory_limit}")
+        if self.memory_every is not None and self.memory_every < 1:
+            raise ConfigError(f"--memory-every must be >= 1 steps or auto, got {self.memory_every}")
         if self.preempt_margin_steps < 1:
             raise ConfigError("AgentConfig.preempt_margin_steps must be >= 1")
 

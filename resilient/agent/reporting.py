@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..events import Emit, EventKind
 from .accounting import NodeAccounting
@@ -23,6 +23,9 @@ from .rundir import RunDir
 from .slowness import SlownessWatch
 from .status import StatusPublisher
 from .tracker import RankTracker
+
+if TYPE_CHECKING:
+    from .memory_tier import NodeMemory
 
 
 class NodeReporting:
@@ -37,6 +40,8 @@ class NodeReporting:
         self._peak_flops: float | None = None
         self.metrics: Any = None
         self.spares_ready: Callable[[], int] | None = None
+        self.memory: NodeMemory | None = None
+        """The node's memory tier, for its gauges (set by the agent)."""
         """Warm spares now (set by the agent when in-process recovery is on offer)."""
         self.slowness: SlownessWatch | None = None
         """Straggler and slowdown detection (set by the agent)."""
@@ -90,4 +95,6 @@ class NodeReporting:
             mfu=job_mfu(a, c.flops_per_step, self._peak_flops),
             slowness=self.slowness.snapshot() if self.slowness is not None else None,
             quarantine=self.status.quarantine() if self.status.quarantine is not None else None,
+            memory_bytes=self.memory.used_bytes() if self.memory is not None else None,
+            memory_limit_bytes=self.memory.limit if self.memory is not None else None,
         )

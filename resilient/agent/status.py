@@ -87,6 +87,8 @@ class StatusPublisher:
         """Straggler scores, standing flags and the slowdown in progress (set by the agent's reporting)."""
         self.quarantine: Callable[[], dict[str, Any]] | None = None
         """Across machines: this node's quarantine record, offences and newest burn-in (set by the agent)."""
+        self.memory: Callable[[], dict[str, Any]] | None = None
+        """The node's memory tier: directory, limit, bytes held, steps held per rank (set by the agent)."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -154,6 +156,7 @@ class StatusPublisher:
             "recovery": self.recovery() if self.recovery is not None else None,
             "slowness": self.slowness() if self.slowness is not None else None,
             "quarantine": self.quarantine() if self.quarantine is not None else None,
+            "memory": self.memory() if self.memory is not None else None,
             "store_published_at": self._store_published_at,
         }
 

@@ -50,6 +50,7 @@ from .incident_book import IncidentBook
 from .incidents import Incident, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
 from .launcher import parent_death_signal
+from .memory_tier import NodeMemory
 from .policy import Action, Failure, FailureMark, decide_restart
 from .rendezvous import Assignment
 from .reporting import NodeReporting
@@ -88,6 +89,13 @@ class Agent:
         # and kill what an earlier (SIGKILLed) agent left behind.
         self.bookkeeping = ProcessBookkeeping(self.run_dir.node_dir, config.node_id, emit=self.emit,
                                               record_incident=self.record_incident)
+        self.memory: NodeMemory | None = None
+        """This node's memory tier (:mod:`.memory_tier`); None with ``--no-memory-tier``."""
+        if config.memory_tier:
+            self.memory = NodeMemory(config.memory_root, run_id=config.run_id, node_id=config.node_id,
+                                     run_dir=config.run_dir, limit=config.memory_limit, every=config.memory_every,
+                                     emit=self.emit)
+            config = self.config = replace(config, worker_env={**config.worker_env, **self.memory.env()})
         self.tracker = RankTracker(on_stale=stale_events(self.emit))
         self.coordination = Coordination(config, self.run_dir, self.token, emit=self.emit,
                                          on_node_lost=self._node_lost)
@@ -124,6 +132,9 @@ class Agent:
         self.gate = self.coordination.quarantine_gate(self.run_dir.node_dir, self.reporting.status.set_phase)
         """Across machines: the fleet's quarantine as this node obeys it; None on one machine."""
         self.reporting.status.quarantine = self.gate.view if self.gate is not None else None
+        if self.memory is not None:
+            self.reporting.status.memory = self.memory.view
+            self.reporting.memory = self.memory
         self.reporting.slowness = self.slowness = watch_for(self)
         self.spawner = Spawner(enabled=config.fork_server,
                                base_env=gen_mod.base_env(config), preload=config.preload,
@@ -419,6 +430,8 @@ class Agent:
     def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
         if verdict in ("succeeded", "preempted") and not self._quiet:
             self.coordination.end_launch(f"{verdict} (node {self.config.node_id})")
+        if self.memory is not None:  # the run ended here: nothing restores from the memory tier again
+            self.memory.release(verdict)
         result = AgentResult(code, verdict, reason, generation, self.coordination.restarts_used())
         self.reporting.status.phase = f"finished: {verdict}"
         self.emit(EventKind.AGENT_FINISHED, exit_code=code, verdict=verdict, reason=reason, generation=generation,

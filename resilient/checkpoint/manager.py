@@ -353,6 +353,23 @@ class CheckpointManager:
             self.events.emit(EventKind.CHECKPOINT_RETENTION_FAILED, error=str(e))
 
     # --------------------------------------------------------------- restore
+    def newest(self) -> Manifest | None:
+        """The newest committed checkpoint's manifest, unverified (None when there is none, or it does not
+        parse: :meth:`restore` then quarantines it); the same on every rank."""
+        def read() -> bytes:
+            names = self.storage.list_committed()
+            if not names:
+                return b""
+            return names[-1].encode() + b"\n" + (self.storage.read_manifest(names[-1]) or b"")
+
+        name, _, raw = self.coord.on_root(read).partition(b"\n")
+        if not raw:
+            return None
+        try:
+            return parse_manifest(raw, name.decode())
+        except CheckpointError:
+            return None
+
     def restore(self, targets: Targets | None = None) -> Restored | None:
         """Load the newest committed checkpoint that verifies on every rank (see :mod:`.restore`).
 

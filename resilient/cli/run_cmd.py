@@ -169,6 +169,16 @@ def add_parser(commands: Any) -> None:
                         "imported torch")
     p.add_argument("--preload", default="", metavar="MOD,...",
                    help="modules the fork server imports before forking the workers, besides torch")
+    p.add_argument("--no-memory-tier", dest="memory_tier", action="store_false",
+                   help="keep no state in shared memory: a restarted worker resumes from the newest durable commit")
+    p.add_argument("--memory-root", type=Path, default=Path("/dev/shm"), metavar="DIR",
+                   help="the shared-memory filesystem the memory tier lives in (default /dev/shm)")
+    p.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="bytes the node's memory tier may hold, all ranks together, e.g. 8G (default: half of "
+                        "--memory-root); a rank without room keeps to the durable tier and says so")
+    p.add_argument("--memory-every", default="auto", metavar="N|auto",
+                   help="steps between memory saves (default auto: chosen so that a save costs at most 5%% of the "
+                        "step time, from what saves cost)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
@@ -185,6 +195,30 @@ def parse_nnodes(text: str, flag: str = "--nnodes") -> tuple[int, int]:
         return int(text), int(text)
     except ValueError:
         raise ConfigError(f"{flag} {text!r}: give N or MIN:MAX, e.g. {flag} 2:3") from None
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | None, flag: str) -> int | None:
+    """``8G``, ``512M``, ``1073741824`` as bytes; None stays None."""
+    if text is None:
+        return None
+    number, unit = text.strip().rstrip("iBb"), ""
+    if number and number[-1].upper() in _UNITS:
+        number, unit = number[:-1], number[-1].upper()
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give a size in bytes, or with K, M, G or T, e.g. {flag} 8G") from None
+    return int(value)
+
+
+def parse_count(text: str, flag: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give a number of steps, or auto") from None
 
 
 def parse_sections(items: list[str]) -> dict[str, float]:
@@ -276,7 +310,9 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         signalled_together_s=args.signalled_together,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
-        worker_env=dict(environ), fork_server=args.fork_server,
+        worker_env=dict(environ), fork_server=args.fork_server, memory_tier=args.memory_tier,
+        memory_root=args.memory_root.absolute(), memory_limit=parse_size(args.memory_limit, "--memory-limit"),
+        memory_every=None if args.memory_every == "auto" else parse_count(args.memory_every, "--memory-every"),
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         stall_alert_after_s=args.stall_alert_after, goodput_objective=args.goodput_objective,
         ideal_step_s=args.ideal_step_time, flops_per_step=args.flops_per_step,

@@ -162,6 +162,9 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
         restore = n.get("restore")
         if isinstance(restore, dict) and restore.get("summary"):
             out.append(f"  restore: {restore['summary']}")
+        memory = n.get("memory")
+        if isinstance(memory, dict):
+            out.append(f"  memory tier: {memory_line(memory)}")
         recovery = n.get("recovery")
         if isinstance(recovery, dict):
             if recovery.get("declined"):
@@ -306,3 +309,20 @@ def slowness_lines(slowness: Any) -> list[str]:
                    if not slowness.get("stragglers") else
                    f"  step time baseline: {slowness['baseline_s'] * 1e3:.1f} ms per step")
     return out
+
+
+def memory_line(memory: dict[str, Any]) -> str:
+    """``12.0 MiB of 4.0 GiB in /dev/shm/...; interval auto; steps held: rank00000 40,39,38; ...``"""
+    def size(n: object) -> str:
+        value = float(n) if isinstance(n, (int, float)) else 0.0
+        for unit in ("B", "KiB", "MiB", "GiB"):
+            if value < 1024 or unit == "GiB":
+                return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
+            value /= 1024
+        return f"{value:.1f} TiB"
+
+    holdings = memory.get("holdings") or {}
+    held = "; ".join(f"{stem} {','.join(str(s) for s in steps)}" for stem, steps in sorted(holdings.items()))
+    return (f"{size(memory.get('used_bytes'))} of {size(memory.get('limit_bytes'))} in {memory.get('directory')}; "
+            f"interval {memory.get('every')}; steps held: {held or 'none yet'}")
+

@@ -91,6 +91,9 @@ METRICS: tuple[Metric, ...] = (
            "Failures answered in process (no restart) and growths, by rung: retry_in_place, promote_spare, shrink "
            "after a failure, grow back onto a spare", (*_NODE, "rung")),
     Metric("resilient_spares_ready", "gauge", "Spare workers warm and waiting to take a failed rank's place", _NODE),
+    Metric("resilient_memory_tier_bytes", "gauge", "Bytes the node's memory tier holds (every rank's slots)", _NODE),
+    Metric("resilient_memory_tier_limit_bytes", "gauge", "Bytes the node's memory tier may hold (--memory-limit)",
+           _NODE),
     Metric("resilient_incidents_total", "counter", "Incidents, by kind", (*_NODE, "kind")),
     Metric("resilient_restarts_used", "gauge", "Restarts counted against the run's budget", _NODE),
     Metric("resilient_restart_budget", "gauge", "The run's restart budget (--max-restarts)", _NODE),

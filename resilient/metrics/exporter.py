@@ -52,6 +52,9 @@ class NodeView:
     """Straggler scores and the slowdown state (:meth:`~resilient.agent.slowness.SlownessWatch.snapshot`)."""
     quarantine: Mapping[str, Any] | None = None
     """Across machines: this node's quarantine (:meth:`~resilient.agent.quarantine_gate.QuarantineGate.view`)."""
+    memory_bytes: int | None = None
+    """Bytes the node's memory tier holds; None without one."""
+    memory_limit_bytes: int | None = None
 
 
 def families(view: NodeView) -> Iterator[Any]:
@@ -126,6 +129,8 @@ def families(view: NodeView) -> Iterator[Any]:
         f.add_metric([*base, rung], view.recoveries_by_rung.get(rung, 0))
     yield f
     yield one("resilient_spares_ready", view.spares_ready)
+    yield one("resilient_memory_tier_bytes", view.memory_bytes)
+    yield one("resilient_memory_tier_limit_bytes", view.memory_limit_bytes)
     f = fam("resilient_incidents_total")
     for kind in INCIDENT_KINDS:
         f.add_metric([*base, kind], view.incidents_by_kind.get(kind, 0))

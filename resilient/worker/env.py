@@ -95,6 +95,13 @@ class WorkerEnv:
     """RESILIENT_DIAGNOSE=input:STEPS:DIR: a diagnosis job of ``resilient diagnose input``
     (:mod:`resilient.worker.diagnose`): no checkpoint is read or written."""
 
+    memory_dir: str | None = None
+    """RESILIENT_MEMORY_DIR: this node's memory tier (:mod:`resilient.checkpoint.memory`); None: no memory tier."""
+    memory_limit: int = 0
+    """RESILIENT_MEMORY_LIMIT: bytes the node's memory tier may hold, all its ranks together."""
+    memory_every: int = 0
+    """RESILIENT_MEMORY_EVERY: steps between memory saves; 0 (``auto``): chosen from the measured cost."""
+
     def __post_init__(self) -> None:
         if not self.agent_socket:
             raise ConfigError("RESILIENT_AGENT_SOCKET is empty: set it to the agent's socket path, or unset it")
@@ -131,6 +138,11 @@ class WorkerEnv:
         if self.role == "spare" and self.recovery_store is None:
             raise ConfigError("RESILIENT_ROLE=spare needs RESILIENT_RECOVERY_STORE: a spare waits there for the "
                               "assignment that promotes it")
+        if self.memory_dir is not None and self.memory_limit <= 0:
+            raise ConfigError(f"RESILIENT_MEMORY_LIMIT={self.memory_limit} must be a number of bytes > 0 when "
+                              "RESILIENT_MEMORY_DIR is set")
+        if self.memory_every < 0:
+            raise ConfigError(f"RESILIENT_MEMORY_EVERY={self.memory_every} must be a number of steps >= 1, or auto")
         if self.stack_signal == self.stop_signal:
             raise ConfigError(
                 f"RESILIENT_STACK_SIGNAL and RESILIENT_STOP_SIGNAL are both {self.stop_signal}; they must differ"
@@ -180,6 +192,10 @@ class WorkerEnv:
             "recovery_timeout_s": _float(environ, "RESILIENT_RECOVERY_TIMEOUT"),
             "resizable": _int(environ, "RESILIENT_RESIZABLE"),
             "diagnose": _str(environ, "RESILIENT_DIAGNOSE"),
+            "memory_dir": _str(environ, "RESILIENT_MEMORY_DIR"),
+            "memory_limit": _int(environ, "RESILIENT_MEMORY_LIMIT"),
+            "memory_every": 0 if _str(environ, "RESILIENT_MEMORY_EVERY") == "auto" else _int(environ,
+                                                                                            "RESILIENT_MEMORY_EVERY"),
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -208,7 +224,8 @@ _VARS = {
     "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
     "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
     "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
-    "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE",
+    "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE", "memory_dir": "RESILIENT_MEMORY_DIR",
+    "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY",
 }
 
 

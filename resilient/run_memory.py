@@ -1,0 +1,130 @@
+"""A :class:`~resilient.run.Run`'s side of its node's memory tier (:mod:`resilient.checkpoint.memory`).
+
+Under an agent that gives a memory tier (``RESILIENT_MEMORY_DIR``) and with a
+durable checkpoint configured, every rank copies what a durable save holds
+into the tier at step boundaries: its own state, and on the node's local
+rank 0 the replicated state.  A restarted worker restores from the tier
+when every rank holds a step at least as new as the newest durable commit
+(:func:`restore`).  The interval is the user's (``--memory-every N``) or
+chosen from the measured cost (:func:`~resilient.checkpoint.memory.decide_interval`): every step
+while the first saves are measured, then agreed by all ranks (the largest
+proposal) at fixed steps, an event each time it changes.  Sharded state
+(FSDP2/DTensor) stays on the durable tier, which reshards it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .checkpoint import memory as mem
+from .checkpoint.manifest import Manifest, checkpoint_name
+from .checkpoint.restore import Restored
+from .events import EventKind
+from .state import unwrap
+
+if TYPE_CHECKING:
+    from .checkpoint.coordinator import Coordinator
+    from .run import Run
+    from .worker.env import WorkerEnv
+
+
+class RunMemory:
+    """The memory tier of one rank of a Run."""
+
+    def __init__(self, run: Run, env: WorkerEnv) -> None:
+        assert env.memory_dir is not None
+        self.run = run
+        self.env = env
+        self.tier = mem.MemoryTier(env.memory_dir, limit=env.memory_limit, local_rank=env.local_rank,
+                                   events=run.events, generation=env.generation)
+        self.fixed = env.memory_every or None
+        self.every = self.fixed or 1
+        self.fingerprint = hashlib.sha256(json.dumps(run._fingerprint, sort_keys=True, default=str)
+                                          .encode()).hexdigest()
+        self._rank: int | None = None
+        self._saved: int | None = None
+        self._step_times: list[float] = []
+
+    # ------------------------------------------------------------ restore
+    def restore(self, coord: Coordinator, durable: Manifest | None) -> Restored | None:
+        """Every rank's state from the tier when it holds a step at least as new as ``durable``; collective."""
+        from .checkpoint.restore import _agree
+
+        got = mem.restore_memory(self.tier, coord, self.run.events, fingerprint=self.fingerprint,
+                                 not_before=durable.step if durable is not None else None, agree=_agree)
+        if got is None:
+            return None
+        manifest = Manifest(name=f"memory:{checkpoint_name(got.step)}", step=got.step, world_size=coord.world_size,
+                            files=(), parent=durable.name if durable is not None else None,
+                            created_unix=time.time(), chunk_bytes=self.tier.chunk_bytes,
+                            fingerprint=self.run._fingerprint, counters=got.counters)
+        return Restored(manifest, got.replicated, got.rank_state, ranks_read=(coord.rank,))
+
+    # ------------------------------------------------------------ saving
+    def at_boundary(self) -> None:
+        """At a step boundary: choose the interval where due, and save when the step falls on it."""
+        run = self.run
+        step = run.step
+        if step == 0 or self.tier.off is not None:
+            return
+        if run.last_step_s is not None:
+            self._step_times = [*self._step_times[-15:], run.last_step_s]
+        if self.fixed is None and (step == mem.DECIDE_FIRST or step % mem.DECIDE_EVERY == 0):
+            self._decide(step)
+        if step % self.every or step == self._saved:  # the same boundary again: an in-process retry of its step
+            return
+        self._saved = step
+        if self._rank is not None and self._rank != run.rank:  # an in-process regroup renumbered this rank
+            self.tier.forget(self._rank)
+        self._rank = run.rank
+        if run._inproc is not None:
+            self.tier.generation = run._inproc.generation
+        from .run_payloads import capture_payloads
+
+        with run.section("checkpoint"):
+            self.tier.save(step, capture_payloads(run, replicated=self.env.local_rank == 0), rank=run.rank,
+                           world_size=run.world_size, fingerprint=self.fingerprint,
+                           counters={"step": step, "samples": run.samples, "tokens": run.tokens})
+
+    def _decide(self, step: int) -> None:
+        from . import run_attempt as _attempt
+
+        run = self.run
+        self.tier.wait()  # the newest save's hashing belongs to its cost
+        times = sorted(self._step_times)
+        step_s = times[len(times) // 2] if times else None
+        on_cpu = all(p.device.type == "cpu" for p in unwrap(run.model).parameters())
+        cadence = mem.decide_interval(self.tier.costs, step_s, on_cpu=on_cpu)
+        proposed = cadence.every
+        if run.checkpoints is not None:
+            try:
+                proposed = run.checkpoints.coord.agree_max((cadence.every,))[0]
+            except Exception as exc:
+                if run._inproc is None or not _attempt.is_recoverable(exc):
+                    raise
+                return  # a peer was lost: the step's attempt recovers the group; the interval stays
+        if proposed != self.every:
+            run.events.emit(EventKind.MEMORY_CADENCE, step=step, every=proposed, previous=self.every,
+                            proposed_here=cadence.every, reason=cadence.reason, cost_s=round(cadence.cost_s, 6),
+                            step_s=round(step_s, 6) if step_s is not None else None, budget=mem.BUDGET)
+            self.every = proposed
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def open_memory(run: Run, env: WorkerEnv | None) -> RunMemory | None:
+    """The Run's memory tier, or None: no agent's tier, a spare (it saves once promoted), or sharded state."""
+    if env is None or env.memory_dir is None:
+        return None
+    if run._sharded:
+        run.events.emit(EventKind.MEMORY_TIER_OFF, reason="sharded state (FSDP2/DTensor) is kept on the durable "
+                        "tier only, which reshards it", step=None, directory=env.memory_dir,
+                        limit_bytes=env.memory_limit, used_bytes=mem.usage(Path(env.memory_dir)))
+        return None
+    return RunMemory(run, env)
+
