@@ -6,7 +6,7 @@ into the tier at step boundaries: its own state, and on the node's local
 rank 0 the replicated state.  A restarted worker restores from the tier
 when every rank holds a step at least as new as the newest durable commit
 (:func:`restore`).  The interval is the user's (``--memory-every N``) or
-chosen from the measured cost (:func:`~resilient.checkpoint.memory.decide_interval`): every step
+chosen from the measured cost (:func:`decide_interval`): every step
 while the first saves are measured, then agreed by all ranks (the largest
 proposal) at fixed steps, an event each time it changes.  Sharded state
 (FSDP2/DTensor) stays on the durable tier, which reshards it.
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,41 @@ if TYPE_CHECKING:
     from .checkpoint.coordinator import Coordinator
     from .run import Run
     from .worker.env import WorkerEnv
+
+
+DECIDE_FIRST, DECIDE_EVERY = 4, 50
+"""Steps at which the ranks agree on the interval: the first boundary after step DECIDE_FIRST's save, then every
+DECIDE_EVERY steps."""
+BUDGET = 0.05
+"""The share of a step's time the memory tier may cost when its interval is chosen."""
+@dataclass(frozen=True)
+class Cadence:
+    """The memory tier's interval and why."""
+
+    every: int
+    reason: str
+    cost_s: float
+    step_s: float | None
+
+
+def decide_interval(costs: list[mem.SaveCost], step_s: float | None, *, on_cpu: bool, budget: float = BUDGET,
+                    bound: int | None = None) -> Cadence:
+    """Steps between memory saves so that the tier costs at most ``budget`` of the step time.
+
+    A save costs its loop stall, plus its hashing when the job trains on the
+    CPU (the hash threads then take cores from the step; beside a GPU they
+    use cores the step leaves idle).  The median of the newest saves is
+    taken.  ``bound`` (the user's) is the longest interval allowed.
+    """
+    if not costs or step_s is None or step_s <= 0:
+        return Cadence(1, "nothing measured yet: every step", 0.0, step_s)
+    per_save = sorted(c.stall_s + (c.hash_s if on_cpu else 0.0) for c in costs)[len(costs) // 2]
+    every = max(1, math.ceil(per_save / (budget * step_s)))
+    reason = (f"a save costs {per_save * 1e3:.1f} ms and a step takes {step_s * 1e3:.1f} ms: every {every} "
+              f"step(s) keeps the tier within {budget:.0%} of the step time")
+    if bound is not None and every > bound:
+        every, reason = bound, reason + f", capped at the bound of {bound}"
+    return Cadence(every, reason, per_save, step_s)
 
 
 class RunMemory:
@@ -73,7 +110,7 @@ class RunMemory:
             return
         if run.last_step_s is not None:
             self._step_times = [*self._step_times[-15:], run.last_step_s]
-        if self.fixed is None and (step == mem.DECIDE_FIRST or step % mem.DECIDE_EVERY == 0):
+        if self.fixed is None and (step == DECIDE_FIRST or step % DECIDE_EVERY == 0):
             self._decide(step)
         if step % self.every or step == self._saved:  # the same boundary again: an in-process retry of its step
             return
@@ -98,7 +135,7 @@ class RunMemory:
         times = sorted(self._step_times)
         step_s = times[len(times) // 2] if times else None
         on_cpu = all(p.device.type == "cpu" for p in unwrap(run.model).parameters())
-        cadence = mem.decide_interval(self.tier.costs, step_s, on_cpu=on_cpu)
+        cadence = decide_interval(self.tier.costs, step_s, on_cpu=on_cpu)
         proposed = cadence.every
         if run.checkpoints is not None:
             try:
@@ -110,7 +147,7 @@ class RunMemory:
         if proposed != self.every:
             run.events.emit(EventKind.MEMORY_CADENCE, step=step, every=proposed, previous=self.every,
                             proposed_here=cadence.every, reason=cadence.reason, cost_s=round(cadence.cost_s, 6),
-                            step_s=round(step_s, 6) if step_s is not None else None, budget=mem.BUDGET)
+                            step_s=round(step_s, 6) if step_s is not None else None, budget=BUDGET)
             self.every = proposed
 
     def close(self) -> None:

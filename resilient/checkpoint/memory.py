@@ -41,7 +41,6 @@ import contextlib
 import errno
 import fcntl
 import json
-import math
 import mmap
 import os
 import queue
@@ -59,6 +58,7 @@ from ..events import EventKind, EventLog
 from .coordinator import Coordinator
 from .digest import DEFAULT_CHUNK_BYTES, ChunkedHasher, hash_pool
 from .shard import decode, plan_layout
+from .snapshot import copy_tensors
 from .tree import flatten, unflatten
 
 FORMAT = "resilient.memory/1"
@@ -68,12 +68,7 @@ RANK = "rank"
 DIR_ENV = "RESILIENT_MEMORY_DIR"
 LIMIT_ENV = "RESILIENT_MEMORY_LIMIT"
 EVERY_ENV = "RESILIENT_MEMORY_EVERY"
-"""Steps between memory saves; ``auto`` (or unset) chooses from the measured cost (:func:`decide_interval`)."""
-BUDGET = 0.05
-"""The share of a step's time the memory tier may cost when its interval is chosen."""
-DECIDE_FIRST, DECIDE_EVERY = 4, 50
-"""Steps at which the ranks agree on the interval: the first boundary after step DECIDE_FIRST's save, then every
-DECIDE_EVERY steps."""
+"""Steps between memory saves; ``auto`` (or unset) chooses from the measured cost (:func:`resilient.run_memory.decide_interval`)."""
 
 
 def file_stem(key: str, rank: int) -> str:
@@ -420,51 +415,8 @@ def _copy_into(target: _Slot, layout: Any, tensors: list[torch.Tensor]) -> None:
     assert buf is not None
     header = len(layout.header)
     buf[:header].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
-    needs_sync = False
-    for entry, t in zip(layout.entries, tensors):
-        if entry.nbytes == 0:
-            continue
-        start = header + entry.offset
-        dst = buf[start : start + entry.nbytes].view(t.dtype).view(t.shape)
-        src = t.detach()
-        if src.device.type != "cpu":
-            needs_sync = True
-            dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
-    if needs_sync:
+    if copy_tensors(buf, header, layout, tensors):
         torch.cuda.synchronize()
-
-
-# ---------------------------------------------------------------- cadence
-@dataclass(frozen=True)
-class Cadence:
-    """The memory tier's interval and why."""
-
-    every: int
-    reason: str
-    cost_s: float
-    step_s: float | None
-
-
-def decide_interval(costs: list[SaveCost], step_s: float | None, *, on_cpu: bool, budget: float = BUDGET,
-                    bound: int | None = None) -> Cadence:
-    """Steps between memory saves so that the tier costs at most ``budget`` of the step time.
-
-    A save costs its loop stall, plus its hashing when the job trains on the
-    CPU (the hash threads then take cores from the step; beside a GPU they
-    use cores the step leaves idle).  The median of the newest saves is
-    taken.  ``bound`` (the user's) is the longest interval allowed.
-    """
-    if not costs or step_s is None or step_s <= 0:
-        return Cadence(1, "nothing measured yet: every step", 0.0, step_s)
-    per_save = sorted(c.stall_s + (c.hash_s if on_cpu else 0.0) for c in costs)[len(costs) // 2]
-    every = max(1, math.ceil(per_save / (budget * step_s)))
-    reason = (f"a save costs {per_save * 1e3:.1f} ms and a step takes {step_s * 1e3:.1f} ms: every {every} "
-              f"step(s) keeps the tier within {budget:.0%} of the step time")
-    if bound is not None and every > bound:
-        every, reason = bound, reason + f", capped at the bound of {bound}"
-    return Cadence(every, reason, per_save, step_s)
 
 
 # ---------------------------------------------------------------- restore across ranks

@@ -88,22 +88,30 @@ def take_snapshots(payloads: dict[str, Any], buffer: HostBuffer) -> dict[str, Sn
     needs_sync = False
     out = {}
     for key, (layout, tensors, base) in plans.items():
-        for entry, t in zip(layout.entries, tensors):
-            if entry.nbytes == 0:
-                continue
-            start = base + entry.offset
-            dst = host[start : start + entry.nbytes].view(t.dtype).view(t.shape)
-            src = t.detach()
-            if src.device.type != "cpu":
-                needs_sync = True
-                dst.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src)
+        needs_sync |= copy_tensors(host, base, layout, tensors)
         region = host[base : base + layout.data_bytes]
         out[key] = Snapshot(header=layout.header, data=_view(region), owner=host)
     if needs_sync:
         torch.cuda.synchronize()
     return out
+
+
+def copy_tensors(host: torch.Tensor, base: int, layout: ShardLayout, tensors: list[torch.Tensor]) -> bool:
+    """Copy ``tensors`` into the uint8 ``host`` at ``base`` + their layout offsets; True when a copy came from a
+    device (the caller synchronises once, after all of them)."""
+    needs_sync = False
+    for entry, t in zip(layout.entries, tensors):
+        if entry.nbytes == 0:
+            continue
+        start = base + entry.offset
+        dst = host[start : start + entry.nbytes].view(t.dtype).view(t.shape)
+        src = t.detach()
+        if src.device.type != "cpu":
+            needs_sync = True
+            dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+    return needs_sync
 
 
 def _view(region: torch.Tensor) -> memoryview:
