@@ -23,6 +23,7 @@ from resilient.checkpoint.coordinator import Coordinator
 from resilient.checkpoint.restore import _agree
 from resilient.errors import CheckpointCorruptError
 from resilient.events import EventLog
+from resilient.run_memory import decide_interval
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 
@@ -205,17 +206,17 @@ def test_ranks_one_save_apart_always_share_a_step_whatever_the_crash(saves, ahea
 
 def test_the_interval_keeps_the_tier_within_its_budget_of_the_step():
     costs = [mem.SaveCost(s, 100 << 20, stall_s=0.02, hash_s=0.06) for s in range(5)]
-    assert mem.decide_interval([], 0.05, on_cpu=True).every == 1
-    assert mem.decide_interval(costs, None, on_cpu=True).every == 1
-    gpu = mem.decide_interval(costs, 0.05, on_cpu=False)  # 20 ms against 5% of 50 ms = 2.5 ms
+    assert decide_interval([], 0.05, on_cpu=True).every == 1
+    assert decide_interval(costs, None, on_cpu=True).every == 1
+    gpu = decide_interval(costs, 0.05, on_cpu=False)  # 20 ms against 5% of 50 ms = 2.5 ms
     assert gpu.every == 8 and "20.0 ms" in gpu.reason
-    cpu = mem.decide_interval(costs, 0.05, on_cpu=True)  # the hashing takes cores from the step too
+    cpu = decide_interval(costs, 0.05, on_cpu=True)  # the hashing takes cores from the step too
     assert cpu.every == 32
-    assert mem.decide_interval(costs, 0.05, on_cpu=True, bound=10).every == 10
+    assert decide_interval(costs, 0.05, on_cpu=True, bound=10).every == 10
     cheap = [mem.SaveCost(s, 1 << 10, stall_s=0.0001, hash_s=0.0001) for s in range(5)]
-    assert mem.decide_interval(cheap, 0.05, on_cpu=True).every == 1
+    assert decide_interval(cheap, 0.05, on_cpu=True).every == 1
     mixed = [*costs[:2], *cheap[:3]]  # the median: one slow save does not set the cadence
-    assert mem.decide_interval(mixed, 0.05, on_cpu=True).every == 1
+    assert decide_interval(mixed, 0.05, on_cpu=True).every == 1
 
 
 def test_a_manifest_that_is_not_whole_holds_nothing(root):

@@ -59,7 +59,9 @@ def test_a_crash_mid_step_resumes_from_the_memory_tier_at_the_step_it_cut(tmp_pa
                                       "--crash-rank", "1"))
     assert proc.returncode == 0, explain(proc)
     [incident] = incidents(run_dir)
-    assert (incident["rank"], incident["step"]) == (1, 37)
+    # The agent places rank 1 at step 37, or before it when the heartbeats of the last steps were still queued
+    # (sent in batches, test_heartbeat.py) as SIGKILL came: what it restores comes from the tier, not from there.
+    assert incident["rank"] == 1 and incident["step"] <= 37, incident
     restored = restored_of(run_dir, 2)
     # Rank 1 died inside step 37, after both ranks saved the boundary before it; rank 0's copy of that boundary
     # may still have been hashing when the agent stopped it, and then the boundary before is the common one.
