@@ -48,8 +48,10 @@ def test_crashed_rank_restarts_from_newest_checkpoint_and_matches_reference(tmp_
     run_dir = tmp_path / "run"
     # Synchronous saves: step_10 is committed before step 10 runs, so the restore point does not depend on
     # how fast a background save finishes on a loaded machine before the kill at step 13.
-    # With the workers' output on the console, as a user sees it.
+    # With the workers' output on the console, as a user sees it.  The durable tier's restart: without the
+    # node's memory tier, which would serve a newer step from memory (tests/test_memory_tier_live.py).
     proc = run_agent(run_dir, "--nproc-per-node", "2", "--node-id", NODE, "--fault-plan", str(plan),
+                     "--no-memory-tier",
                      script_args=worker_args(tmp_path / "trace", tmp_path / "ckpt", "--sync"), console=True)
     assert proc.returncode == 0, explain(proc)
 

@@ -449,8 +449,8 @@ def test_every_dashboard_and_rule_expression_returns_data_from_a_real_run(promet
     assert float(restarts[0]["value"][1]) >= 1
     # No false alarm on a healthy run with one restart (for: is 1 s here), Straggler and SilentSlowdown
     # included: their detectors take their thresholds from the run's own noise.
-    firing = {a["labels"]["alertname"] for a in prometheus.alerts()
-              if a["labels"].get("run_id") == live_run and a["state"] == "firing"}
+    firing = [a["labels"] for a in prometheus.alerts()
+              if a["labels"].get("run_id") == live_run and a["state"] == "firing"]
     assert not firing, firing
 
 
