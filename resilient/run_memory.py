@@ -76,7 +76,13 @@ class RunMemory:
         assert env.memory_dir is not None
         self.run = run
         self.env = env
-        self.tier = mem.MemoryTier(env.memory_dir, limit=env.memory_limit, local_rank=env.local_rank,
+        # The node's replicated copy is kept by its local rank 0 alone.  A promoted spare never keeps it: its
+        # LOCAL_RANK is the spare's own, and the rank it replaces may be another, so it could write the slot
+        # beside the real local rank 0 (a lost local rank 0 then leaves the node's copy incomplete, and a
+        # restart restores from the durable tier).
+        self.keeps_replicated = env.local_rank == 0 and env.role != "spare"
+        self.tier = mem.MemoryTier(env.memory_dir, limit=env.memory_limit,
+                                   local_rank=env.local_rank if self.keeps_replicated else max(1, env.local_rank),
                                    events=run.events, generation=env.generation)
         self.fixed = env.memory_every or None
         self.every = self.fixed or 1
@@ -106,12 +112,14 @@ class RunMemory:
         """At a step boundary: choose the interval where due, and save when the step falls on it."""
         run = self.run
         step = run.step
-        if step == 0 or self.tier.off is not None:
+        if step == 0:
             return
         if run.last_step_s is not None:
             self._step_times = [*self._step_times[-15:], run.last_step_s]
         if self.fixed is None and (step == DECIDE_FIRST or step % DECIDE_EVERY == 0):
-            self._decide(step)
+            self._decide(step)  # collective: a rank whose tier went off still takes part, or its peers wait
+        if self.tier.off is not None:
+            return
         if step % self.every or step == self._saved:  # the same boundary again: an in-process retry of its step
             return
         self._saved = step
@@ -123,7 +131,7 @@ class RunMemory:
         from .run_payloads import capture_payloads
 
         with run.section("checkpoint"):
-            self.tier.save(step, capture_payloads(run, replicated=self.env.local_rank == 0), rank=run.rank,
+            self.tier.save(step, capture_payloads(run, replicated=self.keeps_replicated), rank=run.rank,
                            world_size=run.world_size, fingerprint=self.fingerprint,
                            counters={"step": step, "samples": run.samples, "tokens": run.tokens})
 
