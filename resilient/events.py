@@ -56,6 +56,7 @@ class EventKind(str, Enum):
     CHECKPOINT_CONFLICT = "checkpoint_conflict"  # a checkpoint of that name already exists; never overwritten
     CHECKPOINT_DEFERRED = "checkpoint_deferred"  # a scheduled save fell due while the writer was busy: pending
     CHECKPOINT_DEFERRED_LANDED = "checkpoint_deferred_landed"  # a pending save was taken, at a later step
+    CHECKPOINT_CADENCE = "checkpoint_cadence"  # the interval between scheduled saves changed (Young/Daly), and why
     CHECKPOINT_FENCED = "checkpoint_fenced"  # a commit, retention or gc refused: another process holds the fence
     CHECKPOINT_FENCE_CLAIMED = "checkpoint_fence_claimed"  # this process took the location's fence at start
     CHECKPOINT_GARBAGE_COLLECTED = "checkpoint_garbage_collected"  # staging/trash left by dead writers removed
@@ -242,7 +243,8 @@ class EventLog:
 FORWARDED = frozenset({
     EventKind.CHECKPOINT_FAILED, EventKind.CHECKPOINT_CONFLICT, EventKind.CHECKPOINT_FENCED,
     EventKind.CHECKPOINT_FALLBACK, EventKind.MEMORY_TIER_FALLBACK, EventKind.MEMORY_TIER_OFF,
-    EventKind.MEMORY_TIER_RESTORED, EventKind.MEMORY_CADENCE, EventKind.CHECKPOINT_QUARANTINED,
+    EventKind.MEMORY_TIER_RESTORED, EventKind.MEMORY_CADENCE, EventKind.CHECKPOINT_CADENCE,
+    EventKind.CHECKPOINT_QUARANTINED,
     EventKind.CHECKPOINT_QUARANTINE_FAILED,
     EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS, EventKind.CHECKPOINT_STORE_RETRYING,
     EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, EventKind.IN_PROCESS_DECLINED, EventKind.TORCH_FEATURES_OFF,

@@ -446,7 +446,8 @@ class Run:
             # After the first update the optimizer state exists, so the size is known.
             self._prepared = True
             ckpt.prepare(self._payloads())
-        every = ckpt.config.every_steps
+        ckpt.step_done(self.last_step_s)
+        every = ckpt.every  # computed from the save's cost and the failure rate where one is given
         due = every is not None and self.step % every == 0 and self._last_saved_step != self.step
         if due or ckpt.pending is not None:  # paced by config.when_busy: see resilient/checkpoint/pacing.py
             with self.section("checkpoint"):

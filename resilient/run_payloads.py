@@ -23,6 +23,7 @@ import torch
 
 from . import compat
 from .checkpoint import sharded
+from .checkpoint.cadence import FailureRate
 from .checkpoint.config import CheckpointConfig
 from .checkpoint.coordinator import Coordinator
 from .checkpoint.fence import Fence
@@ -51,7 +52,8 @@ def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, 
         # A spare restores alone; a world the agent may shrink or grow restores at any size.
         config = dataclasses.replace(config, elastic=True)
     # A spare neither claims the location nor sweeps it: the members are saving there.
-    manager = CheckpointManager(config, coordinator, run.events, fence=fence, claim=not spare)
+    manager = CheckpointManager(config, coordinator, run.events, fence=fence, claim=not spare,
+                                failure_rate=failure_rate(config, env))
     if not restore:
         return manager
     if run._memory is not None and not spare:  # the node's memory tier first, when it is at least as new
@@ -65,6 +67,16 @@ def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, 
     if restored is not None:
         run._apply(restored)
     return manager
+
+
+def failure_rate(config: CheckpointConfig, env: WorkerEnv | None) -> FailureRate | None:
+    """The failure rate the save interval is computed from: the config's, else the agent's (``--mtbf``, where 0
+    says the agent computes it from the run's history and has none yet); None: a fixed interval."""
+    if config.mtbf_s is not None:
+        return FailureRate(config.mtbf_s, "CheckpointConfig.mtbf_s")
+    if env is None or env.mtbf_s is None:
+        return None
+    return FailureRate(env.mtbf_s or None, env.mtbf_source or "the agent")
 
 
 def capture_payloads(run: Run, *, replicated: bool | None = None) -> dict[str, Any]:

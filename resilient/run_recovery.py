@@ -372,6 +372,8 @@ class InProcessRecovery:
             for name, obj in run.user_state.items():
                 obj.load_state_dict(extra["user"][name])
         run._last_saved_step = run.step  # nothing to save at once: the state came from a peer, not a new update
+        if ckpt is not None and ckpt.cadence is not None and extra.get("checkpoint_every"):
+            ckpt.cadence.every = int(extra["checkpoint_every"])  # a newcomer schedules its saves as its peers do
         regroup(run)  # rank, world size, and the loader's share of the kept global batch
         if run._ddp is not None:
             # The ranks hold the same state: DDP's own broadcast of it would only send the model again.  The
@@ -418,8 +420,9 @@ class InProcessRecovery:
         """What travels with the state besides model and optimizer: counters, the loader's cursor, ``state=``,
         and the DDP bucket layout."""
         run = self.run
+        ckpt = run.checkpoints
         return {"step": step if step is not None else run.step, "samples": run.samples, "tokens": run.tokens,
-                "ddp_layout": layout,
+                "ddp_layout": layout, "checkpoint_every": ckpt.every if ckpt is not None else None,
                 "data": run.data.state_dict() if run.data is not None else None,
                 "user": {name: obj.state_dict() for name, obj in run.user_state.items()}}
 

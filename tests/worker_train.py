@@ -168,6 +168,7 @@ def main() -> int:
     p.add_argument("--crash-step", type=int, default=None,
                    help="SIGKILL this process after the backward of step S, before its update (first attempt only)")
     p.add_argument("--crash-rank", type=int, default=None, help="only this rank crashes (default: all)")
+    p.add_argument("--mtbf", type=float, default=None, help="CheckpointConfig.mtbf_s: the save interval is computed")
     p.add_argument("--slow-storage", nargs=3, action="append", default=[], metavar=("RANK", "METHOD", "SECONDS"),
                    help="on RANK, LocalStorage.METHOD sleeps SECONDS first (e.g. write_file: a slow disk)")
     args = p.parse_args()
@@ -207,6 +208,7 @@ def main() -> int:
         ckpt = resilient.CheckpointConfig(
             dir=args.dir, every_steps=args.every, keep=args.keep, endpoint_url=args.endpoint_url,
             async_save=not args.sync, timeout_s=60, elastic=args.elastic, when_busy=args.when_busy,
+            mtbf_s=args.mtbf,
         )
     for slow_rank, method, seconds in args.slow_storage:
         if int(slow_rank) == rank:
@@ -217,7 +219,8 @@ def main() -> int:
 
     marker = f"{args.trace}.fault-fired"
     trace = open(f"{args.trace}.rank{rank}", "a")
-    start = {"event": "start", "restored_from": run.restored_from, "step": run.step, "world_size": world}
+    start = {"event": "start", "restored_from": run.restored_from, "step": run.step, "world_size": world,
+             "mtbf": os.environ.get("RESILIENT_MTBF"), "mtbf_source": os.environ.get("RESILIENT_MTBF_SOURCE")}
     if args.fsdp:  # what was restored, gathered to full tensors
         start |= {k: v for k, v in state_digests(model, optimizer).items() if k in ("params", "optimizer")}
     trace.write(json.dumps(start) + "\n")

@@ -121,6 +121,11 @@ class AgentConfig:
     ``memory_root``'s filesystem."""
     memory_every: int | None = None
     """Steps between memory saves (``--memory-every``); None: chosen from the measured cost of a save."""
+    mtbf_s: float | None = None
+    """The run's mean time between failures (``--mtbf SECONDS``): the workers' Runs compute their durable save
+    interval from it (Young/Daly), ``every_steps`` the longest."""
+    mtbf_from_history: bool = False
+    """``--mtbf auto``: estimate the MTBF from the run's incident history before each generation."""
     metrics_port: int | None = None
     """Serve Prometheus /metrics on this port (0: a free one); None: no metrics server."""
     metrics_addr: str = "127.0.0.1"
@@ -192,6 +197,10 @@ class AgentConfig:
             raise ConfigError(f"--memory-limit must be a size above 0 (e.g. 8G), got {self.memory_limit}")
         if self.memory_every is not None and self.memory_every < 1:
             raise ConfigError(f"--memory-every must be >= 1 steps or auto, got {self.memory_every}")
+        if self.mtbf_s is not None and not self.mtbf_s > 0:
+            raise ConfigError(f"--mtbf {self.mtbf_s!r} must be a number of seconds > 0, or auto")
+        if self.mtbf_s is not None and self.mtbf_from_history:
+            raise ConfigError("--mtbf is either a number of seconds or auto, not both")
         if self.preempt_margin_steps < 1:
             raise ConfigError("AgentConfig.preempt_margin_steps must be >= 1")
 

@@ -21,6 +21,7 @@ into the next move, and how it ends.
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -42,12 +43,13 @@ from .config import AgentConfig
 from .continuation import outlook_from
 from .control import ControlServer
 from .coordination import Coordination
+from .failure_rate import failure_rate_env
 from .forking import Spawner
 from .generation import GenerationContext, Outcome
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .incident_book import IncidentBook
-from .incidents import Incident, node_lost_incident, unhealthy_incident
+from .incidents import Incident, load_incidents, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
 from .launcher import parent_death_signal
 from .memory_tier import NodeMemory
@@ -370,7 +372,25 @@ class Agent:
             return self._finish(*ending, generation)
         if stopping():
             return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped before workers started", generation)
+        self._give_failure_rate()
         return None
+
+    def _give_failure_rate(self) -> None:
+        """``--mtbf``: the failure rate the next generation's workers compute their save interval from."""
+        c = self.config
+        if c.mtbf_s is None and not c.mtbf_from_history:
+            return
+        records: list[dict[str, Any]] = []
+        if c.mtbf_from_history:
+            records = load_incidents(self.run_dir.incidents)
+            try:
+                records += [json.loads(e.value) for e in self.coordination.control.get_prefix("incidents/")]
+            except Exception as e:  # noqa: BLE001  the run directory's incidents still count
+                self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+        start = self.accounting.ledger.start_t
+        env = failure_rate_env(mtbf_s=c.mtbf_s, from_history=c.mtbf_from_history, records=records,
+                               exposure_s=self.accounting.now() - start if start is not None else 0.0)
+        self.config = replace(c, worker_env={**c.worker_env, **env})
 
     def _unhealthy(self, incident: Incident | None, reason: str, generation: int) -> AgentResult:
         """Stop with ``unhealthy``; across machines the node is quarantined first, so it burns in to come back."""

@@ -36,6 +36,10 @@ class CheckpointConfig:
     """Digest chunk size; chunks are hashed in parallel."""
     timeout_s: float = 600.0
     """Longest wait for peers during a commit or restore before it fails."""
+    mtbf_s: float | None = None
+    """The run's mean time between failures, in seconds: with it the interval between scheduled saves is
+    computed from their measured cost (Young/Daly, :mod:`.cadence`), ``every_steps`` the longest.  None: every
+    ``every_steps`` steps, unless the agent gives a rate (``resilient run --mtbf``)."""
     elastic: bool = False
     """Allow restoring a checkpoint written by a different number of ranks (see docs/architecture.md)."""
 
@@ -55,5 +59,10 @@ class CheckpointConfig:
         if self.when_busy == "second_buffer" and not self.async_save:
             warnings.warn("CheckpointConfig(when_busy='second_buffer') has no effect with async_save=False: every "
                           "save is written before the loop goes on, so the writer is never busy", stacklevel=3)
+        if self.mtbf_s is not None and not self.mtbf_s > 0:  # also refuses NaN
+            raise ConfigError(f"CheckpointConfig.mtbf_s={self.mtbf_s!r} must be a number of seconds > 0 (or None)")
+        if self.mtbf_s is not None and self.every_steps is None:
+            warnings.warn("CheckpointConfig(mtbf_s=...) has no effect with every_steps=None: nothing is scheduled, "
+                          "so there is no interval to compute", stacklevel=3)
         if self.timeout_s <= 0:
             raise ConfigError(f"CheckpointConfig.timeout_s={self.timeout_s} must be positive")

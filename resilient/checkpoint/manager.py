@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import CheckpointError, FencedError, ResilientError
 from ..events import EventKind, EventLog
+from .cadence import Cadence, FailureRate, Interval, SaveCost
 from .commit import decide_commit
 from .config import CheckpointConfig
 from .coordinator import Coordinator
@@ -63,8 +64,13 @@ class CheckpointManager:
         fence: Fence | None = None,
         *,
         claim: bool = True,
+        failure_rate: FailureRate | None = None,
     ) -> None:
         """``fence``: this job's launch and generation (default: no agent, generation 0).
+
+        ``failure_rate``: the interval between scheduled saves is computed
+        (:mod:`.cadence`), ``config.every_steps`` the longest; None: every
+        ``config.every_steps`` steps.
 
         ``claim=False``: neither claim the fence nor sweep leftovers (a spare
         restores while the members train: it must not remove their staged
@@ -80,6 +86,9 @@ class CheckpointManager:
         """Outcomes of the most recent saves, oldest first."""
         self.pending: Pending | None = None
         """A scheduled save deferred because the writer was busy (see :mod:`.pacing`)."""
+        self.cadence = Cadence(config.every_steps, failure_rate) \
+            if failure_rate is not None and config.every_steps is not None else None
+        """The computed interval between scheduled saves; None: ``config.every_steps``."""
         self._writer = Writer(self._write_job, background=config.async_save)
         self._retries = RetryReports(events, self.storage.url)
         self.storage.observe_retries(self._retries.report)
@@ -134,6 +143,35 @@ class CheckpointManager:
                          generation=self.fence.generation, launch=self.fence.launch, holder=holder, error=str(e))
 
     # ------------------------------------------------------------------ save
+    @property
+    def every(self) -> int | None:
+        """Steps between scheduled saves now: the same on every rank; None: saves only on request."""
+        return self.cadence.every if self.cadence is not None else self.config.every_steps
+
+    def step_done(self, seconds: float | None) -> None:
+        """A step took ``seconds`` (for the computed interval)."""
+        if self.cadence is not None:
+            self.cadence.step_done(seconds)
+
+    def _proposal(self) -> tuple[Interval | None, int]:
+        proposal = self.cadence.proposal() if self.cadence is not None else None
+        return proposal, proposal.every if proposal is not None else 0
+
+    def _adopt(self, agreed: int, proposal: Interval | None, step: int) -> None:
+        """Take the interval the ranks agreed on (their largest proposal), with an event when it changes."""
+        if self.cadence is None:
+            return
+        previous = self.cadence.every
+        if not self.cadence.adopt(agreed):
+            return
+        mine = proposal if proposal is not None else Interval(0, "this rank has measured no save yet")
+        reason = mine.reason if mine.every == agreed else (
+            f"the largest of the ranks' proposals; this rank proposed {mine.every or 'nothing'}: {mine.reason}")
+        self.events.emit(EventKind.CHECKPOINT_CADENCE, step=step, every=agreed, previous=previous,
+                         bound=self.cadence.bound, reason=reason, cost_s=_round(mine.cost_s),
+                         write_s=_round(mine.write_s), step_s=_round(mine.step_s), mtbf_s=_round(mine.mtbf_s),
+                         optimum_s=_round(mine.optimum_s), mtbf_source=self.cadence.rate.source)
+
     def save(
         self,
         step: int,
@@ -179,7 +217,10 @@ class CheckpointManager:
         if not due and self.pending is None:
             return None
         policy = self.config.when_busy
+        proposal, mine = self._proposal()
         if policy == "wait" or not self.config.async_save:
+            if self.cadence is not None:  # the same on every rank (the config's, or the agent's flag)
+                self._adopt(self.coord.agree_max((mine,))[0], proposal, step)
             self.save(step, payloads(), counters=counters, fingerprint=fingerprint, wait=False)
             return SaveDecision("snapshot", f"when_busy={policy!r}, async_save={self.config.async_save}: "
                                 "waited for the writer", None)
@@ -191,7 +232,8 @@ class CheckpointManager:
             captured = payloads()
             fits, note = self._second_buffer_fits(captured, in_flight[0].buffer)
         level = local_busy(in_flight=len(in_flight), policy=policy, second_buffer_fits=fits)
-        agreed, busy_step = self.coord.agree_max((int(level), in_flight[0].step if in_flight else -1))
+        agreed, busy_step, every = self.coord.agree_max((int(level), in_flight[0].step if in_flight else -1, mine))
+        self._adopt(every, proposal, step)
         decision = decide_save(step=step, due=due, pending=self.pending, busy=Busy(agreed),
                                busy_step=busy_step if busy_step >= 0 else None, policy=policy)
         self.pending = decision.pending
@@ -274,6 +316,8 @@ class CheckpointManager:
         )
         if manifest is not None:
             self.last_committed = manifest
+            if self.cadence is not None:
+                self.cadence.saved(SaveCost(job.stall_s, result.write_s))
             self.events.emit(
                 EventKind.CHECKPOINT_COMMITTED,
                 name=name,
@@ -385,3 +429,7 @@ class CheckpointManager:
         if restored is not None:
             self.last_committed = restored.manifest
         return restored
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)

@@ -179,6 +179,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--memory-every", default="auto", metavar="N|auto",
                    help="steps between memory saves (default auto: chosen so that a save costs at most 5%% of the "
                         "step time, from what saves cost)")
+    p.add_argument("--mtbf", default=None, metavar="SECONDS|auto",
+                   help="the run's mean time between failures: the workers then save durable checkpoints at the "
+                        "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
+                        "estimated from the run's incident history before each generation (default: every_steps)")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
@@ -219,6 +223,13 @@ def parse_count(text: str, flag: str) -> int:
         return int(text)
     except ValueError:
         raise ConfigError(f"{flag} {text!r}: give a number of steps, or auto") from None
+
+
+def parse_seconds(text: str, flag: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: give a number of seconds, or auto") from None
 
 
 def parse_sections(items: list[str]) -> dict[str, float]:
@@ -313,6 +324,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         worker_env=dict(environ), fork_server=args.fork_server, memory_tier=args.memory_tier,
         memory_root=args.memory_root.absolute(), memory_limit=parse_size(args.memory_limit, "--memory-limit"),
         memory_every=None if args.memory_every == "auto" else parse_count(args.memory_every, "--memory-every"),
+        mtbf_s=None if args.mtbf in (None, "auto") else parse_seconds(args.mtbf, "--mtbf"),
+        mtbf_from_history=args.mtbf == "auto",
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,
         stall_alert_after_s=args.stall_alert_after, goodput_objective=args.goodput_objective,
         ideal_step_s=args.ideal_step_time, flops_per_step=args.flops_per_step,

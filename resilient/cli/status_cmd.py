@@ -43,7 +43,7 @@ def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"no run directory at {run_dir}: pass the --run-dir that `resilient run` printed")
     nodes = [live_status(s) for p in sorted((run_dir / "nodes").glob("*/status.json"))
              if (s := read_json(p)) is not None]
-    events = _read_events(run_dir / "events.jsonl")
+    events = read_events(run_dir / "events.jsonl")
     restarts = [e for e in events if e.get("kind") == "restart"]
     finished = [e for e in events if e.get("kind") == "agent_finished"]
     return {
@@ -108,7 +108,8 @@ def _signed_body(entry: Any) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def _read_events(path: Path) -> list[dict[str, Any]]:
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """Every event of an ``events.jsonl``, oldest first (none when it does not exist)."""
     try:
         lines = path.read_text().splitlines()
     except FileNotFoundError:

@@ -102,6 +102,13 @@ class WorkerEnv:
     memory_every: int = 0
     """RESILIENT_MEMORY_EVERY: steps between memory saves; 0 (``auto``): chosen from the measured cost."""
 
+    mtbf_s: float | None = None
+    """RESILIENT_MTBF: the run's mean time between failures in seconds, from which the Run computes its durable
+    save interval (``resilient run --mtbf``); 0: computed from the run's history, which has no failure yet; None
+    (unset): every ``CheckpointConfig.every_steps`` steps."""
+    mtbf_source: str | None = None
+    """RESILIENT_MTBF_SOURCE: where the agent took ``mtbf_s`` from, for the interval's reason."""
+
     def __post_init__(self) -> None:
         if not self.agent_socket:
             raise ConfigError("RESILIENT_AGENT_SOCKET is empty: set it to the agent's socket path, or unset it")
@@ -143,6 +150,8 @@ class WorkerEnv:
                               "RESILIENT_MEMORY_DIR is set")
         if self.memory_every < 0:
             raise ConfigError(f"RESILIENT_MEMORY_EVERY={self.memory_every} must be a number of steps >= 1, or auto")
+        if self.mtbf_s is not None and not self.mtbf_s >= 0:  # also refuses NaN
+            raise ConfigError(f"RESILIENT_MTBF={self.mtbf_s!r} must be a number of seconds >= 0 (0: none known yet)")
         if self.stack_signal == self.stop_signal:
             raise ConfigError(
                 f"RESILIENT_STACK_SIGNAL and RESILIENT_STOP_SIGNAL are both {self.stop_signal}; they must differ"
@@ -196,6 +205,8 @@ class WorkerEnv:
             "memory_limit": _int(environ, "RESILIENT_MEMORY_LIMIT"),
             "memory_every": 0 if _str(environ, "RESILIENT_MEMORY_EVERY") == "auto" else _int(environ,
                                                                                             "RESILIENT_MEMORY_EVERY"),
+            "mtbf_s": _float(environ, "RESILIENT_MTBF"),
+            "mtbf_source": _str(environ, "RESILIENT_MTBF_SOURCE"),
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -225,7 +236,8 @@ _VARS = {
     "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
     "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
     "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE", "memory_dir": "RESILIENT_MEMORY_DIR",
-    "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY",
+    "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY", "mtbf_s": "RESILIENT_MTBF",
+    "mtbf_source": "RESILIENT_MTBF_SOURCE",
 }
 
 
