@@ -107,6 +107,23 @@ def test_a_spare_replaces_a_killed_rank_with_nothing_redone(tmp_path: Path, refe
     assert not events(run, "spare_priority")
 
 
+def test_a_promoted_spare_saves_on_the_interval_its_peers_computed(tmp_path: Path, reference2: Path) -> None:
+    # Saves every 2 steps at most; a tiny MTBF makes the computed interval 1 from the second scheduled save (step
+    # 4: the first, at 2, is what the ranks measure), just before rank 1 dies in step 4.  The spare must take that
+    # interval with the state, or its due steps differ from the survivor's and their save agreement pairs up wrong.
+    out, proc = elastic_run(tmp_path, "cadence", "--nproc-per-node", "2", "--spares", "1", "--mtbf", "0.01",
+                            die=("w1", "kill"), extra=("--spares-ready", "1", "--every", "2", "--step-sleep", "0.2"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    changes = [(e["rank"], e["step"], e["previous"], e["every"]) for e in events(run, "checkpoint_cadence")]
+    assert sorted(changes) == [(0, DIE_STEP, 2, 1), (1, DIE_STEP, 2, 1)], changes
+    assert [d["action"] for d in events(run, "recovery_decided")] == ["promote_spare"]
+    assert_bitwise_equal(out, reference2)
+    from resilient.checkpoint import LocalStorage
+
+    assert LocalStorage(out / "ckpt").list_committed() == [f"step_{s:010d}" for s in (STEPS - 2, STEPS - 1, STEPS)]
+
+
 def test_a_hung_rank_is_killed_and_replaced_by_the_spare(tmp_path: Path, reference2: Path) -> None:
     out, proc = elastic_run(tmp_path, "hang", "--nproc-per-node", "2", "--spares", "1",
                             "--section-timeout", "step=4", die=("w1", "hang"), extra=("--spares-ready", "1"))
