@@ -11,9 +11,10 @@ from typing import Any
 
 from _agent_report import cell, fmt, key_lines, ratio_ci, row, stats
 
-MODES = ("spare", "shrink", "restart", "torchrun", "torchft", "torchrun_noshare")
-INFO_MODES = ("torchrun_noshare",)  # not a target's peer: torchrun with its workaround, for comparison
-PEERS = ("torchrun", "torchrun_noshare")  # the ratios' denominators
+MODES = ("spare", "shrink", "restart", "torchrun", "torchft", "torchrun_noshare", "restart_classic", "torchrun_classic",
+         "torchrun_classic_noshare")
+INFO_MODES = ("torchrun_noshare", "torchrun_classic_noshare")  # torchrun with its workaround, for comparison
+PEERS = ("torchrun", "torchrun_noshare", "torchrun_classic", "torchrun_classic_noshare")  # the ratios' denominators
 RUNGS = {"spare": "promote_spare", "shrink": "shrink"}  # how each in-process mode must recover
 NAMES = {
     "spare": "spare + in-process (`resilient run --spares 1`)",
@@ -22,6 +23,9 @@ NAMES = {
     "torchrun": "torchrun --max-restarts 1",
     "torchft": "torchft 0.2.0 (2 replica groups)",
     "torchrun_noshare": "torchrun, no shared store (info)",
+    "restart_classic": "restart, unmodified DDP script (`resilient run`)",
+    "torchrun_classic": "torchrun --max-restarts 1, unmodified DDP script",
+    "torchrun_classic_noshare": "torchrun, no shared store, unmodified DDP script (info)",
 }
 METRICS = {  # key: what it measures (seconds after the SIGKILL unless a count)
     "t_first_new_step": "kill -> next newly completed step",
@@ -41,7 +45,9 @@ WORKER_SIDE = {  # the survivors' own account (group_rejoined ``seconds``)
     "survivor_abandon": "survivor: rewind + release the old group",
     "survivor_wait": "survivor: waiting for its assignment",
 }
-TARGETS = {"spare": 0.05, "shrink": 0.10}
+TARGETS = {"spare": 0.05, "shrink": 0.10, "restart_classic": 0.3}
+PEER_OF = {"restart_classic": "torchrun_classic"}  # a target's peer runs the same script (default: torchrun)
+MAX_REDONE = {"restart_classic": 1}  # steps a restart may re-do at most (every trial)
 
 
 # ------------------------------------------------------------------ records -> measurements
@@ -172,16 +178,25 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
     for mode, limit in TARGETS.items():
         if mode not in sm["modes"]:
             continue
-        s, r = sm["modes"][mode], sm["ratio"].get("torchrun", {}).get(mode)
-        ci = sm["ratio_ci"].get("torchrun", {}).get(mode)
-        text = (f"median kill -> next new step {fmt((s['t_first_new_step'] or {}).get('median'))} / torchrun "
-                f"{fmt((sm['modes'].get('torchrun', {}).get('t_first_new_step') or {}).get('median'))} = "
+        peer = PEER_OF.get(mode, "torchrun")
+        s, r = sm["modes"][mode], sm["ratio"].get(peer, {}).get(mode)
+        ci = sm["ratio_ci"].get(peer, {}).get(mode)
+        text = (f"median kill -> next new step {fmt((s['t_first_new_step'] or {}).get('median'))} / {peer} "
+                f"{fmt((sm['modes'].get(peer, {}).get('t_first_new_step') or {}).get('median'))} = "
                 + ("-" if r is None else f"{r:.3f}") + (f" (95% bootstrap {ci[0]:.3f} .. {ci[1]:.3f})" if ci else "")
                 + f"; limit <= {limit:g}")  # fmt: skip
-        text += f"; recovered in process ({RUNGS[mode]}) in {s['in_process']}/{s['trials']} trials"
-        ok = r is not None and r <= limit and s["trials"] > 0 and s["in_process"] == s["trials"]
-        if (n := sm["ratio"].get("torchrun_noshare", {}).get(mode)) is not None:
-            text += f" (information: / torchrun without its shared store = {n:.3f})"
+        ok = r is not None and r <= limit and s["trials"] > 0
+        if mode in RUNGS:
+            text += f"; recovered in process ({RUNGS[mode]}) in {s['in_process']}/{s['trials']} trials"
+            ok = ok and s["in_process"] == s["trials"]
+        if (n := sm["ratio"].get(f"{peer}_noshare", {}).get(mode)) is not None:
+            text += f" (information: / {peer} without its shared store = {n:.3f})"
+        if mode in MAX_REDONE:
+            redone = s["steps_redone"]
+            within = redone is not None and redone["max"] <= MAX_REDONE[mode] and redone["n"] == s["trials"]
+            text += (f"; steps re-done max {redone['max'] if redone else '-'} (limit {MAX_REDONE[mode]}); "
+                     f"{s['succeeded']}/{s['trials']} succeeded")
+            ok = ok and within and s["succeeded"] == s["trials"]
         if mode == "spare":
             redone = s["steps_redone"]
             zero = redone is not None and redone["max"] == 0 and redone["n"] == s["trials"]

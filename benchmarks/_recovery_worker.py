@@ -6,6 +6,9 @@ restarting": ``Run(ddp=True)`` creates the process group and wraps the model, ``
 around the step body, ``for x, y in run.micro_batches():`` and ``loss / run.accumulation``.  The same
 script runs unchanged under every launcher: under torchrun and a plain restart ``attempt()`` passes
 errors through and recovery is by restart; with a spare or ``MIN:MAX`` the agent recovers in process.
+``--style classic`` is the script as most users have it: it creates the process group and wraps the model in
+DDP itself, ``Run(model=ddp_model, ...)`` owns only checkpoints and the loader, and there is no
+``run.attempt()``: every launcher recovers it by a restart.
 
 Every process (rank, spare, restarted rank) appends JSON lines with wall-clock times (``time.time()``,
 all on one host) to ``<trial-dir>/trace.<pid>.jsonl``:
@@ -79,6 +82,8 @@ def main() -> int:
     p.add_argument("--fault-at", choices=["top", "backward"], default="top")
     p.add_argument("--fault-step", type=int, default=37)
     p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--style", choices=["attempt", "classic"], default="attempt",
+                   help="attempt: Run(ddp=True) and run.attempt(); classic: the script wraps DDP itself, no attempt")
     p.add_argument("--wait-spare", type=float, default=0.0, metavar="S",
                    help="before the fault, wait at most S s for the agent's spare_ready event (0: do not wait)")
     args = p.parse_args()
@@ -98,8 +103,13 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     dataset = torch.utils.data.TensorDataset(torch.randn(1024, 64, generator=g), torch.randn(1024, 64, generator=g))
     data = resilient.ElasticLoader(dataset, batch_size=32, seed=2)
+    classic = args.style == "classic"
+    module = model
+    if classic and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        torch.distributed.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
     run = resilient.Run(
-        model=model, optimizer=optimizer, data=data, ddp=True,
+        model=model, optimizer=optimizer, data=data, ddp=not classic,
         checkpoint=resilient.CheckpointConfig(dir=os.fspath(args.trial_dir / "ckpt"), every_steps=args.every, keep=3),
         events=resilient.EventLog(args.trial_dir / f"events.{os.getpid()}.jsonl"),
     )  # fmt: skip
@@ -116,6 +126,23 @@ def main() -> int:
         os.kill(os.getpid(), signal.SIGKILL)
 
     for step in run.steps(args.steps):
+        if classic:
+            top = time.perf_counter()
+            if doomed and step == args.fault_step and not marker.exists():
+                marker.touch()
+                die("top")
+            t0 = time.time()
+            x, y = next(run.data)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.report(loss=loss)
+            left = pad_s - (time.perf_counter() - top)
+            if left > 0:
+                time.sleep(left)
+            trace.rec("step", step=step, t0=t0, rank=run.rank, world=run.world_size)
+            continue
         top = time.perf_counter()
         strike = doomed and step == args.fault_step and not marker.exists()
         if strike:
@@ -130,7 +157,7 @@ def main() -> int:
             for x, y in run.micro_batches():
                 loss = torch.nn.functional.mse_loss(run.model(x), y)
                 if strike and args.fault_at == "backward":
-                    model[0].weight.register_hook(lambda grad: die("backward"))  # before its all-reduce
+                    module[0].weight.register_hook(lambda grad: die("backward"))  # before its all-reduce
                 (loss / run.accumulation).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -53,11 +53,13 @@ STEPS, EVERY, STEP_MS, FAULT_STEP, FAULT_RANK = 60, 10, 45.0, 37, 1
 TRIAL_TIMEOUT_S = 240.0  # a healthy trial takes ~15-40 s here
 STALL_S = 60.0  # no trace line from any process for this long: the recovery is stuck
 SPARE_WAIT_S = 60.0  # how long the doomed worker waits for a warm spare before the fault
-MODE_ENV = {"torchrun_noshare": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
+MODE_ENV = {"torchrun_noshare": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            "torchrun_classic_noshare": {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}}
 LAUNCHER = {
     "spare": ["--nproc-per-node", "2", "--spares", "1"],
     "shrink": ["--nproc-per-node", "1:2"],
     "restart": ["--nproc-per-node", "2"],
+    "restart_classic": ["--nproc-per-node", "2"],
 }
 # torchft: the lighthouse's defaults (printed by `torchft_lighthouse --help`) and train_ddp.py's timeouts
 FT_LIGHTHOUSE = {"min_replicas": 1, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 60000, "quorum_tick_ms": 100}
@@ -110,7 +112,8 @@ def stacks(procs: list[Proc]) -> dict[str, str]:
 def script(trial_dir: Path, mode: str, fault_at: str) -> list[str]:
     return [str(WORKER), "--trial-dir", str(trial_dir), "--steps", str(STEPS), "--every", str(EVERY), "--step-ms",
             str(STEP_MS), "--fault", "kill", "--fault-at", fault_at, "--fault-step", str(FAULT_STEP), "--fault-rank",
-            str(FAULT_RANK), *(["--wait-spare", str(SPARE_WAIT_S)] if mode == "spare" else [])]  # fmt: skip
+            str(FAULT_RANK), *(["--wait-spare", str(SPARE_WAIT_S)] if mode == "spare" else []),
+            *(["--style", "classic"] if "classic" in mode else [])]  # fmt: skip
 
 
 def command(mode: str, trial_dir: Path, fault_at: str) -> list[str]:

@@ -101,6 +101,10 @@ def lost_share(interval_s: float, *, cost_s: float, mtbf_s: float) -> float:
     return cost_s / interval_s + interval_s / (2 * mtbf_s)
 
 
+def _secs(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds >= 100 else f"{seconds:.3g} s"
+
+
 def _median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]
@@ -120,7 +124,7 @@ def decide_every(costs: Sequence[SaveCost], step_s: float | None, mtbf_s: float 
     every = max(1, round(optimum / step_s))
     source = f" ({mtbf_source})" if mtbf_source else ""
     reason = (f"a save stalls the loop {cost * 1e3:.1f} ms, a step takes {step_s * 1e3:.1f} ms and the MTBF is "
-              f"{mtbf_s:.0f} s{source}: Young/Daly's optimum is {optimum:.1f} s, every {every} step(s)")
+              f"{_secs(mtbf_s)}{source}: Young/Daly's optimum is {_secs(optimum)}, every {every} step(s)")
     floor = math.ceil(write / step_s)
     if every < floor:
         every, reason = floor, reason + f", raised to {floor} so that the {write:.2f} s write ends before the next"
