@@ -224,7 +224,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         f"Load average (1/5/15 min): {la[0]} at start, {la[1]} at end; total run {env.get('total_s', 0):.0f} s.  ",
         (f"Workload: 2 ranks, gloo on CPU (`OMP_NUM_THREADS=1`), {cfg['steps']} steps of an MLP 64-256-64 padded to "
          f"{cfg['step_ms']:.0f} ms, a checkpoint every {cfg['every']} steps (`benchmarks/_recovery_worker.py`, attempt "
-         f"style: `Run(ddp=True)`, `run.attempt()`, `run.micro_batches()`). Rank {cfg['fault_rank']} SIGKILLs itself "
+         f"style: `Run(ddp=True)`, `run.attempt()`, `run.micro_batches()`; the `_classic` modes run it with `--style "
+         f"classic`: the script wraps DDP itself, no `run.attempt()`). Rank {cfg['fault_rank']} SIGKILLs itself "
          f"at step {cfg['fault_step']} ({cfg['fault_at']} of the step) on the first attempt only; with a spare it first "
          f"waits (at most {cfg['spare_wait_s']:.0f} s) for the agent's `spare_ready` event. {cfg['trials']} trials per "
          "mode, modes interleaved in a rotating order, one trial at a time.  "),
