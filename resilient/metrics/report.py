@@ -84,8 +84,9 @@ def to_json(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]],
 def render_cadence(cadence: dict[str, Any] | None, reports: Sequence[NodeReport]) -> list[str]:
     """What the chosen durable interval costs against the alternatives, and what this run measured."""
     priced = cadence_alternatives(cadence)
-    if not cadence or not priced:
+    if not priced:  # no event, or one without the numbers that chose it
         return []
+    assert cadence is not None
     out = [(f"checkpoint cadence: every {cadence['every']} steps since step {cadence.get('step')} "
            f"({cadence.get('mtbf_source')}); {cadence.get('reason')}"),
            (f"  model: a save stalls {cadence['cost_s'] * 1e3:.1f} ms, a step takes {cadence['step_s'] * 1e3:.1f} ms, "
