@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,11 +24,12 @@ from resilient.checkpoint.cadence import (
     decide_every,
     estimate_mtbf,
     lost_share,
+    priced_alternatives,
 )
 from resilient.checkpoint.config import CheckpointConfig
 from resilient.checkpoint.inspect import verify_checkpoint
 from resilient.errors import ConfigError
-from resilient.metrics.report import cadence_alternatives, render_cadence
+from resilient.metrics.report import render_cadence
 
 from .agent_helpers import events, explain, run_agent
 from .helpers import assert_same_run, read_trace, run_worker
@@ -154,7 +157,9 @@ def test_alternatives_price_the_chosen_interval_against_the_bound_half_and_twice
     chosen = next(a for a in priced if a.label == "chosen")
     assert chosen.stall_s_per_h == pytest.approx(3600 * 1.0 / 10.0)  # a 1 s stall every 10 s
     assert chosen.redo_s_per_h == pytest.approx(3600 * 10.0 / 7200)  # half of 10 s redone once an hour
-    assert cadence_alternatives({"every": 20, "bound": 100, "step_s": None, "cost_s": 1.0, "mtbf_s": 10.0}) == []
+    assert priced_alternatives({"every": 20, "bound": 100, "step_s": None, "cost_s": 1.0, "mtbf_s": 10.0}) == []
+    assert [p["every"] for p in priced_alternatives({"every": 20, "bound": 100, "step_s": 0.5, "cost_s": 1.0,
+                                                     "mtbf_s": 3600.0})] == [1, 10, 20, 40, 100]
 
 
 # ------------------------------------------------------------------- two gloo ranks
@@ -197,7 +202,7 @@ def test_two_ranks_agree_on_the_computed_interval_and_train_as_without_it(tmp_pa
     # Saving on the computed interval changes nothing that is trained.
     assert_same_run(read_trace(tmp_path / "ref"), read_trace(tmp_path / "t"))
     # The goodput report prices the interval the run chose from that event's own numbers.
-    text = "\n".join(render_cadence(change, []))
+    text = "\n".join(render_cadence(change, priced_alternatives(change), []))
     assert f"checkpoint cadence: every {every} steps since step {2 * BOUND}" in text
     assert f"{every} (chosen)" in text and f"{BOUND} (every_steps)" in text
 
@@ -226,3 +231,27 @@ def test_a_bad_mtbf_is_refused_before_anything_starts(tmp_path):
     proc = run_agent(tmp_path / "run", "--mtbf", "soon", script_args=("--steps", "1", "--trace", str(tmp_path / "t")))
     assert proc.returncode != 0 and "--mtbf 'soon': give a number of seconds, or auto" in proc.stderr, explain(proc)
     assert not (tmp_path / "t.rank0").exists()
+
+
+def test_agent_with_a_given_mtbf_computes_the_interval_and_the_goodput_report_prices_it(tmp_path):
+    """`resilient run --mtbf SECONDS` reaches the workers; their change is forwarded to the run's events, and
+    `resilient report goodput` prices it, in its table and in goodput.json."""
+    run_dir = tmp_path / "run"
+    proc = run_agent(run_dir, "--nproc-per-node", "2", "--node-id", "n0", "--mtbf", str(MTBF),
+                     script_args=("--steps", "50", "--every", str(BOUND), "--step-sleep", "0.02", "--keep", "100",
+                                  "--dir", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "trace")))
+    assert proc.returncode == 0, explain(proc)
+    changes = sorted(events(run_dir, "checkpoint_cadence"), key=lambda e: e["rank"])
+    assert [(e["rank"], e["step"], e["every"]) for e in changes] == [(r, 2 * BOUND, changes[0]["every"])
+                                                                    for r in (0, 1)], changes
+    change = changes[0]
+    assert change["mtbf_s"] == MTBF and change["mtbf_source"] == "--mtbf" and 1 <= change["every"] < BOUND, change
+    report = subprocess.run([sys.executable, "-m", "resilient", "report", "goodput", str(run_dir), "--no-png"],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert report.returncode == 0, report.stderr
+    assert f"checkpoint cadence: every {change['every']} steps since step {2 * BOUND}" in report.stdout, report.stdout
+    assert f"{change['every']} (chosen)" in report.stdout and f"{BOUND} (every_steps)" in report.stdout
+    saved = json.loads((run_dir / "goodput.json").read_text())["checkpoint_cadence"]
+    assert saved["event"]["every"] == change["every"]
+    assert [a["label"] for a in saved["alternatives"] if a["every"] == change["every"]] == ["chosen"]
+    assert saved["alternatives"] == priced_alternatives(saved["event"])

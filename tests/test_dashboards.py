@@ -414,6 +414,10 @@ def live_run(prometheus, tmp_path_factory):
         _stop(proc)
 
 
+# Alone: it asserts that no alert fires on a healthy run, Straggler included, with `for:` cut to 1 s.  Beside
+# another test file's processes on 2 cores (an FSDP test) one rank's compute ran 8% slow for 15 steps with no
+# run-queue wait to explain it, and the detector flagged it: true of that host, not of a healthy run.
+@pytest.mark.serial
 def test_every_dashboard_and_rule_expression_returns_data_from_a_real_run(prometheus, live_run):
     """Panels must return data on a healthy run with one past incident.
 

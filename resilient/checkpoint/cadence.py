@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 SAVES_MEASURED = 8
 """The newest saves whose median cost is taken."""
@@ -158,6 +159,20 @@ def alternatives(chosen: int, *, bound: int, step_s: float, cost_s: float, mtbf_
         interval = every * step_s
         out.append(Alternative(label, every, 3600 * cost_s / interval, 3600 * interval / (2 * mtbf_s)))
     return out
+
+
+def priced_alternatives(event: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A ``checkpoint_cadence`` event's interval against the alternatives, priced by the numbers that chose it, as
+    plain records (``label``, ``every``, ``stall_s_per_h``, ``redo_s_per_h``, ``lost_s_per_h``) for the goodput
+    report; empty without an event or its numbers."""
+    if not event:
+        return []
+    step_s, cost_s, mtbf_s = event.get("step_s"), event.get("cost_s"), event.get("mtbf_s")
+    if not step_s or cost_s is None or not mtbf_s:
+        return []
+    return [{**asdict(a), "lost_s_per_h": a.lost_s_per_h}
+            for a in alternatives(int(event["every"]), bound=int(event["bound"]), step_s=step_s, cost_s=cost_s,
+                                  mtbf_s=mtbf_s)]
 
 
 class Cadence:

@@ -24,14 +24,16 @@ def add_parser(commands: Any) -> None:
 
 def cmd_goodput(args: argparse.Namespace) -> int:
     from ..agent.incidents import load_incidents
+    from ..checkpoint.cadence import priced_alternatives
     from ..events import EventKind
     from ..metrics.report import write_report
     from .status_cmd import read_events
 
     incidents = load_incidents(args.run_dir / "incidents")
     cadence = [e for e in read_events(args.run_dir / "events.jsonl") if e.get("kind") == EventKind.CHECKPOINT_CADENCE]
+    newest = cadence[-1] if cadence else None
     text, json_path, png_path = write_report(args.run_dir, incidents, args.out, png=not args.no_png,
-                                             cadence=cadence[-1] if cadence else None)
+                                             cadence=newest, priced=priced_alternatives(newest))
     print(text)
     print(f"wrote {json_path}" + (f" and {png_path}" if png_path else ""))
     return 0

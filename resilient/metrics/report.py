@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.cadence import Alternative, alternatives
 from ..errors import ConfigError
 from .catalogue import CATEGORIES
 
@@ -62,39 +61,28 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def cadence_alternatives(cadence: dict[str, Any] | None) -> list[Alternative]:
-    """The durable interval the run chose (its newest ``checkpoint_cadence`` event) against others, priced by the
-    first-order model with the numbers that chose it; empty without such an event or its numbers."""
-    if not cadence:
-        return []
-    step_s, cost_s, mtbf_s = cadence.get("step_s"), cadence.get("cost_s"), cadence.get("mtbf_s")
-    if not step_s or cost_s is None or not mtbf_s:
-        return []
-    return alternatives(int(cadence["every"]), bound=int(cadence["bound"]), step_s=step_s, cost_s=cost_s,
-                        mtbf_s=mtbf_s)
-
-
 def to_json(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]],
-            cadence: dict[str, Any] | None = None) -> dict[str, Any]:
-    priced = [{**asdict(a), "lost_s_per_h": a.lost_s_per_h} for a in cadence_alternatives(cadence)]
+            cadence: dict[str, Any] | None = None, priced: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     return {"nodes": {r.node: _plain(r.account) for r in reports}, "incidents": list(incidents),
-            "checkpoint_cadence": {"event": cadence, "alternatives": priced} if cadence else None}
+            "checkpoint_cadence": {"event": cadence, "alternatives": list(priced)} if cadence else None}
 
 
-def render_cadence(cadence: dict[str, Any] | None, reports: Sequence[NodeReport]) -> list[str]:
-    """What the chosen durable interval costs against the alternatives, and what this run measured."""
-    priced = cadence_alternatives(cadence)
-    if not priced:  # no event, or one without the numbers that chose it
+def render_cadence(cadence: dict[str, Any] | None, priced: Sequence[dict[str, Any]],
+                   reports: Sequence[NodeReport]) -> list[str]:
+    """What the chosen durable interval costs against the alternatives, and what this run measured.
+
+    ``priced``: the alternatives as the checkpoint package prices them (the caller computes them; metrics sits below
+    checkpoint)."""
+    if cadence is None or not priced:  # no event, or one without the numbers that chose it
         return []
-    assert cadence is not None
     out = [(f"checkpoint cadence: every {cadence['every']} steps since step {cadence.get('step')} "
            f"({cadence.get('mtbf_source')}); {cadence.get('reason')}"),
            (f"  model: a save stalls {cadence['cost_s'] * 1e3:.1f} ms, a step takes {cadence['step_s'] * 1e3:.1f} ms, "
            f"a failure every {_fmt_s(cadence['mtbf_s'])} redoes half an interval"),
            f"  {'every':>14}  {'saves':>9}  {'redone':>9}  {'lost':>9}  (seconds per hour)"]
     for a in priced:
-        label = f"{a.every} ({a.label})"
-        out.append(f"  {label:>14}  {a.stall_s_per_h:9.1f}  {a.redo_s_per_h:9.1f}  {a.lost_s_per_h:9.1f}")
+        label = f"{a['every']} ({a['label']})"
+        out.append(f"  {label:>14}  {a['stall_s_per_h']:9.1f}  {a['redo_s_per_h']:9.1f}  {a['lost_s_per_h']:9.1f}")
     for r in reports:
         a = r.account
         hours = a.wall_s / 3600 if a.wall_s > 0 else 0.0
@@ -113,7 +101,7 @@ def _fmt_s(seconds: float) -> str:
 
 
 def render(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]],
-           cadence: dict[str, Any] | None = None) -> str:
+           cadence: dict[str, Any] | None = None, priced: Sequence[dict[str, Any]] = ()) -> str:
     out = []
     for r in reports:
         a = r.account
@@ -136,7 +124,7 @@ def render(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]],
             out.append(f"  incident {cost.id} ({cost.kind}) cost {_fmt_s(cost.total_s)}: "
                        f"{_fmt_s(cost.detection_s)} to detect, {_fmt_s(cost.recovery_s)} to restart, "
                        f"{_fmt_s(cost.replay_s)} replayed")
-    out += render_cadence(cadence, reports)
+    out += render_cadence(cadence, priced, reports)
     if incidents:
         out.append("incidents (first failure, from the run directory):")
         for inc in incidents:
@@ -198,20 +186,22 @@ def plot(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]], pat
 
 
 def write_report(run_dir: Path, incidents: Sequence[dict[str, Any]], out_dir: Path | None = None,
-                 png: bool = True, cadence: dict[str, Any] | None = None) -> tuple[str, Path, Path | None]:
+                 png: bool = True, cadence: dict[str, Any] | None = None,
+                 priced: Sequence[dict[str, Any]] = ()) -> tuple[str, Path, Path | None]:
     """Build the report; return (table text, JSON path, PNG path or None).
 
     ``incidents`` are the run's incident records, oldest first; the caller
     reads them (the agent owns their format, and metrics sits below the agent).
-    ``cadence``: the run's newest ``checkpoint_cadence`` event, if any.
+    ``cadence``: the run's newest ``checkpoint_cadence`` event, if any; ``priced``: its interval against the
+    alternatives (``resilient.checkpoint.cadence.priced_alternatives``).
     """
     reports = load(run_dir)
     out = out_dir or run_dir
     out.mkdir(parents=True, exist_ok=True)
     json_path = out / "goodput.json"
-    json_path.write_text(json.dumps(to_json(reports, incidents, cadence), indent=1, default=str))
+    json_path.write_text(json.dumps(to_json(reports, incidents, cadence, priced), indent=1, default=str))
     png_path = None
     if png:
         png_path = out / "goodput.png"
         plot(reports, incidents, png_path)
-    return render(reports, incidents, cadence), json_path, png_path
+    return render(reports, incidents, cadence, priced), json_path, png_path
