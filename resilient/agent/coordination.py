@@ -22,7 +22,7 @@ from ..coord.store import ControlStoreError
 from ..events import Emit, EventKind
 from .config import AgentConfig
 from .policy import FailureMark, History
-from .rendezvous import Rendezvous, embedded_rendezvous, etcd_rendezvous
+from .rendezvous import OneNodeRendezvous, Rendezvous, etcd_rendezvous
 from .rundir import RunDir
 from .shared import SharedFacts
 
@@ -47,7 +47,7 @@ class Coordination:
         self._token = token
         self.shared: SharedFacts | None = None
         """This launch's shared facts; set once the agent has joined a launch."""
-        self.rendezvous: Rendezvous | None = None
+        self.rendezvous: Rendezvous | OneNodeRendezvous | None = None
         self._presence: Any = None
         self.launch_watch: Any = None
         self.timing_watch: Any = None
@@ -125,11 +125,11 @@ class Coordination:
             self._presence.start()
         return None
 
-    def make_rendezvous(self) -> Rendezvous:
-        """Build the rendezvous of the joined launch (the embedded one on one machine)."""
+    def make_rendezvous(self) -> Rendezvous | OneNodeRendezvous:
+        """Build the rendezvous of the joined launch (this node alone on one machine)."""
         c = self._config
         if c.store_url is None:
-            self.rendezvous = embedded_rendezvous(c.run_id, self.control, c.rendezvous, c.local_addr)
+            self.rendezvous = OneNodeRendezvous(self.control, c.local_addr)
         else:
             assert self.shared is not None, "join a launch before its rendezvous"
             self.rendezvous = etcd_rendezvous(self._etcd_config, c.run_id, self.control, c.min_nodes, c.max_nodes,

@@ -1,11 +1,14 @@
 """Rendezvous: which nodes form the next generation, and where its workers meet.
 
-Both flavours go through torch elastic's ``DynamicRendezvousHandler``:
+Two flavours:
 
-* embedded (one machine, no external service): the agent hosts a TCPStore
-  on loopback and uses torch's ``C10dRendezvousBackend`` on it;
-* etcd (many machines): our etcd v3 ``RendezvousBackend`` and store, so
-  that no node hosts the state the others depend on.
+* one machine, one agent (no external service): nothing to meet, so no
+  protocol (:class:`OneNodeRendezvous`).  Each round is this node alone.
+  torch's handler would cost a restart up to 0.3 s here: it delays its
+  first re-join by a random amount to spread nodes that do not exist;
+* etcd (many machines): torch elastic's ``DynamicRendezvousHandler`` over
+  our etcd v3 ``RendezvousBackend`` and store, so that no node hosts the
+  state the others depend on.
 
 Each launch of a run has its own rendezvous (see
 :mod:`resilient.coord.launch`); the generation counter is the run's.  After
@@ -24,7 +27,6 @@ import gc
 import os
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from ..coord.store import ControlStore
@@ -58,6 +60,40 @@ class RendezvousTimeouts:
     probes, not by this)."""
     keep_alive_attempts: int = 3
     """Missed keep-alives after which a node is considered dead."""
+
+
+class OneNodeRendezvous:
+    """The rendezvous of a run on one machine under one agent: every round is this node alone, node rank 0 of 1,
+    with the run's next generation number and a fresh port on ``local_addr`` for the workers' store."""
+
+    def __init__(self, control: ControlStore, local_addr: str) -> None:
+        self._control = control
+        self._local_addr = local_addr
+        self._closed = False
+
+    def next(self) -> Assignment:
+        """The next round, at once; raises torch's ``RendezvousClosedError`` once closed (as the handler would)."""
+        if self._closed:
+            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+            raise RendezvousClosedError("the rendezvous is closed")
+        generation = self._control.add("generation", 1)
+        return Assignment(0, 1, generation, self._local_addr, free_port(self._local_addr))
+
+    def num_nodes_waiting(self) -> int:
+        return 0  # no other node can join a run on one machine
+
+    def close(self) -> None:
+        self._closed = True
+
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def stop_keep_alive(self) -> None:
+        pass  # no keep-alive: no peer watches this node
+
+    def shutdown(self) -> None:
+        self._closed = True
 
 
 class Rendezvous:
@@ -119,37 +155,10 @@ def free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _timeout(t: RendezvousTimeouts) -> Any:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
-
-    return RendezvousTimeout(
-        join=timedelta(seconds=t.join_s), last_call=timedelta(seconds=t.last_call_s),
-        close=timedelta(seconds=t.close_s), heartbeat=timedelta(seconds=t.keep_alive_s * t.keep_alive_attempts),
-    )
-
-
 def _no_shared_worker_store() -> None:
     # torch otherwise keeps one TCPStore for all rounds and hands it to the
     # workers; we give each generation a fresh address instead (see above).
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-
-
-def embedded_rendezvous(run_id: str, control: ControlStore, timeouts: RendezvousTimeouts,
-                        local_addr: str = "127.0.0.1") -> Rendezvous:
-    """One machine: a TCPStore hosted by this agent on loopback, torch's c10d backend on it."""
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    _no_shared_worker_store()
-    store = TCPStore(local_addr, 0, is_master=True, timeout=timedelta(seconds=timeouts.join_s), wait_for_workers=False)
-    backend = C10dRendezvousBackend(store, run_id)
-    handler = DynamicRendezvousHandler.from_backend(
-        run_id, store, backend, min_nodes=1, max_nodes=1, local_addr=local_addr, timeout=_timeout(timeouts),
-        keep_alive_interval=timeouts.keep_alive_s,  # type: ignore[arg-type]
-        keep_alive_max_attempt=timeouts.keep_alive_attempts,
-    )
-    return Rendezvous(handler, control, local_addr, hosted_store=store)
 
 
 def etcd_rendezvous(etcd: Any, run_id: str, control: ControlStore, min_nodes: int, max_nodes: int,

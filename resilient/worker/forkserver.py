@@ -273,14 +273,21 @@ def adopt_environment(env: dict[str, str]) -> None:
         torch.set_num_threads(int(threads))
 
 
+WARM = ("torch._dynamo", "torch.distributed.checkpoint")
+"""Imported at first use by nearly every script, at a cost each restarted worker would pay again: constructing any
+``torch.optim`` optimizer imports ``torch._dynamo`` (0.9 s of a restart on a small machine, more than the rest of
+it), a sharded restore ``torch.distributed.checkpoint``.  Neither starts a thread or touches CUDA at import."""
+
+
 def preload(modules: list[str]) -> None:
-    """What every worker imports: torch, its distributed package, this project's Run, and the user's."""
+    """What every worker imports: torch, its distributed package, this project's Run, what a first optimizer or
+    sharded restore imports (:data:`WARM`), and the user's."""
     import torch
     import torch.distributed  # noqa: F401
 
     import resilient.run  # noqa: F401
 
-    for name in modules:
+    for name in (*WARM, *modules):
         importlib.import_module(name)
 
 
