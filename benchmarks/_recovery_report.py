@@ -12,9 +12,10 @@ from typing import Any
 from _agent_report import cell, fmt, key_lines, ratio_ci, row, stats
 
 MODES = ("spare", "shrink", "restart", "torchrun", "torchft", "torchrun_noshare", "restart_classic", "torchrun_classic",
-         "torchrun_classic_noshare")
+         "torchrun_classic_noshare", "restart_all", "restart_all_spares")
 INFO_MODES = ("torchrun_noshare", "torchrun_classic_noshare")  # torchrun with its workaround, for comparison
-PEERS = ("torchrun", "torchrun_noshare", "torchrun_classic", "torchrun_classic_noshare")  # the ratios' denominators
+PEERS = ("torchrun", "torchrun_noshare", "torchrun_classic", "torchrun_classic_noshare",
+         "restart_all")  # the ratios' denominators
 RUNGS = {"spare": "promote_spare", "shrink": "shrink"}  # how each in-process mode must recover
 NAMES = {
     "spare": "spare + in-process (`resilient run --spares 1`)",
@@ -26,6 +27,8 @@ NAMES = {
     "restart_classic": "restart, unmodified DDP script (`resilient run`)",
     "torchrun_classic": "torchrun --max-restarts 1, unmodified DDP script",
     "torchrun_classic_noshare": "torchrun, no shared store, unmodified DDP script (info)",
+    "restart_all": "restart, every rank killed (`resilient run`)",
+    "restart_all_spares": "restart, every rank killed, a warm spare (`resilient run --spares 1`)",
 }
 METRICS = {  # key: what it measures (seconds after the SIGKILL unless a count)
     "t_first_new_step": "kill -> next newly completed step",
@@ -45,8 +48,9 @@ WORKER_SIDE = {  # the survivors' own account (group_rejoined ``seconds``)
     "survivor_abandon": "survivor: rewind + release the old group",
     "survivor_wait": "survivor: waiting for its assignment",
 }
-TARGETS = {"spare": 0.05, "shrink": 0.10, "restart_classic": 0.3}
-PEER_OF = {"restart_classic": "torchrun_classic"}  # a target's peer runs the same script (default: torchrun)
+TARGETS = {"spare": 0.05, "shrink": 0.10, "restart_classic": 0.3, "restart_all_spares": 1.0}
+PEER_OF = {"restart_classic": "torchrun_classic",  # a target's peer runs the same script (default: torchrun)
+           "restart_all_spares": "restart_all"}  # a restart with a spare no slower than one without
 MAX_REDONE = {"restart_classic": 1}  # steps a restart may re-do at most (every trial)
 
 
@@ -227,7 +231,9 @@ def render_markdown(res: dict[str, Any]) -> str:
          f"style: `Run(ddp=True)`, `run.attempt()`, `run.micro_batches()`; the `_classic` modes run it with `--style "
          f"classic`: the script wraps DDP itself, no `run.attempt()`). Rank {cfg['fault_rank']} SIGKILLs itself "
          f"at step {cfg['fault_step']} ({cfg['fault_at']} of the step) on the first attempt only; with a spare it first "
-         f"waits (at most {cfg['spare_wait_s']:.0f} s) for the agent's `spare_ready` event. {cfg['trials']} trials per "
+         f"waits (at most {cfg['spare_wait_s']:.0f} s) for the agent's `spare_ready` event; in the `restart_all` modes "
+         "every rank does so at that step (no survivor: a restart, beside a warm spare in `restart_all_spares`). "
+         f"{cfg['trials']} trials per "
          "mode, modes interleaved in a rotating order, one trial at a time.  "),
         "Commands: " + "; ".join(f"{m}: `{env['commands'][m]}`" for m in ms) + ".  ",
     ]  # fmt: skip

@@ -25,7 +25,8 @@ and gives the Run an ``EventLog`` at ``<trial-dir>/events.<pid>.jsonl`` (``attem
 ``--fault kill --fault-step S --fault-rank R``: rank R SIGKILLs itself at step S, at the top of its
 attempt (``--fault-at top``) or inside its backward from a gradient hook (``backward``), once per trial
 (``<trial-dir>/fault.marker`` is created first) and, under an agent that names its workers, only in
-worker ``w1`` (a promoted spare must not repeat it).  ``--wait-spare S``: before the fault, wait (at most
+its first process (``w1`` for rank 1: a promoted spare must not repeat it).  ``--fault-rank -1``: every
+rank does so at the same step (one marker per rank), so no survivor is left and the run restarts.  ``--wait-spare S``: before the fault, wait (at most
 S seconds) until the agent's events.jsonl (``RESILIENT_RUN_DIR``) shows a ``spare_ready`` event, so that
 the fault meets a warm spare.
 """
@@ -81,7 +82,7 @@ def main() -> int:
     p.add_argument("--fault", choices=["none", "kill"], default="none")
     p.add_argument("--fault-at", choices=["top", "backward"], default="top")
     p.add_argument("--fault-step", type=int, default=37)
-    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-rank", type=int, default=1, help="the rank that dies; -1: every rank")
     p.add_argument("--style", choices=["attempt", "classic"], default="attempt",
                    help="attempt: Run(ddp=True) and run.attempt(); classic: the script wraps DDP itself, no attempt")
     p.add_argument("--wait-spare", type=float, default=0.0, metavar="S",
@@ -116,9 +117,11 @@ def main() -> int:
     trace.rec("run_ready", restored_step=run.step, restored_from=run.restored_from, rank=run.rank,
               world=run.world_size)
 
-    marker = args.trial_dir / "fault.marker"
+    every_rank = args.fault_rank == -1
+    marker = args.trial_dir / (f"fault.marker.{run.rank}" if every_rank else "fault.marker")
     worker = os.environ.get("RESILIENT_WORKER_ID")
-    doomed = args.fault == "kill" and run.rank == args.fault_rank and worker in (None, DOOMED_WORKER)
+    first = f"w{run.rank}" if every_rank else DOOMED_WORKER  # the agent's id of the rank's first process
+    doomed = args.fault == "kill" and (every_rank or run.rank == args.fault_rank) and worker in (None, first)
     pad_s = args.step_ms / 1000.0
 
     def die(where: str) -> None:

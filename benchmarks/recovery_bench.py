@@ -60,6 +60,8 @@ LAUNCHER = {
     "shrink": ["--nproc-per-node", "1:2"],
     "restart": ["--nproc-per-node", "2"],
     "restart_classic": ["--nproc-per-node", "2"],
+    "restart_all": ["--nproc-per-node", "2"],
+    "restart_all_spares": ["--nproc-per-node", "2", "--spares", "1"],
 }
 # torchft: the lighthouse's defaults (printed by `torchft_lighthouse --help`) and train_ddp.py's timeouts
 FT_LIGHTHOUSE = {"min_replicas": 1, "heartbeat_timeout_ms": 5000, "join_timeout_ms": 60000, "quorum_tick_ms": 100}
@@ -112,7 +114,8 @@ def stacks(procs: list[Proc]) -> dict[str, str]:
 def script(trial_dir: Path, mode: str, fault_at: str) -> list[str]:
     return [str(WORKER), "--trial-dir", str(trial_dir), "--steps", str(STEPS), "--every", str(EVERY), "--step-ms",
             str(STEP_MS), "--fault", "kill", "--fault-at", fault_at, "--fault-step", str(FAULT_STEP), "--fault-rank",
-            str(FAULT_RANK), *(["--wait-spare", str(SPARE_WAIT_S)] if mode == "spare" else []),
+            "-1" if mode.startswith("restart_all") else str(FAULT_RANK),
+            *(["--wait-spare", str(SPARE_WAIT_S)] if mode in ("spare", "restart_all_spares") else []),
             *(["--style", "classic"] if "classic" in mode else [])]  # fmt: skip
 
 
@@ -180,7 +183,7 @@ def trial(mode: str, idx: int, root: Path, fault_at: str) -> dict[str, Any]:
     res["leftover_pids"] = {p.name: p.finish() for p in procs}
     res |= {"killed_by_bench": why, "wall_s": time.time() - t0}
     recs = records(d, "trace")
-    kill = next((r for r in recs if r["ev"] == "kill"), None)
+    kill = min((r for r in recs if r["ev"] == "kill"), key=lambda r: r["t"], default=None)  # the first of them
     if kill is None:
         res |= {"success": False, "why": why or f"exit {res['rc']} before the kill fired"}
     else:
