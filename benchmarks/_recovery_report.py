@@ -26,7 +26,7 @@ NAMES = {
     "torchrun_noshare": "torchrun, no shared store (info)",
     "restart_classic": "restart, unmodified DDP script (`resilient run`)",
     "torchrun_classic": "torchrun --max-restarts 1, unmodified DDP script",
-    "torchrun_classic_noshare": "torchrun, no shared store, unmodified DDP script (info)",
+    "torchrun_classic_noshare": "torchrun, no shared store, unmodified DDP script",
     "restart_all": "restart, every rank killed (`resilient run`)",
     "restart_all_spares": "restart, every rank killed, a warm spare (`resilient run --spares 1`)",
 }
@@ -185,16 +185,23 @@ def verdicts(res: dict[str, Any]) -> dict[str, Any]:
         peer = PEER_OF.get(mode, "torchrun")
         s, r = sm["modes"][mode], sm["ratio"].get(peer, {}).get(mode)
         ci = sm["ratio_ci"].get(peer, {}).get(mode)
+        ps = sm["modes"].get(peer, {})
         text = (f"median kill -> next new step {fmt((s['t_first_new_step'] or {}).get('median'))} / {peer} "
-                f"{fmt((sm['modes'].get(peer, {}).get('t_first_new_step') or {}).get('median'))} = "
+                f"{fmt((ps.get('t_first_new_step') or {}).get('median'))} = "
                 + ("-" if r is None else f"{r:.3f}") + (f" (95% bootstrap {ci[0]:.3f} .. {ci[1]:.3f})" if ci else "")
+                + (f" ({ps['succeeded']}/{ps['trials']} of its runs succeeded)" if ps else "")
                 + f"; limit <= {limit:g}")  # fmt: skip
-        ok = r is not None and r <= limit and s["trials"] > 0
+        # Against torchrun, the least favourable of its variants that restarted at least once: the default, or
+        # without its shared store (its workaround for the stale-address failure of its restarts).
+        measured = [x for x in (r, sm["ratio"].get(f"{peer}_noshare", {}).get(mode)) if x is not None]
+        worst = max(measured) if measured else None
+        ok = worst is not None and worst <= limit and s["trials"] > 0
         if mode in RUNGS:
             text += f"; recovered in process ({RUNGS[mode]}) in {s['in_process']}/{s['trials']} trials"
             ok = ok and s["in_process"] == s["trials"]
         if (n := sm["ratio"].get(f"{peer}_noshare", {}).get(mode)) is not None:
-            text += f" (information: / {peer} without its shared store = {n:.3f})"
+            text += (f"; / {peer} without its shared store = {n:.3f}; the verdict takes the larger ratio of those "
+                     "measured")
         if mode in MAX_REDONE:
             redone = s["steps_redone"]
             within = redone is not None and redone["max"] <= MAX_REDONE[mode] and redone["n"] == s["trials"]
