@@ -8,7 +8,7 @@ and every sample draws a random augmentation, so the random streams matter.
 Each rank appends one JSON line per completed attempt to
 ``<out>/trace.jsonl`` (``O_APPEND``, one write per line): the step, rank,
 world size, worker id, accumulation, each micro-batch's sample indices and
-unscaled loss as hex floats.  Rank 0 writes ``<out>/final.json`` at the end:
+unscaled loss as hex floats, the clock time.  Rank 0 writes ``<out>/final.json`` at the end:
 every parameter and every optimizer state tensor as hex floats, the
 scheduler's state and the counters.
 
@@ -239,7 +239,7 @@ def main() -> int:
             run.report(loss=loss)
             line = {"step": step, "rank": run.rank, "world": run.world_size, "worker": me,
                     "accumulation": run.accumulation, "indices": indices, "losses": losses,
-                    "started_nice": started_nice, "nice": os.getpriority(os.PRIO_PROCESS, 0)}
+                    "started_nice": started_nice, "nice": os.getpriority(os.PRIO_PROCESS, 0), "time": time.time()}
             os.write(fd, (json.dumps(line) + "\n").encode())
         if args.barrier_at == step:  # longer than the recovery timeout: the script's collective timeout holds
             with run.section("eval"):

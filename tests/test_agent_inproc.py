@@ -217,12 +217,17 @@ def test_losing_every_rank_falls_back_to_a_restart_and_stays_bitwise_equal(tmp_p
     assert len(events(run, "restart")) == 1
     final, ref = json.loads((out / "final.json").read_text()), json.loads((reference2 / "final.json").read_text())
     assert final["params"] == ref["params"] and final["optimizer"] == ref["optimizer"]
-    # Workers first after the restart: its spare started once both of its workers had restored, not beside them.
+    # Workers first after the restart: its spare started once both of its workers had restored and completed two
+    # steps since (the restart is over), not beside them.
     [restart] = events(run, "restart")
     after = [e for e in events(run, "workers_started") if e["generation"] > restart["generation"]][0]["generation"]
     [restored] = [e for e in events(run, "restored") if e["generation"] == after]
     spares = [e for e in events(run, "spare_started") if e["generation"] == after]
     assert spares and all(e["time"] >= restored["time"] for e in spares), (restored, spares)
+    first = min(e["time"] for e in spares)
+    done = {r: [line["step"] for line in trace(out) if line["rank"] == r and restored["time"] < line["time"] < first]
+            for r in (0, 1)}
+    assert all(len(steps) >= 2 for steps in done.values()), (done, restored, spares)
 
 
 def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_struck_again(

@@ -227,6 +227,13 @@ def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assign
     return specs
 
 
+def past_first_step(restored: dict[int, int], views: dict[int, Any]) -> bool:
+    """Whether every rank that restored has completed two steps since (its heartbeat is in a step beyond the restored
+    one plus one; the first is often a warm-up: allocations, DDP's buckets): the restart is over, and a spare's
+    start-up can no longer delay it."""
+    return all(r in views and views[r].step is not None and views[r].step > step + 1 for r, step in restored.items())
+
+
 def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, restart: bool) -> Outcome:
     """Start this node's workers of generation ``a`` and watch them to the end; ``restart``: after a failure."""
     gdir = ctx.run_dir.generation_dir(a.generation)
@@ -251,21 +258,26 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
             start(ctx, group, a)
     if not restart or not group.workers:
         start_spares(ctx, group, a, gdir)  # at the run's start (or on a spare node) beside the workers, niced
-    # After a restart they start once every worker has restored (below), or at the first failure
-    # (continue_after): a spare's start-up never takes CPU from a restarting worker's.
+    # After a restart they start once every worker has restored and then completed two steps (below), or at the
+    # first failure (continue_after): a spare's start-up never takes CPU from a restarting worker's, nor from the
+    # restored workers' first step, which is the restart's last part.
     peers = PeerWatch(ctx)
     reported = False
+    deferred: dict[int, int] | None = None  # after a restart: each rank's restored step, until the spares start
 
     def report_restores(final: bool) -> None:
         """Once every rank reported its restore (or, at the end, whatever some did), say what they restored."""
-        nonlocal reported
+        nonlocal reported, deferred
         expected, reports = ctx.tracker.restores()
         if not reported and reports and (final or len(reports) >= len(expected)):
             reported = True
             ctx.restored(summarise_restores(a.generation, ctx.config.node_id, expected, reports,
                                             multi_node=a.num_nodes > 1))
             if not final and restart:
-                start_spares(ctx, group, a, gdir)  # the workers are past start-up: now the spares
+                deferred = {r: int(rep.get("step") or 0) for r, rep in reports.items()}
+        if deferred is not None and not final and past_first_step(deferred, ctx.tracker.views()):
+            deferred = None
+            start_spares(ctx, group, a, gdir)  # the workers are past start-up: now the spares
 
     try:
         return _watch(ctx, group, a, gdir, peers, report_restores)
