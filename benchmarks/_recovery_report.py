@@ -251,7 +251,8 @@ def render_markdown(res: dict[str, Any]) -> str:
     L += ["\n## Targets\n", row("target", "result", "verdict"), row("---", "---", "---")]
     names = {"spare": "spare + in-process <= 0.05x torchrun, 0 steps re-done, N/N successes",
              "shrink": "shrink <= 0.1x torchrun",
-             "restart_classic": "restart of the unmodified DDP script <= 0.3x torchrun on it, <= 1 step re-done"}
+             "restart_classic": "restart of the unmodified DDP script <= 0.3x torchrun on it, <= 1 step re-done",
+             "restart_all_spares": "a restart with a warm spare no slower than one without (<= 1.0x)"}
     L += [row(names[k], x["text"], f"**{x['verdict']}**") for k, x in v.items()]
     L += [f"\n## Kill of rank {cfg['fault_rank']} at step {cfg['fault_step']}\n",
           ("Cells: median (min .. max, n) over successful trials, seconds after the SIGKILL (wall clocks, one "
