@@ -42,3 +42,28 @@ def load_now() -> dict:
     except (OSError, ValueError, IndexError):
         running = total = -1
     return {"loadavg": list(os.getloadavg()), "running_tasks": running, "total_tasks": total}
+
+
+def host(argv: list[str]) -> dict:
+    """The machine, the code and the command a result was measured with, and the load at its start."""
+    import platform
+    import shlex
+    import sys
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+            "torch": torch.__version__, "commit": commit(), "git_head": git("log", "-1", "--format=%h %cs %s"),
+            "dirty": uncommitted_code_changes(), "invocation": shlex.join([sys.executable, *argv]),
+            "load_start": load_now()}
+
+
+def write_results(out_dir: str | Path, name: str, res: dict, render) -> Path:  # noqa: ANN001
+    """``<out_dir>/<name>.json`` (every number) and ``.md`` (``render(res)``); returns their common stem."""
+    import json
+
+    os.makedirs(out_dir, exist_ok=True)
+    base = Path(out_dir) / name
+    base.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+    base.with_suffix(".md").write_text(render(res))
+    return base

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import shutil
 import statistics
@@ -150,18 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.skip >= args.steps:
         raise SystemExit(f"--skip {args.skip}: must be below --steps {args.steps}")
-    import torch
 
     root = Path(tempfile.mkdtemp(prefix="memory_tier_bench_", dir=args.dir))
     t0 = time.time()
     modes = list(MODES)
     res: dict[str, Any] = {
         "config": {"repeats": args.repeats, "steps": args.steps, "skip": args.skip, "step_ms": args.step_ms},
-        "environment": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-                        "torch": torch.__version__, "commit": _provenance.commit(),
-                        "git_head": _provenance.git("log", "-1", "--format=%h %cs %s"),
-                        "dirty": _provenance.uncommitted_code_changes(), "invocation": shlex.join([PY, *sys.argv]),
-                        "load_start": _provenance.load_now(),
+        "environment": {**_provenance.host(sys.argv),
                         "commands": {m: shlex.join(command(m, Path("<trial>"), args)) for m in modes}},
         "trials": []}  # fmt: skip
     try:
@@ -176,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     res["environment"] |= {"load_end": _provenance.load_now(), "total_s": time.time() - t0}
     res["summary"] = summarize(res)
     res["verdict"] = verdict(res)
-    os.makedirs(args.out_dir, exist_ok=True)
-    base = Path(args.out_dir) / "memory_tier_bench"
-    base.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-    base.with_suffix(".md").write_text(render(res))
+    base = _provenance.write_results(args.out_dir, "memory_tier_bench", res, render)
     log(f"wrote {base}.json and .md")
     print(f"{res['verdict']['verdict']}  {res['verdict']['text']}")
     return 0

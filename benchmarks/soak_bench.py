@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import _provenance
+
+from resilient.cli.status_cmd import read_events
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -106,20 +107,6 @@ def targets(run_dir: Path, agent_pid: int) -> dict[int, str]:
 
 
 # ------------------------------------------------------------------ runs
-def _events(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
-
-
 def _redone(out: Path) -> int:
     """Steps some rank completed more than once (the most of any rank)."""
     try:
@@ -175,7 +162,7 @@ def run_once(trial: Path, args: argparse.Namespace, *, spares: int, interval: tu
                 next_at = now + rng.uniform(*interval)
             time.sleep(0.05)
     wall = time.monotonic() - t0
-    events = _events(trial / "run")
+    events = read_events(trial / "run" / "events.jsonl")
     finished = [e for e in events if e.get("kind") == "agent_finished"]
     kinds = Counter(e.get("kind") for e in events)
     return {"exit": proc.returncode, "wall_s": round(wall, 2), "why": why, "faults": faults,
@@ -276,18 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     intervals = [_interval(x) for x in args.intervals.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
-    import torch
 
     root = Path(tempfile.mkdtemp(prefix="soak_bench_", dir=args.dir))
     t0 = time.time()
     res: dict[str, Any] = {
         "config": {"steps": args.steps, "every": args.every, "step_sleep": args.step_sleep, "spares": args.spares,
                    "intervals": intervals, "seeds": seeds, "signals": sorted(SIGNALS)},
-        "environment": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-                        "torch": torch.__version__, "commit": _provenance.commit(),
-                        "git_head": _provenance.git("log", "-1", "--format=%h %cs %s"),
-                        "dirty": _provenance.uncommitted_code_changes(), "invocation": shlex.join([PY, *sys.argv]),
-                        "load_start": _provenance.load_now(),
+        "environment": {**_provenance.host(sys.argv),
                         "commands": {"reference": shlex.join(command(Path("<trial>"), args, 0)),
                                      "soak": shlex.join(command(Path("<trial>"), args, args.spares))}},
         "references": [], "soaks": []}  # fmt: skip
@@ -313,10 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if res["soaks"]:
             res["summary"] = summarize(res)
             res["verdicts"] = verdicts(res)
-            os.makedirs(args.out_dir, exist_ok=True)
-            base = Path(args.out_dir) / "soak_bench"
-            base.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
-            base.with_suffix(".md").write_text(render(res))
+            base = _provenance.write_results(args.out_dir, "soak_bench", res, render)
             log(f"wrote {base}.json and .md")
         shutil.rmtree(root, ignore_errors=True)
     for v in res.get("verdicts", {}).values():
