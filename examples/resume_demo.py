@@ -40,7 +40,8 @@ NPROC = 2
 CRASH_RANK = 1
 
 
-def launch(label: str, run_dir: str, train_args: list[str], timeout_s: float) -> tuple[int, str]:
+def launch(label: str, run_dir: str, train_args: list[str], timeout_s: float,
+           agent_args: list[str] | None = None) -> tuple[int, str]:
     """Run ``resilient run ... train_gpt.py`` streaming its output prefixed by ``label``; return (exit code, output)."""
     cmd = [
         sys.executable,
@@ -49,6 +50,7 @@ def launch(label: str, run_dir: str, train_args: list[str], timeout_s: float) ->
         "run",
         f"--nproc-per-node={NPROC}",
         f"--run-dir={run_dir}",
+        *(agent_args or []),
         TRAIN,
         *train_args,
     ]
@@ -196,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         help="where checkpoints and traces go (its ref/ and resumed/ are wiped first)",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="longest wait for one launch, in seconds")
+    p.add_argument("--memory-every", type=int, default=None, metavar="N",
+                   help="the node's memory tier saves every N steps (default: the agent chooses from its cost)")
     args = p.parse_args(argv)
     if not args.every < args.crash_at < args.steps:
         p.error(
@@ -228,12 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     ref_cmd = [*common, "--ckpt-dir", ref_ckpt, "--trace", ref_trace, *extra]
-    rc, _ = launch("reference", os.path.join(ref_dir, "run"), ref_cmd, args.timeout)
+    agent_args = [] if args.memory_every is None else [f"--memory-every={args.memory_every}"]
+    rc, _ = launch("reference", os.path.join(ref_dir, "run"), ref_cmd, args.timeout, agent_args)
     if rc != 0:
         return fail(f"the reference run exited with {rc}")
 
     res_run = os.path.join(res_dir, "run")
-    rc, _ = launch("crash", res_run, res_cmd, args.timeout)
+    rc, _ = launch("crash", res_run, res_cmd, args.timeout, agent_args)
     if rc != 0:
         return fail(f"the agent did not recover the crashed run: exit code {rc}")
     incidents = incident_summaries(res_run)

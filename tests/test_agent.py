@@ -188,7 +188,10 @@ def test_independent_faults_without_a_commit_between_are_restarted_while_the_bud
     assert len(restarts) == 2, restarts
     assert "not a crash loop: 1 restarts without a new commit, but not the same failure again" in \
         restarts[1]["reason"], restarts[1]
-    assert [(i["rank"], i["step"]) for i in incidents(run_dir)] == [(1, 2), (0, 4)]
+    # Each killed rank is placed where its last heartbeat said: at the planned step, or before it by the heartbeats
+    # it had not sent yet (less than one batch interval of them; see test_heartbeat.py), so not exactly.
+    got = [(i["rank"], i["step"]) for i in incidents(run_dir)]
+    assert [rank for rank, _ in got] == [1, 0] and got[0][1] <= 2 and got[1][1] <= 4, got
 
 
 def test_restart_budget_is_counted_and_enforced(tmp_path):
