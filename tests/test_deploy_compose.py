@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 import tarfile
 import tempfile
@@ -166,11 +167,19 @@ def test_the_rendered_stack_trains_two_nodes_through_a_lost_node_with_its_spare(
                 project, "logs", "--tail", "30", check=False).stdout)
             time.sleep(0.5)
         ckpt = f"/work/runs/{RUN}/ckpt"
+
+        def newest_commit() -> int:
+            # Any commit from step 60 on, not step 60's own: retention drops it 3 commits later (3 s of training),
+            # less than a few of these one-off containers take to list the directory on a loaded machine.
+            names = engine.compose(project, "run", "--rm", "--no-deps", "-T", "--entrypoint", "ls", "node0", ckpt,
+                                   check=False, timeout=120).stdout.decode().split()
+            return max((int(n.split("_")[1]) for n in names if re.fullmatch(r"step_\d{10}", n)), default=-1)
+
         deadline = time.monotonic() + 240
-        while "step_0000000060" not in engine.compose(project, "run", "--rm", "--no-deps", "-T", "--entrypoint",
-                                                       "ls", "node0", ckpt, check=False, timeout=120).stdout.decode():
+        while (newest := newest_commit()) < 60:
             assert time.monotonic() < deadline, engine.compose(project, "logs", "--tail", "30", check=False).stdout
             time.sleep(2)
+        assert newest < STEPS, f"the run had finished (step {newest} committed) before its node could be lost"
         engine.compose(project, "kill", "node1")  # a machine lost, with its agent
         deadline = time.monotonic() + 300
         while exit_code(engine, project, "node0") is None or exit_code(engine, project, "spare0") is None:
