@@ -11,10 +11,9 @@ its ``ClusterStore`` and ``ClusterWatch`` (the recovery keys, the pool, the
 decision's claim and one-transaction commit).  What a real agent's other
 parts write is written as they write it: every second the timing windows of
 its rank (its outbox, full: 16 windows, as with steps of a few tens of
-milliseconds; slower steps publish less often); every 2 s the rendezvous
-keep-alive, a read and a compare-and-swap of the launch's rendezvous key
-holding a state the size torch's is for N nodes (measured here from a real
-rendezvous round of 2 and of 4 nodes); every 5 s the quarantine read.  The
+milliseconds; slower steps publish less often); every second the
+question the peer watch asks of the rendezvous (nodes waiting to join?), on
+the agent's real ``EtcdRendezvous``; every 5 s the quarantine read.  The
 workers are simulated: each member node holds one rank; a few spare nodes
 each hold one warm spare in the pool.  Probes are simulated too: a probe
 server and three probers per agent, at 0.15 s, would be 20,000 messages a
@@ -22,7 +21,9 @@ second in this one process at N = 1,024; a lost node's probers write their
 accusations themselves, as their probers would, ``SILENCE_S`` after the
 loss.
 
-Per N: a fresh etcd; the agents started and settled; then
+Per N: a fresh etcd; the agents started and settled; the member nodes
+form the run's first rendezvous round (every member's ``EtcdRendezvous.next``
+at once: the time until each has its place, p50 and p99); then
 
 * **steady state**, ``--window`` seconds: requests begun on etcd (its
   ``grpc_server_started_total``) in total and per agent, by method; watch
@@ -39,7 +40,10 @@ Per N: a fresh etcd; the agents started and settled; then
   Times from the loss to: the node judged lost by every agent (p50, p99),
   the decision committed, the decision read by every agent (p50, p99);
 * **a grow**: the agent holding rank 0 commits a grow onto a pool spare; the
-  time until every agent read it (p50, p99).
+  time until every agent read it (p50, p99);
+* **a restart's round**: every live member node joins the next round at
+  once (the lost nodes, judged lost, are not waited for): the time until
+  each has its place (p50, p99).
 
 Targets (issue: a control plane for a thousand nodes): steady load at most 3
 requests per agent per second, flat in N; node loss to the decision applied
@@ -68,6 +72,7 @@ from store_load_bench import counters
 
 from resilient.agent.cluster import ClusterStore
 from resilient.agent.cluster_watch import ClusterWatch
+from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
 from resilient.chaos.cluster import Etcd
 from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient
@@ -77,7 +82,7 @@ from resilient.coord.liveness import PROBERS, SILENCE_S, probers_of
 from resilient.coord.presence import Presence
 from resilient.coord.proof import SignedStore
 from resilient.coord.quarantine import FleetQuarantine
-from resilient.coord.rendezvous import create_etcd_rendezvous_handler
+from resilient.coord.rendezvous import rendezvous_space
 from resilient.coord.store import ControlStoreError, EtcdControlStore, StoreRequestError
 from resilient.coord.watch import PrefixWatch
 
@@ -86,8 +91,6 @@ RUN = "plane"
 LAUNCH = "l1"
 ROOT = f"/resilient/{RUN}/"
 PREFIX = launch_prefix(LAUNCH)
-RDZV_KEY = ""
-"""Where the launch's rendezvous state lives: found where a real rendezvous round put it (see main)."""
 OUTBOX_WINDOWS = 16
 """Windows in a node's timing outbox (``resilient.agent.windows.OUTBOX_WINDOWS``: with fast steps it is full)."""
 
@@ -142,7 +145,12 @@ class Agent:
         self.signed = SignedStore(EtcdControlStore(self.client, ROOT), bench.token)
         self.store = ClusterStore(self.signed, self.client, ROOT, PREFIX, node, bench.token,
                                   lease=lambda: self.presence.lease, live=self.presence.live, watch=self.watch)
-        self.generation = 1
+        self.generation = 0
+        self.rendezvous = EtcdRendezvous(self.client, rendezvous_space(RUN, LAUNCH), ROOT + "generation", node,
+                                         "127.0.0.1", min_nodes=1, max_nodes=bench.members,
+                                         timeouts=RendezvousTimeouts(join_s=600.0, last_call_s=30.0),
+                                         lease=lambda: self.presence.lease, live=self.presence.live,
+                                         on_error=self._error)
         self.cluster: ClusterWatch | None = None
         self.woken = threading.Event()
         self.waiting_for: int | None = None
@@ -186,6 +194,7 @@ class Agent:
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
+        self.rendezvous.leave()
         self.presence.leave()
         self.watch.close()
         self.timing_watch.close()
@@ -196,14 +205,14 @@ class Agent:
         self.signed.put(f"timing/{LAUNCH}/{self.node}",
                         timing_record(self.node, self.rank, self.generation, self.bench.members))
 
-    def rendezvous_keep_alive(self) -> None:
-        for _ in range(3):  # torch's keep-alive reads the state again and retries when another node wrote it
-            entry = self.client.get(RDZV_KEY)
-            if entry is None:
-                return
-            swapped, _ = self.client.compare_and_swap(RDZV_KEY, entry.mod_revision, self.bench.rdzv_state)
-            if swapped:
-                return
+    def ask_waiting(self) -> None:
+        self.rendezvous.num_nodes_waiting()
+
+    def join_round(self) -> float:
+        """Join the next rendezvous round; returns when this node has its place (its time)."""
+        assignment = self.rendezvous.next()
+        self.generation = assignment.generation
+        return time.monotonic()
 
     def read_quarantine(self) -> None:
         self.quarantine.standing_and_offences(self.node)
@@ -242,10 +251,9 @@ class Agent:
 
 
 class Bench:
-    def __init__(self, url: str, token: str, rdzv_state: bytes) -> None:
+    def __init__(self, url: str, token: str) -> None:
         self.config = EtcdConfig.from_url(url)
         self.token = token
-        self.rdzv_state = rdzv_state
         self.errors: list[str] = []
         self.lock = threading.Lock()
         self.marks: dict[str, Any] = {}
@@ -319,26 +327,14 @@ class Bench:
         return False
 
 
-def rendezvous_state_size(url: str) -> tuple[int, int, str]:
-    """Bytes of torch's rendezvous state in etcd after a real round of 2 and of 4 nodes (threads, one process),
-    and where the simulated launch's state goes (where the real round put its own)."""
-    sizes, where = [], ""
-    for n in (2, 4):
-        launch = f"size{n}"
-        handlers = [create_etcd_rendezvous_handler(EtcdConfig.from_url(url), "sizing", min_nodes=n, max_nodes=n,
-                                                   local_addr=f"127.0.0.{i + 1}", join_timeout_s=60, last_call_s=0.2,
-                                                   close_s=30, keep_alive_interval_s=5.0,
-                                                   keep_alive_max_attempt=3, launch_id=launch)
-                    for i in range(n)]
-        with ThreadPoolExecutor(n) as pool:
-            list(pool.map(lambda h: h.next_rendezvous(), handlers))
-        [entry] = [e for e in EtcdClient(EtcdConfig.from_url(url)).get_prefix("/resilient/")
-                   if e.key.endswith("/rdzv") and launch in e.key]
-        sizes.append(len(entry.value))
-        where = entry.key.replace("/sizing/", f"/{RUN}/").replace(launch, LAUNCH)
-        for h in handlers:
-            h.shutdown()
-    return sizes[0], sizes[1], where
+def round_together(agents: list[Agent], timeout_s: float) -> dict[str, Any]:
+    """Every agent joins the next rendezvous round at once: when each had its place, and why the round formed."""
+    with ThreadPoolExecutor(len(agents)) as joining:
+        t0 = time.monotonic()
+        futures = [joining.submit(a.join_round) for a in agents]
+        done = [f.result(timeout=timeout_s) - t0 for f in futures]
+    reasons = sorted({why for a in agents for _, why in a.rendezvous.formed[-1:]})
+    return {"placed_s": _pcts(done), "nodes": len(agents), "generation": agents[0].generation, "formed_by": reasons}
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
@@ -425,7 +421,7 @@ def _wait(what: str, ok: Any, timeout_s: float, interval_s: float = 0.05) -> flo
     return time.monotonic()
 
 
-def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dict[str, Any]:
+def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"control-plane-{n}-"))
     etcd = Etcd(root / "etcd")
     host_port = etcd.url.split("://", 1)[1]
@@ -433,14 +429,9 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
     etcd_pid = etcd._server.proc.pid if etcd._server is not None else 0  # its CPU and memory
     spares = args.trials + 2
     members = n - spares
-    state = b"x" * int(base + per_node * members)
-    bench = Bench(etcd.url, secrets.token_hex(32), state)
+    bench = Bench(etcd.url, secrets.token_hex(32))
     bench.members = members
-    setup = EtcdClient(bench.config)
-    setup.put(ROOT + "generation", b"1")
-    setup.put(RDZV_KEY, state)
-    result: dict[str, Any] = {"agents": n, "member_nodes": members, "spare_nodes": spares,
-                              "rendezvous_state_bytes": len(state)}
+    result: dict[str, Any] = {"agents": n, "member_nodes": members, "spare_nodes": spares}
     agents: list[Agent] = []
     done = threading.Event()
     pool = ThreadPoolExecutor(args.threads)
@@ -453,19 +444,23 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
                                 i if i < members else None))
         with ThreadPoolExecutor(8) as starting:  # as nodes come up: a few at a time, not all in one instant
             list(starting.map(lambda a: a.start(), agents))
-        for agent in agents:
-            if agent.rank is not None:
-                pool.submit(agent.store.publish_node, 1, {agent.rank: agent.worker}, world_size=members,
-                            store="127.0.0.1:1", opted_in=True, batch=None)
-            else:
-                pool.submit(agent.store.register_spare, agent.worker, time.time())
-        agents[0].store.set_current(1)
         _wait("every agent to see every node live", lambda: all(len(a.presence.live()) == n for a in agents),
               args.settle_timeout)
         result["start_s"] = round(time.monotonic() - started, 2)
         result["start_retries"] = bench.start_retries
         member_agents = [a for a in agents if a.rank is not None]
-        for every, action in ((1.0, "publish_timing"), (2.0, "rendezvous_keep_alive"), (5.0, "read_quarantine")):
+        result["first_round"] = round_together(member_agents, args.settle_timeout)
+        print(f"N={n} first round: {json.dumps(result['first_round'])}", flush=True)
+        first = member_agents[0].generation
+        for agent in agents:
+            agent.generation = first
+            if agent.rank is not None:
+                pool.submit(agent.store.publish_node, first, {agent.rank: agent.worker}, world_size=members,
+                            store="127.0.0.1:1", opted_in=True, batch=None)
+            else:
+                pool.submit(agent.store.register_spare, agent.worker, time.time())
+        agents[0].store.set_current(first)
+        for every, action in ((1.0, "publish_timing"), (1.0, "ask_waiting"), (5.0, "read_quarantine")):
             chosen = member_agents if action != "read_quarantine" else agents
             threads.append(threading.Thread(target=_periodic, args=(chosen, every, action, pool, done), daemon=True))
         threads.append(threading.Thread(target=_ticker, args=(agents, done, loops), daemon=True))
@@ -544,6 +539,10 @@ def measure(n: int, args: argparse.Namespace, per_node: float, base: int) -> dic
             grow["agents_applied"], grow["agents_alive"] = len(bench.applied_at), len(others)
         result["grow"] = grow
         print(f"N={n} grow: {json.dumps(grow)}", flush=True)
+        restarting = [a for a in agents if a.rank is not None and not a.client.dead
+                      and a in member_agents]
+        result["restart_round"] = round_together(restarting, args.trial_timeout)
+        print(f"N={n} restart round: {json.dumps(result['restart_round'])}", flush=True)
     except (TimeoutError, ControlStoreError) as e:  # recorded: what this machine could not simulate is a result
         result["failed"] = f"{type(e).__name__}: {e}"
         print(f"N={n}: {result['failed']}", flush=True)
@@ -608,18 +607,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=HERE / "results" / "control_plane_bench")
     args = p.parse_args()
     threading.stack_size(512 * 1024)
-    sizing = Etcd(Path(tempfile.mkdtemp(prefix="control-plane-sizing-")) / "etcd")
-    global RDZV_KEY
-    try:
-        two, four, RDZV_KEY = rendezvous_state_size(sizing.url)
-    finally:
-        sizing.close()
-    per_node = (four - two) / 2
-    base = int(two - 2 * per_node)
-    results = [measure(int(n), args, per_node, base) for n in args.agents.split(",")]
+    results = [measure(int(n), args) for n in args.agents.split(",")]
     out = {"commit": commit(), "uncommitted": uncommitted_code_changes(),
            "command": "python benchmarks/control_plane_bench.py " + shlex.join(sys.argv[1:]), "load": load_now(),
-           "rendezvous_state_bytes": {"base": base, "per_node": per_node}, "rendezvous_key": RDZV_KEY,
            "results": results,
            "targets": {"requests_per_agent_per_s": 3.0, "loss_to_applied_p99_s_at_1024": 1.0}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -632,12 +622,15 @@ def main() -> int:
                     f"| {s.get('etcd_cpu_cores')} | {s.get('etcd_rss_mib')} | {s.get('simulator_cpu_cores')} "
                     f"| {_worst(r, 'judged_lost_s')} | {_worst(r, 'applied_s')} "
                     f"| {(r.get('grow') or {}).get('applied_after_decision_s', {}).get('p99')} "
+                    f"| {(r.get('first_round') or {}).get('placed_s', {}).get('p99')} "
+                    f"| {(r.get('restart_round') or {}).get('placed_s', {}).get('p99')} "
                     f"| {r.get('failed', '')} |")
     args.out.with_suffix(".md").write_text(
         f"# The control plane at scale, simulated\n\ncommit `{out['commit']}`; `{out['command']}`; load {out['load']}\n\n"
         "| agents | requests/agent/s | watch events/agent/s | etcd cores | etcd RSS MiB | simulator cores "
-        "| loss to judged lost p99 s | loss to decision read p99 s | grow read p99 s | failed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        "| loss to judged lost p99 s | loss to decision read p99 s | grow read p99 s | first round p99 s "
+        "| restart round p99 s | failed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     print(args.out.with_suffix(".md").read_text())
     return 0
 

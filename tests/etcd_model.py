@@ -92,6 +92,22 @@ class EtcdModel:
             self._request()
             return [self._data[k] for k in sorted(self._data) if k.startswith(prefix)]
 
+    def first_created(self, prefix: str) -> tuple[Entry | None, int]:
+        with self._lock:
+            self._request()
+            under = [e for k, e in self._data.items() if k.startswith(prefix)]
+            return min(under, key=lambda e: e.create_revision, default=None), len(under)
+
+    def delete_prefix(self, prefix: str) -> int:
+        with self._lock:
+            self._request()
+            gone = [k for k in self._data if k.startswith(prefix)]
+            if gone:
+                self.revision += 1
+                for key in gone:
+                    self._remove(key)
+            return len(gone)
+
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         return self.txn(Txn((), (Put(key, value, lease),))).revision
 
@@ -176,8 +192,13 @@ class Flaky:
         ``"retried"``: it applied, its answer was lost and the transport sent it again; ``"delayed"``: the
         caller gave up on it, and it applies later (:meth:`deliver`)."""
         self.pending: list[Callable[[], object]] = []
+        self.skip = 0
+        """Requests that pass unharmed before :attr:`next_fault` strikes."""
 
     def _through(self, call: Callable[[], object]) -> object:
+        if self.next_fault is not None and self.skip > 0:
+            self.skip -= 1  # the fault waits for a later request of the same operation
+            return call()
         fault, self.next_fault = self.next_fault, None
         if fault == "lost":
             raise StoreUnavailableError("model: the request was lost")

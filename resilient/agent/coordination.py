@@ -22,7 +22,7 @@ from ..coord.store import ControlStoreError
 from ..events import Emit, EventKind
 from .config import AgentConfig
 from .policy import FailureMark, History
-from .rendezvous import OneNodeRendezvous, Rendezvous, etcd_rendezvous
+from .rendezvous import EtcdRendezvous, OneNodeRendezvous, etcd_rendezvous
 from .rundir import RunDir
 from .shared import SharedFacts
 
@@ -47,7 +47,7 @@ class Coordination:
         self._token = token
         self.shared: SharedFacts | None = None
         """This launch's shared facts; set once the agent has joined a launch."""
-        self.rendezvous: Rendezvous | OneNodeRendezvous | None = None
+        self.rendezvous: EtcdRendezvous | OneNodeRendezvous | None = None
         self._presence: Any = None
         self.launch_watch: Any = None
         self.timing_watch: Any = None
@@ -125,23 +125,26 @@ class Coordination:
             self._presence.start()
         return None
 
-    def make_rendezvous(self) -> Rendezvous | OneNodeRendezvous:
+    def make_rendezvous(self) -> EtcdRendezvous | OneNodeRendezvous:
         """Build the rendezvous of the joined launch (this node alone on one machine)."""
         c = self._config
         if c.store_url is None:
             self.rendezvous = OneNodeRendezvous(self.control, c.local_addr)
         else:
-            assert self.shared is not None, "join a launch before its rendezvous"
-            self.rendezvous = etcd_rendezvous(self._etcd_config, c.run_id, self.control, c.min_nodes, c.max_nodes,
-                                              c.rendezvous, c.local_addr, self.shared.launch_id)
+            assert self.shared is not None and self._presence is not None, "join a launch before its rendezvous"
+            presence = self._presence
+            self.rendezvous = etcd_rendezvous(self._etcd_client, c.run_id, self.shared.launch_id, c.node_id,
+                                              c.local_addr, min_nodes=c.min_nodes, max_nodes=c.max_nodes,
+                                              timeouts=c.rendezvous, lease=lambda: presence.lease,
+                                              live=presence.live, on_error=self._store_unreachable)
         return self.rendezvous
 
     def leave_rendezvous(self) -> None:
-        """Step out of the launch's rendezvous without closing it (this node is kept out for a while): the old
-        handler's keep-alive stops, so the others form their next round without this node, and a fresh handler
-        is ready for the round it joins when it comes back."""
+        """Step out of the launch's rendezvous without closing it (this node is kept out for a while): the
+        others form their next rounds without this node, and a fresh rendezvous is ready for the round it joins
+        when it comes back."""
         if self.rendezvous is not None:
-            self.rendezvous.stop_keep_alive()
+            self.rendezvous.leave()
         self.make_rendezvous()
 
     def peer_host(self, node: str) -> str | None:
@@ -202,10 +205,10 @@ class Coordination:
 
     def close(self, *, leave_run_open: bool = False) -> None:
         """Leave the rendezvous and mark this node as left (not lost).  ``leave_run_open``: the run goes on
-        without this node, so its rendezvous is left open for the others (torch's shutdown closes it for all)."""
+        without this node, so its rendezvous is left open for the others (a shutdown closes it for all)."""
         if self.rendezvous is not None:
             if leave_run_open:
-                self.rendezvous.stop_keep_alive()
+                self.rendezvous.leave()
             else:
                 self.rendezvous.shutdown()
         if self._presence is not None:

@@ -4,34 +4,41 @@ Two flavours:
 
 * one machine, one agent (no external service): nothing to meet, so no
   protocol (:class:`OneNodeRendezvous`).  Each round is this node alone.
-  torch's handler would cost a restart up to 0.3 s here: it delays its
-  first re-join by a random amount to spread nodes that do not exist;
-* etcd (many machines): torch elastic's ``DynamicRendezvousHandler`` over
-  our etcd v3 ``RendezvousBackend`` and store, so that no node hosts the
-  state the others depend on.
+* etcd (many machines): :class:`EtcdRendezvous`, rounds formed by one
+  transaction each (:mod:`resilient.coord.rounds`): no node hosts the
+  state the others depend on, a restart does not wait for a node its peers
+  judged lost, and a running round costs the store nothing.
 
 Each launch of a run has its own rendezvous (see
-:mod:`resilient.coord.launch`); the generation counter is the run's.  After
-each round the node with rank 0 takes the next generation number from the
-control store and publishes it, with a fresh ``MASTER_ADDR:MASTER_PORT``
-for the workers, in the round's own key space.  Workers of a new generation
-therefore never meet keys or a store left over from the previous one (the
+:mod:`resilient.coord.launch`); the generation counter is the run's.  A
+round's result names the generation it starts and a fresh
+``MASTER_ADDR:MASTER_PORT`` on its first node for the workers, so workers
+of a new generation never meet a store left over from the previous one (the
 stale-address failure seen with a store shared across restarts).
-
-torch is imported inside functions: importing this module stays cheap.
 """
 
 from __future__ import annotations
 
-import gc
-import os
 import socket
+import threading
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..coord.store import ControlStore
-
-_GENERATION_KEY = "resilient/generation"
+from ..coord.rendezvous import rendezvous_space
+from ..coord.rounds import (
+    RendezvousClosedError,
+    RendezvousTimeoutError,
+    Round,
+    RoundKeys,
+    RoundStore,
+    Waiting,
+    ready_to_close,
+)
+from ..coord.store import ControlStore, ControlStoreError, Entry, run_prefix
+from ..coord.watch import PrefixWatch, View
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -52,14 +59,8 @@ class RendezvousTimeouts:
     join_s: float = 600.0
     """Give up joining after this long (a node that never sees enough peers)."""
     last_call_s: float = 1.0
-    """After the minimum number of nodes joined, wait this long for more before closing the round."""
-    close_s: float = 30.0
-    keep_alive_s: float = 2.0
-    """Interval of the rendezvous keep-alive each node writes (a read and a compare-and-set in the store: the
-    largest share of an agent's steady load on it; a node's liveness while it trains is judged by its peers'
-    probes, not by this)."""
-    keep_alive_attempts: int = 3
-    """Missed keep-alives after which a node is considered dead."""
+    """After the minimum number of nodes joined, wait this long for more before forming the round (not waited
+    for when every live node of the previous round has joined)."""
 
 
 class OneNodeRendezvous:
@@ -72,10 +73,8 @@ class OneNodeRendezvous:
         self._closed = False
 
     def next(self) -> Assignment:
-        """The next round, at once; raises torch's ``RendezvousClosedError`` once closed (as the handler would)."""
+        """The next round, at once; raises :class:`RendezvousClosedError` once closed."""
         if self._closed:
-            from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
-
             raise RendezvousClosedError("the rendezvous is closed")
         generation = self._control.add("generation", 1)
         return Assignment(0, 1, generation, self._local_addr, free_port(self._local_addr))
@@ -89,63 +88,205 @@ class OneNodeRendezvous:
     def is_closed(self) -> bool:
         return self._closed
 
-    def stop_keep_alive(self) -> None:
-        pass  # no keep-alive: no peer watches this node
+    def leave(self) -> None:
+        pass  # no peer waits for this node
 
     def shutdown(self) -> None:
         self._closed = True
 
 
-class Rendezvous:
-    """Thin wrapper over a torch rendezvous handler that adds generations and worker addresses."""
+class EtcdRendezvous:
+    """This node's side of the launch's rounds in etcd (:mod:`resilient.coord.rounds` has the protocol).
 
-    def __init__(self, handler: Any, control: ControlStore, local_addr: str, hosted_store: Any = None) -> None:
-        self._handler = handler
-        self._control = control
-        self._local_addr = local_addr
-        self._hosted_store = hosted_store  # kept alive: the embedded TCPStore server lives in this object
+    ``live()``: the nodes judged alive now (presence and probes); ``lease()``: this node's presence lease, which
+    its joins live on.  :meth:`next` blocks until a round takes this node; the closer's watch of the joins and
+    every joiner's watch of ``out/`` wake it, ``poll_s`` bounds a wait for a local judgement (a closer judged
+    lost, a last call ending)."""
 
+    def __init__(self, client: Any, space: str, counter_key: str, node: str, local_addr: str, *, min_nodes: int,
+                 max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
+                 live: Callable[[], frozenset[str]], on_error: Callable[[str], None] = lambda _: None,
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = 2.0) -> None:
+        if not 1 <= min_nodes <= max_nodes:
+            raise ConfigError(f"nodes {min_nodes}:{max_nodes} are invalid: need 1 <= min_nodes <= max_nodes")
+        self._store = RoundStore(client, space, counter_key)
+        self._client = client
+        self._node = node
+        self._addr = local_addr
+        self._min, self._max = min_nodes, max_nodes
+        self._timeouts = timeouts
+        self._lease = lease
+        self._live = live
+        self._on_error = on_error
+        self._clock = clock
+        self._poll = poll_s
+        self._recheck = recheck_s
+        self._wake = threading.Condition()
+        self._out: PrefixWatch | None = None
+        self._round: Round | None = None
+        """The last round that took this node."""
+        self._joined: int | None = None
+        """The round this node has joined and waits in."""
+        self.formed: list[tuple[int, str]] = []
+        """The rounds this node formed as their closer, with the reason (for its events and tests)."""
+
+    # ------------------------------------------------------------ watches
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def _watch_out(self) -> PrefixWatch:
+        if self._out is None:
+            self._out = PrefixWatch(self._client, self._store.keys.out, on_change=self._notify,
+                                    on_error=self._on_error).start()
+        return self._out
+
+    def _sleep(self, seconds: float) -> None:
+        with self._wake:
+            self._wake.wait(seconds)
+
+    def _result(self, view: View, n: int) -> Round | None:
+        entry = view.entries.get(self._store.keys.result(n))
+        return Round.decode(entry.value) if entry is not None else None
+
+    # ------------------------------------------------------------ the round
     def next(self) -> Assignment:
-        """Join the next round (blocks until it completes); raises torch's RendezvousError subclasses."""
-        info = self._handler.next_rendezvous()
-        store, node_rank, num_nodes = info.store, info.rank, info.world_size
-        if node_rank == 0:
-            generation = self._control.add("generation", 1)
-            store.set(_GENERATION_KEY, str(generation))
-            store.set("resilient/master_addr", self._local_addr)
-            store.set("resilient/master_port", str(free_port(self._local_addr)))
-        generation = int(store.get(_GENERATION_KEY).decode())
-        addr = store.get("resilient/master_addr").decode()
-        port = int(store.get("resilient/master_port").decode())
-        return Assignment(node_rank, num_nodes, generation, addr, port)
+        """Join the next round and wait until one takes this node; raises :class:`RendezvousClosedError` or
+        :class:`RendezvousTimeoutError` (the store's errors pass through)."""
+        out = self._watch_out()
+        deadline = self._clock() + self._timeouts.join_s
+        while True:
+            if self._store.keys.closed in out.view().entries:
+                raise RendezvousClosedError("the rendezvous is closed: the run is over")
+            lease = self._lease()
+            n = self._store.join(self._node, {"addr": self._addr, "port": free_port(self._addr)}, lease)
+            self._joined = n
+            formed = self._await(n, deadline, lease)
+            self._joined = None
+            if formed is None:
+                continue  # this node's presence moved to a new lease (an outage outlived the old): its join lapsed
+            if self._node in formed.members:
+                self._round = formed
+                return Assignment(formed.members.index(self._node), len(formed.members), formed.generation,
+                                  formed.master_addr, formed.master_port)
+            # Round n formed without this node (it joined as the round formed, or the round was full): the next.
+
+    def _await(self, n: int, deadline: float, lease: int) -> Round | None:
+        out = self._watch_out()
+        keys = self._store.keys
+        joins_watch: PrefixWatch | None = None
+        closer: str | None = None
+        checked = -1e9
+        min_since: float | None = None
+        try:
+            while True:
+                view = out.view()
+                formed = self._result(view, n)
+                if formed is not None:
+                    return formed
+                if keys.closed in view.entries:
+                    raise RendezvousClosedError("the rendezvous is closed: the run is over")
+                now = self._clock()
+                if now >= deadline:
+                    self._withdraw(n)
+                    raise RendezvousTimeoutError(
+                        f"no round of {self._min}..{self._max} nodes took {self._node} in "
+                        f"{self._timeouts.join_s:g} s (--rdzv-join-timeout): are the other nodes' agents started "
+                        "with the same run id and store?")
+                if self._lease() != lease:
+                    return None
+                live = self._live()
+                if closer is None or closer not in live or now - checked >= self._recheck:
+                    closer, checked = self._store.closer(n, live), now
+                if closer != self._node:
+                    self._sleep(self._poll)
+                    continue
+                if joins_watch is None:
+                    joins_watch = PrefixWatch(self._client, keys.joins(n), on_change=self._notify,
+                                              on_error=self._on_error).start()
+                entries = joins_watch.view().entries
+                self._announce(n, view, entries.keys())
+                joins = {RoundKeys.node_of(k): e for k, e in entries.items() if RoundKeys.node_of(k) in live}
+                min_since = (min_since if min_since is not None else now) if len(joins) >= self._min else None
+                previous = self._result(view, n - 1)
+                why = ready_to_close(
+                    len(joins), min_nodes=self._min, max_nodes=self._max,
+                    previous_joined=previous is not None and (set(previous.members) & live) <= joins.keys(),
+                    min_for_s=None if min_since is None else now - min_since, last_call_s=self._timeouts.last_call_s)
+                if why is not None:
+                    formed_now = self._form(n, joins, previous)
+                    if formed_now is not None:
+                        self.formed.append((n, why))
+                        self._store.tidy(n)
+                        return formed_now
+                self._sleep(self._poll)
+        finally:
+            if joins_watch is not None:
+                joins_watch.close()
+
+    def _form(self, n: int, joins: dict[str, Entry], previous: Round | None) -> Round | None:
+        try:
+            return self._store.form(n, joins, previous.members if previous is not None else (), self._max)
+        except ControlStoreError as e:  # its answer lost: the next pass reads the result if it landed
+            self._on_error(f"forming round {n}: {type(e).__name__}: {e}")
+            return None
+
+    def _announce(self, n: int, view: View, joins: Iterable[str]) -> None:
+        """As round n's closer: say in ``out/waiting`` who waits in it (members of the round before, and nodes
+        new to it), written again only when that changes."""
+        previous = self._result(view, n - 1)
+        before = set(previous.members) if previous is not None else set()
+        names = {RoundKeys.node_of(k) for k in joins}
+        waiting = Waiting(n, bool(names & before), bool(names - before))
+        entry = view.entries.get(self._store.keys.waiting)
+        if entry is None or Waiting.decode(entry.value) != waiting:
+            self._store.announce_waiting(waiting)
+
+    def _withdraw(self, n: int) -> None:
+        try:
+            self._store.withdraw(n, self._node)
+        except ControlStoreError:
+            pass  # it lapses with this node's lease
 
     def num_nodes_waiting(self) -> int:
-        """Nodes waiting to join: a reason to restart the group so that they can."""
-        return int(self._handler.num_nodes_waiting())
+        """Nodes waiting to join while this node's round runs: a reason to restart the group so that they can
+        (0 when the round is already full: they wait for room, as torch's redundant nodes do)."""
+        if self._out is None or self._round is None:
+            return 0
+        entry = self._out.view().entries.get(self._store.keys.waiting)
+        if entry is None:
+            return 0
+        waiting = Waiting.decode(entry.value)
+        mine = self._round
+        if waiting.number <= mine.number:
+            return 0
+        if waiting.number > mine.number + 1 or waiting.members:
+            return 1  # this node's round was left by a member, or others formed rounds since
+        return 1 if waiting.new and len(mine.members) < self._max else 0
 
     def close(self) -> None:
-        """Mark the rendezvous closed: other nodes stop instead of waiting for a new round."""
-        self._handler.set_closed()
+        """Close the rendezvous for every node: the run is over."""
+        self._store.close(f"closed by {self._node}")
 
     def is_closed(self) -> bool:
-        return bool(self._handler.is_closed())
+        return self._store.keys.closed in self._watch_out().view().entries
 
-    def stop_keep_alive(self) -> None:
-        """Stop this handler's keep-alive without closing the rendezvous: the other nodes see this node gone once
-        its keep-alive times out (``keep_alive_s * keep_alive_attempts``) and form their next round without it.
-        torch's handler has no public call for this; its ``shutdown`` would close the rendezvous for every node."""
-        stop = getattr(self._handler, "_stop_heartbeats", None)
-        if callable(stop):
-            stop()
-        else:  # its keep-alive timer holds the handler weakly: without the handler it sends nothing
-            self._handler = None
-            gc.collect()
+    def leave(self) -> None:
+        """Step out without closing: withdraw from a round this node waits in; the others' next rounds form
+        without it (they wait for it at most a last call while its presence says it is alive)."""
+        if self._joined is not None:
+            self._withdraw(self._joined)
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
     def shutdown(self) -> None:
+        """Close the rendezvous for every node and stop following it."""
         try:
-            self._handler.shutdown()
-        except Exception:  # best effort at exit; the store may already be gone
-            pass
+            self.close()
+        except ControlStoreError:
+            pass  # best effort at exit
+        self.leave()
 
 
 def free_port(addr: str) -> int:
@@ -155,22 +296,10 @@ def free_port(addr: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _no_shared_worker_store() -> None:
-    # torch otherwise keeps one TCPStore for all rounds and hands it to the
-    # workers; we give each generation a fresh address instead (see above).
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-
-
-def etcd_rendezvous(etcd: Any, run_id: str, control: ControlStore, min_nodes: int, max_nodes: int,
-                    timeouts: RendezvousTimeouts, local_addr: str, launch_id: str) -> Rendezvous:
-    """Many machines: torch's dynamic rendezvous over our etcd v3 backend, in launch ``launch_id``'s key space."""
-    from ..coord.rendezvous import create_etcd_rendezvous_handler
-
-    _no_shared_worker_store()
-    handler = create_etcd_rendezvous_handler(
-        etcd, run_id, min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr,
-        join_timeout_s=timeouts.join_s, last_call_s=timeouts.last_call_s, close_s=timeouts.close_s,
-        keep_alive_interval_s=timeouts.keep_alive_s, keep_alive_max_attempt=timeouts.keep_alive_attempts,
-        launch_id=launch_id,
-    )
-    return Rendezvous(handler, control, local_addr)
+def etcd_rendezvous(client: Any, run_id: str, launch_id: str, node: str, local_addr: str, *, min_nodes: int,
+                    max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
+                    live: Callable[[], frozenset[str]], on_error: Callable[[str], None]) -> EtcdRendezvous:
+    """Many machines: launch ``launch_id``'s rounds in its rendezvous space, numbered by the run's counter."""
+    return EtcdRendezvous(client, rendezvous_space(run_id, launch_id), run_prefix(run_id) + "generation", node,
+                          local_addr, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, lease=lease,
+                          live=live, on_error=on_error)

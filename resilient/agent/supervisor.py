@@ -54,7 +54,7 @@ from .inproc import InProcess
 from .launcher import parent_death_signal
 from .memory_tier import NodeMemory
 from .policy import Action, Failure, FailureMark, decide_restart
-from .rendezvous import Assignment
+from .rendezvous import Assignment, RendezvousClosedError
 from .reporting import NodeReporting
 from .rundir import RunDir, heartbeat_socket, read_token
 from .slowness import watch_for
@@ -251,11 +251,11 @@ class Agent:
                 self.reporting.status.phase = "rendezvous"
                 try:
                     assignment = rendezvous.next()
-                except Exception as e:  # torch raises RendezvousClosedError, RendezvousTimeoutError, ...
+                except Exception as e:  # RendezvousClosedError, RendezvousTimeoutError, the store's errors
                     verdict = self.coordination.verdict()
                     if verdict is not None:
                         return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
-                    if type(e).__name__ == "RendezvousClosedError" and self.coordination.stale_launch(generation):
+                    if isinstance(e, RendezvousClosedError) and self.coordination.stale_launch(generation):
                         continue
                     self.emit(EventKind.RENDEZVOUS_FAILED, error=f"{type(e).__name__}: {e}")
                     return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)

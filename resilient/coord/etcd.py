@@ -115,6 +115,16 @@ class EtcdClient(EtcdTransport):
             events = [(str(e.get("type", "PUT")), _entry(e["kv"])) for e in result.get("events", [])]
             yield WatchBatch(int(result.get("header", {}).get("revision", 0)), events)
 
+    def first_created(self, prefix: str) -> tuple[Entry | None, int]:
+        """The entry under ``prefix`` created first (lowest create revision), and how many keys start with
+        ``prefix``: one request, whatever their number."""
+        p = _key(prefix)
+        body = {"key": _b64(p), "range_end": _b64(_prefix_end(p)), "limit": "1", "sort_order": "ASCEND",
+                "sort_target": "CREATE"}
+        result = self.call("/v3/kv/range", body)
+        kvs = result.get("kvs", [])
+        return (_entry(kvs[0]) if kvs else None), int(result.get("count", 0))
+
     def count_prefix(self, prefix: str) -> int:
         """How many keys start with ``prefix``."""
         p = _key(prefix)
