@@ -4,8 +4,9 @@
     python benchmarks/control_plane_bench.py --agents 16,64   # a quick look
 
 Each simulated agent is the store side of a real agent, in this one process:
-its own etcd client, the watch of the run's launches and the watch of the
-timing windows (``PrefixWatch``), its ``Presence`` (a presence key on a lease
+its own etcd client, the watch of the run's launches (``PrefixWatch``; the
+scorer, the agent of rank 0, also the watch of every node's timing
+windows), its ``Presence`` (a presence key on a lease
 renewed every second, the peers judged from the accusations in the watch),
 its ``ClusterStore`` and ``ClusterWatch`` (the recovery keys, the pool, the
 decision's claim and one-transaction commit).  What a real agent's other
@@ -140,7 +141,9 @@ class Agent:
         self.client = KillableClient(bench.config)
         self.events = 0
         self.watch = PrefixWatch(self.client, ROOT + "launch", on_change=self._event)
-        self.timing_watch = PrefixWatch(self.client, ROOT + "timing/", on_change=self._event)
+        self.timing_watch = (PrefixWatch(self.client, ROOT + "timing/", on_change=self._event)
+                             if rank == 0 else None)
+        """The scorer's alone (``SlownessWatch``: one agent scores every rank's windows)."""
         self.presence = Presence(self.client, ROOT + PREFIX, node, self._lost, self._error, watch=self.watch)
         self.signed = SignedStore(EtcdControlStore(self.client, ROOT), bench.token)
         self.store = ClusterStore(self.signed, self.client, ROOT, PREFIX, node, bench.token,
@@ -167,7 +170,8 @@ class Agent:
 
     def start(self) -> None:
         self.watch.start()
-        self.timing_watch.start()
+        if self.timing_watch is not None:
+            self.timing_watch.start()
         for attempt in range(3):
             try:
                 self.presence.start()
@@ -197,7 +201,8 @@ class Agent:
         self.rendezvous.leave()
         self.presence.leave()
         self.watch.close()
-        self.timing_watch.close()
+        if self.timing_watch is not None:
+            self.timing_watch.close()
 
     # --------------------------------------------------------------- periodic writes
     def publish_timing(self) -> None:

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.serial]
 
 WORKER = Path(__file__).parent / "pace_worker.py"
 EXPIRY_S = 20
-STEPS = 420
+STEPS = 700  # n0 alone must still be training when n1 is back from its first expiry and burn-in
 
 
 def _flags(url: str, run_id: str, fleet: str, node: str) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
-"""Straggler scoring across machines: three agents with one rank each pass their windows to each other.
+"""Straggler scoring across machines: three agents with one rank each, one of them (rank 0's) the scorer.
 
-The windows travel as the store carries them (:meth:`SlownessWatch.outbox` read by
-:meth:`SlownessWatch.take_peers`, through JSON); each agent scores every rank and reports its own alone.
+The windows and flags travel as the store carries them, through JSON, as the peer watch passes them: every
+agent's :meth:`SlownessWatch.outbox` to the scorer's :meth:`SlownessWatch.take_peers`; the scorer's
+:meth:`SlownessWatch.flags_out` to every other agent's :meth:`SlownessWatch.from_scorer`.  Each agent
+reports its own ranks alone.
 """
 
 from __future__ import annotations
@@ -28,10 +30,19 @@ def _agents() -> tuple[dict[str, SlownessWatch], dict[str, list[tuple[str, dict]
     return watches, seen
 
 
-def _exchange(watches: dict[str, SlownessWatch]) -> None:
+def _exchange(watches: dict[str, SlownessWatch]) -> int:
+    """One pass of every agent's peer watch; returns the records the scorer read (its load on the store)."""
     records = [json.loads(json.dumps(box)) for w in watches.values() if (box := w.outbox()) is not None]
-    for w in watches.values():
+    scorers = [w for w in watches.values() if w.scorer]
+    assert len(scorers) <= 1, "two agents scored the launch"
+    for w in scorers:
         w.take_peers(records)
+        flags = w.flags_out()
+        if flags is not None:
+            for other in watches.values():
+                if other is not w:
+                    other.from_scorer(json.loads(json.dumps(flags)))
+    return len(records) * len(scorers)
 
 
 def test_one_rank_per_node_is_scored_against_the_other_nodes_and_only_its_own_agent_reports_it():
@@ -50,11 +61,25 @@ def test_one_rank_per_node_is_scored_against_the_other_nodes_and_only_its_own_ag
     assert [(f["rank"], f["section"]) for f in flagged["n1"]] == [(1, "compute")]
     assert "rank 1 (node n1) is a straggler in compute" in flagged["n1"][0]["reason"]
     assert 1.4 < flagged["n1"][0]["ratio"] < 1.6
-    # Each agent shows its own rank's scores only (the gauges of a rank come from one node).
+    assert [w.scorer for w in watches.values()] == [True, False, False]
+    # The scorer shows every rank's scores, each with its node (the gauges of a rank come from one agent);
+    # each agent shows its own standing flags.
+    scores = watches["n0"].snapshot()["scores"]
+    assert {(s["rank"], s["node"]) for s in scores} == set(node_of.items()), scores
     for rank, node in node_of.items():
         snap = watches[node].snapshot()
-        assert {s["rank"] for s in snap["scores"]} == {rank}, snap["scores"]
+        assert snap["scores"] == [] or node == "n0"
         assert [s["rank"] for s in snap["stragglers"]] == ([1] if rank == 1 else [])
+    # The rank recovers: its own agent clears it, with the scorer's reason.
+    for window in range(40, 120):
+        for rank, node in node_of.items():
+            watches[node].take(_beat(rank, window, 0.030))
+            watches[node].poll(1, [rank])
+        _exchange(watches)
+    cleared = [f for k, f in seen["n1"] if k == "straggler_cleared"]
+    assert [(f["rank"], f["section"]) for f in cleared] == [(1, "compute")], seen["n1"][-3:]
+    assert "no longer flagged" not in cleared[0]["reason"]
+    assert watches["n1"].snapshot()["stragglers"] == []
     # Alone, an agent with one rank has nobody to compare it with: the same run without the exchange flags nothing.
     alone, alone_seen = _agents()
     for window in range(40):
@@ -75,8 +100,8 @@ def test_a_window_missing_on_a_peer_is_skipped_and_the_exchange_survives_a_laggi
         _exchange(watches)
     for node in watches:
         watches[node].poll(1, [int(node[1])])
-    # Every window but 4 was scored by every agent (window 4 dropped once 5 was complete).
-    assert all(w.stragglers._seen == 9 for w in watches.values()), [w.stragglers._seen for w in watches.values()]
+    # Every window but 4 was scored by the scorer (window 4 dropped once 5 was complete), and by no other agent.
+    assert [w.stragglers._seen for w in watches.values()] == [9, 0, 0]
     box = watches["n2"].outbox()
     assert box is not None and [w["w"] for _, w in box["windows"]] == [0, 1, 2, 3, 5, 6, 7, 8, 9]
     # A box holds the newest OUTBOX_WINDOWS windows: a peer that lags behind by more loses the oldest only.
@@ -132,3 +157,45 @@ def test_windows_that_complete_while_a_spare_of_this_node_warms_up_are_not_score
             watch.take(_beat(rank, window, 0.045 if (rank == 1 and 12 <= window < 30) else 0.030))
         watch.poll(1, [0, 1, 2])
     assert "straggler_flagged" in again
+
+
+def test_a_window_a_node_completed_while_its_spare_warmed_up_is_not_scored_by_the_scorer():
+    """n1's spare slows n1's rank while it warms up: n1 marks those windows, the scorer leaves them out."""
+    watches, seen = _agents()
+    node_of = {0: "n0", 1: "n1", 2: "n2"}
+    for window in range(40):
+        for rank, node in node_of.items():
+            watches[node].take(_beat(rank, window, 0.045 if (rank == 1 and window >= 12) else 0.030))
+        for rank, node in node_of.items():
+            watches[node].poll(1, [rank], disturbed=node == "n1" and window >= 10)
+        _exchange(watches)
+    assert not any(k == "straggler_flagged" for events in seen.values() for k, _ in events)
+    assert watches["n0"].disturbed_windows >= 25
+
+
+def test_the_scorer_moves_with_rank_0_and_a_new_generation_clears_what_the_old_scorer_raised():
+    watches, seen = _agents()
+    node_of = {0: "n0", 1: "n1", 2: "n2"}
+    for window in range(40):
+        for rank, node in node_of.items():
+            watches[node].take(_beat(rank, window, 0.045 if rank == 1 and window >= 12 else 0.030))
+            watches[node].poll(1, [rank])
+        _exchange(watches)
+    assert [k for k, _ in seen["n1"]].count("straggler_flagged") == 1
+    # Generation 2: n0 is gone, n2 holds rank 0 now (renumbered), n1 rank 1.
+    for w in (watches["n1"], watches["n2"]):
+        w.poll(2, [1] if w is watches["n1"] else [0])
+    assert watches["n2"].scorer and not watches["n1"].scorer
+    cleared = [f for k, f in seen["n1"] if k == "straggler_cleared"]
+    assert [(f["rank"], f["generation"]) for f in cleared] == [(1, 1)], cleared
+    del watches["n0"]
+    records = 0
+    for window in range(10):
+        watches["n1"].take(_beat(1, window, 0.030, generation=2, world=2))
+        watches["n2"].take(_beat(0, window, 0.030, generation=2, world=2))
+        watches["n1"].poll(2, [1])
+        watches["n2"].poll(2, [0])
+        records += _exchange(watches)
+    watches["n2"].poll(2, [0])
+    assert watches["n2"].stragglers._seen == 10 and watches["n1"].stragglers._seen == 0
+    assert records == 20  # the scorer alone read the records: one per node per pass

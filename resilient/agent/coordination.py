@@ -50,8 +50,9 @@ class Coordination:
         self.rendezvous: EtcdRendezvous | OneNodeRendezvous | None = None
         self._presence: Any = None
         self.launch_watch: Any = None
-        self.timing_watch: Any = None
         """Across machines: the agent's watch of the run's launches (:class:`~resilient.coord.watch.PrefixWatch`)."""
+        self.timing_watch: Any = None
+        """Across machines, while this agent scores stragglers: its watch of the nodes' timing windows."""
         self._launch_retried = False
         self.restarts_used_cached = 0
         """The restart count last read from the store (for readers that must not do I/O)."""
@@ -107,12 +108,9 @@ class Coordination:
             # facts, the presence of the nodes and the recovery keys are read from it, not polled.
             self.launch_watch = PrefixWatch(self._etcd_client, root + "launch", on_error=self._store_unreachable)
             self.launch_watch.start()
-            # The nodes' timing windows change every second on every node: a watch of their own, kept out of
-            # the launch's, which every reader of the launch's facts would otherwise be woken by.
-            self.timing_watch = PrefixWatch(self._etcd_client, root + "timing/", on_error=self._store_unreachable)
-            self.timing_watch.start()
         self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope,
-                                  watch=self.launch_watch, root=root, timing_watch=self.timing_watch)
+                                  watch=self.launch_watch, root=root,
+                                  timing_watch=self._open_timing_watch if c.store_url is not None else None)
         self._emit(EventKind.LAUNCH_JOINED, launch_id=decision.launch_id, action=decision.action,
                    reason=decision.reason)
         if c.store_url is not None:
@@ -124,6 +122,16 @@ class Coordination:
                                       probe_host=c.local_addr, on_probe=self._probed)
             self._presence.start()
         return None
+
+    def _open_timing_watch(self) -> Any:
+        """The nodes' timing windows, for this agent while it scores them: they change every second on every
+        node, so they have a watch of their own, kept out of the launch's (which every reader of the launch's
+        facts would otherwise be woken by), and only the scorer opens it."""
+        from ..coord.watch import PrefixWatch
+
+        self.timing_watch = PrefixWatch(self._etcd_client, f"/resilient/{self._config.run_id}/timing/",
+                                        on_error=self._store_unreachable).start()
+        return self.timing_watch
 
     def make_rendezvous(self) -> EtcdRendezvous | OneNodeRendezvous:
         """Build the rendezvous of the joined launch (this node alone on one machine)."""
@@ -185,6 +193,7 @@ class Coordination:
             return False
         self._launch_retried = True
         self.shared.end("its rendezvous was closed")
+        self.shared.stop_timing()
         if self.rendezvous is not None:
             self.rendezvous.shutdown()
         if self._presence is not None:
@@ -213,9 +222,10 @@ class Coordination:
                 self.rendezvous.shutdown()
         if self._presence is not None:
             self._presence.leave()
-        for watch in (self.launch_watch, self.timing_watch):
-            if watch is not None:
-                watch.close()
+        if self.shared is not None:
+            self.shared.stop_timing()
+        if self.launch_watch is not None:
+            self.launch_watch.close()
 
     # ------------------------------------------------------------ shared facts
     def restarts_used(self) -> int:

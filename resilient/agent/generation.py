@@ -155,15 +155,25 @@ class PeerWatch:
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
 
     def _exchange_timing(self) -> None:
-        """Across machines: offer this node's newest windows to its peers and take theirs (straggler scoring)."""
-        slowness = self._ctx.slowness
+        """Across machines: offer this node's newest windows to the launch's scorer; as the scorer, take every
+        node's and publish the flags when they change; otherwise take this node's flags from the scorer's."""
+        slowness, shared = self._ctx.slowness, self._ctx.shared
         if slowness is None:
             return
         box = slowness.outbox()
         if box is not None and box != self._published:
-            self._ctx.shared.publish_timing(box)
+            shared.publish_timing(box)
             self._published = box
-        slowness.take_peers(self._ctx.shared.timing())
+        if slowness.scorer:
+            slowness.take_peers(shared.timing())
+            record = slowness.flags_out()
+            if record is not None:
+                shared.publish_stragglers(record)
+        else:
+            shared.stop_timing()
+            record = shared.stragglers()
+            if record is not None:
+                slowness.from_scorer(record)
 
     def close(self) -> None:
         self._done.set()

@@ -13,11 +13,15 @@ Each key here changes the run, so each carries a token proof
   store (``resilient detectors --store``): every change so far, merged, with
   a sequence number; each agent applies a sequence it has not applied yet;
 
+* ``stragglers``: the standing straggler flags of every node, written by
+  the launch's scorer (the agent whose node holds rank 0) when they change;
+
 and, outside the launch's prefix (it changes every second on every node,
 and the launch's prefix is followed by a watch on every agent),
 ``timing/<launch>/<node>``: the newest timing windows of the node's ranks,
-which every peer scores its stragglers against (one rank per node is
-compared with the others), rewritten once a second while they change.
+rewritten once a second while they change.  Only the scorer follows them
+(a watch of its own, opened while it scores): one agent scores every rank,
+so a launch of N nodes costs etcd N watch events a second, not N².
 
 Across machines the facts polled by the watch loop (verdict, stop, stop
 request, detector changes, whether the launch ended, the restarts used for
@@ -50,9 +54,11 @@ class SharedFacts:
     """One launch's shared facts, as this node reads and writes them."""
 
     def __init__(self, signed: SignedStore, launch_id: str, node_id: str, budget_scope: BudgetScope = "launch",
-                 watch: PrefixWatch | None = None, root: str = "", timing_watch: PrefixWatch | None = None) -> None:
+                 watch: PrefixWatch | None = None, root: str = "",
+                 timing_watch: Callable[[], PrefixWatch] | None = None) -> None:
         """``watch``: a watch of ``root + "launch"`` (every launch of the run and the run's launch record), where
-        ``root`` is the control store's prefix; ``timing_watch``: one of ``root + "timing/"``."""
+        ``root`` is the control store's prefix; ``timing_watch``: opens a started watch of ``root + "timing/"``
+        (for the scorer, when it first reads the windows)."""
         self.signed = signed
         self.launch_id = launch_id
         self.prefix = launch_prefix(launch_id)
@@ -60,7 +66,8 @@ class SharedFacts:
         self._scope = budget_scope
         self._watch = watch
         self._root = root
-        self._timing_watch = timing_watch
+        self._open_timing = timing_watch
+        self._timing_watch: PrefixWatch | None = None
 
     def _watched(self, key: str) -> tuple[bool, dict[str, Any] | None]:
         """``(True, verified value or None)`` from the watch while it follows the store; ``(False, None)`` when
@@ -115,11 +122,28 @@ class SharedFacts:
         self.signed.put(f"timing/{self.launch_id}/{self._node}", record)
 
     def timing(self) -> list[dict[str, Any]]:
-        """Every node's newest timing windows (verified), this node's included."""
+        """Every node's newest timing windows (verified), this node's included: the scorer's read, from a watch
+        opened at the first call (:meth:`stop_timing` closes it)."""
         under = f"timing/{self.launch_id}/"
+        if self._timing_watch is None and self._open_timing is not None:
+            self._timing_watch = self._open_timing()
         if self._timing_watch is None or not self._timing_watch.fresh:
             return list(self.signed.get_prefix(under).values())
         return list(self._verified_in(self._timing_watch, lambda key: key.startswith(under)).values())
+
+    def stop_timing(self) -> None:
+        """This agent no longer scores: stop following the windows."""
+        watch, self._timing_watch = self._timing_watch, None
+        if watch is not None:
+            watch.close()
+
+    def publish_stragglers(self, record: dict[str, Any]) -> None:
+        """The scorer's standing flags of every node (:meth:`~resilient.agent.slowness.SlownessWatch.flags_out`)."""
+        self.signed.put(self.prefix + "stragglers", record)
+
+    def stragglers(self) -> dict[str, Any] | None:
+        """The scorer's newest flags record (verified), or ``None``."""
+        return self._get(self.prefix + "stragglers")
 
     def ended(self) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it."""

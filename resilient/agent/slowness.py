@@ -21,13 +21,21 @@ and reports what changed:
   input pipeline, ``checkpoint_stall`` for storage, ``slowdown_excess``
   otherwise).
 
-Across machines every agent passes its ranks' windows to its peers through
-the store (:meth:`outbox`, :meth:`take_peers`, on the peer watch's thread):
-the straggler detector scores a window once every rank of the world
-reported it, so one rank per node is scored against the others, and each
-agent reports (events, incidents, gauges, eviction) only the ranks it runs.
-The slowdown detector scores this node's ranks alone (the job's step time is
-the same on every node), as soon as they have reported.
+Across machines one agent scores stragglers: the *scorer*, whose node
+holds rank 0.  Every agent passes its ranks' windows to it through the
+store (:meth:`outbox`; the scorer's :meth:`take_peers`, on the peer watch's
+thread); the straggler detector scores a window once every rank of the
+world reported it, so one rank per node is scored against the others.  The
+scorer publishes the standing flags of every node when they change
+(:meth:`flags_out`); each agent takes its own ranks' flags from there
+(:meth:`from_scorer`) and reports (events, incidents, eviction, quarantine)
+only the ranks it runs.  A launch of N nodes thus costs etcd N window
+records a second in and N out, not N² (every agent following every
+other's).  The scorer shows every rank's scores in ``/metrics`` (labelled
+with the rank's node).  A window some node completed while one of its own
+spares warmed up is not scored for stragglers.  The slowdown detector
+scores this node's ranks alone (the job's step time is the same on every
+node), as soon as they have reported.
 
 A window some rank never reports (it died, or the world re-formed) is
 dropped once a later window is complete; a new generation starts both
@@ -118,6 +126,17 @@ class SlownessWatch:
         """Settings accepted by :meth:`request`, applied at the next :meth:`poll` (with the changes and their source)."""
         self._open: tuple[Incident, dict[str, float]] | None = None
         """The slowdown incident in progress and the ledger's seconds by category when it began."""
+        self.scorer = False
+        """This node holds rank 0: it scores every rank (set by each :meth:`poll`)."""
+        self._world_flags: dict[tuple[int, str], dict[str, Any]] = {}
+        """As the scorer: every node's standing flags, as :class:`StragglerChange` fields."""
+        self._world_cleared: dict[tuple[int, str], dict[str, Any]] = {}
+        """As the scorer: the fields of each flag's latest clearing (its reason, for the node that held it)."""
+        self._flags_seq = 0
+        self._flags_dirty = False
+        self._scorer_record: dict[str, Any] | None = None
+        """The scorer's newest flags record, taken on the peer watch's thread, applied by the next poll."""
+        self._scorer_seq: tuple[str, int] = ("", -1)
 
     # ------------------------------------------------------------ intake (receiver threads)
     def take(self, hb: Heartbeat) -> None:
@@ -157,12 +176,25 @@ class SlownessWatch:
             self._new_generation(generation)
         self._apply_queued(generation)
         self._record_audits()
-        world_batches, local_batches = self.windows.ready(generation, ranks)
-        if disturbed:
-            self.disturbed_windows += len(world_batches)
+        scorer = 0 in ranks
+        if scorer != self.scorer:
+            self.scorer = scorer
+            with self._lock:
+                self._world_flags.clear()
+                self._flags_dirty = scorer
+        world_batches, local_batches = self.windows.ready(generation, ranks, disturbed)
+        if not scorer:
+            self._apply_scorer(generation)
+            for windows in local_batches:
+                self._check_persistent(generation, windows)
             world_batches = []
         for windows in world_batches:
-            for change in self._own(self.stragglers.observe(windows)):
+            if disturbed or self.windows.disturbed(generation, min(w.window for w in windows.values())):
+                self.disturbed_windows += 1
+                continue
+            changes = self.stragglers.observe(windows)
+            self._note_world(changes)
+            for change in self._own(changes):
                 self._straggler(change, generation)
             self._check_persistent(generation, windows)
         for windows in local_batches:
@@ -177,6 +209,62 @@ class SlownessWatch:
     def _own(self, changes: Iterable[StragglerChange]) -> list[StragglerChange]:
         """The changes of this node's ranks (a peer's agent reports its own)."""
         return [c for c in changes if c.node == self.node_id]
+
+    # ------------------------------------------------------------ one scorer for the launch
+    def _note_world(self, changes: Iterable[StragglerChange]) -> None:
+        """As the scorer: every node's standing flags, for :meth:`flags_out`."""
+        with self._lock:
+            for c in changes:
+                key, fields = (c.rank, c.section), {k: v for k, v in asdict(c).items() if k != "kind"}
+                if c.kind == "flagged":
+                    self._world_flags[key] = fields
+                else:
+                    self._world_flags.pop(key, None)
+                    self._world_cleared[key] = fields
+                self._flags_dirty = True
+
+    def flags_out(self) -> dict[str, Any] | None:
+        """As the scorer, once after each change: the record of every node's standing flags (None: no change)."""
+        with self._lock:
+            if not self.scorer or not self._flags_dirty or self._generation is None:
+                return None
+            self._flags_dirty = False
+            self._flags_seq += 1
+            return {"by": self.node_id, "seq": self._flags_seq, "generation": self._generation,
+                    "flags": list(self._world_flags.values()),
+                    "cleared": [v for k, v in self._world_cleared.items() if k not in self._world_flags]}
+
+    def from_scorer(self, record: Mapping[str, Any]) -> None:
+        """The scorer's flags record as read from the store (the peer watch's thread); applied by the next poll."""
+        mark = (str(record.get("by")), int(record.get("seq") or 0))
+        if mark == self._scorer_seq:
+            return
+        self._scorer_seq = mark
+        with self._lock:
+            self._scorer_record = dict(record)
+
+    def _apply_scorer(self, generation: int) -> None:
+        """This node's ranks' flags as the scorer published them: each new flag raised, each gone one cleared."""
+        with self._lock:
+            record = self._scorer_record
+            if record is None or record.get("generation") != generation:
+                return  # another generation's (one ahead waits for this node to get there)
+            self._scorer_record = None
+        try:
+            standing = {(int(f["rank"]), str(f["section"])): f for f in record.get("flags") or ()
+                        if f.get("node") == self.node_id}
+            cleared = {(int(f["rank"]), str(f["section"])): f for f in record.get("cleared") or ()
+                       if f.get("node") == self.node_id}
+            for key, fields in standing.items():
+                if key not in self._flagged_at:
+                    self._straggler(StragglerChange(kind="flagged", **fields), generation)
+            for key in [k for k in self._flagged_at if k not in standing]:
+                fields = cleared.get(key) or {**self._flagged_at[key][1], "node": self.node_id,
+                                              "reason": f"rank {key[0]} is no longer flagged in {key[1]}"}
+                self._straggler(StragglerChange(kind="cleared", **fields), generation)
+        except (KeyError, TypeError, ValueError) as e:
+            self._emit(EventKind.DETECTOR_FAILED, error=f"the scorer's straggler flags are malformed: {e}",
+                       by=record.get("by"))
 
     def settings(self) -> dict[str, Any]:
         """Every detector setting by its dotted key (a change already accepted included)."""
@@ -240,9 +328,8 @@ class SlownessWatch:
         """Scores and standing flags, for ``/metrics`` and ``status``."""
         slow = self.slowdowns.last if self.slowdowns.slow else None
         return {
-            "scores": [asdict(s) for s in self.stragglers.scores() if s.node == self.node_id],
-            "stragglers": [{"rank": r, "section": s, "reason": self._reasons.get((r, s))}
-                           for r, s in self.stragglers.flagged() if (r, s) in self._reasons],
+            "scores": [asdict(s) for s in self.stragglers.scores()] if self.scorer else [],
+            "stragglers": [{"rank": r, "section": s, "reason": reason} for (r, s), reason in self._reasons.items()],
             "slowdown": None if slow is None else {"reason": slow.reason, "ratio": round(slow.ratio, 4),
                                                    "since_window": slow.window},
             "baseline_s": self.slowdowns.baseline_s,
@@ -268,6 +355,14 @@ class SlownessWatch:
         previous = self._generation or 0
         for change in self._own(self.stragglers.clear()):
             self._straggler(change, previous)
+        for rank, section in list(self._flagged_at):  # flags the scorer raised end with the generation too
+            fields = {**self._flagged_at[(rank, section)][1], "node": self.node_id,
+                      "reason": f"generation {previous} ended"}
+            self._straggler(StragglerChange(kind="cleared", **fields), previous)
+        with self._lock:
+            self._world_flags.clear()
+            self._world_cleared.clear()
+            self._flags_dirty = self.scorer
         for slow in self.slowdowns.finish():
             self._slowdown(slow, previous)
         self._generation, self._baseline_host = generation, None

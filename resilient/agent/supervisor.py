@@ -257,6 +257,10 @@ class Agent:
                         return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
                     if isinstance(e, RendezvousClosedError) and self.coordination.stale_launch(generation):
                         continue
+                    over = self.coordination.run_over() if generation > 0 else None
+                    if isinstance(e, RendezvousClosedError) and over is not None:
+                        # The run ended while this node was out of it (held out, or between rounds): its outcome.
+                        return self._finish(over[0], over[1], over[2], generation)
                     self.emit(EventKind.RENDEZVOUS_FAILED, error=f"{type(e).__name__}: {e}")
                     return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)
                 generation = self._generation = assignment.generation

@@ -12,7 +12,10 @@ hands out, oldest first, two kinds of batch:
   node's ranks.
 
 A peer's windows (its outbox as read from the store) are filed beside this
-node's own; a peer a generation ahead waits for this node to get there.  A
+node's own; a peer a generation ahead waits for this node to get there.
+Windows a node marks disturbed (a spare of that node was warming up when it
+completed them) are remembered, so the scorer leaves them out
+(:meth:`WindowTable.disturbed`).  A
 window some rank never reports is dropped once a later one is handed out,
 and at most :data:`PENDING_WINDOWS` wait.  Thread-safe: windows arrive on
 the receivers' and the peer watch's threads, batches leave on the watch
@@ -48,7 +51,9 @@ class WindowTable:
         self._generation: int | None = None
         self._done_world = -1
         self._done_local = -1
-        self._outbox: deque[Batch] = deque(maxlen=OUTBOX_WINDOWS)
+        self._outbox: deque[tuple[Batch, bool]] = deque(maxlen=OUTBOX_WINDOWS)
+        self._disturbed: set[tuple[int, int]] = set()
+        """(generation, window) some node completed while a spare of its own warmed up."""
         self._peer_upto: dict[str, tuple[int, int]] = {}
         """Per peer node, the (generation, window) up to which its windows were taken (peer watch thread only)."""
         self.malformed = 0
@@ -61,6 +66,7 @@ class WindowTable:
             self._outbox.clear()
             for key in [k for k in self._pending if k[0] < generation]:
                 del self._pending[key]
+            self._disturbed = {k for k in self._disturbed if k[0] >= generation}
 
     def file(self, generation: int, window: RankWindow) -> None:
         """One window of a rank of this node."""
@@ -76,9 +82,9 @@ class WindowTable:
         if len(self._pending) > PENDING_WINDOWS:
             del self._pending[min(self._pending)]
 
-    def ready(self, generation: int, ranks: Collection[int]) -> tuple[list[Batch], list[Batch]]:
+    def ready(self, generation: int, ranks: Collection[int], disturbed: bool = False) -> tuple[list[Batch], list[Batch]]:
         """The world batches and the local batches of ``generation`` complete since the last call, oldest first;
-        ``ranks``: this node's live ranks."""
+        ``ranks``: this node's live ranks; ``disturbed``: the local windows completing now are marked so."""
         local, world_batches, local_batches = set(ranks), [], []
         with self._lock:
             for key in sorted(k for k in self._pending if k[0] == generation):
@@ -88,7 +94,9 @@ class WindowTable:
                 if key[1] > self._done_local:
                     local_batches.append({r: ws[r] for r in local})
                     self._done_local = key[1]
-                    self._outbox.append(local_batches[-1])
+                    self._outbox.append((local_batches[-1], disturbed))
+                    if disturbed:
+                        self._disturbed.add(key)
                 world = max((w.world or 0 for w in ws.values()), default=0)
                 if key[1] > self._done_world and len(ws) >= max(world, len(local)):
                     world_batches.append(dict(ws) if world else {r: ws[r] for r in local})
@@ -104,8 +112,18 @@ class WindowTable:
         with self._lock:
             if self._generation is None or not self._outbox:
                 return None
-            return {"node": self.node_id, "generation": self._generation,
-                    "windows": [[r, window_payload(w)] for ws in self._outbox for r, w in sorted(ws.items())]}
+            record: dict[str, Any] = {
+                "node": self.node_id, "generation": self._generation,
+                "windows": [[r, window_payload(w)] for ws, _ in self._outbox for r, w in sorted(ws.items())]}
+            marked = [min(w.window for w in ws.values()) for ws, disturbed in self._outbox if disturbed]
+            if marked:
+                record["disturbed"] = marked
+            return record
+
+    def disturbed(self, generation: int, window: int) -> bool:
+        """Some node completed this window while a spare of its own warmed up (not to be scored for stragglers)."""
+        with self._lock:
+            return (generation, window) in self._disturbed
 
     def take_peers(self, records: Iterable[Mapping[str, Any]]) -> None:
         """File the windows of the other nodes' ranks (their :meth:`outbox` records, read from the store)."""
@@ -116,6 +134,9 @@ class WindowTable:
             taken_gen, taken = self._peer_upto.get(node, (generation, -1))
             newest = taken if taken_gen == generation else -1
             top = newest
+            marked = record.get("disturbed") or ()
+            with self._lock:  # before the windows: a batch they complete is known disturbed when handed out
+                self._disturbed.update((generation, int(w)) for w in marked if isinstance(w, int))
             for item in record.get("windows") or ():
                 try:
                     rank, payload = item

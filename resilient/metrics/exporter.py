@@ -156,8 +156,8 @@ def families(view: NodeView) -> Iterator[Any]:
 def _slowness(snap: Mapping[str, Any], fam: Callable[[str], Any], base: list[str]) -> Iterator[Any]:
     """The straggler and slowdown gauges from the detectors' snapshot."""
     score, flagged = fam("resilient_straggler_score"), fam("resilient_straggler_flagged")
-    for s in snap.get("scores", []):
-        labels = [*base, str(s["rank"]), s["section"]]
+    for s in snap.get("scores", []):  # the scorer's agent shows every rank's, each labelled with its own node
+        labels = [base[0], str(s.get("node") or base[1]), str(s["rank"]), s["section"]]
         score.add_metric(labels, float(s["relative"]))
         flagged.add_metric(labels, 1.0 if s["flagged"] else 0.0)
     yield score
