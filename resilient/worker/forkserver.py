@@ -43,7 +43,12 @@ MAX_FDS = 3
 PR_SET_PDEATHSIG = 1
 SURVIVED: dict[signal.Signals, Any] = {signal.SIGTERM: signal.SIG_DFL, signal.SIGINT: signal.default_int_handler,
                                        signal.SIGHUP: signal.SIG_DFL}
-"""Signals the server ignores, with what a fresh interpreter has for them (a worker gets those back)."""
+"""Signals the server ignores, with what a fresh interpreter has for them (a worker gets those back, unless the
+server was started with one ignored: see :data:`RESTORED`)."""
+RESTORED: dict[signal.Signals, Any] = dict(SURVIVED)
+"""What a worker gets for each of :data:`SURVIVED`: a signal the server inherited ignored (an agent started by
+``nohup``, or in the background of a shell without job control) stays ignored, as it would in a fresh
+interpreter its agent started; set when the server starts."""
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
@@ -105,6 +110,8 @@ class Server:
         # outlive that, or its workers die by its parent-death signal instead of the stop they were sent. It ends
         # when its agent closes the socket, or dies with the agent.
         for signum in SURVIVED:
+            if signal.getsignal(signum) == signal.SIG_IGN:
+                RESTORED[signum] = signal.SIG_IGN
             signal.signal(signum, signal.SIG_IGN)
 
     def serve(self) -> None:
@@ -162,7 +169,7 @@ def become_worker(request: dict[str, Any], fds: list[int], server: int, close: t
     """In the forked child: take the worker's place, run its script and end the process the way Python would."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for signum, disposition in SURVIVED.items():
+    for signum, disposition in RESTORED.items():
         signal.signal(signum, disposition)
     for fd in close:
         os.close(fd)
