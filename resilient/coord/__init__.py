@@ -4,9 +4,8 @@
   (embedded default), :class:`EtcdControlStore`, and the store errors;
 * :mod:`.etcd`: :class:`EtcdClient`, our standard-library etcd v3 client (key-value, leases);
 * :mod:`.etcd_transport`: how its requests reach etcd (failover, outage retries, auth, TLS);
-* :mod:`.rounds`: the agents' rendezvous across machines, rounds formed by one etcd transaction each;
 * :mod:`.rendezvous`: torch elastic ``RendezvousBackend`` over etcd and
-  :func:`create_etcd_rendezvous_handler` (for torchrun users);
+  :func:`create_etcd_rendezvous_handler`;
 * :mod:`.etcd_store`: a torch c10d ``Store`` over etcd.
 
 Names load their module on first use; importing this package imports
