@@ -160,6 +160,7 @@ class StepTimer:
         report: dict[str, Any] = {"w": index, "n": len(steps), "step": round(wall, 6), "s": sections}
         if self._left is not None:
             report["left"] = self._left
+            report["total"] = self.total
         if self.world is not None:
             report["world"] = self.world
         waited, self._wait_mark = self._wait_mark, self._cpu_wait()

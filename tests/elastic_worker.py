@@ -134,8 +134,9 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--die-worker", default=None)
     p.add_argument("--die-step", type=int, default=None)
-    p.add_argument("--die-how", choices=["kill", "start", "hang", "raise", "raise-late", "in-step", "after-step"],
-                   default="kill")
+    p.add_argument("--die-how", choices=["kill", "start", "hang", "raise", "raise-late", "in-step", "after-step",
+                                                "after-hold"],
+                   default="kill", help="after-hold: SIGKILL as the --hold-at wait ends (the grow just decided)")
     p.add_argument("--optimizer", choices=["adamw", "split"], default="adamw")
     p.add_argument("--ema", action="store_true", help="a state= object updated inside the attempt")
     p.add_argument("--own-group", choices=["script", "run"], default=None,
@@ -154,6 +155,8 @@ def main() -> int:
                    "the global batch)")
     p.add_argument("--hold-at", type=int, default=None,
                    help="every rank waits at this step until the agent decided to grow (a boundary ahead of it)")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="leave the loop after this step, as a script that stops early (converged) does")
     p.add_argument("--spares-at-end", type=int, default=0,
                    help="rank 0 waits at the end until the agent logged this many spare_ready events")
     p.add_argument("--mesh", default=None, help="R,S: HSDP over R replicas of S shards; N: pure FSDP over N ranks")
@@ -199,6 +202,8 @@ def main() -> int:
             # be a hung step), until the agent decided to grow.
             with run.section("hold"):
                 wait_for_event('"action": "grow"')
+            if doomed and step == args.die_step and args.die_how == "after-hold":
+                os.kill(os.getpid(), signal.SIGKILL)
         with run.attempt():
             if doomed and step == args.die_step and args.die_how == "start":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -248,6 +253,8 @@ def main() -> int:
                 torch.distributed.barrier()
         if args.step_sleep:
             time.sleep(args.step_sleep)
+        if args.stop_after == step:
+            break
     if args.spares_at_end and run.rank == 0:
         wait_for_spares(args.spares_at_end)  # the refilled pool comes up warm while this run still holds it
     # Sharded tensors are gathered to full on every rank (a collective), before the Run lets the group go.

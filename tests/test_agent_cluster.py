@@ -149,6 +149,87 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     assert "n2" in shrunk["summary"] and shrunk["recovered"]["world_size"] == 2, shrunk
 
 
+def test_a_rank_lost_as_a_grow_is_decided_across_machines_is_folded_in_without_a_restart(
+        tmp_path: Path, etcd_server, etcd_run_id: str) -> None:
+    """A failure racing a grow across machines: ``--nnodes 2:3``, n2's agent SIGKILLed (shrink to two), n2 back as
+    ``--role spare``; every rank holds at step 9 until a grow is decided, and n1's rank is SIGKILLed as that hold
+    ends, while the agents carry out the grow (its generation published, its boundary ahead).  Its claim and
+    decision are the grow's: the loss is reported against the grow's generation, whose members still forming it
+    leave, and the next decision answers it in process: no restart, every sample once, each step's global
+    sample set the reference's."""
+    steps, samples = 14, ("--samples", "84", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, steps, *samples, "--hold-at", "9", "--step-sleep", "0.3", "--die-worker", "n1.w0",
+                     "--die-step", "9", "--die-how", "after-hold")
+    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
+             for n in ("n0", "n1", "n2")}
+    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
+              for n in flags}
+    try:
+        _lose_node(agents, "n2", out, step=2)
+        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
+        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
+                                   log=tmp_path / "n2-back.log")
+    except BaseException:
+        _finish(agents, 0)
+        raise
+    codes = _finish(agents, 240)
+    assert codes == {"n0": 0, "n1": 0, "n2": 0}, _logs(tmp_path)
+    assert not events(run, "restart"), _logs(tmp_path)
+    decided = events(run, "recovery_decided")
+    actions = [d["action"] for d in decided]
+    assert actions[:3] == ["shrink", "grow", "shrink"] and actions[3:] in ([], ["grow"]), decided
+    assert decided[2]["dropped_ranks"] == [1], decided[2]
+    joiner = decided[1]["joiners"][0]["spare"]
+    done = events(run, "recovered_in_process")
+    assert {d["generation"] for d in done} >= {2, 4} and 3 not in {d["generation"] for d in done}, done
+    lines = trace(out)
+    assert {line["worker"] for line in lines if line["step"] == 9} == {"n0.w0", joiner}, "step 9 not retried by both"
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps
+
+
+def test_a_node_holding_only_a_grow_s_joiner_ends_with_the_run_that_ended_before_the_boundary(
+        tmp_path: Path, etcd_server, etcd_run_id: str) -> None:
+    """``--nnodes 2:3``: n2 lost (shrink to two), back as ``--role spare``; every rank holds at step 9 until a
+    grow onto n2's spare is decided, and the script leaves its loop after step 10, before the grow's boundary.
+    n0 and n1 finish; n2 holds only the joiner, which waits for members that are gone.  n2 ends as the run did
+    (succeeded), without judging the finished nodes lost and restarting."""
+    out = tmp_path / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, 14, "--samples", "84", "--plain", "--hold-at", "9", "--stop-after", "10",
+                     "--step-sleep", "0.3")
+    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
+             for n in ("n0", "n1", "n2")}
+    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
+              for n in flags}
+    try:
+        _lose_node(agents, "n2", out, step=2)
+        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
+        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
+                                   log=tmp_path / "n2-back.log")
+    except BaseException:
+        _finish(agents, 0)
+        raise
+    codes = _finish(agents, 240)
+    assert codes == {"n0": 0, "n1": 0, "n2": 0}, _logs(tmp_path)
+    assert [d["action"] for d in events(run, "recovery_decided")] == ["shrink", "grow"], _logs(tmp_path)
+    assert not events(run, "restart"), _logs(tmp_path)
+    finished = {e["node"]: e for e in events(run, "agent_finished")}
+    assert {n: e["verdict"] for n, e in finished.items()} == {"n0": "succeeded", "n1": "succeeded",
+                                                              "n2": "succeeded"}, finished
+    assert "before the boundary at step" in finished["n2"]["reason"], finished["n2"]
+    assert max(line["step"] for line in trace(out)) == 10
+
+
 SECOND_FAULT_STEPS = 14
 
 

@@ -311,6 +311,65 @@ def test_a_shrunk_run_grows_back_when_its_replacement_is_warm(tmp_path: Path) ->
     assert final["step"] == steps and final["world"] == 3
 
 
+def test_a_rank_lost_after_a_grow_was_decided_and_before_its_boundary_is_folded_in_without_a_restart(
+        tmp_path: Path) -> None:
+    """A failure racing a grow: 2:3 without a spare, rank 2 lost at step 4 (shrink); every rank holds at step 6
+    until the agent decided to grow onto the warm replacement, and w1 is SIGKILLed as that hold ends: the grow's
+    generation is published, its boundary still ahead, its joiner promoted.  The grow is abandoned and the loss
+    answered in process over the grow's members (w0 and the joiner, which holds no state): no restart, every
+    step's global sample set the reference's, every sample once."""
+    steps, samples = 14, ("--samples", "84", "--plain")
+    ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
+    assert proc.returncode == 0, explain(proc)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"version": 1, "seed": 0, "faults": [
+        {"kind": "kill", "rank": 2, "step": DIE_STEP, "attempt": 0, "section": "step"}]}))
+    out, proc = elastic_run(tmp_path, "race", "--nproc-per-node", "2:3", "--grow-settle", "0.5", "--fault-plan",
+                            str(plan), extra=(*samples, "--hold-at", "6", "--step-sleep", "0.2", "--die-worker", "w1",
+                                              "--die-step", "6", "--die-how", "after-hold"), steps=steps)
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart"), explain(proc)
+    decided = [d["action"] for d in events(run, "recovery_decided")]
+    # After the loss the replacement may be warm again before the run ends (a second grow) or not.
+    assert decided[:3] == ["shrink", "grow", "shrink"] and decided[3:] in ([], ["grow"]), decided
+    continued = events(run, "generation_continued")
+    assert [(e["generation"], e["action"]) for e in continued][:3] == [(2, "shrink"), (3, "grow"), (4, "shrink")]
+    grown = continued[1]["members"]
+    # The loss is answered over the grow's members: the joiner stays, as rank 1 of two.
+    assert continued[2]["members"] == {"0": "w0", "1": grown["2"]}, continued
+    done = events(run, "recovered_in_process")
+    assert [d["generation"] for d in done][:2] == [2, 4] and done[1]["resumed_after_step"] == 6, done
+    lines = trace(out)
+    assert {line["worker"] for line in lines if line["step"] == 6} == {"w0", grown["2"]}, "step 6 not retried by both"
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps
+
+
+def test_a_run_that_ends_before_its_grow_s_boundary_stops_the_joiner_and_succeeds(tmp_path: Path) -> None:
+    """2:3 without a spare: rank 2 lost (shrink), every rank holds at step 6 until a grow onto the warm
+    replacement is decided (its boundary a few steps ahead), and the script leaves its loop after step 7, as a
+    script that stops early does: the members exit 0 before the boundary.  The joiner that waits for them holds
+    no state: it is stopped, and the run succeeds without an incident or a restart."""
+    out, proc = elastic_run(tmp_path, "early", "--nproc-per-node", "2:3", "--grow-settle", "0.5",
+                            die=("w2", "kill"), extra=("--samples", "84", "--plain", "--hold-at", "6",
+                                                       "--stop-after", "7"), steps=14)
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert [d["action"] for d in events(run, "recovery_decided")] == ["shrink", "grow"]
+    assert not events(run, "restart") and len(incidents(run)) == 1, explain(proc)
+    [grown] = [e for e in events(run, "generation_continued") if e["action"] == "grow"]
+    joiner = grown["members"]["2"]
+    assert f"the run finished before the grow's boundary at step {grown['at_step']}; its joiners ['{joiner}'] " \
+           "were stopped" in proc.stderr, explain(proc)
+    lines = trace(out)
+    assert max(line["step"] for line in lines) == 7 and joiner not in {line["worker"] for line in lines}
+    assert [e["verdict"] for e in events(run, "agent_finished")] == ["succeeded"]
+
+
 def test_a_collective_error_with_every_rank_alive_is_retried_in_place(tmp_path: Path, reference2: Path) -> None:
     """A transient network error: no process dies, every rank's collective fails; the same members re-form."""
     out, proc = elastic_run(tmp_path, "raise", "--nproc-per-node", "2", "--spares", "1", die=("w1", "raise"))

@@ -36,7 +36,7 @@ from ..events import EventKind, OutcomeKind
 from .cluster import ClusterState, Involvement
 from .cluster_decide import decide, membership_of
 from .cluster_watch import Snapshot
-from .continuation import Hold, continue_as, grow_boundary
+from .continuation import Hold, continue_as, grow_boundary, joiners_waiting
 from .failures import Outcome
 from .policy import Failure
 from .rendezvous import Assignment
@@ -44,6 +44,7 @@ from .rendezvous import Assignment
 if TYPE_CHECKING:
     from .generation import GenerationContext
     from .incidents import Incident
+    from .inproc_state import Recovering
     from .launcher import WorkerGroup
 
 GROW_LEAD_S = 1.0
@@ -126,6 +127,10 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
         return None
     view = snap.view
     recovering = inp.recovering
+    if recovering is not None and recovering.rung == "grow" and group.workers:
+        ended = _ended_before_boundary(ctx, group, recovering)
+        if ended is not None:
+            return ended
     if recovering is not None and recovering.generation == a.generation and (view.lost or view.waiting):
         # A member of the generation this node's members are still forming was lost (or left it): it cannot
         # form.  Its members leave it, say they wait, and the next decision folds this failure in.
@@ -159,6 +164,19 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
         except ControlStoreError as e:
             _store_error(ctx, e)
     return None
+
+
+def _ended_before_boundary(ctx: GenerationContext, group: WorkerGroup, recovering: Recovering) -> Outcome | None:
+    """This node holds only a grow's joiners, still waiting for its boundary, and the launch ended (the members
+    on the other nodes finished the run first): they hold no state; the generation ends as the run did."""
+    inp = ctx.inproc
+    assert inp is not None
+    waiting = joiners_waiting(group, recovering, inp.rejoined(recovering.generation))
+    if len(waiting) < len(group.workers) or not ctx.shared.ended():
+        return None
+    inp.forget_grow(recovering.generation)
+    return Outcome(OutcomeKind.SUCCEEDED, f"the run ended on the other nodes before the boundary at step "
+                                          f"{recovering.step} of the grow this node's joiners waited for")
 
 
 ORPHANED_S = 30.0
@@ -242,13 +260,14 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
         return None  # nothing to grow onto, or a failure of this generation is being answered
     if not all(n.get("opted_in") for n in view.nodes.values()):
         return None
-    at_step = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
-    if at_step is None:
+    boundary = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
+    if boundary is None:
         return None
+    at_step = boundary.at_step
     members = view.members()
     spares = [Spare(id=s.worker, node=s.node, ready_since=now - max(0.0, time.time() - s.ready_wall)) for s in pool]
     decision = decide_grow(membership_of(ctx, view, members), spares, step=at_step, costs=inp.costs(), cfg=inp.ladder,
-                           now=now)
+                           now=now, remaining_s=boundary.remaining_s)
     if decision.action is not GrowAction.GROW:
         return None
     held = cs.store.claim(a.generation, "grow")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ from ..elastic.observe import FaultKind, RestartOutlook
 from ..events import EventKind
 from .inproc import ACTING
 from .inproc_grow import carry_out_grow, consider_grow
+from .inproc_state import Recovering
 from .launcher import WorkerGroup, WorkerSpec
 from .policy import Failure
 from .rendezvous import Assignment
@@ -230,6 +232,8 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
             return None
         return _maybe_retry(ctx, group, a, gdir) or _maybe_grow(ctx, group, a, gdir, now)
     recovering, rejoined = progress
+    if recovering.rung == "grow" and _finished_before_boundary(ctx, group, recovering, rejoined):
+        return None
     if set(rejoined) >= set(recovering.members):
         record = inp.completed(now, rejoined)
         ctx.emit(EventKind.RECOVERED_IN_PROCESS, **record)
@@ -253,6 +257,34 @@ def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
         return (f"in-process recovery to generation {recovering.generation} did not complete: workers "
                 f"{missing} never rejoined")
     return None
+
+
+def joiners_waiting(group: WorkerGroup, recovering: Recovering, rejoined: Mapping[str, Any]) -> list[int]:
+    """The ranks of this node whose workers are a grow's joiners still waiting for its boundary (they hold no
+    state yet)."""
+    joiners = {spare for _, spare in recovering.promotions}
+    return [r for r, w in group.workers.items() if w.worker_id in joiners and w.worker_id not in rejoined]
+
+
+def _finished_before_boundary(ctx: GenerationContext, group: WorkerGroup, recovering: Recovering,
+                              rejoined: Mapping[str, Any]) -> bool:
+    """The members of a grow's generation finished the run (every one exited 0) before its boundary: the
+    joiners that wait for them hold no state and are stopped, and the grow is forgotten, so that the
+    generation ends as the run did instead of waiting out the recovery's deadline."""
+    waiting = joiners_waiting(group, recovering, rejoined)
+    stayed = [w for r, w in group.workers.items() if r not in waiting]
+    if not waiting or not stayed or any(w.exit is None or w.exit.returncode != 0 for w in stayed):
+        return False
+    assert ctx.inproc is not None
+    ctx.inproc.forget_grow(recovering.generation)
+    names = sorted(group.workers[r].worker_id for r in waiting)
+    for rank in waiting:
+        worker = group.retire(rank)
+        worker.signal(signal.SIGKILL)  # it waits for the boundary inside resilient.Run(): nothing of it to save
+        worker.signal(signal.SIGCONT)
+    print(f"resilient: generation {recovering.generation}: the run finished before the grow's boundary at step "
+          f"{recovering.step}; its joiners {names} were stopped (they held no state)", file=sys.stderr, flush=True)
+    return True
 
 
 def _maybe_retry(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> Assignment | str | None:
@@ -290,18 +322,43 @@ every member must see the request at a boundary before the one it names."""
 GROW_LEAD_STEPS = 3
 
 
-def grow_boundary(ctx: GenerationContext, group: WorkerGroup, a: Assignment, now: float, lead_s: float) -> int | None:
+@dataclass(frozen=True)
+class Boundary:
+    """Where a grow would take effect: the step its members join before, and the run's time left after it."""
+
+    at_step: int
+    remaining_s: float | None
+    """Seconds of training after ``at_step`` at the measured rate, when the run's last step is known (the
+    grow's gain is weighed against its cost over them); None when not."""
+
+
+def grow_boundary(ctx: GenerationContext, group: WorkerGroup, a: Assignment, now: float,
+                  lead_s: float) -> Boundary | None:
     """The step a grow is scheduled at: GROW_LEAD_STEPS plus ``lead_s`` (at the step rate measured in this
-    generation) ahead of this node's furthest rank; None until every member reported and the rate is measured."""
+    generation) ahead of this node's furthest rank.  None until every member has reported in this generation
+    (a rank not heard from yet is at step 0 in the tracker, and a rate measured from there is the whole run's
+    progress over a fraction of a second) and the rate is measured; None as well when that step is not one the
+    run still reaches (its members would finish with the joiners waiting for them)."""
     assert ctx.inproc is not None
-    views = ctx.tracker.views()
-    if not group.workers or len(views) < len(group.workers):
+    ranks = ctx.tracker.ranks()
+    if not group.workers or any(r not in ranks or ranks[r].heartbeats == 0 for r in group.workers):
         return None
-    furthest = max(v.step for v in views.values())
+    furthest = max(ranks[r].step for r in group.workers)
     rate = ctx.inproc.step_rate(now, furthest, a.generation)
     if rate is None:
         return None  # not measured yet in this generation: a boundary cannot be placed safely
-    return furthest + GROW_LEAD_STEPS + math.ceil(rate * lead_s)
+    return place_boundary(furthest, rate, lead_s, ctx.tracker.total_steps)
+
+
+def place_boundary(furthest: int, rate: float, lead_s: float, total: int | None) -> Boundary | None:
+    """GROW_LEAD_STEPS plus ``lead_s`` at ``rate`` steps a second past ``furthest`` (the furthest rank's
+    step), if the run (``total`` steps, None: unknown) still reaches it, with the time left after it."""
+    at_step = furthest + GROW_LEAD_STEPS + math.ceil(rate * lead_s)
+    if total is None:
+        return Boundary(at_step, None)
+    if at_step >= total:
+        return None
+    return Boundary(at_step, (total - at_step) / rate if rate > 0 else None)
 
 
 def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
@@ -310,10 +367,11 @@ def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     inp, next_generation = ctx.inproc, ctx.next_generation
     if inp is None or next_generation is None or len(group.workers) >= ctx.config.nproc_per_node or not group.spares:
         return None
-    at_step = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
-    if at_step is None:
+    boundary = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
+    if boundary is None:
         return None
-    decision = consider_grow(inp, group, at_step, now)
+    at_step = boundary.at_step
+    decision = consider_grow(inp, group, at_step, now, remaining_s=boundary.remaining_s)
     if decision is None:
         return None
     generation = next_generation()

@@ -399,6 +399,11 @@ class InProcess:
             done = {w: rep for (g, w), (_, rep) in self._reports.rejoined.items() if g == r.generation}
             return r, done
 
+    def rejoined(self, generation: int) -> dict[str, dict[str, Any]]:
+        """The members that sent ``rejoined`` for ``generation`` so far."""
+        with self._lock:
+            return {w: rep for (g, w), (_, rep) in self._reports.rejoined.items() if g == generation}
+
     def completed(self, at: float, reports: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
         """Close the recovery under way (every member rejoined); its record for the event and the incident."""
         with self._lock:
@@ -424,6 +429,14 @@ class InProcess:
         if r is not None:
             self.abort(r.generation)
         return r
+
+    def forget_grow(self, generation: int) -> None:
+        """The grow to ``generation`` will not take place (the run ended before its boundary): no recovery is
+        under way any more, and none failed; its members still forming the group are told to leave it."""
+        with self._lock:
+            if self.recovering is not None and self.recovering.generation == generation:
+                self.recovering = None
+        self.abort(generation)
 
     def failed_recoveries(self, step: int) -> int:
         """In-process recoveries of ``step`` that failed so far (what ``max_inproc_retries_per_step`` bounds)."""

@@ -21,14 +21,17 @@ if TYPE_CHECKING:
     from .launcher import WorkerGroup
 
 
-def consider_grow(inp: InProcess, group: WorkerGroup, step: int, now: float) -> GrowDecision | None:
-    """Whether a world below full size grows onto settled spares at the boundary before ``step``."""
+def consider_grow(inp: InProcess, group: WorkerGroup, step: int, now: float, *,
+                  remaining_s: float | None = None) -> GrowDecision | None:
+    """Whether a world below full size grows onto settled spares at the boundary before ``step``
+    (``remaining_s``: the run's training time after it, when known)."""
     c = inp.config
     spares, feasible = inp.spare_view(group)
     world = len(group.workers)
     members = Membership(rank_nodes=(c.node_id,) * world, min_size=min(c.min_ranks, world),
                          max_size=c.nproc_per_node, full_size=c.nproc_per_node, feasible_world_sizes=feasible)
-    decision = decide_grow(members, spares, step=step, costs=inp.costs(), cfg=inp.ladder, now=now)
+    decision = decide_grow(members, spares, step=step, costs=inp.costs(), cfg=inp.ladder, now=now,
+                           remaining_s=remaining_s)
     if decision.action is not GrowAction.GROW:
         return None
     inp.note_decision(f"grow: {decision.reason}", decision.to_event())

@@ -412,7 +412,7 @@ class Agent:
         self.last_outcome = kind
         self.accounting.apply("generation_ended", kind)
         if kind is OutcomeKind.SUCCEEDED:
-            return self._finish(0, "succeeded", "all workers exited 0", generation)
+            return self._finish(0, "succeeded", outcome.reason, generation)
         if kind is OutcomeKind.PREEMPTED:
             return self._finish(EXIT_PREEMPTED_AGENT, "preempted", outcome.reason, generation)
         if kind is OutcomeKind.INTERRUPTED:

@@ -75,6 +75,9 @@ class RankTracker:
         self.committed_step: int | None = None
         self.checkpoint_location: str | None = None
         self.max_step = 0
+        self.total_steps: int | None = None
+        """The steps the training loop runs in all (``Run.steps(total)``, from the ranks' timing windows);
+        None until a window said so, or for a loop without an end."""
         self._restores: dict[int, dict[str, Any]] = {}
 
     @property
@@ -185,7 +188,12 @@ class HeartbeatIntake:
                 self.on_recovery(hb, received_at)
             return
         if hb.kind in ("timing", "audit"):
-            if self.on_report is not None and self.tracker.is_current(hb):
+            if not self.tracker.is_current(hb):
+                return
+            total = (hb.timing or {}).get("total")
+            if isinstance(total, int) and not isinstance(total, bool) and total >= 0:
+                self.tracker.total_steps = total
+            if self.on_report is not None:
                 self.on_report(hb)
             return
         if self.tracker.on_heartbeat(hb, received_at) and hb.kind != "restored":
