@@ -102,6 +102,40 @@ def test_a_spare_node_takes_a_lost_ranks_place_from_the_pool_bitwise(tmp_path: P
     assert [e["node"] for e in events(run, "spare_started")] == ["spare0", "n1"], events(run, "spare_started")
 
 
+def _assert_trained_as_reference(out: Path, ref: Path, lines: list[dict[str, Any]], steps: int) -> None:
+    """Each step's global sample set the reference's, each of the 84 samples once, the final parameters the
+    reference's up to a shrunk world's summation order, and every step done."""
+    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
+    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
+    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
+    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
+    assert final["step"] == steps
+
+
+def _shrink_then_return(tmp: Path, url: str, run_id: str, steps: int, *extra: str) -> tuple[Path, dict[str, int]]:
+    """Three nodes of one rank, ``--nnodes 2:3``, training ``steps`` steps (the worker's ``extra`` flags): n2's
+    agent SIGKILLed once its rank completed step 2 (the others shrink to two in process), then n2 started again
+    as ``--role spare``; the output directory and the agents' exit codes."""
+    out = tmp / "run"
+    out.mkdir()
+    run = out / "run"
+    script = _script(out, steps, *extra)
+    # A step timeout of 2 s: the survivors wait in their step for the shrink, and must not be taken for hung
+    # while they do.
+    flags = {n: _node(url, run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
+             for n in ("n0", "n1", "n2")}
+    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp / f"{n}.log") for n in flags}
+    try:
+        _lose_node(agents, "n2", out, step=2)
+        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
+        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
+                                   log=tmp / "n2-back.log")
+    except BaseException:
+        _finish(agents, 0)
+        raise
+    return out, _finish(agents, 240)
+
+
 def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_path: Path, etcd_server,
                                                                            etcd_run_id: str) -> None:
     """``--nnodes 2:3``: node n2's agent is SIGKILLed (its worker dies with it); the two others shrink to two
@@ -110,25 +144,9 @@ def test_three_nodes_shrink_when_one_is_lost_and_grow_back_when_it_returns(tmp_p
     steps, samples = 14, ("--samples", "84", "--plain")
     ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "run"
-    out.mkdir()
+    out, codes = _shrink_then_return(tmp_path, etcd_server.url, etcd_run_id, steps, *samples, "--hold-at", "9",
+                                     "--step-sleep", "0.3")
     run = out / "run"
-    script = _script(out, steps, *samples, "--hold-at", "9", "--step-sleep", "0.3")
-    # A step timeout of 2 s: the survivors wait in their step for the shrink, and must not be taken for hung
-    # while they do.
-    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
-             for n in ("n0", "n1", "n2")}
-    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
-              for n in flags}
-    try:
-        _lose_node(agents, "n2", out, step=2)
-        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
-        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
-                                   log=tmp_path / "n2-back.log")
-    except BaseException:
-        _finish(agents, 0)
-        raise
-    codes = _finish(agents, 240)
     assert codes == {"n0": 0, "n1": 0, "n2": 0}, _logs(tmp_path)
     assert not events(run, "restart"), _logs(tmp_path)
     decided = events(run, "recovery_decided")
@@ -160,24 +178,10 @@ def test_a_rank_lost_as_a_grow_is_decided_across_machines_is_folded_in_without_a
     steps, samples = 14, ("--samples", "84", "--plain")
     ref, proc = elastic_run(tmp_path, "ref", "--nproc-per-node", "3", extra=samples, steps=steps)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "run"
-    out.mkdir()
+    out, codes = _shrink_then_return(tmp_path, etcd_server.url, etcd_run_id, steps, *samples, "--hold-at", "9",
+                                     "--step-sleep", "0.3", "--die-worker", "n1.w0", "--die-step", "9",
+                                     "--die-how", "after-hold")
     run = out / "run"
-    script = _script(out, steps, *samples, "--hold-at", "9", "--step-sleep", "0.3", "--die-worker", "n1.w0",
-                     "--die-step", "9", "--die-how", "after-hold")
-    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
-             for n in ("n0", "n1", "n2")}
-    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
-              for n in flags}
-    try:
-        _lose_node(agents, "n2", out, step=2)
-        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
-        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
-                                   log=tmp_path / "n2-back.log")
-    except BaseException:
-        _finish(agents, 0)
-        raise
-    codes = _finish(agents, 240)
     assert codes == {"n0": 0, "n1": 0, "n2": 0}, _logs(tmp_path)
     assert not events(run, "restart"), _logs(tmp_path)
     decided = events(run, "recovery_decided")
@@ -189,11 +193,7 @@ def test_a_rank_lost_as_a_grow_is_decided_across_machines_is_folded_in_without_a
     assert {d["generation"] for d in done} >= {2, 4} and 3 not in {d["generation"] for d in done}, done
     lines = trace(out)
     assert {line["worker"] for line in lines if line["step"] == 9} == {"n0.w0", joiner}, "step 9 not retried by both"
-    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
-    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
-    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
-    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
-    assert final["step"] == steps
+    _assert_trained_as_reference(out, ref, lines, steps)
 
 
 def test_a_node_holding_only_a_grow_s_joiner_ends_with_the_run_that_ended_before_the_boundary(
@@ -202,24 +202,9 @@ def test_a_node_holding_only_a_grow_s_joiner_ends_with_the_run_that_ended_before
     grow onto n2's spare is decided, and the script leaves its loop after step 10, before the grow's boundary.
     n0 and n1 finish; n2 holds only the joiner, which waits for members that are gone.  n2 ends as the run did
     (succeeded), without judging the finished nodes lost and restarting."""
-    out = tmp_path / "run"
-    out.mkdir()
+    out, codes = _shrink_then_return(tmp_path, etcd_server.url, etcd_run_id, 14, "--samples", "84", "--plain",
+                                     "--hold-at", "9", "--stop-after", "10", "--step-sleep", "0.3")
     run = out / "run"
-    script = _script(out, 14, "--samples", "84", "--plain", "--hold-at", "9", "--stop-after", "10",
-                     "--step-sleep", "0.3")
-    flags = {n: _node(etcd_server.url, etcd_run_id, n, "2:3", "--grow-settle", "0.5", "--section-timeout", "step=2")
-             for n in ("n0", "n1", "n2")}
-    agents = {n: start_agent(run, *flags[n], script=WORKER, script_args=script, log=tmp_path / f"{n}.log")
-              for n in flags}
-    try:
-        _lose_node(agents, "n2", out, step=2)
-        wait_for(lambda: events(run, "recovered_in_process"), timeout=60, what="the shrink to complete")
-        agents["n2"] = start_agent(run, *flags["n2"], "--role", "spare", script=WORKER, script_args=script,
-                                   log=tmp_path / "n2-back.log")
-    except BaseException:
-        _finish(agents, 0)
-        raise
-    codes = _finish(agents, 240)
     assert codes == {"n0": 0, "n1": 0, "n2": 0}, _logs(tmp_path)
     assert [d["action"] for d in events(run, "recovery_decided")] == ["shrink", "grow"], _logs(tmp_path)
     assert not events(run, "restart"), _logs(tmp_path)
@@ -274,11 +259,7 @@ def test_a_member_lost_while_the_group_re_forms_across_machines_is_folded_in_wit
                                                                         for d in done), done
     lines = trace(out)
     assert "spare0.s0" in {line["worker"] for line in lines if line["step"] > DIE_STEP}, "the promoted spare left"
-    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
-    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
-    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
-    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
-    assert final["step"] == SECOND_FAULT_STEPS
+    _assert_trained_as_reference(out, ref, lines, SECOND_FAULT_STEPS)
 
 
 def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recovered_in_process(
@@ -313,11 +294,7 @@ def test_the_deciding_agent_killed_while_the_group_forms_on_its_store_is_recover
     done = events(run, "recovered_in_process")
     assert done and all(d["resumed_after_step"] == DIE_STEP for d in done), done
     lines = trace(out)
-    assert global_sets(lines) == global_sets(trace(ref)), "a step's global sample set differs from the reference"
-    assert sorted(i for ids in global_sets(lines).values() for i in ids) == list(range(84)), "a sample twice or never"
-    final, want = json.loads((out / "final.json").read_text()), json.loads((ref / "final.json").read_text())
-    assert_close(final["params"], want["params"], **SHRINK_TOLERANCE)
-    assert final["step"] == SECOND_FAULT_STEPS
+    _assert_trained_as_reference(out, ref, lines, SECOND_FAULT_STEPS)
 
 
 def test_a_restart_takes_a_spare_node_in_a_lost_node_s_place_instead_of_waiting_for_it(
