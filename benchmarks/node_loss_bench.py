@@ -1,13 +1,16 @@
 """A whole node lost: seconds from the fault to the run's next new step, killed and powered off.
 
-    python benchmarks/node_loss_bench.py            # ~6 minutes; writes benchmarks/results/node_loss_bench.{json,md}
+    python benchmarks/node_loss_bench.py            # ~9 minutes; writes benchmarks/results/node_loss_bench.{json,md}
 
 Runs the shipped drills ``kill-node`` (the agent of rank 1's node and its
 worker SIGKILLed after step 30) and ``partition-node`` (rank 1's node, in a
 network namespace of its own, cut off the network for 20 s: no packet
 passes, no connection is reset, as when a machine loses power) through the
-public ``resilient drill run``, ``--repeat`` times each.  Two nodes of one
-rank each and a spare node, on one etcd the drill starts.
+public ``resilient drill run``, ``--repeat`` times each; and
+``partition-node-restart``, the same partition under a script that recovers
+by restart (it makes a process group of its own): the spare node takes the
+lost node's place in the restart's round.  Two nodes of one rank each and a
+spare node, on one etcd the drill starts.
 
 From each faulted run's files: the fault's time (``host_faults.jsonl``),
 the first recovery decision after it (``recovery_decided`` or ``restart``
@@ -18,7 +21,9 @@ the rung, the steps re-done and the equality to the uninterrupted run.
 
 Targets (issue: node loss in about a second): with a ready spare, 0 steps
 re-done and the next new step within 1.5 s of a SIGKILL, within 2 s of the
-traffic being cut.  There is no peer to take a ratio against: torchrun's
+traffic being cut.  The restart has no time target (it re-does the steps
+since the newest commit); it must restart without waiting for the cut-off
+node and end bitwise.  There is no peer to take a ratio against: torchrun's
 agents restart every rank after a node loss, from the newest checkpoint.
 """
 
@@ -38,7 +43,9 @@ from _provenance import commit, load_now, uncommitted_code_changes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TARGETS = {"kill-node": 1.5, "partition-node": 2.0}
+TARGETS: dict[str, float | None] = {"kill-node": 1.5, "partition-node": 2.0, "partition-node-restart": None}
+"""Seconds from the fault to the next new step (None: measured, no target)."""
+RUNG = {"kill-node": "promote_spare", "partition-node": "promote_spare", "partition-node-restart": "restart"}
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -83,9 +90,12 @@ def main() -> int:
     summary = {}
     for name, found in runs.items():
         seconds = [r["fault_to_next_new_step_s"] for r in found]
+        target = TARGETS[name]
+        in_time = target is None or max(seconds) <= target
+        redone_ok = target is None or all(r["redone_steps"] == 0 for r in found)
         summary[name] = {"median_s": round(statistics.median(seconds), 3), "max_s": max(seconds),
-                         "target_s": TARGETS[name], "met": max(seconds) <= TARGETS[name]
-                         and all(r["redone_steps"] == 0 and r["equal"] and r["rung"] == "promote_spare" for r in found)}
+                         "target_s": target, "met": in_time and redone_ok
+                         and all(r["equal"] and r["rung"] == RUNG[name] and r["passed"] for r in found)}
     result = {"commit": commit(), "uncommitted": uncommitted_code_changes(),
               "command": "python benchmarks/node_loss_bench.py " + " ".join(sys.argv[1:]),
               "load_before": load_before, "load_after": load_now(), "seconds": round(time.time() - started, 1),
@@ -102,8 +112,8 @@ def main() -> int:
             lines.append(f"| {name} | {i + 1} | {r['fault_to_decision_s']:.3f} | {r['fault_to_next_new_step_s']:.3f} | "
                          f"{r['rung']} | {r['redone_steps']} | {'bitwise' if r['equal'] else 'NOT EQUAL'} |")
     lines += ["", "| drill | median (s) | max (s) | target (s) | met |", "|---|---|---|---|---|"]
-    lines += [f"| {n} | {s['median_s']:.3f} | {s['max_s']:.3f} | {s['target_s']} | {'yes' if s['met'] else 'NO'} |"
-              for n, s in summary.items()]
+    lines += [f"| {n} | {s['median_s']:.3f} | {s['max_s']:.3f} | {s['target_s'] or 'none (restart: bitwise, no wait)'} | "
+              f"{'yes' if s['met'] else 'NO'} |" for n, s in summary.items()]
     (args.out / "node_loss_bench.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if all(s["met"] for s in summary.values()) else 1

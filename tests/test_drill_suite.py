@@ -129,6 +129,30 @@ def _partition_node(drill_dir: Path, record: dict[str, Any]) -> None:
     _kill_node(drill_dir, record)
 
 
+def _partition_node_restart(drill_dir: Path, record: dict[str, Any]) -> None:
+    """The run restarted without waiting for the silent node: the spare node took its place in the restart's round
+    and its worker took rank 1 from the newest commit; the cut-off node, back on the network, found the run over
+    and ended as it did."""
+    events = _jsonl(drill_dir / "faulted" / "run" / "events.jsonl")
+    severed = [e for e in events if e["kind"] == "peer_connections_severed"]
+    assert severed and all(e["node"] == "n0" and e["sockets"] > 0 for e in severed), severed
+    [took] = [e for e in events if e["kind"] == "spare_node_takes_place"]
+    assert took["node"] == "spare0" and took["lost_node"] == "n1", took
+    trace = _jsonl(drill_dir / "faulted" / "trace.jsonl")
+    [trigger] = [f["step"] for f in record["faults"]]
+    last = max(t["step"] for t in trace)
+    rank1 = sorted((t for t in trace if t["rank"] == 1), key=lambda t: t["time"])
+    workers = [t["worker"] for t in rank1]
+    handover = next(i for i, w in enumerate(workers) if w.startswith("spare0."))
+    assert set(workers[:handover]) == {"n1.w0"} and {w[:7] for w in workers[handover:]} == {"spare0."}, workers
+    old, new = [t["step"] for t in rank1[:handover]], [t["step"] for t in rank1[handover:]]
+    assert old == list(range(len(old))) and new == list(range(new[0], last + 1)), (old, new)
+    assert new[0] <= trigger < old[-1] + 1 and old[-1] - new[0] < 10, (old, new)  # from the commit at or before it
+    finished = {e["node"]: e for e in events if e["kind"] == "agent_finished"}
+    assert finished["n1"]["exit_code"] == 0 and finished["n1"]["reason"] == \
+        "the run ended while this node was held out", finished["n1"]
+
+
 def _shrink_node(drill_dir: Path, record: dict[str, Any]) -> None:
     """The shrink left two ranks."""
     trace = _jsonl(drill_dir / "faulted" / "trace.jsonl")
@@ -138,7 +162,7 @@ def _shrink_node(drill_dir: Path, record: dict[str, Any]) -> None:
 CHECKS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
     "hang-alert": _hang_alert, "gameday": _gameday, "s3-flaky": _s3_flaky, "s3-outage": _s3_outage,
     "packet-loss": _packet_loss, "nan-loss": _nan_loss, "zombie-launch": _zombie_launch, "kill-node": _kill_node,
-    "shrink-node": _shrink_node, "partition-node": _partition_node,
+    "shrink-node": _shrink_node, "partition-node": _partition_node, "partition-node-restart": _partition_node_restart,
 }
 
 

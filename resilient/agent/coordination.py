@@ -256,10 +256,14 @@ class Coordination:
     def run_over(self) -> tuple[int, str, str] | None:
         """How a node held out of the run ends when it need not wait any longer (exit code, verdict, reason): the
         launch's verdict, or success when the launch ended without it."""
-        verdict = self.verdict()
+        if self.shared is None:
+            return None
+        # Read, not the watch's copies: a node that was cut off may hold them stale while a fresh read already
+        # found the rendezvous closed.
+        verdict = self.shared.verdict(read=True)
         if verdict is not None:
             return verdict["exit_code"], verdict["verdict"], verdict["reason"]
-        if self.shared is not None and self.shared.ended():
+        if self.shared.ended(read=True):
             return 0, "succeeded", "the run ended while this node was held out"
         return None
 

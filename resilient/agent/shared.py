@@ -89,9 +89,10 @@ class SharedFacts:
         watched, value = self._watched(key)
         return value if watched else self.signed.get(key)
 
-    def verdict(self) -> dict[str, Any] | None:
-        """The launch's verdict (verified), or ``None``."""
-        return self._get(self.prefix + "verdict")
+    def verdict(self, *, read: bool = False) -> dict[str, Any] | None:
+        """The launch's verdict (verified), or ``None``; ``read``: from the store, not the watch's copy."""
+        key = self.prefix + "verdict"
+        return self.signed.get(key) if read else self._get(key)
 
     def publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
         """Publish a stop verdict (a peer's earlier one stays) and mark the launch ended."""
@@ -145,9 +146,11 @@ class SharedFacts:
         """The scorer's newest flags record (verified), or ``None``."""
         return self._get(self.prefix + "stragglers")
 
-    def ended(self) -> bool:
-        """This launch is over: marked ended, or another launch of the run replaced it."""
-        watched, value = self._watched(LAUNCH_KEY)
+    def ended(self, *, read: bool = False) -> bool:
+        """This launch is over: marked ended, or another launch of the run replaced it.  ``read``: from the
+        store, not the watch's copy (which a node cut off the network for a while may hold stale, its watch
+        not yet caught up, when a fresh read already found the launch's rendezvous closed)."""
+        watched, value = (False, None) if read else self._watched(LAUNCH_KEY)
         record = record_of(value) if watched else current_launch(self.signed)
         return record is None or record.id != self.launch_id or record.state == "ended"
 

@@ -74,6 +74,9 @@ class Workload:
     checkpoint_every: int = 10
     step_sleep_s: float = 0.0
     """Extra seconds per step of the bundled workload (a slower step gives detectors room to see)."""
+    own_group: bool = False
+    """The bundled workload makes a process group of its own, as many scripts do: in-process recovery is
+    declined, so every failure restarts (from the newest checkpoint, a spare node taking a lost node's place)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,7 +282,8 @@ def _check(d: Drill) -> None:
     if w.step_sleep_s < 0:
         raise DrillError(f"[workload] step_sleep_s = {w.step_sleep_s}: must be seconds >= 0")
     if w.args and w.script == REFERENCE_WORKLOAD:
-        raise DrillError("[workload] args: the bundled workload takes steps, checkpoint_every and step_sleep_s; "
+        raise DrillError("[workload] args: the bundled workload takes steps, checkpoint_every, step_sleep_s and "
+                         "own_group; "
                          "args are for a script of yours (script = \"train.py\")")
     if t.nodes < 1 or t.spare_nodes < 0:
         raise DrillError(f"[topology] nodes = {t.nodes}, spare_nodes = {t.spare_nodes}: nodes must be >= 1 and "

@@ -90,6 +90,8 @@ def agent_command(drill: Drill, run_dir: Path, out: Path, plan: Path | None, run
                 *(["--endpoint-url", endpoint] if endpoint else [])]
         if w.step_sleep_s:
             cmd += ["--step-sleep", f"{w.step_sleep_s:g}"]
+        if w.own_group:
+            cmd += ["--own-group"]
     else:
         cmd += [str(script), *w.args]
     return cmd
@@ -266,7 +268,7 @@ def reference_key(drill: Drill) -> tuple[Any, ...] | None:
     if drill.script_path() is not None or drill.gameday is not None:
         return None
     w = drill.workload
-    return w.steps, w.checkpoint_every, w.step_sleep_s, drill.world
+    return w.steps, w.checkpoint_every, w.step_sleep_s, w.own_group, drill.world
 
 
 def run_drill(drill: Drill, out_root: Path, progress: Progress | None = None,

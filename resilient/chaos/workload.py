@@ -4,7 +4,11 @@
 ``resilient run``: a two-layer MLP with dropout on a seeded synthetic
 regression set, AdamW and a learning-rate schedule, data from
 ``ElasticLoader``, every step under ``run.attempt()`` (so the in-process
-rungs can recover it), a checkpoint every ``--every`` steps.
+rungs can recover it), a checkpoint every ``--every`` steps.  With
+``--own-group`` it also makes a process group of its own after ``Run()``
+and uses it in every step (an all-reduce of a zero: the state is not
+touched), as scripts with their own groups do: in-process recovery is then
+declined and every failure restarts the ranks from the newest checkpoint.
 
 Each rank appends one line per completed step to ``DIR/trace.jsonl`` (the
 step, the rank, its worker id, the world size, the clock time: a step done
@@ -63,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds added to each step")
+    p.add_argument("--own-group", action="store_true",
+                   help="a process group of the script's own, used in every step: failures restart")
     args = p.parse_args(argv)
 
     import torch
@@ -80,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                                       timeout_s=60)
     run = resilient.Run(model=model, optimizer=optimizer, scheduler=scheduler, data=data, checkpoint=ckpt, ddp=True,
                         seed=0)
+    own = torch.distributed.new_group() if args.own_group else None
     args.out.mkdir(parents=True, exist_ok=True)
     worker = os.environ.get("RESILIENT_WORKER_ID", "")
     fd = os.open(args.out / "trace.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             for x, y in run.micro_batches():
                 loss = torch.nn.functional.mse_loss(run.model(x), y)
                 (loss / run.accumulation).backward()
+            if own is not None:
+                torch.distributed.all_reduce(torch.zeros(1), group=own)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             optimizer.step()
