@@ -5,9 +5,22 @@ from __future__ import annotations
 import pytest
 
 from .etcd_server import etcd_auth_server, etcd_outage_server, etcd_run_id, etcd_server, etcd_tls_server  # noqa: F401
+from .invariants import check_event_logs
 from .prometheus_server import alertmanager, prometheus, webhook  # noqa: F401  (fixtures)
 from .s3_server import moto_server, s3_url  # noqa: F401  (fixtures)
 from .stores import LocalStore, S3Store
+
+
+@pytest.fixture(autouse=True)
+def recovery_invariants(request):
+    """After each test: every event log its runs left in its temporary directory keeps the recovery invariants
+    (``tests/invariants.py``): one decision per generation, each rank one worker, each worker one place."""
+    # Taken before the test, so that the directory is still there at this fixture's teardown.
+    tmp = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if tmp is not None:
+        problems = check_event_logs(tmp)
+        assert not problems, "the runs of this test broke a recovery invariant:\n" + "\n".join(problems)
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -21,6 +21,8 @@ import pytest
 from resilient.chaos.drill import Drill, load_drill
 from resilient.chaos.runner import leftovers, reference_key, run_drill
 
+from .invariants import check_event_logs
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = {path.stem: path for path in sorted((ROOT / "chaos").glob("*.toml"))}
 # Cheap and unlike each other: a spare taking a killed rank in process, a restart from the newest commit, and a whole
@@ -214,3 +216,4 @@ def test_the_shipped_drill_passes_on_this_machine_and_leaves_nothing_behind(name
     assert (drill_dir / f"{name}.png").read_bytes()[:4] == b"\x89PNG" and record["timeline"]
     if name in CHECKS:
         CHECKS[name](drill_dir, record)
+    assert check_event_logs(drill_dir) == []  # the drills' runs keep the recovery invariants too
