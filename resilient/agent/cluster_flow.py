@@ -15,7 +15,9 @@ whose ranks a shrink dropped) or both:
   (:func:`~resilient.agent.cluster_decide.decide`, the same :func:`~resilient.elastic.decide.decide_recovery`
   as on one machine, over the whole membership and the pool); the node
   holding rank 0 grows a shrunk world onto settled pool spares
-  (:func:`_grow`).
+  (:func:`_grow`).  Which of these a pass does, and why, is one pure
+  function, :func:`next_moves`, over the facts the pass gathered
+  (:class:`TickFacts`); :func:`tick` carries its moves out.
 
 The group of the next generation forms on the deciding agent's recovery
 store; each agent publishes its own workers' assignments on its own.
@@ -25,6 +27,8 @@ from __future__ import annotations
 
 import signal
 import time
+from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from ..coord import claims
@@ -44,7 +48,6 @@ from .rendezvous import Assignment
 if TYPE_CHECKING:
     from .generation import GenerationContext
     from .incidents import Incident
-    from .inproc_state import Recovering
     from .launcher import WorkerGroup
 
 GROW_LEAD_S = 1.0
@@ -112,9 +115,87 @@ def report_lost(ctx: GenerationContext, group: WorkerGroup, a: Assignment, *, lo
                 settling=True)
 
 
+class Move(Enum):
+    """One thing a pass of :func:`tick` does, in the order :func:`next_moves` lists them."""
+
+    END_JOINERS = "end_joiners"
+    """End the generation as the run did: this node holds only a grow's joiners and the launch ended."""
+    ABANDON = "abandon"
+    """Abandon the recovery this node's members are forming: a member of that generation was lost or left it."""
+    APPLY = "apply"
+    """Carry out this node's part of the generation's decision."""
+    IDLE = "idle"
+    """No members here (only spares): start again after a restart, take a lost node's place, or end."""
+    DECIDE = "decide"
+    """Claim the generation and decide how it is recovered."""
+    CLEAR_STALE_CLAIM = "clear_stale_claim"
+    """Remove a claim naming this agent that it does not hold (a create in doubt that landed late)."""
+    GIVE_UP = "give_up"
+    """The claim's holder published no decision in time: the generation ends as a failure (a restart)."""
+    GROW = "grow"
+    """Consider growing the world onto settled pool spares."""
+
+
+@dataclass(frozen=True)
+class TickFacts:
+    """What one pass of :func:`tick` saw: this node's part and the store's keys of the launch as its watch holds
+    them (one snapshot)."""
+
+    generation: int
+    """The generation this node runs."""
+    current: bool
+    """The snapshot is of that generation."""
+    joiners_only: bool = False
+    """Every member here is a grow's joiner still waiting for its boundary (they hold no state)."""
+    launch_ended: bool = False
+    """The launch is marked ended (read only when :attr:`joiners_only`)."""
+    forming_failed: bool = False
+    """This node's members are still forming this generation, and the store shows a member of it lost or waiting."""
+    decided: bool = False
+    members_here: bool = True
+    involved: bool = False
+    """A failure of this generation concerns this node (it reported a loss, or relayed a survivor's wait)."""
+    claim: str | None = None
+    """The node holding the generation's claim, if any."""
+    me: str = ""
+    involved_for_s: float = 0.0
+    recovery_timeout_s: float = 60.0
+    may_grow: bool = False
+    """This node holds rank 0, no recovery is under way, and the world is below its full size."""
+
+
+def next_moves(f: TickFacts) -> tuple[tuple[Move, ...], str]:
+    """The moves of one pass, and why (pure: :func:`tick` gathers the facts and carries the moves out)."""
+    if not f.current:
+        return (), "the store's copy is of another generation"
+    if f.joiners_only and f.launch_ended:
+        return (Move.END_JOINERS,), "the run ended before the grow's boundary this node's joiners wait for"
+    first: tuple[Move, ...] = ()
+    why = ""
+    if f.forming_failed:
+        first, why = (Move.ABANDON,), "a member of the generation being formed was lost or left it; "
+    if f.decided:
+        return (*first, Move.APPLY), why + "the generation's decision is in the store"
+    if not f.members_here:
+        return (*first, Move.IDLE), why + "only spares here"
+    if f.involved:
+        if f.claim is None:
+            return (*first, Move.DECIDE), why + "a failure of this generation, and no claim yet"
+        if f.claim == f.me:
+            return (*first, Move.CLEAR_STALE_CLAIM), why + "a claim naming this agent, which holds none between passes"
+        if f.involved_for_s > f.recovery_timeout_s:
+            return (*first, Move.GIVE_UP), (f"node {f.claim} claimed the decision after generation {f.generation} "
+                                            f"and published none within {f.recovery_timeout_s:g} s")
+        return first, why + f"node {f.claim} is deciding"
+    if f.may_grow:
+        return (*first, Move.GROW), why + "the world is below its full size"
+    return first, why + "nothing to do"
+
+
 def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
          now: float) -> Assignment | Outcome | str | None:
-    """One pass: relay, then follow, decide or grow (see the module doc)."""
+    """One pass: relay, then follow, decide or grow (see the module doc): the facts gathered, the moves chosen by
+    :func:`next_moves`, each carried out in turn (what the last returns is the pass's news)."""
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster
@@ -123,60 +204,81 @@ def tick(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any,
     except ControlStoreError as e:
         _store_error(ctx, e)
     snap = cs.watch.snapshot if cs.watch is not None else None  # read once: one consistent view
-    if snap is None or snap.view.generation != a.generation:
+    if snap is None:
         return None
-    view = snap.view
-    recovering = inp.recovering
-    if recovering is not None and recovering.rung == "grow" and group.workers:
-        ended = _ended_before_boundary(ctx, group, recovering)
-        if ended is not None:
-            return ended
-    if recovering is not None and recovering.generation == a.generation and (view.lost or view.waiting):
-        # A member of the generation this node's members are still forming was lost (or left it): it cannot
-        # form.  Its members leave it, say they wait, and the next decision folds this failure in.
-        inp.abandon_recovery(another_failure=True)
-    if view.decision is not None:
-        return _apply(ctx, group, a, gdir, view.decision, now)
-    if not group.workers:
-        return _idle(ctx, cs, a, snap, now)
+    moves, reason = next_moves(_facts(ctx, group, a, snap, now))
+    news: Assignment | Outcome | str | None = None
+    for move in moves:
+        news = _carry_out(ctx, group, a, gdir, snap, move, reason, now)
+    return news
+
+
+def _facts(ctx: GenerationContext, group: WorkerGroup, a: Assignment, snap: Snapshot, now: float) -> TickFacts:
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs, view, recovering = inp.cluster, snap.view, inp.recovering
+    current = view.generation == a.generation
+    joiners_only = ended = False
+    if current and recovering is not None and recovering.rung == "grow" and group.workers:
+        waiting = joiners_waiting(group, recovering, inp.rejoined(recovering.generation))
+        joiners_only = len(waiting) == len(group.workers)
+        ended = joiners_only and ctx.shared.ended()  # the watched copy: read only in this rare case
     inv = cs.involved.get(a.generation)
-    if inv is not None:
-        if view.claim is None:
+    return TickFacts(
+        generation=a.generation, current=current, joiners_only=joiners_only, launch_ended=ended,
+        forming_failed=recovering is not None and recovering.generation == a.generation
+        and bool(view.lost or view.waiting),
+        decided=view.decision is not None, members_here=bool(group.workers), involved=inv is not None,
+        claim=None if view.claim is None else str(view.claim.get("node") or "?"), me=ctx.config.node_id,
+        involved_for_s=now - inv.since if inv is not None else 0.0, recovery_timeout_s=ctx.config.recovery_timeout_s,
+        may_grow=0 in group.workers and recovering is None and cs.world_size < cs.full_size)
+
+
+def _carry_out(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, snap: Snapshot, move: Move,
+               reason: str, now: float) -> Assignment | Outcome | str | None:
+    """One move of a pass (:func:`next_moves` chose it, for ``reason``)."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs, view = inp.cluster, snap.view
+    match move:
+        case Move.END_JOINERS:
+            recovering = inp.recovering
+            assert recovering is not None
+            inp.forget_grow(recovering.generation)
+            return Outcome(OutcomeKind.SUCCEEDED, f"the run ended on the other nodes before the boundary at step "
+                                                  f"{recovering.step} of the grow this node's joiners waited for")
+        case Move.ABANDON:
+            # Its members still forming it leave, say they wait, and the next decision folds this failure in.
+            inp.abandon_recovery(another_failure=True)
+            return None
+        case Move.APPLY:
+            assert view.decision is not None
+            return _apply(ctx, group, a, gdir, view.decision, now)
+        case Move.IDLE:
+            return _idle(ctx, cs, a, snap, now)
+        case Move.DECIDE:
+            inv = cs.involved[a.generation]
             try:
                 body = decide(ctx, a, view, inv, now)
             except ControlStoreError as e:
                 _store_error(ctx, e)
                 return f"the store failed while deciding how to recover generation {a.generation}: {e}"
             return _apply(ctx, group, a, gdir, body, now) if isinstance(body, dict) else body
-        if view.claim.get("node") == ctx.config.node_id:
-            try:  # this agent holds no claim between ticks: a create in doubt that landed late
+        case Move.CLEAR_STALE_CLAIM:
+            try:
                 cs.store.clear_stale_claim(a.generation)
             except ControlStoreError as e:
                 _store_error(ctx, e)
             return None
-        if now - inv.since > ctx.config.recovery_timeout_s:
-            return (f"node {view.claim.get('node')} claimed the decision after generation {a.generation} and "
-                    f"published none within {ctx.config.recovery_timeout_s:g} s")
-        return None
-    if 0 in group.workers and inp.recovering is None and cs.world_size < cs.full_size:
-        try:
-            return _grow(ctx, group, a, gdir, snap, now)
-        except ControlStoreError as e:
-            _store_error(ctx, e)
-    return None
-
-
-def _ended_before_boundary(ctx: GenerationContext, group: WorkerGroup, recovering: Recovering) -> Outcome | None:
-    """This node holds only a grow's joiners, still waiting for its boundary, and the launch ended (the members
-    on the other nodes finished the run first): they hold no state; the generation ends as the run did."""
-    inp = ctx.inproc
-    assert inp is not None
-    waiting = joiners_waiting(group, recovering, inp.rejoined(recovering.generation))
-    if len(waiting) < len(group.workers) or not ctx.shared.ended():
-        return None
-    inp.forget_grow(recovering.generation)
-    return Outcome(OutcomeKind.SUCCEEDED, f"the run ended on the other nodes before the boundary at step "
-                                          f"{recovering.step} of the grow this node's joiners waited for")
+        case Move.GIVE_UP:
+            return reason
+        case Move.GROW:
+            try:
+                return _grow(ctx, group, a, gdir, snap, now)
+            except ControlStoreError as e:
+                _store_error(ctx, e)
+                return None
+    raise AssertionError(f"not a move: {move!r}")
 
 
 ORPHANED_S = 30.0
