@@ -35,7 +35,9 @@ at once: the time until each has its place, p50 and p99); then
   agent stops (its client fails every request from then on, its lease
   lapses); its probers accuse it; every agent's presence judges it lost;
   the survivors report waiting (as their workers would, their collectives
-  failed); the agents race for the generation's claim; the winner commits
+  failed; each wait outside the watched keys, the generation marked failed
+  once); the generation's collector (its first live member node) reads
+  the waits, takes the generation's claim and commits
   the promotion of a pool spare in one transaction; every agent applies it
   (reads it in its watch) and the members publish their next generation.
   Times from the loss to: the node judged lost by every agent (p50, p99),
@@ -71,7 +73,7 @@ from typing import Any
 from _provenance import commit, load_now, uncommitted_code_changes
 from store_load_bench import counters
 
-from resilient.agent.cluster import ClusterStore
+from resilient.agent.cluster import ClusterStore, collectors
 from resilient.agent.cluster_watch import ClusterWatch
 from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
 from resilient.chaos.cluster import Etcd
@@ -248,9 +250,13 @@ class Agent:
             self.reported = self.generation
             self.store.report(self.generation, "waiting", self.worker, {"rank": self.rank, "step": 7})
             return
+        turns = collectors(view.nodes, snap.live, self.node)
+        if view.claim is not None or (turns and turns[0] != self.node):
+            return  # the generation's collector reads the survivors' reports and decides
         members = view.members()
-        accounted = set(view.waiting) | {w for _, (w, n) in members.items() if n not in snap.live}
-        if view.claim is not None or not members or {w for w, _ in members.values()} - accounted:
+        accounted = set(self.store.reports(self.generation)) | {w for _, (w, n) in members.items()
+                                                                if n not in snap.live}
+        if not members or {w for w, _ in members.values()} - accounted:
             return
         self.bench.decide(self, snap)
 
@@ -342,6 +348,11 @@ def round_together(agents: list[Agent], timeout_s: float) -> dict[str, Any]:
     return {"placed_s": _pcts(done), "nodes": len(agents), "generation": agents[0].generation, "formed_by": reasons}
 
 
+def _requests(after: dict[Any, float], before: dict[Any, float]) -> float:
+    """Requests begun on etcd between two readings of its counters."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == "grpc_server_started_total")
+
+
 def _pcts(values: list[float]) -> dict[str, float | None]:
     if not values:
         return {"p50": None, "p99": None, "n": 0}
@@ -407,11 +418,12 @@ def _safe(agent: Agent, action: str) -> None:
 
 
 def _ticker(agents: list[Agent], done: threading.Event, pool: ThreadPoolExecutor) -> None:
-    """The agents' watch loops: a woken agent reads its snapshot and acts, at most every TICK_S."""
+    """The agents' watch loops: a woken agent reads its snapshot and acts, at most every TICK_S; an agent
+    answering a failure passes every TICK_S, woken or not (a real agent's loop passes every monitor interval)."""
     while not done.is_set():
         start = time.monotonic()
         for agent in agents:
-            if agent.woken.is_set() and not agent.client.dead:
+            if (agent.woken.is_set() or agent.waiting_for is not None) and not agent.client.dead:
                 agent.woken.clear()
                 _submit(pool, agent, "tick")
         done.wait(max(0.0, start + TICK_S - time.monotonic()))
@@ -498,6 +510,7 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
             bench.judged_at, bench.applied_at, bench.marks = {}, {}, {}
             bench.watching = victim.node
             generation = victim.generation
+            events_before, requests_before = sum(a.events for a in agents), counters(metrics)
             lost_at = time.monotonic()
             victim.stop()
             time.sleep(SILENCE_S)  # its probers hear nothing for this long, then accuse it
@@ -517,13 +530,19 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
                 complete = False
             judged = [t - lost_at for t in bench.judged_at.values()]
             applied = [t - lost_at for t in bench.applied_at.values()]
+            events = sum(a.events for a in agents) - events_before
+            requests = _requests(counters(metrics), requests_before)
             decided = bench.marks.get("decided")
             losses.append({
                 "victim": victim.node, "generation": generation, "complete": complete,
                 "judged_lost_s": _pcts(judged), "decided_s": round(decided - lost_at, 3) if decided else None,
                 "applied_s": _pcts(applied),
                 "applied_after_decision_s": _pcts([t - decided for t in bench.applied_at.values()]) if decided else None,
-                "agents_applied": len(applied), "agents_alive": len(others)})
+                "agents_applied": len(applied), "agents_alive": len(others),
+                # What the recovery cost the store, from the loss until every agent read the decision (and the
+                # time the counters were read in): watch events each agent received, requests begun on etcd.
+                "watch_events_per_agent": round(events / len(others), 1),
+                "requests_per_agent": round(requests / len(others), 1)})
             print(f"N={n} loss {trial}: {json.dumps(losses[-1])}", flush=True)
             time.sleep(2.0)  # the members publish their next generation
         result["node_loss"] = losses
@@ -571,6 +590,11 @@ def _worst(r: dict[str, Any], key: str) -> float | None:
     """The worst p99 of ``key`` over a result's node losses."""
     return max((t[key]["p99"] for t in r.get("node_loss", []) if t.get(key) and t[key]["p99"] is not None),
                default=None)
+
+
+def _most(r: dict[str, Any], key: str) -> float | None:
+    """The largest ``key`` over a result's node losses."""
+    return max((t[key] for t in r.get("node_loss", []) if t.get(key) is not None), default=None)
 
 
 def plot(results: list[dict[str, Any]], path: Path) -> None:
@@ -626,6 +650,7 @@ def main() -> int:
         rows.append(f"| {r['agents']} | {s.get('requests_per_agent_per_s')} | {s.get('watch_events_per_agent_per_s')} "
                     f"| {s.get('etcd_cpu_cores')} | {s.get('etcd_rss_mib')} | {s.get('simulator_cpu_cores')} "
                     f"| {_worst(r, 'judged_lost_s')} | {_worst(r, 'applied_s')} "
+                    f"| {_most(r, 'watch_events_per_agent')} | {_most(r, 'requests_per_agent')} "
                     f"| {(r.get('grow') or {}).get('applied_after_decision_s', {}).get('p99')} "
                     f"| {(r.get('first_round') or {}).get('placed_s', {}).get('p99')} "
                     f"| {(r.get('restart_round') or {}).get('placed_s', {}).get('p99')} "
@@ -633,9 +658,9 @@ def main() -> int:
     args.out.with_suffix(".md").write_text(
         f"# The control plane at scale, simulated\n\ncommit `{out['commit']}`; `{out['command']}`; load {out['load']}\n\n"
         "| agents | requests/agent/s | watch events/agent/s | etcd cores | etcd RSS MiB | simulator cores "
-        "| loss to judged lost p99 s | loss to decision read p99 s | grow read p99 s | first round p99 s "
-        "| restart round p99 s | failed |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        "| loss to judged lost p99 s | loss to decision read p99 s | loss: watch events/agent "
+        "| loss: requests/agent | grow read p99 s | first round p99 s | restart round p99 s | failed |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
     print(args.out.with_suffix(".md").read_text())
     return 0
 

@@ -26,6 +26,14 @@ def facts(**kw) -> TickFacts:
     (facts(members_here=False), (Move.IDLE,), "only spares here"),
     (facts(members_here=False, involved=True, may_grow=True), (Move.IDLE,), "only spares here"),
     (facts(involved=True), (Move.DECIDE,), "a failure of this generation, and no claim yet"),
+    # Only the generation's collector reads the survivors' reports and decides; the next in turn a settle later.
+    (facts(involved=True, collector="n0"), (Move.DECIDE,), "and no claim yet"),
+    (facts(involved=True, collector="n1", collector_turn=1, involved_for_s=4.9), (),
+     "node n1 collects the survivors' reports and decides"),
+    (facts(involved=True, collector="n1", collector_turn=1, involved_for_s=5.0), (Move.DECIDE,), "and no claim yet"),
+    (facts(involved=True, collector="n1", collector_turn=2, involved_for_s=9.0), (), "node n1 collects"),
+    (facts(involved=True, collector="n1", collector_turn=2, involved_for_s=10.0), (Move.DECIDE,), "no claim yet"),
+    (facts(involved=True, collector="n1", claim="n2"), (), "node n2 is deciding"),
     (facts(involved=True, claim="n0"), (Move.CLEAR_STALE_CLAIM,), "a claim naming this agent"),
     (facts(involved=True, claim="n1", involved_for_s=59.0), (), "node n1 is deciding"),
     (facts(involved=True, claim="n1", involved_for_s=61.0), (Move.GIVE_UP,),
@@ -49,13 +57,31 @@ def test_a_claim_is_never_decided_over_and_a_decision_is_always_applied() -> Non
     flags = ("current", "joiners_only", "launch_ended", "forming_failed", "decided", "members_here", "involved",
              "may_grow")
     for values in itertools.product((False, True), repeat=len(flags)):
-        for claim in (None, "n0", "n1"):
-            for waited in (1.0, 100.0):
-                f = facts(**dict(zip(flags, values)), claim=claim, involved_for_s=waited)
-                moves, _ = next_moves(f)
-                assert Move.DECIDE not in moves or claim is None, f
-                ending = f.joiners_only and f.launch_ended
-                assert (Move.APPLY in moves) == (f.current and f.decided and not ending), f
-                assert (Move.ABANDON in moves) == (f.current and f.forming_failed and not ending), f
-                assert len([m for m in moves if m is not Move.ABANDON]) <= 1, f
-                assert Move.ABANDON not in moves or moves[0] is Move.ABANDON, f
+        for claim, collector, turn, waited in itertools.product((None, "n0", "n1"), (None, "n0", "n1"), (0, 1, 3),
+                                                                (1.0, 100.0)):
+            if (collector == "n0") != (turn == 0) and collector is not None:
+                continue  # n0 is this node: first in turn exactly when it is the collector
+            f = facts(**dict(zip(flags, values)), claim=claim, involved_for_s=waited, collector=collector,
+                      collector_turn=turn)
+            moves, _ = next_moves(f)
+            assert Move.DECIDE not in moves or claim is None, f
+            # A node later in turn decides only once every node before it had its settle time; the first always
+            # does (some agent decides every failure).
+            assert Move.DECIDE not in moves or collector in (None, "n0") or waited >= turn * f.settle_s, f
+            answering = f.current and f.involved and f.members_here and not f.decided and claim is None
+            if answering and collector in (None, "n0") and not (f.joiners_only and f.launch_ended):
+                assert Move.DECIDE in moves, f
+            ending = f.joiners_only and f.launch_ended
+            assert (Move.APPLY in moves) == (f.current and f.decided and not ending), f
+            assert (Move.ABANDON in moves) == (f.current and f.forming_failed and not ending), f
+            assert len([m for m in moves if m is not Move.ABANDON]) <= 1, f
+            assert Move.ABANDON not in moves or moves[0] is Move.ABANDON, f
+
+
+def test_the_collectors_of_a_generation_are_its_live_member_nodes_in_order() -> None:
+    from resilient.agent.cluster import collectors
+
+    assert collectors({"n2", "n0", "n1"}, {"n0", "n1", "n2", "s0"}, "n1") == ["n0", "n1", "n2"]
+    # A node judged lost collects nothing; a node always counts itself live; a spare node holds no member.
+    assert collectors({"n2", "n0", "n1"}, {"n1", "s0"}, "n2") == ["n1", "n2"]
+    assert collectors({"n0"}, set(), "s0") == []

@@ -9,9 +9,18 @@ under ``rec/`` (every value signed with the run token):
 * ``rec/g<G>/node/<node>``: the members a node holds in generation ``G``
   (rank -> worker id), the address of its recovery store, whether every one
   of them opted in (``run.attempt()``), and the batch plan they reported;
-* ``rec/g<G>/lost/<worker>`` and ``rec/g<G>/waiting/<worker>``: a member
-  whose process died (written by its own agent) and a survivor that left
-  the failed group and waits (relayed by its agent from its report);
+* ``rec/g<G>/lost/<worker>``: a member whose process died (written by its
+  own agent);
+* ``reports/<launch>/g<G>/waiting/<worker>``: a survivor that left the
+  failed group and waits (relayed by its agent from its report, with its
+  step and position).  Every survivor of a launch reports, so these keys
+  lie outside the launch's watched keys: in a launch of N nodes, N agents
+  receiving N reports each would be N² watch events per failure.  Only
+  the generation's collector reads them (:meth:`ClusterStore.reports`),
+  when it decides;
+* ``rec/g<G>/failed``: created once by the first agent that relays a wait
+  in ``G``, so that every agent's watch learns that ``G`` failed (one
+  event each);
 * ``rec/g<G>/claim``: created where absent, on the claiming agent's lease,
   by the one agent that decides what follows ``G`` (after a failure, or
   to grow): it goes with its holder's lease, and is released only by its
@@ -45,7 +54,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..coord import claims
@@ -73,9 +82,16 @@ class GenerationView:
     generation: int
     nodes: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     waiting: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    """The survivors' waits: read from the store (:meth:`ClusterStore.reports`), never held by the watch."""
     lost: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     claim: dict[str, Any] | None = None
     decision: dict[str, Any] | None = None
+    failed: bool = False
+    """A survivor of the generation waits (its ``failed`` mark)."""
+
+    def failing(self) -> bool:
+        """A failure of this generation is in the store: a member lost, or a survivor waiting."""
+        return bool(self.lost or self.failed or self.waiting)
 
     def members(self) -> dict[int, tuple[str, str]]:
         """rank -> (worker id, node) of every member the nodes published."""
@@ -94,6 +110,14 @@ class GenerationView:
         """Every rank of the world has a published member."""
         world = self.world_size()
         return world is not None and sorted(self.members()) == list(range(world))
+
+
+def collectors(nodes: Iterable[str], live: Iterable[str], me: str) -> list[str]:
+    """The nodes that read a failed generation's reports and decide, in turn: its live member nodes (``me``
+    always counts as live to itself) by name.  The first collects; each next one also does once the
+    survivors have waited a settle time more (the ones before it may be cut off from the store)."""
+    alive = set(live) | {me}
+    return sorted(n for n in set(nodes) if n in alive)
 
 
 IN_PROCESS_ACTIONS = ("retry_in_place", "promote_spare", "shrink")
@@ -138,6 +162,8 @@ class ClusterStore:
         self.prefix = f"{launch_prefix}rec/"
         self.nodes_prefix = f"{launch_prefix}nodes/"
         self.pool_prefix = f"{launch_prefix}pool/"
+        self.reports_prefix = f"reports/{launch_prefix}"
+        """The survivors' waits, outside the launch's watched keys (see the module doc)."""
         self.node = node
         self._token = token
         self._lease = 0
@@ -145,6 +171,8 @@ class ClusterStore:
         self._live = live
         self.watch = watch
         self._lease_lock = threading.Lock()
+        self._marked: set[int] = set()
+        """Generations this agent marked failed (or found marked)."""
         self.registered: set[str] = set()
         """Spares of this node in the pool under the current lease."""
 
@@ -174,20 +202,34 @@ class ClusterStore:
         return int(found["generation"]) if found is not None else None
 
     def report(self, generation: int, kind: str, worker: str, body: Mapping[str, Any]) -> None:
-        """``kind``: ``lost`` (this node's member died) or ``waiting`` (it left the failed group)."""
-        self._put(f"{self.prefix}g{generation}/{kind}/{worker}", {**body, "node": self.node})
+        """``kind``: ``lost`` (this node's member died) or ``waiting`` (it left the failed group; the first wait
+        this agent relays in ``generation`` also marks it failed, unless a peer did)."""
+        if kind != "waiting":
+            self._put(f"{self.prefix}g{generation}/{kind}/{worker}", {**body, "node": self.node})
+            return
+        self._put(f"{self.reports_prefix}g{generation}/waiting/{worker}", {**body, "node": self.node})
+        if generation not in self._marked:
+            self.signed.put_if_absent(f"{self.prefix}g{generation}/failed", {"node": self.node, "at": time.time()})
+            self._marked.add(generation)
+
+    def reports(self, generation: int) -> dict[str, dict[str, Any]]:
+        """The survivors' waits in ``generation`` (worker -> report), read from the store at one revision."""
+        base = f"{self.reports_prefix}g{generation}/waiting/"
+        return {key[len(base):]: value for key, value in self.signed.get_prefix(base).items()}
 
     def view(self, generation: int) -> GenerationView:
-        return self.view_of(generation, self.signed.get_prefix(f"{self.prefix}g{generation}/"))
+        """What the store holds about ``generation``, read now (the survivors' waits included)."""
+        view = self.view_of(generation, self.signed.get_prefix(f"{self.prefix}g{generation}/"))
+        return replace(view, waiting=self.reports(generation))
 
     def view_of(self, generation: int, values: Mapping[str, dict[str, Any]]) -> GenerationView:
         """Generation ``generation`` in verified ``values`` (key -> value, keys under the control store's prefix;
         keys of other generations are ignored)."""
         base = f"{self.prefix}g{generation}/"
         nodes: dict[str, dict[str, Any]] = {}
-        waiting: dict[str, dict[str, Any]] = {}
         lost: dict[str, dict[str, Any]] = {}
         claim = decision = None
+        failed = False
         for key, value in values.items():
             if not key.startswith(base):
                 continue
@@ -195,15 +237,15 @@ class ClusterStore:
             kind, _, name = rest.partition("/")
             if kind == "node":
                 nodes[name] = value
-            elif kind == "waiting":
-                waiting[name] = value
             elif kind == "lost":
                 lost[name] = value
             elif rest == "claim":
                 claim = value
             elif rest == "decision":
                 decision = value
-        return GenerationView(generation, nodes, waiting, lost, claim, decision)
+            elif rest == "failed":
+                failed = True
+        return GenerationView(generation, nodes, {}, lost, claim, decision, failed)
 
     def live_nodes(self) -> set[str]:
         """Nodes judged alive (:mod:`resilient.coord.presence`): by the presence's evidence, or by their keys."""

@@ -9,8 +9,10 @@ whose ranks a shrink dropped) or both:
 * :func:`tick`, on every pass of the watch loop: relay this node's
   survivors' ``waiting`` reports and its spares' readiness (the pool), then
   carry out the decision of the current generation once one is in the
-  store (:func:`_apply`), or, when this node is involved and every member
-  is accounted for (waiting or lost; members still silent after the settle
+  store (:func:`_apply`), or, when this node is involved, is the
+  generation's collector (the first live node holding a member of it; the
+  next ones in turn, a settle time later each) and every member is
+  accounted for (waiting or lost; members still silent after the settle
   time are presumed lost with their node), take the claim and decide
   (:func:`~resilient.agent.cluster_decide.decide`, the same :func:`~resilient.elastic.decide.decide_recovery`
   as on one machine, over the whole membership and the pool); the node
@@ -37,10 +39,10 @@ from ..elastic.grow import GrowAction, decide_grow
 from ..elastic.observe import FaultKind, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments
 from ..events import EventKind, OutcomeKind
-from .cluster import ClusterState, Involvement
+from .cluster import ClusterState, Involvement, collectors
 from .cluster_decide import decide, membership_of
 from .cluster_watch import Snapshot
-from .continuation import Hold, continue_as, grow_boundary, joiners_waiting
+from .continuation import Hold, continue_as, grow_boundary, joiners_waiting, settle_s
 from .failures import Outcome
 from .policy import Failure
 from .rendezvous import Assignment
@@ -151,6 +153,12 @@ class TickFacts:
     """The launch is marked ended (read only when :attr:`joiners_only`)."""
     forming_failed: bool = False
     """This node's members are still forming this generation, and the store shows a member of it lost or waiting."""
+    collector: str | None = None
+    """The node that reads the survivors' reports and decides (None: not known; this node may)."""
+    collector_turn: int = 0
+    """This node's place among the generation's collectors (0: it collects first)."""
+    settle_s: float = 5.0
+    """How long after the one before it each next collector waits."""
     decided: bool = False
     members_here: bool = True
     involved: bool = False
@@ -180,7 +188,9 @@ def next_moves(f: TickFacts) -> tuple[tuple[Move, ...], str]:
         return (*first, Move.IDLE), why + "only spares here"
     if f.involved:
         if f.claim is None:
-            return (*first, Move.DECIDE), why + "a failure of this generation, and no claim yet"
+            if f.collector is None or f.collector == f.me or f.involved_for_s >= f.collector_turn * f.settle_s:
+                return (*first, Move.DECIDE), why + "a failure of this generation, and no claim yet"
+            return first, why + f"node {f.collector} collects the survivors' reports and decides"
         if f.claim == f.me:
             return (*first, Move.CLEAR_STALE_CLAIM), why + "a claim naming this agent, which holds none between passes"
         if f.involved_for_s > f.recovery_timeout_s:
@@ -224,12 +234,16 @@ def _facts(ctx: GenerationContext, group: WorkerGroup, a: Assignment, snap: Snap
         joiners_only = len(waiting) == len(group.workers)
         ended = joiners_only and ctx.shared.ended()  # the watched copy: read only in this rare case
     inv = cs.involved.get(a.generation)
+    turns = collectors(view.nodes, snap.live, ctx.config.node_id) if inv is not None else []
+    me = ctx.config.node_id
     return TickFacts(
         generation=a.generation, current=current, joiners_only=joiners_only, launch_ended=ended,
         forming_failed=recovering is not None and recovering.generation == a.generation
-        and bool(view.lost or view.waiting),
+        and view.failing(),
         decided=view.decision is not None, members_here=bool(group.workers), involved=inv is not None,
-        claim=None if view.claim is None else str(view.claim.get("node") or "?"), me=ctx.config.node_id,
+        claim=None if view.claim is None else str(view.claim.get("node") or "?"), me=me,
+        collector=turns[0] if turns else None, collector_turn=turns.index(me) if me in turns else 0,
+        settle_s=settle_s(ctx),
         involved_for_s=now - inv.since if inv is not None else 0.0, recovery_timeout_s=ctx.config.recovery_timeout_s,
         may_grow=0 in group.workers and recovering is None and cs.world_size < cs.full_size)
 
@@ -358,7 +372,7 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
     cs = inp.cluster
     view = snap.view
     pool = [s for s in snap.pool if s.claimed is None and s.node in snap.live]
-    if not pool or not view.complete() or view.lost or view.waiting or view.claim is not None:
+    if not pool or not view.complete() or view.failing() or view.claim is not None:
         return None  # nothing to grow onto, or a failure of this generation is being answered
     if not all(n.get("opted_in") for n in view.nodes.values()):
         return None
