@@ -36,8 +36,8 @@ at once: the time until each has its place, p50 and p99); then
   lapses); its probers accuse it; every agent's presence judges it lost;
   the survivors report waiting (as their workers would, their collectives
   failed; each wait outside the watched keys, the generation marked failed
-  once); the generation's collector (its first live member node) reads
-  the waits, takes the generation's claim and commits
+  once); the generation's collector (the node that marked it) reads the
+  nodes' members and the waits, takes the generation's claim and commits
   the promotion of a pool spare in one transaction; every agent applies it
   (reads it in its watch) and the members publish their next generation.
   Times from the loss to: the node judged lost by every agent (p50, p99),
@@ -250,15 +250,15 @@ class Agent:
             self.reported = self.generation
             self.store.report(self.generation, "waiting", self.worker, {"rank": self.rank, "step": 7})
             return
-        turns = collectors(view.nodes, snap.live, self.node)
+        turns = collectors(view.failed_by, snap.live, self.node)
         if view.claim is not None or (turns and turns[0] != self.node):
-            return  # the generation's collector reads the survivors' reports and decides
-        members = view.members()
-        accounted = set(self.store.reports(self.generation)) | {w for _, (w, n) in members.items()
-                                                                if n not in snap.live}
+            return  # the generation's collector reads the nodes' and survivors' reports and decides
+        full = self.store.reports(view)
+        members = full.members()
+        accounted = set(full.waiting) | {w for _, (w, n) in members.items() if n not in snap.live}
         if not members or {w for w, _ in members.values()} - accounted:
             return
-        self.bench.decide(self, snap)
+        self.bench.decide(self, snap, full)
 
 
 class Bench:
@@ -283,8 +283,7 @@ class Bench:
         with self.lock:
             self.applied_at.setdefault(agent.node, time.monotonic())
 
-    def decide(self, agent: Agent, snap: Any) -> None:
-        view = snap.view
+    def decide(self, agent: Agent, snap: Any, view: Any) -> None:
         held = agent.store.claim(view.generation, "decide")
         if held is None:
             return
@@ -313,7 +312,7 @@ class Bench:
             agent.store.release_claim(held)
 
     def grow(self, agent: Agent, snap: Any) -> bool:
-        view = snap.view
+        view = agent.store.reports(snap.view)
         held = agent.store.claim(view.generation, "grow")
         if held is None:
             return False

@@ -78,10 +78,10 @@ def test_a_claim_is_never_decided_over_and_a_decision_is_always_applied() -> Non
             assert Move.ABANDON not in moves or moves[0] is Move.ABANDON, f
 
 
-def test_the_collectors_of_a_generation_are_its_live_member_nodes_in_order() -> None:
+def test_the_collectors_of_a_generation_start_with_the_node_that_marked_it_failed() -> None:
     from resilient.agent.cluster import collectors
 
-    assert collectors({"n2", "n0", "n1"}, {"n0", "n1", "n2", "s0"}, "n1") == ["n0", "n1", "n2"]
-    # A node judged lost collects nothing; a node always counts itself live; a spare node holds no member.
-    assert collectors({"n2", "n0", "n1"}, {"n1", "s0"}, "n2") == ["n1", "n2"]
-    assert collectors({"n0"}, set(), "s0") == []
+    assert collectors("n2", {"n0", "n1", "n2", "s0"}, "n1") == ["n2", "n0", "n1", "s0"]
+    # A node judged lost has no turn (the next collects at once); a node always counts itself live.
+    assert collectors("n2", {"n1", "s0"}, "n0") == ["n0", "n1", "s0"]
+    assert collectors(None, {"n1"}, "n0") == ["n0", "n1"]

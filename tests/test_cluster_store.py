@@ -181,30 +181,36 @@ def test_a_pool_entry_leaves_with_its_agents_lease_and_an_unsigned_one_never_cou
     assert reader.pool() == [], "a spare written without the run token was counted"
 
 
-def test_a_survivor_s_wait_is_read_by_its_collector_alone_and_marks_its_generation_failed_once(
+def test_what_every_node_writes_is_read_by_one_agent_and_the_first_report_marks_the_generation_failed_once(
         etcd_server, etcd_run_id) -> None:
-    """Every survivor of a launch reports its wait: kept out of the keys every agent watches (N agents told of N
-    reports is N² events a failure), each agent's first wait marks the generation failed, created once."""
+    """Every node publishes its members and every survivor its wait: kept out of the keys every agent watches (N
+    agents told of N writes is N² events), read whole by the one agent that needs them; the first report of a
+    generation marks it failed, naming its collector, created once."""
     n0, n1 = _store(etcd_server.url, etcd_run_id, "n0"), _store(etcd_server.url, etcd_run_id, "n1")
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     watched = f"/resilient/{etcd_run_id}/launch"
     assert not n0.view_of(5, {}).failing()
+    for store, ranks in ((n0, {0: "n0.w0", 1: "n0.w1"}), (n1, {2: "n1.w0"})):
+        store.publish_node(5, ranks, world_size=3, store="127.0.0.1:1", opted_in=True, batch=None)
     n0.report(5, "waiting", "n0.w0", {"rank": 0, "step": 11})
     mark = client.get(f"{watched}/l1/rec/g5/failed")
     assert mark is not None
     n0.report(5, "waiting", "n0.w1", {"rank": 1, "step": 11})
     n1.report(5, "waiting", "n1.w0", {"rank": 2, "step": 11})
     assert client.get(f"{watched}/l1/rec/g5/failed").mod_revision == mark.mod_revision, "marked again"
-    assert not [e.key for e in client.get_prefix(watched) if "/waiting/" in e.key], "a wait in the watched keys"
-    assert set(n1.reports(5)) == {"n0.w0", "n0.w1", "n1.w0"} and n1.reports(5)["n1.w0"]["step"] == 11
-    assert n1.reports(4) == {}
-    # As the watch holds them: failed, no waits; read whole: the waits.
-    values = n1.signed.get_prefix(f"{LAUNCH}rec/g5/")
-    assert n1.view_of(5, values).failed and n1.view_of(5, values).waiting == {}
-    assert set(n1.view(5).waiting) == {"n0.w0", "n0.w1", "n1.w0"}
+    assert not [e.key for e in client.get_prefix(watched) if "/waiting/" in e.key or "/node/" in e.key]
+    # As the watch holds them: failed (by n0, which collects), neither nodes nor waits; read whole: both.
+    watched_view = n1.view_of(5, n1.signed.get_prefix(f"{LAUNCH}rec/g5/"))
+    assert watched_view.failed_by == "n0" and watched_view.failing()
+    assert watched_view.waiting == {} and watched_view.nodes == {}
+    full = n1.reports(watched_view)
+    assert set(full.waiting) == {"n0.w0", "n0.w1", "n1.w0"} and full.waiting["n1.w0"]["step"] == 11
+    assert full.complete() and full.members()[2] == ("n1.w0", "n1") and full.failed_by == "n0"
+    assert n1.view(5) == full
+    assert n1.reports(n1.view_of(4, {})).waiting == {}
     # A wait written without the run token is not one.
     client.put(f"/resilient/{etcd_run_id}/reports/{LAUNCH}g5/waiting/x.w0", json.dumps({"step": 1}).encode())
-    assert "x.w0" not in n0.reports(5)
+    assert "x.w0" not in n0.view(5).waiting
 
 
 def test_a_generation_view_joins_every_nodes_members_and_reports(etcd_server, etcd_run_id) -> None:

@@ -6,21 +6,25 @@ processes, so what the decision needs lives in the launch's key space
 under ``rec/`` (every value signed with the run token):
 
 * ``rec/current``: the generation the launch runs now;
-* ``rec/g<G>/node/<node>``: the members a node holds in generation ``G``
-  (rank -> worker id), the address of its recovery store, whether every one
-  of them opted in (``run.attempt()``), and the batch plan they reported;
 * ``rec/g<G>/lost/<worker>``: a member whose process died (written by its
   own agent);
-* ``reports/<launch>/g<G>/waiting/<worker>``: a survivor that left the
-  failed group and waits (relayed by its agent from its report, with its
-  step and position).  Every survivor of a launch reports, so these keys
-  lie outside the launch's watched keys: in a launch of N nodes, N agents
-  receiving N reports each would be N² watch events per failure.  Only
-  the generation's collector reads them (:meth:`ClusterStore.reports`),
-  when it decides;
-* ``rec/g<G>/failed``: created once by the first agent that relays a wait
-  in ``G``, so that every agent's watch learns that ``G`` failed (one
-  event each);
+* ``rec/g<G>/failed``: created once, by the first agent that reports a
+  loss or relays a wait in ``G``, naming it: every agent's watch learns
+  that ``G`` failed (one event each), and that agent is the generation's
+  collector (:func:`collectors`);
+* under ``reports/<launch>/g<G>/``, outside the launch's watched keys, what
+  every node writes in every generation: in a launch of N nodes, N agents
+  told of N writes would be N² watch events a generation.  Read whole by
+  the one agent that needs them (:meth:`ClusterStore.reports`): the
+  collector when it decides, the node holding rank 0 when it grows, a
+  spare node taking a lost node's place.
+
+  * ``node/<node>``: the members a node holds in generation ``G`` (rank
+    -> worker id), the address of its recovery store, whether every one
+    of them opted in (``run.attempt()``), and the batch plan they
+    reported;
+  * ``waiting/<worker>``: a survivor that left the failed group and waits
+    (relayed by its agent from its report, with its step and position);
 * ``rec/g<G>/claim``: created where absent, on the claiming agent's lease,
   by the one agent that decides what follows ``G`` (after a failure, or
   to grow): it goes with its holder's lease, and is released only by its
@@ -81,17 +85,18 @@ class GenerationView:
 
     generation: int
     nodes: Mapping[str, dict[str, Any]] = field(default_factory=dict)
+    """The nodes' members: read from the store (:meth:`ClusterStore.reports`), never held by the watch."""
     waiting: Mapping[str, dict[str, Any]] = field(default_factory=dict)
-    """The survivors' waits: read from the store (:meth:`ClusterStore.reports`), never held by the watch."""
+    """The survivors' waits: read from the store likewise."""
     lost: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     claim: dict[str, Any] | None = None
     decision: dict[str, Any] | None = None
-    failed: bool = False
-    """A survivor of the generation waits (its ``failed`` mark)."""
+    failed_by: str | None = None
+    """The node that marked the generation failed (its collector), or None."""
 
     def failing(self) -> bool:
         """A failure of this generation is in the store: a member lost, or a survivor waiting."""
-        return bool(self.lost or self.failed or self.waiting)
+        return bool(self.lost or self.failed_by is not None or self.waiting)
 
     def members(self) -> dict[int, tuple[str, str]]:
         """rank -> (worker id, node) of every member the nodes published."""
@@ -112,12 +117,14 @@ class GenerationView:
         return world is not None and sorted(self.members()) == list(range(world))
 
 
-def collectors(nodes: Iterable[str], live: Iterable[str], me: str) -> list[str]:
-    """The nodes that read a failed generation's reports and decide, in turn: its live member nodes (``me``
-    always counts as live to itself) by name.  The first collects; each next one also does once the
-    survivors have waited a settle time more (the ones before it may be cut off from the store)."""
+def collectors(first: str | None, live: Iterable[str], me: str) -> list[str]:
+    """The nodes that read a failed generation's reports and decide, in turn: the node that marked it failed
+    (``first``), then the other live nodes by name (``me`` always counts as live to itself; a node judged lost
+    has no turn).  The first collects; each next one also does once it has answered the failure a settle time
+    more (the ones before it may be cut off from the store).  Only nodes answering the failure decide."""
     alive = set(live) | {me}
-    return sorted(n for n in set(nodes) if n in alive)
+    head = [first] if first is not None and first in alive else []
+    return head + sorted(alive - set(head))
 
 
 IN_PROCESS_ACTIONS = ("retry_in_place", "promote_spare", "shrink")
@@ -190,7 +197,7 @@ class ClusterStore:
                      opted_in: bool, batch: dict[str, Any] | None,
                      replicas: list[list[int]] | None = None) -> None:
         """``replicas``: the ranks holding identical shards of a sharded run (None: unsharded)."""
-        self._put(f"{self.prefix}g{generation}/node/{self.node}",
+        self._put(f"{self.reports_prefix}g{generation}/node/{self.node}",
                   {"ranks": {str(r): w for r, w in sorted(ranks.items())}, "world_size": world_size, "store": store,
                    "opted_in": opted_in, "batch": batch, "replicas": replicas})
 
@@ -202,50 +209,52 @@ class ClusterStore:
         return int(found["generation"]) if found is not None else None
 
     def report(self, generation: int, kind: str, worker: str, body: Mapping[str, Any]) -> None:
-        """``kind``: ``lost`` (this node's member died) or ``waiting`` (it left the failed group; the first wait
-        this agent relays in ``generation`` also marks it failed, unless a peer did)."""
-        if kind != "waiting":
-            self._put(f"{self.prefix}g{generation}/{kind}/{worker}", {**body, "node": self.node})
-            return
-        self._put(f"{self.reports_prefix}g{generation}/waiting/{worker}", {**body, "node": self.node})
+        """``kind``: ``lost`` (this node's member died) or ``waiting`` (it left the failed group).  This agent's
+        first report in ``generation`` also marks it failed, unless a peer did first."""
+        where = self.prefix if kind != "waiting" else self.reports_prefix
+        self._put(f"{where}g{generation}/{kind}/{worker}", {**body, "node": self.node})
         if generation not in self._marked:
             self.signed.put_if_absent(f"{self.prefix}g{generation}/failed", {"node": self.node, "at": time.time()})
             self._marked.add(generation)
 
-    def reports(self, generation: int) -> dict[str, dict[str, Any]]:
-        """The survivors' waits in ``generation`` (worker -> report), read from the store at one revision."""
-        base = f"{self.reports_prefix}g{generation}/waiting/"
-        return {key[len(base):]: value for key, value in self.signed.get_prefix(base).items()}
+    def reports(self, view: GenerationView) -> GenerationView:
+        """``view`` with its nodes' members and its survivors' waits, read from the store at one revision."""
+        base = f"{self.reports_prefix}g{view.generation}/"
+        nodes: dict[str, dict[str, Any]] = {}
+        waiting: dict[str, dict[str, Any]] = {}
+        for key, value in self.signed.get_prefix(base).items():
+            kind, _, name = key[len(base):].partition("/")
+            if kind == "node":
+                nodes[name] = value
+            elif kind == "waiting":
+                waiting[name] = value
+        return replace(view, nodes=nodes, waiting=waiting)
 
     def view(self, generation: int) -> GenerationView:
-        """What the store holds about ``generation``, read now (the survivors' waits included)."""
-        view = self.view_of(generation, self.signed.get_prefix(f"{self.prefix}g{generation}/"))
-        return replace(view, waiting=self.reports(generation))
+        """What the store holds about ``generation``, read now (the nodes and the survivors' waits included)."""
+        return self.reports(self.view_of(generation, self.signed.get_prefix(f"{self.prefix}g{generation}/")))
 
     def view_of(self, generation: int, values: Mapping[str, dict[str, Any]]) -> GenerationView:
         """Generation ``generation`` in verified ``values`` (key -> value, keys under the control store's prefix;
-        keys of other generations are ignored)."""
+        keys of other generations are ignored): its nodes and waits are not among them (:meth:`reports`)."""
         base = f"{self.prefix}g{generation}/"
-        nodes: dict[str, dict[str, Any]] = {}
         lost: dict[str, dict[str, Any]] = {}
         claim = decision = None
-        failed = False
+        failed_by: str | None = None
         for key, value in values.items():
             if not key.startswith(base):
                 continue
             rest = key[len(base):]
             kind, _, name = rest.partition("/")
-            if kind == "node":
-                nodes[name] = value
-            elif kind == "lost":
+            if kind == "lost":
                 lost[name] = value
             elif rest == "claim":
                 claim = value
             elif rest == "decision":
                 decision = value
             elif rest == "failed":
-                failed = True
-        return GenerationView(generation, nodes, {}, lost, claim, decision, failed)
+                failed_by = str(value.get("node") or "")
+        return GenerationView(generation, {}, {}, lost, claim, decision, failed_by)
 
     def live_nodes(self) -> set[str]:
         """Nodes judged alive (:mod:`resilient.coord.presence`): by the presence's evidence, or by their keys."""
@@ -439,6 +448,22 @@ class ClusterState:
     relayed: set[tuple[int, str]] = field(default_factory=set)
     opted_in_published: int = -1
     orphaned_since: float | None = None
+    nodes_read: tuple[int, float, GenerationView] | None = None
+    """The generation's nodes as last read from the store (generation, when, the view read): their keys are
+    outside the watch (:meth:`ClusterStore.reports`)."""
     places_claimed: int = -1
     """A spare node: the newest generation whose lost nodes' places in the restart were all claimed (by other
     spare nodes): not asked again."""
+
+    def with_nodes(self, view: GenerationView, now: float, every_s: float) -> GenerationView:
+        """``view`` with its nodes' members, read from the store at most every ``every_s``; once every rank is
+        there and every node opted in they no longer change, and are kept for the generation."""
+        read = self.nodes_read
+        if read is not None and read[0] == view.generation:
+            kept = read[2]
+            settled = kept.complete() and all(n.get("opted_in") for n in kept.nodes.values())
+            if settled or now - read[1] < every_s:
+                return replace(view, nodes=kept.nodes)
+        fresh = self.store.reports(view)
+        self.nodes_read = (view.generation, now, fresh)
+        return replace(view, nodes=fresh.nodes)

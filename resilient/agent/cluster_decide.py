@@ -42,7 +42,7 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster
-    view = replace(view, waiting=cs.store.reports(a.generation))  # outside the watch: read by the collector alone
+    view = cs.store.reports(view)  # the nodes and the waits are outside the watch: read by the collector alone
     members = view.members()
     accounted = set(view.waiting) | set(view.lost)
     missing = {r: wn for r, wn in members.items() if wn[0] not in accounted}

@@ -10,8 +10,8 @@ whose ranks a shrink dropped) or both:
   survivors' ``waiting`` reports and its spares' readiness (the pool), then
   carry out the decision of the current generation once one is in the
   store (:func:`_apply`), or, when this node is involved, is the
-  generation's collector (the first live node holding a member of it; the
-  next ones in turn, a settle time later each) and every member is
+  generation's collector (the node that marked it failed; the next ones in
+  turn, a settle time later each) and every member is
   accounted for (waiting or lost; members still silent after the settle
   time are presumed lost with their node), take the claim and decide
   (:func:`~resilient.agent.cluster_decide.decide`, the same :func:`~resilient.elastic.decide.decide_recovery`
@@ -234,7 +234,7 @@ def _facts(ctx: GenerationContext, group: WorkerGroup, a: Assignment, snap: Snap
         joiners_only = len(waiting) == len(group.workers)
         ended = joiners_only and ctx.shared.ended()  # the watched copy: read only in this rare case
     inv = cs.involved.get(a.generation)
-    turns = collectors(view.nodes, snap.live, ctx.config.node_id) if inv is not None else []
+    turns = collectors(view.failed_by, snap.live, ctx.config.node_id) if inv is not None else []
     me = ctx.config.node_id
     return TickFacts(
         generation=a.generation, current=current, joiners_only=joiners_only, launch_ended=ended,
@@ -298,6 +298,10 @@ def _carry_out(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: 
 ORPHANED_S = 30.0
 """A node with only spares ends once no node holding the run's ranks has been alive for this long."""
 
+NODES_EVERY_S = 1.0
+"""How often a node with only spares, or the node holding rank 0 considering a grow, reads the generation's
+nodes from the store (outside the watch) until every one published and opted in."""
+
 
 def _idle(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapshot, now: float) -> Outcome | None:
     """A node with only spares: start again after a restart it took no part in; end when the run is gone."""
@@ -305,36 +309,38 @@ def _idle(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapsho
         return Outcome(OutcomeKind.MEMBERSHIP, f"the run went on to generation {snap.current} by a restart; this "
                                                "node's spares start again in it")
     try:
-        place = _take_place(ctx, cs, a, snap)
+        place = _take_place(ctx, cs, a, snap, now)
+        nodes = set(cs.with_nodes(snap.view, now, NODES_EVERY_S).nodes)
     except ControlStoreError as e:
         _store_error(ctx, e)
-        place = None
+        place, nodes = None, set()
     if place is not None:
         return place
-    if snap.live and snap.view.nodes and not set(snap.view.nodes) & snap.live:
+    if snap.live and nodes and not nodes & snap.live:
         cs.orphaned_since = cs.orphaned_since or now
         if now - cs.orphaned_since > ORPHANED_S:
             return Outcome(OutcomeKind.VERDICT, f"no node holding the run's ranks (generation {a.generation}: "
-                                                f"{', '.join(sorted(snap.view.nodes))}) has been alive for "
+                                                f"{', '.join(sorted(nodes))}) has been alive for "
                                                 f"{ORPHANED_S:.0f} s; this node's spares are no longer needed")
     else:
         cs.orphaned_since = None
     return None
 
 
-def _take_place(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapshot) -> Outcome | None:
+def _take_place(ctx: GenerationContext, cs: ClusterState, a: Assignment, snap: Snapshot,
+                now: float) -> Outcome | None:
     """The run restarts after generation ``a`` without some of its nodes (lost: their peers no longer reach them):
     a spare node takes one lost node's place in the restart's rendezvous, so that the run restarts at its size
     at once instead of waiting for the node to come back.  Each lost node's place is claimed once in the store;
     a spare node takes at most one."""
     if cs.places_claimed >= a.generation or not snap.live:
         return None
-    nodes = set(snap.view.nodes)
+    if ctx.shared.restarted(a.generation) is None:
+        return None  # not a restart (yet): an in-process recovery may still take this node's spares
+    nodes = set(cs.with_nodes(snap.view, now, NODES_EVERY_S).nodes)
     lost = sorted(nodes - snap.live)
     if not lost or not nodes & snap.live:
         return None  # none lost; or none left to restart with (the run ends, see _idle)
-    if ctx.shared.restarted(a.generation) is None:
-        return None  # not a restart (yet): an in-process recovery may still take this node's spares
     for slot, node in enumerate(lost):
         if ctx.shared.take_place(a.generation, slot):
             return Outcome(OutcomeKind.MEMBERSHIP, f"the run restarts after generation {a.generation} without node "
@@ -372,9 +378,10 @@ def _grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Any, 
     cs = inp.cluster
     view = snap.view
     pool = [s for s in snap.pool if s.claimed is None and s.node in snap.live]
-    if not pool or not view.complete() or view.failing() or view.claim is not None:
+    if not pool or view.failing() or view.claim is not None:
         return None  # nothing to grow onto, or a failure of this generation is being answered
-    if not all(n.get("opted_in") for n in view.nodes.values()):
+    view = cs.with_nodes(view, now, NODES_EVERY_S)
+    if not view.complete() or not all(n.get("opted_in") for n in view.nodes.values()):
         return None
     boundary = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
     if boundary is None:
