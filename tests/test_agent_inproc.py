@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from resilient.metrics.ledger import Ledger
+
 from .agent_helpers import events, explain, incidents, run_agent
 
 WORKER = Path(__file__).with_name("elastic_worker.py")
@@ -228,6 +230,14 @@ def test_losing_every_rank_falls_back_to_a_restart_and_stays_bitwise_equal(tmp_p
     done = {r: [line["step"] for line in trace(out) if line["rank"] == r and restored["time"] < line["time"] < first]
             for r in (0, 1)}
     assert all(len(steps) >= 2 for steps in done.values()), (done, restored, spares)
+    # From then on the ladder weighs a restart at what this one cost (its detection to the next new step, as the
+    # node's ledger measured it), not at a constant; status shows it.
+    [node_dir] = (run / "nodes").iterdir()
+    cost = json.loads((node_dir / "status.json").read_text())["recovery"]["restart_cost"]
+    assert cost["from"] == "median of 1 restarts", cost
+    ledger = Ledger.from_dict(json.loads((node_dir / "ledger.json").read_text())["ledger"])
+    [incident] = ledger.account(ledger.last_t).incidents
+    assert cost["seconds"] == round(incident.recovery_s + incident.replay_s, 3) > 0, (cost, incident)
 
 
 def test_a_planned_fault_strikes_once_and_the_spare_that_takes_the_rank_is_not_struck_again(

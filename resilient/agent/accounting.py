@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,15 @@ class NodeAccounting:
     def account(self) -> Any:
         with self._lock:
             return self.ledger.account(self._wall())
+
+    def restart_costs(self, incident_ids: Collection[str]) -> tuple[list[float], float | None]:
+        """What a restart costs this run, measured: the seconds each of ``incident_ids`` (failures answered by a
+        restart) took from its detection to the run's next new step, restart and re-done steps together, for those
+        that are over; and the seconds from the agent's start to the first step (None before it)."""
+        account = self.account()
+        done = [i.recovery_s + i.replay_s for i in account.incidents if i.id in incident_ids and not i.open]
+        first = account.seconds.get("init", 0.0) if account.attempted_steps else None
+        return done, first
 
     def save(self) -> None:
         with self._lock:

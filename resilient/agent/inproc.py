@@ -58,6 +58,10 @@ FOLDED_PER_STEP = 2
 count as failing (``max_inproc_retries_per_step``), so a member that fails every re-formation ends in a restart."""
 
 
+RESTART_COST_EVERY_S = 5.0
+"""How often the measured cost of a restart is read again from the node's ledger (a decision reads it)."""
+
+
 class InProcess:
     """This node's in-process recovery: the store workers re-form on, their reports, and the ladder."""
 
@@ -96,6 +100,10 @@ class InProcess:
         """How the newest in-process recovery completed, in one line, for ``resilient status``."""
         self.cluster: ClusterState | None = None
         """Across machines: the launch's recovery keys in the store (:mod:`resilient.agent.cluster_flow`)."""
+        self.restart_costs: Callable[[], tuple[list[float], float | None]] | None = None
+        """What restarts cost this run here, measured (set by the agent: ``NodeAccounting.restart_costs`` over its
+        restarts' incidents)."""
+        self._restart_cost: tuple[float, tuple[float, str] | None] | None = None
         self.declined: str | None = None
         """Why a worker said this run recovers by restart only (its first ``declined`` report): no spare is kept."""
         self.spare_nice = config.spare_nice
@@ -252,10 +260,33 @@ class InProcess:
         return all(role in ("worker", "promoted") for role in roles) and "worker" in roles
 
     # ------------------------------------------------------------ decide
+    def restart_s(self, *, fresh: bool = False) -> tuple[float, str] | None:
+        """A restart's cost for the ladder, measured (seconds, how), or None before anything was: the median of
+        this run's restarts here (detection to the next new step, the re-done steps included); before any, the
+        first start's (the agent's start to the first step: a restart starts the workers again, re-done steps
+        not counted).  Read from :attr:`restart_costs` at most every :data:`RESTART_COST_EVERY_S` (``fresh``:
+        now)."""
+        if self.restart_costs is None:
+            return None
+        now = self._clock()
+        if fresh or self._restart_cost is None or now - self._restart_cost[0] >= RESTART_COST_EVERY_S:
+            restarts, first = self.restart_costs()
+            if restarts:
+                found: tuple[float, str] | None = (statistics.median(restarts), f"median of {len(restarts)} restarts")
+            elif first:
+                found = (first, "the first start")
+            else:
+                found = None
+            self._restart_cost = (now, found)
+        return self._restart_cost[1]
+
     def costs(self) -> RecoveryCosts:
         """The ladder's costs: measured medians where this agent has timed a rung, defaults otherwise."""
+        restart = self.restart_s()
         with self._lock:
             measured = {k: statistics.median(v) for k, v in self._measured.items() if v and k != "warm_s"}
+            if restart is not None:
+                measured["restart_s"] = restart[0]
             warming = [s for s in self.spares.values() if s.ready_at is None]
             warm = statistics.median(self._measured["warm_s"]) if self._measured["warm_s"] else _DEFAULT_SPARE_WARM_S
         repair = None
@@ -462,8 +493,10 @@ class InProcess:
 
     def view(self) -> dict[str, Any]:
         """What ``resilient status`` shows of in-process recovery."""
+        restart = self.restart_s(fresh=True)
         return {"decision": self.last_decision, "completed": self.last_completed, "spares": self.ready_spares(),
-                "declined": self.declined}
+                "declined": self.declined,
+                "restart_cost": {"seconds": round(restart[0], 3), "from": restart[1]} if restart is not None else None}
 
     def close(self) -> None:
         self._store = None  # type: ignore[assignment]  # the server thread ends with the object

@@ -127,8 +127,11 @@ class Agent:
                                       restore_shown=lambda record: setattr(self.reporting.status, "restore", record))
         self.inproc: InProcess | None = None
         """In-process recovery (``--spares``, ``--nproc-per-node MIN:MAX``); None: restarts only."""
+        self._restart_incidents: set[str] = set()
+        """The incidents this agent answered by a restart: what they cost is what the ladder weighs a restart at."""
         if config.offers_in_process:
             self.inproc = InProcess(config, self.emit, clock)
+            self.inproc.restart_costs = lambda: self.accounting.restart_costs(self._restart_incidents)
             self.reporting.spares_ready = self.inproc.ready_spares
             self.reporting.status.recovery = self.inproc.view
         self.gate = self.coordination.quarantine_gate(self.run_dir.node_dir, self.reporting.status.set_phase)
@@ -443,6 +446,7 @@ class Agent:
             self.coordination.publish_verdict(decision.verdict or "stopped", decision.reason, code)
             return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
         self.incidents.restart_incident = incident
+        self._restart_incidents.add(incident.id)
         self.coordination.count_restart(generation, decision.reason, committed, FailureMark.of(outcome.failure))
         self.accounting.restarted(outcome.failure.kind)
         self.emit(EventKind.RESTART, generation=generation, reason=decision.reason, delay_s=decision.delay_s,

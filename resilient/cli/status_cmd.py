@@ -176,6 +176,9 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
                 out.append(f"  recovered: {recovery['completed']}")
             if recovery.get("spares") is not None:
                 out.append(f"  spares ready: {recovery['spares']}")
+            cost = recovery.get("restart_cost")
+            if isinstance(cost, dict):
+                out.append(f"  a restart costs: {cost.get('seconds')} s ({cost.get('from')})")
         out.extend(slowness_lines(n.get("slowness")))
         out.extend(quarantine_lines(n.get("quarantine")))
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])

@@ -9,7 +9,10 @@ measured nothing yet does not over-promise them:
 
 - ``restart_s`` = 7 s: the agent benchmark once measured 6.97 s from a kill to the next new
   step under ``resilient run`` (two ranks, CPU, gloo), most of it workers
-  starting again and replaying steps since the last commit;
+  starting again and replaying steps since the last commit.  The agent
+  replaces it with this run's own measure as soon as it has one (its
+  restarts' cost from the ledger; before any, its first start's), so it
+  holds only until the first step;
 - ``inproc_s`` = 0.5 s: a spike re-formed a gloo group among survivors in
   36 ms; the default leaves an order of magnitude for a bigger job and the
   agent's own notice time (about 0.1 s to reap a death);
