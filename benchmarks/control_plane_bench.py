@@ -256,7 +256,7 @@ class Agent:
             self.reported = self.generation
             self.store.report(self.generation, "waiting", self.worker, {"rank": self.rank, "step": 7})
             return
-        turns = collectors(view.failed_by, snap.live, self.node)
+        turns = collectors(view.failed_by, snap.running & snap.live, self.node)
         self.collecting = not turns or turns[0] == self.node
         if view.claim is not None or not self.collecting:
             return  # the generation's collector reads the nodes' and survivors' reports and decides

@@ -233,3 +233,23 @@ def test_a_generation_view_joins_every_nodes_members_and_reports(etcd_server, et
     decision = n1.view(3).decision
     assert decision is not None and decision["action"] == "shrink" and decision["generation"] == 4
     assert n1.current() == 4
+
+
+def test_a_node_cut_off_from_the_store_has_no_turn_to_collect(etcd_server, etcd_run_id) -> None:
+    """A node whose presence key is gone while its peers still reach it (vouched for: alive) is cut off from the
+    store: it cannot read the reports or commit a decision, so the next node collects at once."""
+    from resilient.agent.cluster import collectors
+    from resilient.coord.store import Entry
+
+    n0 = _store(etcd_server.url, etcd_run_id, "n0")
+
+    def presence(node: str, state: str) -> Entry:
+        return Entry(f"{LAUNCH}nodes/{node}", json.dumps({"state": state}).encode(), 1, 1)
+
+    keys = [presence("n0", "running"), presence("n2", "running"), presence("n3", "left"),
+            Entry(f"{LAUNCH}suspect/n1/n0", b"{}", 1, 1)]
+    running = n0.running_of(keys)
+    assert running == {"n0", "n2"}
+    live = {"n0", "n1", "n2"}  # n1 is vouched for: alive, its presence key gone with its lease
+    assert collectors("n1", running & live, "n2") == ["n0", "n2"]
+    assert collectors("n1", live, "n2")[0] == "n1", "without the store's view n1 would keep its turn"

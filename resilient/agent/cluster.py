@@ -117,12 +117,14 @@ class GenerationView:
         return world is not None and sorted(self.members()) == list(range(world))
 
 
-def collectors(first: str | None, live: Iterable[str], me: str) -> list[str]:
+def collectors(first: str | None, running: Iterable[str], me: str) -> list[str]:
     """The nodes that read a failed generation's reports and decide, in turn: the node that marked it failed
-    (``first``), then the other live nodes by name (``me`` always counts as live to itself; a node judged lost
-    has no turn).  The first collects; each next one also does once it has answered the failure a settle time
-    more (the ones before it may be cut off from the store).  Only nodes answering the failure decide."""
-    alive = set(live) | {me}
+    (``first``), then the other nodes by name, of those whose presence key says running (``me`` always counts;
+    a node judged lost, or alive but cut off from the store, has no turn: the next one collects at once).  The
+    first collects; each next one also does once it has answered the failure a settle time more (the ones
+    before it may be stuck), so that a hold for a repair adds one reader per settle time.  Only nodes answering
+    the failure decide."""
+    alive = set(running) | {me}
     head = [first] if first is not None and first in alive else []
     return head + sorted(alive - set(head))
 
@@ -266,6 +268,11 @@ class ClusterStore:
         """The nodes alive among presence keys ``entries`` (the presence's judgement when the store has one)."""
         if self._live is not None:
             return set(self._live())
+        return self.running_of(entries)
+
+    def running_of(self, entries: Iterable[Entry]) -> set[str]:
+        """The nodes whose presence key among ``entries`` says running: alive and reaching the store (a node its
+        peers vouch for while its key is gone is alive, but cut off from the store)."""
         found = set()
         for entry in entries:
             try:

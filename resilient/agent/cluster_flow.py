@@ -234,7 +234,7 @@ def _facts(ctx: GenerationContext, group: WorkerGroup, a: Assignment, snap: Snap
         joiners_only = len(waiting) == len(group.workers)
         ended = joiners_only and ctx.shared.ended()  # the watched copy: read only in this rare case
     inv = cs.involved.get(a.generation)
-    turns = collectors(view.failed_by, snap.live, ctx.config.node_id) if inv is not None else []
+    turns = collectors(view.failed_by, snap.running & snap.live, ctx.config.node_id) if inv is not None else []
     me = ctx.config.node_id
     return TickFacts(
         generation=a.generation, current=current, joiners_only=joiners_only, launch_ended=ended,
@@ -356,9 +356,9 @@ def _relay(ctx: GenerationContext, group: WorkerGroup, a: Assignment, cs: Cluste
     assert inp is not None
     for worker, report in inp.waiting_now(a.generation, [w.worker_id for w in group.workers.values()]).items():
         if (a.generation, worker) not in cs.relayed:
-            cs.relayed.add((a.generation, worker))
-            cs.store.report(a.generation, "waiting", worker, report)
             cs.involved.setdefault(a.generation, Involvement(since=now))
+            cs.store.report(a.generation, "waiting", worker, report)  # a store error: relayed again next pass
+            cs.relayed.add((a.generation, worker))
     ids = [w.worker_id for w in group.workers.values()]
     if ids and cs.opted_in_published != a.generation and inp.opted_in(ids):
         _publish_node(ctx, group, cs, a.generation, opted_in=True)

@@ -31,6 +31,8 @@ class Snapshot:
     view: GenerationView
     pool: tuple[PoolEntry, ...]
     live: frozenset[str]
+    running: frozenset[str] = frozenset()
+    """Nodes whose presence key says running: alive and reaching the store."""
 
 
 class ClusterWatch:
@@ -104,7 +106,7 @@ class ClusterWatch:
         current = values.get(current_key)
         snapshot = Snapshot(int(current["generation"]) if current is not None else None,
                             store.view_of(generation, values), tuple(store.pool_of(pool)),
-                            frozenset(store.live_of(nodes)))
+                            frozenset(store.live_of(nodes)), frozenset(store.running_of(nodes)))
         with self._lock:
             self._cached = (key, snapshot)
         return snapshot
