@@ -101,8 +101,7 @@ class InProcess:
         self.cluster: ClusterState | None = None
         """Across machines: the launch's recovery keys in the store (:mod:`resilient.agent.cluster_flow`)."""
         self.restart_costs: Callable[[], tuple[list[float], float | None]] | None = None
-        """What restarts cost this run here, measured (set by the agent: ``NodeAccounting.restart_costs`` over its
-        restarts' incidents)."""
+        """This run's restarts' measured costs here (set by the agent: ``NodeAccounting.restart_costs``)."""
         self._restart_cost: tuple[float, tuple[float, str] | None] | None = None
         self.declined: str | None = None
         """Why a worker said this run recovers by restart only (its first ``declined`` report): no spare is kept."""
@@ -271,12 +270,8 @@ class InProcess:
         now = self._clock()
         if fresh or self._restart_cost is None or now - self._restart_cost[0] >= RESTART_COST_EVERY_S:
             restarts, first = self.restart_costs()
-            if restarts:
-                found: tuple[float, str] | None = (statistics.median(restarts), f"median of {len(restarts)} restarts")
-            elif first:
-                found = (first, "the first start")
-            else:
-                found = None
+            found = ((statistics.median(restarts), f"median of {len(restarts)} restarts") if restarts
+                     else (first, "the first start") if first else None)
             self._restart_cost = (now, found)
         return self._restart_cost[1]
 
