@@ -118,8 +118,12 @@ def _kill_agent_midway(tmp_path: Path, run_dir: Path) -> int:
     finally:
         os.killpg(agent.pid, signal.SIGKILL)  # the agent, its fork server, its workers: nothing cleans up
         agent.wait(timeout=30)
-    wait_for(lambda: not any(str(run_dir) in _environ(pid) for pid in _pids()), 30, "the workers to be gone")
     root = tier_dir(run_dir)
+    # Gone means no process left that could still write the tier. A worker forked from the fork server shows the
+    # server's environment in /proc (its own was set after the fork), so the test is also what maps the tier's
+    # files: a worker whose save was under way would otherwise publish a step after the test read the tier.
+    wait_for(lambda: not any(str(run_dir) in _environ(pid) or str(root) in _maps(pid) for pid in _pids()), 30,
+             "the workers to be gone")
     held = [{r.step for r in mem.read_records(root, stem)} for stem in ("rank00000", "rank00001", "replicated")]
     common = set.intersection(*held)
     assert common and max(common) < LONG, held
@@ -128,6 +132,13 @@ def _kill_agent_midway(tmp_path: Path, run_dir: Path) -> int:
 
 def _pids() -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _maps(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _environ(pid: int) -> str:
