@@ -62,3 +62,24 @@ def test_failures_folded_across_machines_are_counted_from_the_decisions_whoever_
     assert folded_at_step([decided("promote_spare", 7), decided("shrink", 7), decided("grow", 7),
                            decided("promote_spare", 8), decided("restart", 7)], 7) == 1
     assert folded_at_step([decided("retry_in_place", 7)] * (FOLDED_PER_STEP + 2), 7) == FOLDED_PER_STEP + 1
+
+
+def test_a_spare_that_says_ready_before_its_start_is_recorded_counts_as_ready(tmp_path: Path) -> None:
+    """A spare forked from the fork server can report ready within a millisecond, before the agent's launcher
+    thread records its start: the report must not be lost (the spare would count as warming for good, and the
+    ladder restart instead of promoting it)."""
+    from resilient.worker.protocol import Heartbeat
+
+    inp = InProcess(AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n0", run_dir=tmp_path),
+                    lambda kind, **fields: None, time.monotonic)
+    try:
+        ready = Heartbeat(rank=-1, local_rank=0, pid=4242, section="init", step=0, seq=1, kind="recovery",
+                          recovery={"event": "ready", "worker": "s2", "role": "spare", "step": 0})
+        inp.on_message(ready, time.monotonic())
+        assert inp.ready_spares() == 0  # not started yet, as far as the agent knows
+        inp.spare_started("s2", 4242, generation=1)
+        assert inp.ready_spares() == 1 and inp.warming_spares() == 0
+        inp.spare_started("s3", 4243, generation=1)  # the usual order: started, then ready
+        assert inp.warming_spares() == 1
+    finally:
+        inp.close()

@@ -130,7 +130,9 @@ class InProcess:
 
     def spare_started(self, worker_id: str, pid: int, generation: int) -> None:
         with self._lock:
-            self.spares[worker_id] = SpareState(worker_id, self._clock())
+            spare = self.spares[worker_id] = SpareState(worker_id, self._clock())
+            if worker_id in self._reports.ready:  # a forked spare can say ready before its start is recorded
+                spare.ready_at = self._reports.ready[worker_id][0]
         self._emit(EventKind.SPARE_STARTED, worker=worker_id, pid=pid, generation=generation)
 
     def spare_gone(self, worker_id: str, returncode: int) -> None:
