@@ -72,6 +72,9 @@ class EventKind(str, Enum):
     MEMORY_TIER_FOUND = "memory_tier_found"  # an agent found its killed predecessor's memory tier, and what it holds
     MEMORY_TIER_RELEASED = "memory_tier_released"  # the run ended on this node: its memory tier was removed
     MEMORY_TIER_SWEPT = "memory_tier_swept"  # memory tiers of dead agents whose run directory is gone were removed
+    MEMORY_REPLICA_HELD = "memory_replica_held"  # this node keeps a copy of a new predecessor's pinned memory steps
+    MEMORY_REPLICA_STAGED = "memory_replica_staged"  # before a generation: ranks' memory state fetched from peers
+    MEMORY_REPLICA_FAILED = "memory_replica_failed"  # copying a peer's memory tier failed (said once per cause)
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # a corrupt checkpoint was moved out of the committed set
     CHECKPOINT_QUARANTINE_FAILED = "checkpoint_quarantine_failed"  # a corrupt checkpoint could not be moved
 
@@ -181,6 +184,7 @@ _WARNING_KINDS = frozenset(
         EventKind.CHECKPOINT_FALLBACK,
         EventKind.MEMORY_TIER_FALLBACK,
         EventKind.MEMORY_TIER_OFF,
+        EventKind.MEMORY_REPLICA_FAILED,
         EventKind.CHECKPOINT_CONFLICT,
         EventKind.CHECKPOINT_FENCED,
     }

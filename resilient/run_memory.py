@@ -120,7 +120,8 @@ class RunMemory:
             self._decide(step)  # collective: a rank whose tier went off still takes part, or its peers wait
         if self.tier.off is not None:
             return
-        if step % self.every or step == self._saved:  # the same boundary again: an in-process retry of its step
+        pinned = self.env.memory_pin_every and step % self.env.memory_pin_every == 0  # the agent copies it to a peer
+        if (step % self.every and not pinned) or step == self._saved:  # the same boundary again: an in-process retry
             return
         self._saved = step
         if self._rank is not None and self._rank != run.rank:  # an in-process regroup renumbered this rank
@@ -133,7 +134,7 @@ class RunMemory:
         with run.section("checkpoint"):
             self.tier.save(step, capture_payloads(run, replicated=self.keeps_replicated), rank=run.rank,
                            world_size=run.world_size, fingerprint=self.fingerprint,
-                           counters={"step": step, "samples": run.samples, "tokens": run.tokens})
+                           counters={"step": step, "samples": run.samples, "tokens": run.tokens}, pin=bool(pinned))
 
     def _decide(self, step: int) -> None:
         from . import run_attempt as _attempt

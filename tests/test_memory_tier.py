@@ -50,9 +50,11 @@ def tier(root: Path, local_rank: int = 0, *, limit: int = 1 << 30, events: Event
                           generation=generation)
 
 
-def save(t: mem.MemoryTier, step: int, rank: int = 0, world: int = 1, fingerprint: str = "f") -> mem.SaveCost | None:
+def save(t: mem.MemoryTier, step: int, rank: int = 0, world: int = 1, fingerprint: str = "f",
+         pin_every: int = 0) -> mem.SaveCost | None:
     return t.save(step, payloads(step, rank), rank=rank, world_size=world, fingerprint=fingerprint,
-                  counters={"step": step, "samples": step * 4, "tokens": 0})
+                  counters={"step": step, "samples": step * 4, "tokens": 0},
+                  pin=bool(pin_every) and step % pin_every == 0)
 
 
 def same(a, b) -> bool:
@@ -164,36 +166,40 @@ def test_a_tmpfs_out_of_room_is_no_room_not_a_crash(root, monkeypatch):
 class _Killed(mem.MemoryTier):
     """A rank killed during a save: the copy happens (or not) and the manifest is never published."""
 
-    def kill_during(self, step: int, rank: int, world: int, copied: bool) -> None:
+    def kill_during(self, step: int, rank: int, world: int, copied: bool, pin_every: int = 0) -> None:
         self.wait()  # the save before it was published (the next save waits for it before it copies anything)
         if copied:
             self._publish = lambda *a, **k: None  # type: ignore[method-assign]
-            save(self, step, rank, world)
+            save(self, step, rank, world, pin_every=pin_every)
         else:
             stem = mem.file_stem(mem.RANK, rank)  # the manifest goes first, then the copy dies midway
-            (self.root / f"{stem}.{self._free_slot(stem)}.json").unlink(missing_ok=True)
+            pinned = bool(pin_every) and step % pin_every == 0
+            slot = self._free_slot(stem, mem.PINNED if pinned else tuple(range(mem.SLOTS)))
+            (self.root / f"{stem}.{slot}.json").unlink(missing_ok=True)
 
 
 @settings(max_examples=60, deadline=None)
 @given(saves=st.integers(1, 7), ahead=st.booleans(), copied=st.booleans(), published_ahead=st.booleans(),
-       every=st.sampled_from([1, 2, 5]))
-def test_ranks_one_save_apart_always_share_a_step_whatever_the_crash(saves, ahead, copied, published_ahead, every):
-    """Rank 1 dies during its save of step n; rank 0 (a step apart at most) finished n, or also took n + every."""
+       every=st.sampled_from([1, 2, 5]), pin_every=st.sampled_from([0, 2, 3, 10]))
+def test_ranks_one_save_apart_always_share_a_step_whatever_the_crash(saves, ahead, copied, published_ahead, every,
+                                                                      pin_every):
+    """Rank 1 dies during its save of step n; rank 0 (a step apart at most) finished n, or also took n + every.
+    With pinned steps (kept for a peer node's copy) saved into slots of their own, the same holds."""
     with tempfile.TemporaryDirectory(dir=SHM, prefix="resilient-memory-test-") as d:
         root = Path(d)
         r0, r1 = tier(root, 0), _Killed(root, limit=1 << 30, local_rank=1, events=EventLog())
         steps = [every * i for i in range(1, saves + 1)]
         for step in steps[:-1]:
-            save(r0, step, 0, 2)
-            save(r1, step, 1, 2)
+            save(r0, step, 0, 2, pin_every=pin_every)
+            save(r1, step, 1, 2, pin_every=pin_every)
         n = steps[-1]
-        save(r0, n, 0, 2)
-        r1.kill_during(n, 1, 2, copied)
+        save(r0, n, 0, 2, pin_every=pin_every)
+        r1.kill_during(n, 1, 2, copied, pin_every)
         if ahead:  # rank 0 went through the next boundary before the agent stopped it
             r0.wait()
             if not published_ahead:
                 r0._publish = lambda *a, **k: None  # type: ignore[method-assign]
-            save(r0, n + every, 0, 2)
+            save(r0, n + every, 0, 2, pin_every=pin_every)
         r0.wait()
         r1.wait()
         held = [set(t.holdings(rank=r, world_size=2, fingerprint="f")) for t, r in ((r0, 0), (r1, 1))]

@@ -121,6 +121,11 @@ class AgentConfig:
     ``memory_root``'s filesystem."""
     memory_every: int | None = None
     """Steps between memory saves (``--memory-every``); None: chosen from the measured cost of a save."""
+    memory_replicas: int = 0
+    """Copies of this node's memory tier kept on peer nodes (``--memory-replicas``, 0 or 1): with 1, a node lost
+    with its agent is restored from memory on its replacement (:mod:`.memory_replica`)."""
+    memory_pin_every: int = 10
+    """With a replica: the steps (multiples of it) every rank pins for the copy (``--memory-pin-every``)."""
     mtbf_s: float | None = None
     """The run's mean time between failures (``--mtbf SECONDS``): the workers' Runs compute their durable save
     interval from it (Young/Daly), ``every_steps`` the longest."""
@@ -197,6 +202,13 @@ class AgentConfig:
             raise ConfigError(f"--memory-limit must be a size above 0 (e.g. 8G), got {self.memory_limit}")
         if self.memory_every is not None and self.memory_every < 1:
             raise ConfigError(f"--memory-every must be >= 1 steps or auto, got {self.memory_every}")
+        if self.memory_replicas not in (0, 1):
+            raise ConfigError(f"--memory-replicas must be 0 or 1 (a copy on the next node), got {self.memory_replicas}")
+        if self.memory_replicas and not (self.memory_tier and self.store_url is not None):
+            raise ConfigError("--memory-replicas 1 copies the memory tier to a peer node: it needs the memory tier (drop "
+                              "--no-memory-tier) and a run across machines (--store etcd://HOST:PORT)")
+        if self.memory_pin_every < 1:
+            raise ConfigError(f"--memory-pin-every must be >= 1 steps, got {self.memory_pin_every}")
         if self.mtbf_s is not None and not self.mtbf_s > 0:
             raise ConfigError(f"--mtbf {self.mtbf_s!r} must be a number of seconds > 0, or auto")
         if self.mtbf_s is not None and self.mtbf_from_history:

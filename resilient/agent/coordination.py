@@ -54,6 +54,8 @@ class Coordination:
         self.timing_watch: Any = None
         """Across machines, while this agent scores stragglers: its watch of the nodes' timing windows."""
         self._launch_retried = False
+        self.presence_extra: dict[str, str] = {}
+        """More addresses this agent serves, published in its presence key (its memory tier's, for one)."""
         self.restarts_used_cached = 0
         """The restart count last read from the store (for readers that must not do I/O)."""
 
@@ -119,7 +121,7 @@ class Coordination:
             assert self.launch_watch is not None
             self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
                                       self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
-                                      probe_host=c.local_addr, on_probe=self._probed)
+                                      probe_host=c.local_addr, on_probe=self._probed, extra=self.presence_extra)
             self._presence.start()
         return None
 
@@ -154,6 +156,14 @@ class Coordination:
         if self.rendezvous is not None:
             self.rendezvous.leave()
         self.make_rendezvous()
+
+    def published(self, node: str, name: str) -> str | None:
+        """What a running peer's agent published as ``name`` in its presence key (see :attr:`presence_extra`)."""
+        return self._presence.published(node, name) if self._presence is not None else None
+
+    def live(self) -> frozenset[str]:
+        """The nodes judged alive now; this one alone without a store across machines."""
+        return self._presence.live() if self._presence is not None else frozenset({self._config.node_id})
 
     def peer_host(self, node: str) -> str | None:
         """The address a peer's agent published (where its workers' connections go), if it published one."""

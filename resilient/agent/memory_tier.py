@@ -21,12 +21,14 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..checkpoint import memory as mem
 from ..errors import ConfigError
 from ..events import Emit, EventKind
+from .memory_replica import MemoryReplication
 
 PREFIX = "resilient-memory-"
 OWNER = "owner.json"
@@ -58,7 +60,8 @@ class NodeMemory:
     """This node's memory tier, from the agent's side."""
 
     def __init__(self, root: Path, *, run_id: str, node_id: str, run_dir: Path, limit: int | None,
-                 every: int | None, emit: Emit) -> None:
+                 every: int | None, emit: Emit, pin_every: int | None = None) -> None:
+        """``pin_every``: the ranks pin every so many steps for a copy on a peer node (``--memory-replicas``)."""
         if not root.is_dir():
             raise ConfigError(f"--memory-root {root} is not a directory: give a tmpfs such as /dev/shm, or turn the "
                               "memory tier off with --no-memory-tier")
@@ -66,6 +69,10 @@ class NodeMemory:
         self.path = directory_for(root, run_id, node_id, run_dir)
         self.limit = limit if limit is not None else default_limit(root)
         self.every = every
+        self.pin_every = pin_every
+        self.replication: MemoryReplication | None = None
+        """The copy of this tier on a peer node and of the predecessor's here (``--memory-replicas 1``)."""
+        self._node = node_id
         self._emit = emit
         self._run_dir = run_dir.resolve()
         self._sweep()
@@ -79,8 +86,16 @@ class NodeMemory:
 
     def env(self) -> dict[str, str]:
         """What every worker is told."""
+        pinned = {mem.PIN_EVERY_ENV: str(self.pin_every)} if self.pin_every else {}
         return {mem.DIR_ENV: str(self.path), mem.LIMIT_ENV: str(self.limit),
-                mem.EVERY_ENV: str(self.every) if self.every is not None else "auto"}
+                mem.EVERY_ENV: str(self.every) if self.every is not None else "auto", **pinned}
+
+    def replicate(self, *, host: str, token: str, nproc: int, address_of: Callable[[str], str | None],
+                  live: Callable[[], frozenset[str]]) -> MemoryReplication:
+        """Serve this tier to the peers and keep a copy of the predecessor's (started by the caller)."""
+        self.replication = MemoryReplication(self.path, self.limit, node=self._node, host=host, token=token,
+                                             nproc=nproc, emit=self._emit, address_of=address_of, live=live)
+        return self.replication
 
     def holdings(self) -> dict[str, list[int]]:
         """Published steps by file (``rank00000``, ``replicated``), newest first."""
@@ -94,14 +109,19 @@ class NodeMemory:
 
     def view(self) -> dict[str, Any]:
         """``resilient status``'s ``memory`` entry."""
-        return {"directory": str(self.path), "limit_bytes": self.limit, "used_bytes": mem.usage(self.path),
+        view = {"directory": str(self.path), "limit_bytes": self.limit, "used_bytes": mem.usage(self.path),
                 "every": self.every if self.every is not None else "auto", "holdings": self.holdings()}
+        if self.replication is not None:
+            view["replica"] = {"pin_every": self.pin_every, **self.replication.view()}
+        return view
 
     def used_bytes(self) -> int:
         return mem.usage(self.path)
 
     def release(self, why: str) -> None:
-        """The run ended on this node: nothing will restore from the tier again."""
+        """The run ended on this node: nothing will restore from the tier again (nor copy into it)."""
+        if self.replication is not None:
+            self.replication.close()
         used = mem.usage(self.path)
         shutil.rmtree(self.path, ignore_errors=True)
         self._emit(EventKind.MEMORY_TIER_RELEASED, directory=str(self.path), bytes=used, reason=why)

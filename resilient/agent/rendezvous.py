@@ -50,6 +50,10 @@ class Assignment:
     generation: int
     master_addr: str
     master_port: int
+    members: tuple[str, ...] = ()
+    """The round's nodes in node-rank order (empty on one machine)."""
+    previous: tuple[str, ...] = ()
+    """The round before's, as far as the store still holds it (empty when it does not): whose ranks were whose."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,8 +171,10 @@ class EtcdRendezvous:
                 continue  # this node's presence moved to a new lease (an outage outlived the old): its join lapsed
             if self._node in formed.members:
                 self._round = formed
+                before = self._result(out.view(), formed.number - 1) if formed.number > 0 else None
                 return Assignment(formed.members.index(self._node), len(formed.members), formed.generation,
-                                  formed.master_addr, formed.master_port)
+                                  formed.master_addr, formed.master_port, members=formed.members,
+                                  previous=before.members if before is not None else ())
             # Round n formed without this node (it joined as the round formed, or the round was full): the next.
 
     def _await(self, n: int, deadline: float, lease: int) -> Round | None:

@@ -52,6 +52,7 @@ from .incident_book import IncidentBook
 from .incidents import Incident, load_incidents, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
 from .launcher import parent_death_signal
+from .memory_replica import PUBLISHED_AS
 from .memory_tier import NodeMemory
 from .policy import Action, Failure, FailureMark, decide_restart
 from .rendezvous import Assignment, RendezvousClosedError
@@ -96,11 +97,16 @@ class Agent:
         if config.memory_tier:
             self.memory = NodeMemory(config.memory_root, run_id=config.run_id, node_id=config.node_id,
                                      run_dir=config.run_dir, limit=config.memory_limit, every=config.memory_every,
-                                     emit=self.emit)
+                                     emit=self.emit, pin_every=config.memory_pin_every if config.memory_replicas else None)
             config = self.config = replace(config, worker_env={**config.worker_env, **self.memory.env()})
         self.tracker = RankTracker(on_stale=stale_events(self.emit))
         self.coordination = Coordination(config, self.run_dir, self.token, emit=self.emit,
                                          on_node_lost=self._node_lost)
+        if self.memory is not None and config.memory_replicas:
+            replica = self.memory.replicate(host=config.local_addr, token=self.token, nproc=config.nproc_per_node,
+                                            address_of=lambda node: self.coordination.published(node, PUBLISHED_AS),
+                                            live=self.coordination.live)
+            self.coordination.presence_extra[PUBLISHED_AS] = replica.address
         self._generation = 0
         """The generation this node runs (or ran last); 0 before the first."""
         self.num_nodes = 0
@@ -236,6 +242,8 @@ class Agent:
             # From this thread, which starts the workers too: the server dies with it (parent-death signal).
             self.spawner.start(parent_death_signal())
             problem = self.coordination.join_launch()
+            if self.memory is not None and self.memory.replication is not None:
+                self.memory.replication.start()
             if problem is not None:
                 self.emit(EventKind.TOKEN_MISMATCH, reason=problem)
                 return self._finish(EXIT_CONFIG, "token_mismatch", problem, generation)
@@ -272,6 +280,9 @@ class Agent:
                           num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
                 restart = self.last_outcome is not None and self.last_outcome.restarts_workers
                 self._attach_cluster()
+                if self.memory is not None and self.memory.replication is not None:  # a moved rank's memory state
+                    self.memory.replication.stage(assignment.node_rank, assignment.members, assignment.previous,
+                                                  generation)
                 outcome = gen_mod.run_generation(self.generation_context(), assignment,
                                                  self.coordination.restarts_used(), restart=restart)
                 generation = self._followed()  # an in-process recovery may have moved it on
@@ -287,6 +298,8 @@ class Agent:
             if self.inproc is not None:
                 cluster_watch.detach(self.inproc)
                 self.inproc.close()
+            if self.memory is not None and self.memory.replication is not None:
+                self.memory.replication.close()
             self.coordination.close(leave_run_open=self._quiet)
             self.spawner.close()
             self.bookkeeping.release()

@@ -7,14 +7,15 @@ durable commit are not done again.  The agent names the directory
 (``RESILIENT_MEMORY_LIMIT``); the directory outlives the workers and a
 killed agent, and is removed when the run ends on the node.
 
-Layout, per rank ``r`` and slot ``k`` (three slots)::
+Layout, per rank ``r`` and slot ``k`` (three turning slots 0-2, and pinned slots 3-5 for the steps that
+are multiples of ``RESILIENT_MEMORY_PIN_EVERY`` when the agent keeps a copy on a peer node, three more)::
 
     rank{r:05d}.{k}.shard    the rank's state, in the shard format of a durable file
     rank{r:05d}.{k}.json     its manifest: step, world size, generation, fingerprint, size, digest
     replicated.{k}.shard     the replicated state (model, optimizer), written by the node's local rank 0
     replicated.{k}.json
 
-A save takes the slot holding the oldest step, removes its manifest first,
+A save takes the slot (of its kind) holding the oldest step, removes its manifest first,
 copies the state straight into the slot's mapping (the only part the loop
 waits for), then hashes it and publishes the manifest on a background
 thread (written to a temporary name and renamed, so a manifest is either
@@ -63,10 +64,17 @@ from .tree import flatten, unflatten
 
 FORMAT = "resilient.memory/1"
 SLOTS = 3
+PINNED = (3, 4, 5)
+"""Slots of the pinned steps (multiples of ``RESILIENT_MEMORY_PIN_EVERY``): the same steps on every node, kept
+while the other slots turn over, so a copy on a peer node (:mod:`resilient.agent.memory_replica`) matches steps
+the survivors still hold.  Three, as the turning slots are: when every save is a pinned one, a rank still holds
+its two newest published steps while it writes a third."""
+ALL_SLOTS = (*range(SLOTS), *PINNED)
 REPLICATED = "replicated"
 RANK = "rank"
 DIR_ENV = "RESILIENT_MEMORY_DIR"
 LIMIT_ENV = "RESILIENT_MEMORY_LIMIT"
+PIN_EVERY_ENV = "RESILIENT_MEMORY_PIN_EVERY"
 EVERY_ENV = "RESILIENT_MEMORY_EVERY"
 """Steps between memory saves; ``auto`` (or unset) chooses from the measured cost (:func:`resilient.run_memory.decide_interval`)."""
 
@@ -115,10 +123,10 @@ class SlotRecord:
         return record if ok else None
 
 
-def read_records(root: Path, stem: str) -> list[SlotRecord]:
-    """The published slots of ``stem`` in ``root``, newest step first."""
+def read_records(root: Path, stem: str, slots: tuple[int, ...] = ALL_SLOTS) -> list[SlotRecord]:
+    """The published slots of ``stem`` in ``root`` (of ``slots``: all, pinned included), newest step first."""
     records = []
-    for slot in range(SLOTS):
+    for slot in slots:
         try:
             raw = (root / f"{stem}.{slot}.json").read_bytes()
         except OSError:
@@ -130,18 +138,22 @@ def read_records(root: Path, stem: str) -> list[SlotRecord]:
 
 
 def usage(root: Path) -> int:
-    """Bytes the memory tier's files in ``root`` hold (allocated, not apparent)."""
+    """Bytes the memory tier's files in ``root`` hold (allocated, not apparent), its folders' (a peer's copy)
+    included."""
     total = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
             with contextlib.suppress(OSError):
                 if entry.is_file(follow_symlinks=False):
                     total += entry.stat(follow_symlinks=False).st_blocks * 512
+                elif entry.is_dir(follow_symlinks=False):
+                    total += usage(Path(entry.path))
     return total
 
 
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
+def locked(root: Path) -> Iterator[None]:
+    """The node's tier lock: held while space is counted and reserved, by its ranks and its agent."""
     fd = os.open(root / ".lock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -168,27 +180,7 @@ class _Slot:
         if size == self.size and self._map is not None:
             return
         self.release()
-        with _locked(root):
-            have = 0
-            with contextlib.suppress(FileNotFoundError):
-                have = self.path.stat().st_blocks * 512
-            need = usage(root) - have + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE  # tmpfs allocates whole pages
-            if need > limit:
-                raise NoRoom(f"the node's memory tier would hold {need} bytes, over its limit of {limit} "
-                             "(raise it with --memory-limit)")
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, 0)  # nothing of an older layout stays behind the new end
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    os.ftruncate(fd, 0)
-                    if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                        raise NoRoom(f"{self.path.parent} has no room for {size} more bytes ({e.strerror})") from None
-                    raise
-                self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
+        self._map = reserve_file(self.path, size, root, limit)
         self.size = size
         self.buf = torch.frombuffer(self._map, dtype=torch.uint8)
 
@@ -202,6 +194,32 @@ class _Slot:
             self._map.close()
             self._map = None
         self.size = 0
+
+
+def reserve_file(path: Path, size: int, root: Path, limit: int) -> mmap.mmap:
+    """``path`` made exactly ``size`` bytes, its pages allocated, within the limit of the node's tier at ``root``,
+    and mapped for writing (:class:`NoRoom` when that cannot be)."""
+    with locked(root):
+        have = 0
+        with contextlib.suppress(FileNotFoundError):
+            have = path.stat().st_blocks * 512
+        need = usage(root) - have + -(-size // mmap.PAGESIZE) * mmap.PAGESIZE  # tmpfs allocates whole pages
+        if need > limit:
+            raise NoRoom(f"the node's memory tier would hold {need} bytes, over its limit of {limit} "
+                         "(raise it with --memory-limit)")
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, 0)  # nothing of an older layout stays behind the new end
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.ftruncate(fd, 0)
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise NoRoom(f"{path.parent} has no room for {size} more bytes ({e.strerror})") from None
+                raise
+            return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
 
 
 @dataclass
@@ -241,8 +259,9 @@ class MemoryTier:
 
     # ------------------------------------------------------------ saving
     def save(self, step: int, payloads: dict[str, Any], *, rank: int, world_size: int, fingerprint: str | None,
-             counters: dict[str, int]) -> SaveCost | None:
-        """Copy ``payloads`` (``{"rank": ..., "replicated": ...}``) into free slots as step ``step``.
+             counters: dict[str, int], pin: bool = False) -> SaveCost | None:
+        """Copy ``payloads`` (``{"rank": ..., "replicated": ...}``) into free slots as step ``step``; ``pin``: into
+        a pinned slot (:data:`PINNED`), kept while the others turn over.
 
         Returns the cost, or None when this rank saves nothing here (:attr:`off`).  The manifest is published
         in the background; :meth:`wait` waits for it.
@@ -263,7 +282,7 @@ class MemoryTier:
                 held = self._held_of(stem)
                 for stale in [slot for slot, at in held.items() if at >= step]:
                     self._unpublish(stem, stale)  # a future the run went back from: never to be restored
-                slot = self._free_slot(stem)
+                slot = self._free_slot(stem, PINNED if pin else tuple(range(SLOTS)))
                 self._unpublish(stem, slot)  # invalid from here until published
                 target = self._slots.setdefault(f"{stem}.{slot}", _Slot(self.root / f"{stem}.{slot}.shard"))
                 size = len(layout.header) + layout.data_bytes
@@ -286,18 +305,19 @@ class MemoryTier:
 
     def _held_of(self, stem: str) -> dict[int, int]:
         if stem not in self._held:
-            self._held[stem] = {r.slot: r.step for r in read_records(self.root, stem)}
+            self._held[stem] = {r.slot: r.step for r in read_records(self.root, stem, tuple(range(SLOTS)))}
         return self._held[stem]
 
     def _unpublish(self, stem: str, slot: int) -> None:
         (self.root / f"{stem}.{slot}.json").unlink(missing_ok=True)
         self._held_of(stem).pop(slot, None)
 
-    def _free_slot(self, stem: str) -> int:
-        """The slot of ``stem`` to write next: one without a published step, else the oldest step's."""
+    def _free_slot(self, stem: str, slots: tuple[int, ...] = tuple(range(SLOTS))) -> int:
+        """The slot of ``stem`` among ``slots`` to write next: one without a published step, else the oldest
+        step's."""
         held = self._held_of(stem)
-        empty = [s for s in range(SLOTS) if s not in held]
-        return empty[0] if empty else min(held, key=lambda s: held[s])
+        empty = [s for s in slots if s not in held]
+        return empty[0] if empty else min(slots, key=lambda s: held[s])
 
     def _publish_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -347,7 +367,7 @@ class MemoryTier:
         for name in [n for n in self._slots if n.startswith(file_stem(RANK, rank) + ".")]:
             self._slots.pop(name).release()
         self._held.pop(file_stem(RANK, rank), None)
-        for slot in range(SLOTS):
+        for slot in ALL_SLOTS:
             for suffix in ("json", "shard"):
                 (self.root / f"{file_stem(RANK, rank)}.{slot}.{suffix}").unlink(missing_ok=True)
 

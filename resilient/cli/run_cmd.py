@@ -179,6 +179,12 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--memory-every", default="auto", metavar="N|auto",
                    help="steps between memory saves (default auto: chosen so that a save costs at most 5%% of the "
                         "step time, from what saves cost)")
+    p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1), metavar="0|1",
+                   help="1: keep a copy of each node's memory tier on the next node, so that a node lost with its "
+                        "agent is restored from memory on its replacement, not from the durable tier (default 0)")
+    p.add_argument("--memory-pin-every", type=int, default=10, metavar="N",
+                   help="with --memory-replicas 1: every rank keeps the multiples of N steps in memory for the "
+                        "copy (default 10)")
     p.add_argument("--mtbf", default=None, metavar="SECONDS|auto",
                    help="the run's mean time between failures: the workers then save durable checkpoints at the "
                         "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
@@ -324,6 +330,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         worker_env=dict(environ), fork_server=args.fork_server, memory_tier=args.memory_tier,
         memory_root=args.memory_root.absolute(), memory_limit=parse_size(args.memory_limit, "--memory-limit"),
         memory_every=None if args.memory_every == "auto" else parse_count(args.memory_every, "--memory-every"),
+        memory_replicas=args.memory_replicas, memory_pin_every=args.memory_pin_every,
         mtbf_s=None if args.mtbf in (None, "auto") else parse_seconds(args.mtbf, "--mtbf"),
         mtbf_from_history=args.mtbf == "auto",
         preload=tuple(m.strip() for m in args.preload.split(",") if m.strip()), metrics_port=args.metrics_port, metrics_addr=args.metrics_addr,

@@ -166,6 +166,12 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
         memory = n.get("memory")
         if isinstance(memory, dict):
             out.append(f"  memory tier: {memory_line(memory)}")
+            replica = memory.get("replica")
+            if isinstance(replica, dict):
+                copy = (f"a copy of {replica['copy_of']}'s step {replica['copy_step']} ({replica['copy_bytes']} B)"
+                        if replica.get("copy_of") else "no copy of a peer's yet")
+                out.append(f"  memory replica: pins every {replica.get('pin_every')} steps; {copy}; "
+                           f"serves on {replica.get('serving')}")
         recovery = n.get("recovery")
         if isinstance(recovery, dict):
             if recovery.get("declined"):

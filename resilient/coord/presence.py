@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .etcd import EtcdClient
@@ -38,12 +38,14 @@ class Presence:
     def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str, str], None],
                  on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = 5,
                  interval_s: float = 1.0, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
-                 silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None) -> None:
+                 silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None,
+                 extra: Mapping[str, str] | None = None) -> None:
         """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
         started watch of a prefix that holds ``prefix`` (the agent's, shared with its other readers).
         ``probe_host``: the address this agent answers probes on (None: presence by lease alone).
         ``on_lost(node, why)``; ``on_probe(node, up, why)``: this agent's probes of a peer failed (it accuses
-        it) or are answered again."""
+        it) or are answered again.  ``extra``: more addresses this agent serves, published in its key
+        (:meth:`published` reads a peer's)."""
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client
@@ -65,7 +67,9 @@ class Presence:
         self._gone_since: dict[str, float] = {}
         self._reported: set[str] = set()
         self._addresses: dict[str, str] = {}
-        self._parsed: dict[str, tuple[int, str, str | None]] = {}
+        self._extra = dict(extra or {})
+        self._published: dict[str, dict[str, str]] = {}
+        self._parsed: dict[str, tuple[int, str, str | None, dict[str, str]]] = {}
         """Each presence key as last parsed: (revision, state, probe address); judged under ``_serial``."""
         self._keys = threading.Lock()
         self._desired: dict[str, bytes] = {}
@@ -109,22 +113,28 @@ class Presence:
             found = self._addresses.get(node)
         return found.rpartition(":")[0] if found else None
 
+    def published(self, node: str, name: str) -> str | None:
+        """What a running peer published as ``name`` beside its probe address (its ``extra``), if anything."""
+        with self._judging:
+            return self._published.get(node, {}).get(name)
+
     def _announce(self) -> None:
         self._lease = self._client.lease_grant(self._ttl)
-        value: dict[str, Any] = {"state": "running"}
+        value: dict[str, Any] = {"state": "running", **self._extra}
         if self._server is not None:
             value["probe"] = self._server.address
         self._client.put(self._nodes + self._node, json.dumps(value).encode(), lease=self._lease)
         with self._keys:
             self._written.clear()  # the old lease took them with it
 
-    def _evidence(self) -> tuple[Evidence, frozenset[str], dict[str, str]]:
+    def _evidence(self) -> tuple[Evidence, frozenset[str], dict[str, str], dict[str, dict[str, str]]]:
         running: set[str] = set()
         left: set[str] = set()
         addresses: dict[str, str] = {}
         suspects: dict[str, set[str]] = {}
         vouches: dict[str, set[str]] = {}
-        parsed: dict[str, tuple[int, str, str | None]] = {}
+        published: dict[str, dict[str, str]] = {}
+        parsed: dict[str, tuple[int, str, str | None, dict[str, str]]] = {}
         for key, entry in self._watch.view().under(self._prefix).items():
             if key.startswith(self._nodes):
                 known = self._parsed.get(key)
@@ -132,14 +142,16 @@ class Presence:
                     try:
                         value = json.loads(entry.value)
                         known = (entry.mod_revision, str(value.get("state")),
-                                 str(value["probe"]) if value.get("probe") else None)
+                                 str(value["probe"]) if value.get("probe") else None,
+                                 {str(k): str(v) for k, v in value.items() if k not in ("state", "probe")})
                     except (ValueError, AttributeError):
                         continue
                 parsed[key] = known
-                _, state, probe = known
+                _, state, probe, extra = known
                 name = key[len(self._nodes):]
                 if state == "running":
                     running.add(name)
+                    published[name] = extra
                     if probe:
                         addresses[name] = probe
                 elif state == "left":
@@ -153,7 +165,7 @@ class Presence:
         self._parsed = parsed  # the next judgement parses only the keys that changed (a large launch has many)
         evidence = Evidence(frozenset(running), {n: frozenset(b) for n, b in suspects.items() if n not in left},
                             {n: frozenset(b) for n, b in vouches.items() if n not in left})
-        return evidence, frozenset(left), addresses
+        return evidence, frozenset(left), addresses, published
 
     def _judge(self) -> None:
         """Weigh the keys as the watch holds them now: report newly lost nodes, choose whom to probe.
@@ -170,10 +182,11 @@ class Presence:
 
     def _weigh(self) -> list[tuple[str, str]]:
         """The verdict on the newest view; returns the nodes newly lost, with why."""
-        evidence, left, addresses = self._evidence()
+        evidence, left, addresses, published = self._evidence()
         verdict = judge(evidence, self._node)
         with self._judging:
             self._addresses.update(addresses)
+            self._published.update(published)
             # A peer this agent reaches is alive to it while its key is gone (its vouch is on the way), and stays
             # in its ring: it is the one to vouch for it.
             reached = {n for n, up in (self._prober.state() if self._prober is not None else {}).items() if up}

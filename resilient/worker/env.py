@@ -101,6 +101,9 @@ class WorkerEnv:
     """RESILIENT_MEMORY_LIMIT: bytes the node's memory tier may hold, all its ranks together."""
     memory_every: int = 0
     """RESILIENT_MEMORY_EVERY: steps between memory saves; 0 (``auto``): chosen from the measured cost."""
+    memory_pin_every: int = 0
+    """RESILIENT_MEMORY_PIN_EVERY: the steps (multiples of it) every rank saves in the memory tier, whatever its
+    interval, for its agent to pin and copy to a peer node (``--memory-replicas``); 0: none."""
 
     mtbf_s: float | None = None
     """RESILIENT_MTBF: the run's mean time between failures in seconds, from which the Run computes its durable
@@ -148,6 +151,8 @@ class WorkerEnv:
         if self.memory_dir is not None and self.memory_limit <= 0:
             raise ConfigError(f"RESILIENT_MEMORY_LIMIT={self.memory_limit} must be a number of bytes > 0 when "
                               "RESILIENT_MEMORY_DIR is set")
+        if self.memory_pin_every < 0:
+            raise ConfigError(f"RESILIENT_MEMORY_PIN_EVERY={self.memory_pin_every} must be a number of steps >= 0")
         if self.memory_every < 0:
             raise ConfigError(f"RESILIENT_MEMORY_EVERY={self.memory_every} must be a number of steps >= 1, or auto")
         if self.mtbf_s is not None and not self.mtbf_s >= 0:  # also refuses NaN
@@ -205,6 +210,7 @@ class WorkerEnv:
             "memory_limit": _int(environ, "RESILIENT_MEMORY_LIMIT"),
             "memory_every": 0 if _str(environ, "RESILIENT_MEMORY_EVERY") == "auto" else _int(environ,
                                                                                             "RESILIENT_MEMORY_EVERY"),
+            "memory_pin_every": _int(environ, "RESILIENT_MEMORY_PIN_EVERY"),
             "mtbf_s": _float(environ, "RESILIENT_MTBF"),
             "mtbf_source": _str(environ, "RESILIENT_MTBF_SOURCE"),
         }
@@ -236,7 +242,8 @@ _VARS = {
     "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
     "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
     "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE", "memory_dir": "RESILIENT_MEMORY_DIR",
-    "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY", "mtbf_s": "RESILIENT_MTBF",
+    "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY",
+    "memory_pin_every": "RESILIENT_MEMORY_PIN_EVERY", "mtbf_s": "RESILIENT_MTBF",
     "mtbf_source": "RESILIENT_MTBF_SOURCE",
 }
 
