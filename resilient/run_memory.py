@@ -9,7 +9,9 @@ when every rank holds a step at least as new as the newest durable commit
 chosen from the measured cost (:func:`decide_interval`): every step
 while the first saves are measured, then agreed by all ranks (the largest
 proposal) at fixed steps, an event each time it changes.  Sharded state
-(FSDP2/DTensor) stays on the durable tier, which reshards it.
+(FSDP2/DTensor) is kept as each rank's local tensors with their layout and
+put back as they were at the same world size and mesh; at another, the
+durable tier reshards it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .checkpoint import memory as mem
 from .checkpoint.manifest import Manifest, checkpoint_name
@@ -98,14 +99,23 @@ class RunMemory:
         from .checkpoint.restore import _agree
 
         got = mem.restore_memory(self.tier, coord, self.run.events, fingerprint=self.fingerprint,
-                                 not_before=durable.step if durable is not None else None, agree=_agree)
+                                 not_before=durable.step if durable is not None else None, agree=_agree,
+                                 prepare=self._put_back if self.run._sharded else None)
         if got is None:
             return None
         manifest = Manifest(name=f"memory:{checkpoint_name(got.step)}", step=got.step, world_size=coord.world_size,
                             files=(), parent=durable.name if durable is not None else None,
                             created_unix=time.time(), chunk_bytes=self.tier.chunk_bytes,
                             fingerprint=self.run._fingerprint, counters=got.counters)
-        return Restored(manifest, got.replicated, got.rank_state, ranks_read=(coord.rank,))
+        return Restored(manifest, got.replicated, got.rank_state, sharded=got.prepared, ranks_read=(coord.rank,))
+
+    def _put_back(self, replicated: Any, rank_state: Any) -> dict[str, Any]:
+        """A sharded rank's kept local tensors as DTensors of the live model's layout (ValueError: another)."""
+        from .checkpoint import sharded
+        from .run_payloads import sharded_targets
+
+        return sharded.put_back_local(sharded_targets(self.run), rank_state.get(sharded.SHARDS),
+                                      rank_state.get(sharded.LAYOUT))
 
     # ------------------------------------------------------------ saving
     def at_boundary(self) -> None:
@@ -132,7 +142,7 @@ class RunMemory:
         from .run_payloads import capture_payloads
 
         with run.section("checkpoint"):
-            self.tier.save(step, capture_payloads(run, replicated=self.keeps_replicated), rank=run.rank,
+            self.tier.save(step, capture_payloads(run, replicated=self.keeps_replicated, local_shards=True), rank=run.rank,
                            world_size=run.world_size, fingerprint=self.fingerprint,
                            counters={"step": step, "samples": run.samples, "tokens": run.tokens}, pin=bool(pinned))
 
@@ -164,13 +174,8 @@ class RunMemory:
 
 
 def open_memory(run: Run, env: WorkerEnv | None) -> RunMemory | None:
-    """The Run's memory tier, or None: no agent's tier, a spare (it saves once promoted), or sharded state."""
+    """The Run's memory tier, or None without an agent's tier."""
     if env is None or env.memory_dir is None:
-        return None
-    if run._sharded:
-        run.events.emit(EventKind.MEMORY_TIER_OFF, reason="sharded state (FSDP2/DTensor) is kept on the durable "
-                        "tier only, which reshards it", step=None, directory=env.memory_dir,
-                        limit_bytes=env.memory_limit, used_bytes=mem.usage(Path(env.memory_dir)))
         return None
     return RunMemory(run, env)
 

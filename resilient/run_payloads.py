@@ -79,9 +79,11 @@ def failure_rate(config: CheckpointConfig, env: WorkerEnv | None) -> FailureRate
     return FailureRate(env.mtbf_s or None, env.mtbf_source or "the agent")
 
 
-def capture_payloads(run: Run, *, replicated: bool | None = None) -> dict[str, Any]:
+def capture_payloads(run: Run, *, replicated: bool | None = None, local_shards: bool = False) -> dict[str, Any]:
     """What one rank saves: its own state (RANK) and, on rank 0 (or where ``replicated`` says), the replicated
-    state (REPLICATED)."""
+    state (REPLICATED).  ``local_shards`` (the memory tier): sharded state as every local tensor of this rank with
+    its layout (:func:`~resilient.checkpoint.sharded.split_local`), not the durable checkpoint's chunks and
+    table."""
     with_replicated = run.rank == 0 if replicated is None else replicated
     payloads: dict[str, Any] = {
         RANK: {
@@ -91,7 +93,10 @@ def capture_payloads(run: Run, *, replicated: bool | None = None) -> dict[str, A
             "counters": {"step": run.step, "samples": run.samples, "tokens": run.tokens},
         }
     }
-    if run._sharded:
+    if run._sharded and local_shards:
+        rest, payloads[RANK][sharded.SHARDS], payloads[RANK][sharded.LAYOUT] = sharded.split_local(sharded_state(run))
+        model_state, optimizer_state = rest["model"], rest["optimizer"]
+    elif run._sharded:
         parts = sharded.split(sharded_state(run), run.rank)
         payloads[RANK][sharded.SHARDS] = parts.local
         payloads[sharded.INDEX] = parts.table

@@ -263,7 +263,8 @@ def test_a_shard_without_a_surviving_replica_restarts_from_the_newest_commit(
     d = decide_recovery(observe(crash(*lost), spares=(spare("s1"), spare("s2")), replicas=replicas), COSTS, CFG, NOW)
     assert (d.action, d.promotions) == (Action.RESTART, ())
     assert d.reason == (f"in-process recovery impossible: no survivor holds a copy of the sharded state of {why}, so "
-                        "the newest commit is its only copy; restart 1 of 3 now after: rank 1 failed")
+                        "only a restart restores it (from the node's memory tier, else the newest commit); restart 1 "
+                        "of 3 now after: rank 1 failed")
 
 
 def test_sharded_state_never_shrinks() -> None:

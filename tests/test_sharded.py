@@ -228,3 +228,31 @@ def test_restore_onto_another_mesh(tmp_path):
     assert (restored["params"], restored["optimizer"]) == (saved["params"], saved["optimizer"])
     detail = inspect_checkpoint(LocalStorage(tmp_path / "ckpt"), "step_0000000006")
     assert {t.placements for t in detail.sharded} == {("R", "S(0)")}
+
+
+def test_kept_local_shards_go_back_only_onto_the_layout_they_were_kept_from(tmp_path):
+    """The memory tier keeps each rank's local tensors with their layout; putting them back onto another layout
+    (placements, mesh, model) is refused by name, so the restore falls back to the durable tier, which reshards."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from resilient.checkpoint.sharded import key_of, put_back_local, split_local
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+        rest, local, layout = split_local({"model": {"w": w, "n": 3}})
+        assert rest == {"model": {"w": None, "n": 3}}
+        key = key_of(("model", "w"))
+        back = put_back_local({key: w}, [t.clone() for t in local], layout)
+        assert torch.equal(back[key].full_tensor(), w.full_tensor()) and back[key].placements == w.placements
+        replicated = distribute_tensor(torch.zeros(4, 3), mesh, [Replicate()])
+        with pytest.raises(ValueError, match=r"was kept as .*S\(0\).* the live tensor is .*'R'"):
+            put_back_local({key: replicated}, local, layout)
+        with pytest.raises(ValueError, match="another model"):
+            put_back_local({key: w, key_of(("model", "v")): w}, local, layout)
+    finally:
+        dist.destroy_process_group()

@@ -47,23 +47,36 @@ def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_pure_fsdp_has_no_replica_so_a_lost_rank_restarts_from_the_newest_commit(tmp_path: Path,
-                                                                                   fsdp_reference: Path) -> None:
-    out, proc = elastic_run(tmp_path, "fsdp", "--nproc-per-node", "2", "--spares", "1", die=("w1", "kill"),
+@pytest.mark.parametrize("tier", ["memory", "durable"])
+def test_pure_fsdp_has_no_replica_so_a_lost_rank_restarts_from_memory_or_the_newest_commit(
+        tmp_path: Path, fsdp_reference: Path, tier: str) -> None:
+    flags = () if tier == "memory" else ("--no-memory-tier",)
+    out, proc = elastic_run(tmp_path, "fsdp", "--nproc-per-node", "2", "--spares", "1", *flags, die=("w1", "kill"),
                             extra=("--mesh", "2", "--spares-ready", "1"))
     assert proc.returncode == 0, explain(proc)
     run = out / "run"
     why = ("in-process recovery impossible: no survivor holds a copy of the sharded state of rank 1 (pure FSDP: "
-           "each shard exists on one rank only), so the newest commit is its only copy")
+           "each shard exists on one rank only), so only a restart restores it (from the node's memory tier, else "
+           "the newest commit)")
     decided = events(run, "recovery_decided")
     assert [d["action"] for d in decided] == ["restart"] and decided[0]["reason"].startswith(why), decided
     [incident] = incidents(run)
     assert incident["decision"]["action"] == "restart" and incident["ladder"]["reason"].startswith(why), incident
     assert f"not recovered in process: {why}" in proc.stderr  # the incident as the console shows it
     assert len(events(run, "restart")) == 1 and not events(run, "recovered_in_process")
-    # The restart resumed from the newest commit (every 3 steps: step 3) and re-did steps 3 and 4.
     lines = trace(out)
-    assert [line["step"] for line in lines if line["rank"] == 0] == [0, 1, 2, 3, 3, 4, 5, 6, 7]
+    [restored] = [e for e in events(run, "restored") if e["generation"] == 2]
+    if tier == "memory":
+        # Each rank's shards as it kept them in the node's memory tier, put back without a reshard: the newest
+        # boundary both ranks published, 4 (rank 1 was killed in step 4) or 3 when its save at 4 had not been
+        # published yet; at most the step in which rank 1 died is done again.
+        assert restored["checkpoint"] in ("memory:step_0000000003", "memory:step_0000000004"), restored
+        steps = [line["step"] for line in lines if line["rank"] == 0]
+        assert sorted(set(steps)) == list(range(8)) and len(steps) <= 9, steps
+    else:
+        # The newest commit (every 3 steps: step 3): steps 3 and 4 re-done.
+        assert restored["checkpoint"] == "step_0000000003", restored
+        assert [line["step"] for line in lines if line["rank"] == 0] == [0, 1, 2, 3, 3, 4, 5, 6, 7]
     last = {(line["step"], line["rank"]): (line["indices"], line["losses"]) for line in lines}
     want = {(line["step"], line["rank"]): (line["indices"], line["losses"]) for line in trace(fsdp_reference)}
     assert last == want

@@ -446,18 +446,22 @@ class MemoryRestored:
     replicated: Any
     rank_state: Any
     counters: dict[str, int]
+    prepared: Any = None
+    """What ``restore_memory``'s ``prepare`` made of the loaded state (the sharded tensors, for one)."""
 
 
 def restore_memory(tier: MemoryTier, coord: Coordinator, events: EventLog, *, fingerprint: str | None,
-                   not_before: int | None, agree: Callable[[Coordinator, str, str], tuple[str, str]]
-                   ) -> MemoryRestored | None:
+                   not_before: int | None, agree: Callable[[Coordinator, str, str], tuple[str, str]],
+                   prepare: Callable[[Any, Any], Any] | None = None) -> MemoryRestored | None:
     """The newest step every rank holds in its memory tier (saved by the same generation everywhere), not older
     than ``not_before`` (the durable commit's step), verified on every rank; None (the durable tier then) when
     there is none.
 
     Collective on ``coord``: rank 0 intersects the ranks' holdings, every rank loads the chosen step, and the
-    ranks' verdicts are combined by ``agree`` (the durable restore's).  A step that fails anywhere is reported
-    and the next older common one tried; one older than the durable commit never is.
+    ranks' verdicts are combined by ``agree`` (the durable restore's).  ``prepare(replicated, rank_state)``, where
+    given, runs on every rank before the verdict (its error fails the step everywhere, as damage does).  A step
+    that fails anywhere is reported and the next older common one tried; one older than the durable commit never
+    is.
     """
     mine = tier.holdings(rank=coord.rank, world_size=coord.world_size, fingerprint=fingerprint)
     gathered = coord.gather(json.dumps(mine).encode())
@@ -468,9 +472,11 @@ def restore_memory(tier: MemoryTier, coord: Coordinator, events: EventLog, *, fi
     candidates = json.loads(coord.broadcast(chosen.encode() if chosen is not None else None))
     problems: list[str] = []
     for step, generation in candidates:
-        status, detail, loaded = "ok", "", None
+        status, detail, loaded, prepared = "ok", "", None, None
         try:
             loaded = tier.load(step, generation, coord.rank)
+            if prepare is not None:
+                prepared = prepare(loaded[0], loaded[1])
         except CheckpointCorruptError as e:
             status, detail = "corrupt", f"rank {coord.rank}: {e.file}: {e.problem}"
         except Exception as e:  # noqa: BLE001  the peers must hear of it
@@ -480,7 +486,7 @@ def restore_memory(tier: MemoryTier, coord: Coordinator, events: EventLog, *, fi
             assert loaded is not None
             events.emit(EventKind.MEMORY_TIER_RESTORED, step=step, generation=generation, durable_step=not_before,
                         skipped=problems, directory=str(tier.root))
-            return MemoryRestored(step, loaded[0], loaded[1], loaded[2])
+            return MemoryRestored(step, loaded[0], loaded[1], loaded[2], prepared)
         problems.append(f"step {step}: {why}")
     if problems:
         events.emit(EventKind.MEMORY_TIER_FALLBACK, durable_step=not_before, problems=problems,

@@ -130,6 +130,61 @@ def split(tree: Any, rank: int) -> Split:
     return Split(replicated, local, table)
 
 
+LAYOUT = "shard_layout"
+"""Key of the layout of a rank's local tensors in its memory-tier rank tree (:func:`split_local`)."""
+
+
+def _layout_of(dt: Any) -> dict[str, Any]:
+    chunks = dt.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise ConfigError(f"cannot keep a DTensor with {len(chunks)} local chunks")
+    return {"dtype": DTYPE_NAMES.get(dt.dtype, str(dt.dtype)), "shape": list(dt.shape),
+            "placements": [str(p) for p in dt.placements], "mesh": list(dt.device_mesh.shape),
+            "offsets": list(chunks[0].offsets), "sizes": list(chunks[0].sizes)}
+
+
+def split_local(tree: Any) -> tuple[Any, list[torch.Tensor], list[dict[str, Any]]]:
+    """The memory tier's split of a state tree holding DTensors: the replicated tree (every DTensor None), and
+    every DTensor's local tensor on this rank with its layout, whether or not this rank writes that chunk to a
+    durable checkpoint (a restart at the same world and mesh puts each back where it was, with no reshard)."""
+    local: list[torch.Tensor] = []
+    layout: list[dict[str, Any]] = []
+
+    def keep(path: tuple[Any, ...], leaf: Any) -> Any:
+        if not is_dtensor(leaf):
+            return leaf
+        layout.append({"key": key_of(path), **_layout_of(leaf)})
+        local.append(leaf.to_local())
+        return None
+
+    return _replace(tree, keep), local, layout
+
+
+def put_back_local(targets: dict[str, Any], local: list[Any], layout: list[Any]) -> dict[str, Any]:
+    """New DTensors like ``targets`` (the live ones, by key) holding a rank's local tensors as
+    :func:`split_local` kept them.  Raises ValueError naming the first difference when they were kept under
+    another layout (another mesh, world or model): the caller restores from the durable tier then."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(local, list) or not isinstance(layout, list) or len(local) != len(layout):
+        raise ValueError("the kept local tensors do not match their layout")
+    kept = {str(entry.get("key")): (entry, tensor) for entry, tensor in zip(layout, local) if isinstance(entry, dict)}
+    if set(kept) != set(targets):
+        raise ValueError(f"kept {len(kept)} sharded tensors, the live state has {len(targets)} (another model)")
+    out = {}
+    for key, target in targets.items():
+        entry, tensor = kept[key]
+        live = _layout_of(target)
+        saved = {name: entry.get(name) for name in live}
+        if saved != live:
+            raise ValueError(f"{key} was kept as {saved}, the live tensor is {live}")
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != target.to_local().shape:
+            raise ValueError(f"{key}: the kept local tensor is not {list(target.to_local().shape)}")
+        out[key] = DTensor.from_local(tensor.to(target.device), target.device_mesh, target.placements,
+                                      run_check=False, shape=target.shape, stride=target.stride())
+    return out
+
+
 def _writes(dt: Any, ordinal: int) -> bool:
     """Whether this rank writes its chunk of ``dt``: along every mesh dimension that replicates it, the
     replica at coordinate ``ordinal % size`` writes, so replicas share the writing."""

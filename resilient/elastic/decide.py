@@ -188,7 +188,7 @@ def _inproc_blockers(obs: Observation, cfg: LadderConfig) -> list[str]:
         why = ("pure FSDP: each shard exists on one rank only" if all(len(g) == 1 for g in obs.replicas or ())
                else "every replica of it was lost")
         blockers.append(f"no survivor holds a copy of the sharded state of {ranks_text(alone, verb=False)} ({why}), "
-                        "so the newest commit is its only copy")
+                        "so only a restart restores it (from the node's memory tier, else the newest commit)")
     if fault.kind is FaultKind.UNHEALTHY:
         moving = sorted(r for r in survivors if members.rank_nodes[r] in fault.nodes)
         if moving:
