@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from resilient.agent.config import AgentConfig
-from resilient.agent.memory_replica import REPLICAS, PeerTier, node_stems
+from resilient.agent.memory_peers import REPLICAS, PeerTier, common, node_stems, records_in
 from resilient.agent.memory_tier import NodeMemory
 from resilient.checkpoint import memory as mem
 from resilient.cli.status_cmd import render
@@ -42,7 +42,7 @@ class Node:
         self.root = self.memory.path
         self.replication = self.memory.replicate(host="127.0.0.1", token=token, nproc=1, address_of=addresses.get,
                                                  live=lambda: frozenset(live))
-        self.replication._poll_s = poll_s
+        self.replication.poll_s = poll_s
         self.replication.serve()
         addresses[name] = self.replication.address
 
@@ -109,8 +109,11 @@ def test_the_successor_copies_the_newest_pinned_step_verified_and_a_lost_node_is
     live.discard("a")
     a.replication.close()
     c = make(cluster, "c")
+    for stale in ("rank00005.0.json", "rank00005.0.shard"):  # a rank b ran long ago: nobody restores it from b
+        (b.root / stale).write_bytes(b"old")
     b.replication.stage(0, ("b", "c"), ("a", "b"), generation=2)
     c.replication.stage(1, ("b", "c"), ("a", "b"), generation=2)
+    assert not list(b.root.glob("rank00005.*")) and list(b.root.glob("rank00001.*"))  # c fetched rank 1 from b
     [(_, staged_b)] = [e for e in b.events if e[0] == EventKind.MEMORY_REPLICA_STAGED]
     assert staged_b["staged"]["rank00000"]["from"] == "this node's copy" and not staged_b["missing"]
     [(_, staged_c)] = [e for e in c.events if e[0] == EventKind.MEMORY_REPLICA_STAGED]
@@ -124,6 +127,13 @@ def test_the_successor_copies_the_newest_pinned_step_verified_and_a_lost_node_is
         want = payloads(20, rank)
         assert same(own, want["rank"]) and counters["step"] == 20
         assert same(replicated, payloads(20, 1)["replicated"])  # b's: b kept its own, c fetched it from b
+    # b now copies c's pinned steps; a's copy stays for this round (another node could still be staging from it)
+    assert b.replication.pull().node == "c"
+    assert {d.name for d in (b.root / REPLICAS).iterdir()} == {"a", "c"}
+    # A round of another size (a third node, e, left): the memory tier never restores across world sizes, so b
+    # fetches nothing, although c, which ran the rank b runs now, is alive and serving.
+    b.replication.stage(1, ("c", "b"), ("b", "c", "e"), generation=3)
+    assert [e for e in b.events if e[0] == EventKind.MEMORY_REPLICA_STAGED and e[1]["generation"] == 3] == []
 
 
 def test_without_a_copy_a_lost_node_is_missing_and_said_so(cluster):
@@ -168,8 +178,9 @@ def test_a_copy_whose_bytes_changed_is_not_kept(cluster):
 
 def test_a_node_without_room_for_the_copy_says_so_once_and_keeps_none(cluster):
     a = make(cluster, "a")
-    b = make(cluster, "b", limit=4096, poll_s=0.01)  # a page: the node's replicated state takes more
+    b = make(cluster, "b", limit=4096 * 8, poll_s=0.01)  # b's own saves take up to 6 slots of 2 files
     a.train(0, range(1, 11))
+    b.train(1, range(1, 11))
     for node in (a, b):
         node.replication.follow(("a", "b"))
     b.replication.start()
@@ -179,7 +190,7 @@ def test_a_node_without_room_for_the_copy_says_so_once_and_keeps_none(cluster):
     time.sleep(0.2)  # about 20 more passes, each failing the same way: said once
     b.replication.close()
     failed = [f for k, f in b.events if k == EventKind.MEMORY_REPLICA_FAILED]
-    assert len(failed) == 1 and "no room" in failed[0]["reason"]
+    assert len(failed) == 1 and "no room" in failed[0]["reason"] and "own saves take up to" in failed[0]["reason"]
     assert b.replication.copy is None
 
 
@@ -194,3 +205,38 @@ def test_a_copy_that_cannot_be_kept_is_refused_at_start_naming_the_fix(tmp_path,
         AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n0", run_dir=tmp_path, **fields)
     AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n0", run_dir=tmp_path, memory_replicas=1,
                 store_url="etcd://127.0.0.1:2379", max_nodes=2)
+
+
+def test_a_copy_stopped_midway_never_writes_over_the_newest_step_it_held_whole(cluster):
+    """Each pull that stops after its first file (the second one's bytes damaged at the peer) leaves the copy
+    with files of different steps; the step held whole before stays whole, and staging takes it."""
+    a, b = make(cluster, "a"), make(cluster, "b")
+    for node in (a, b):
+        node.replication.follow(("a", "b"))
+    a.train(0, range(1, 21))
+    b.train(1, range(1, 21))
+    assert b.replication.pull().version == (20, 1)
+
+    def damage_replicated(step: int) -> None:
+        pinned = next(r for r in mem.read_records(a.root, "replicated") if r.step == step)
+        shard = a.root / f"replicated.{pinned.slot}.shard"
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+
+    copy = b.root / REPLICAS / "a"
+    for upto, pin in ((31, 30), (41, 40)):
+        a.train(0, range(upto - 10, upto), generation=1)
+        damage_replicated(pin)
+        with pytest.raises(ValueError, match="do not match their digest"):
+            b.replication.pull()  # rank00000 at the new pin copied, the replicated file refused
+        assert common(records_in(copy), node_stems(0, 1)) == [(20, 1)], records_in(copy)
+    # a is lost; b runs its rank from the copy: the step every file of it holds, 20
+    _, live, _, _ = cluster
+    live.discard("a")
+    c = make(cluster, "c")
+    b.replication.stage(0, ("b", "c"), ("a", "b"), generation=2)
+    [(_, staged)] = [e for e in b.events if e[0] == EventKind.MEMORY_REPLICA_STAGED]
+    assert staged["staged"]["rank00000"]["steps"][0] == 20, staged
+    assert (20, 1) in set(b.holdings(0))
+    del c

@@ -138,6 +138,23 @@ def test_a_save_at_an_earlier_step_drops_the_future_the_run_went_back_from(root)
     assert t.holdings(rank=0, world_size=1, fingerprint="f") == [(8, 0), (7, 0)]
 
 
+def test_a_restarted_rank_drops_pinned_futures_and_keeps_its_older_pin(root):
+    """Pinned steps a restarted process finds are its own to turn over: a save after a restore at step 15 drops
+    every pinned step past it (a future the run went back from), and the next pin takes a free slot, not the one
+    holding step 10."""
+    t = tier(root)
+    for step in range(1, 31):
+        save(t, step, pin_every=10)
+    t.close()
+    assert tier(root).holdings(rank=0, world_size=1, fingerprint="f") == [(30, 0), (29, 0), (28, 0), (27, 0),
+                                                                         (20, 0), (10, 0)]
+    again = tier(root)  # a new worker, restored at step 15
+    for step in range(16, 21):
+        save(again, step, pin_every=10)
+    again.close()
+    assert again.holdings(rank=0, world_size=1, fingerprint="f") == [(20, 0), (19, 0), (18, 0), (17, 0), (10, 0)]
+
+
 def test_a_node_without_room_says_so_and_keeps_to_the_durable_tier(root):
     events = EventLog()
     t = tier(root, limit=20_000, events=events)  # one slot of a rank's and the replicated state needs ~3 KiB each

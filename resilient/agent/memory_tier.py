@@ -123,7 +123,13 @@ class NodeMemory:
         if self.replication is not None:
             self.replication.close()
         used = mem.usage(self.path)
-        shutil.rmtree(self.path, ignore_errors=True)
+        # Renamed first: a copy from a peer still finishing (its agent stops it) cannot re-create a folder here.
+        gone = self.path.with_name(f"{self.path.name}.released-{os.getpid()}")
+        try:
+            os.rename(self.path, gone)
+        except OSError:
+            gone = self.path
+        shutil.rmtree(gone, ignore_errors=True)
         self._emit(EventKind.MEMORY_TIER_RELEASED, directory=str(self.path), bytes=used, reason=why)
 
     def _sweep(self) -> None:

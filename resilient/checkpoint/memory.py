@@ -305,7 +305,7 @@ class MemoryTier:
 
     def _held_of(self, stem: str) -> dict[int, int]:
         if stem not in self._held:
-            self._held[stem] = {r.slot: r.step for r in read_records(self.root, stem, tuple(range(SLOTS)))}
+            self._held[stem] = {r.slot: r.step for r in read_records(self.root, stem)}  # pinned slots too
         return self._held[stem]
 
     def _unpublish(self, stem: str, slot: int) -> None:
