@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,3 +241,20 @@ def test_a_copy_stopped_midway_never_writes_over_the_newest_step_it_held_whole(c
     assert staged["staged"]["rank00000"]["steps"][0] == 20, staged
     assert (20, 1) in set(b.holdings(0))
     del c
+
+
+def test_a_look_at_a_peer_waits_for_its_pinned_steps_to_change_not_for_every_save(cluster):
+    a = make(cluster, "a")
+    a.train(0, range(1, 11))
+    peer = PeerTier(a.replication.address, TOKEN)
+    peer.index()
+    state = peer.pinned
+    a.train(0, range(11, 15))  # turning saves only: the pinned steps are as they were
+    peer.index(state, 0.3)
+    assert peer.pinned == state  # answered when the wait ran out, with nothing pinned changed
+    pinning = threading.Thread(target=a.train, args=(0, range(15, 21)))  # step 20 is pinned while the look waits
+    pinning.start()
+    own, _ = peer.index(state, 10)
+    pinning.join()
+    assert peer.pinned != state
+    assert 20 in [r.step for r in own["rank00000"] if r.slot in mem.PINNED]

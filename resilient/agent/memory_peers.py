@@ -21,6 +21,8 @@ import json
 import os
 import re
 import threading
+import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -31,6 +33,12 @@ from ..checkpoint.digest import ChunkedHasher, hash_pool
 
 TIMEOUT_S = 30.0
 """A request to a peer's tier whose connection or any one read takes longer has failed."""
+WAIT_MAX_S = 10.0
+"""The longest an index request waits for the peer's pinned steps to change (``/index?since=V&wait=S``)."""
+WATCH_S = 0.02
+"""How often a waiting index request looks at the tier's pinned manifests."""
+VERSION = "X-Resilient-Pinned"
+"""The header naming the state of a tier's pinned manifests an index was read at."""
 READ_BYTES = 4 << 20
 """A file is received in reads of at most this many bytes (a cancelled copy stops between two)."""
 REPLICAS = "replicas"
@@ -78,6 +86,19 @@ def common(records: Mapping[str, Sequence[mem.SlotRecord]], stems: Sequence[str]
     """The versions every one of ``stems`` holds, newest first."""
     held = [{(r.step, r.generation) for r in records.get(stem, ())} for stem in stems]
     return sorted(set.intersection(*held), reverse=True) if held else []
+
+
+def pinned_state(root: Path) -> str:
+    """A name for the state of ``root``'s pinned manifests (which exist, and when each was written): it changes
+    when a pinned step is published or dropped, not at every save of the turning slots."""
+    h = hashlib.sha256()
+    with contextlib.suppress(OSError):
+        for entry in sorted(os.scandir(root), key=lambda e: e.name):
+            part = entry.name.split(".")
+            if len(part) == 3 and part[2] == "json" and part[1].isdigit() and int(part[1]) in mem.PINNED:
+                with contextlib.suppress(OSError):
+                    h.update(f"{entry.name}:{entry.stat(follow_symlinks=False).st_mtime_ns};".encode())
+    return h.hexdigest()[:16]
 
 
 def index_of(root: Path) -> dict[str, Any]:
@@ -180,11 +201,23 @@ class TierServer:
         if not hmac.compare_digest(request.headers.get(AUTH, ""), sign(self._token, request.path.encode())):
             request.send_error(403, "not signed with the run's token")
             return
-        if request.path == "/index":
+        if request.path == "/index" or request.path.startswith("/index?"):
+            query = urllib.parse.parse_qs(urllib.parse.urlsplit(request.path).query)
+            since = query.get("since", [""])[0]
+            try:
+                until = time.monotonic() + min(WAIT_MAX_S, max(0.0, float(query.get("wait", ["0"])[0])))
+            except ValueError:
+                request.send_error(400, "wait must be a number of seconds")
+                return
+            state = pinned_state(self.root)
+            while state == since and time.monotonic() < until:  # nothing pinned changed since the caller looked
+                time.sleep(WATCH_S)
+                state = pinned_state(self.root)
             body = json.dumps(index_of(self.root)).encode()
             request.send_response(200)
             request.send_header("Content-Type", "application/json")
             request.send_header("Content-Length", str(len(body)))
+            request.send_header(VERSION, state)
             request.send_header(SIGNATURE, sign(self._token, body))
             request.end_headers()
             request.wfile.write(body)
@@ -218,6 +251,8 @@ class PeerTier:
         self._host, self._port = host.strip("[]"), int(port)
         self._token = token
         self._timeout = timeout_s
+        self.pinned = ""
+        """The state of the peer's pinned manifests its newest index was read at (pass it as ``since``)."""
 
     def _get(self, path: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
@@ -228,13 +263,18 @@ class PeerTier:
             raise OSError(f"{self.address}{path}: HTTP {response.status} {response.reason}")
         return conn, response
 
-    def index(self) -> tuple[dict[str, list[mem.SlotRecord]], dict[str, dict[str, list[mem.SlotRecord]]]]:
-        """The peer's own slots and its copies of others', from an index signed with the run token."""
-        conn, response = self._get("/index")
+    def index(self, since: str | None = None, wait_s: float = 0.0
+              ) -> tuple[dict[str, list[mem.SlotRecord]], dict[str, dict[str, list[mem.SlotRecord]]]]:
+        """The peer's own slots and its copies of others', from an index signed with the run token.  ``since``:
+        the :attr:`pinned` state of an index read before; the peer answers when its pinned steps changed from it,
+        or after ``wait_s``."""
+        path = "/index" if since is None else f"/index?since={urllib.parse.quote(since)}&wait={wait_s:g}"
+        conn, response = self._get(path)
         with contextlib.closing(conn):
             body = response.read()
         if not hmac.compare_digest(response.headers.get(SIGNATURE, ""), sign(self._token, body)):
             raise OSError(f"{self.address}: its index is not signed with the run's token")
+        self.pinned = response.headers.get(VERSION, "")
         parsed = json.loads(body)
         return _decode(parsed[OWN]), {node: _decode(found) for node, found in parsed[REPLICAS].items()}
 

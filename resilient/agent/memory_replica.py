@@ -66,7 +66,9 @@ from .memory_peers import (
 PIN_EVERY = 10
 """Steps between pinned steps when ``--memory-pin-every`` is not given."""
 POLL_S = 0.25
-"""How often an agent looks for a newer pinned step of its predecessor."""
+"""The least time between two looks at the predecessor's tier (each look waits there up to ``WAIT_S`` for its
+pinned steps to change, so a new one is seen within a few tens of milliseconds)."""
+WAIT_S = 2.0
 STAGE_S = 60.0
 """A restart's staging gives up on what it has not fetched after this long (those ranks restore from the
 durable tier)."""
@@ -116,6 +118,8 @@ class MemoryReplication:
         self._kept: set[str] = set()
         """Copies kept besides the predecessor's: the one before's, which other nodes may still be staging from."""
         self.copy: Copy | None = None
+        self._seen: tuple[str, str] | None = None
+        """(predecessor, the state of its pinned manifests) as the newest look found it."""
         self._said: set[str] = set()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="memory-replica", daemon=True)
@@ -177,7 +181,8 @@ class MemoryReplication:
 
     # ------------------------------------------------------------ copying the predecessor's pinned steps
     def _loop(self) -> None:
-        while not self._done.wait(self.poll_s):
+        while not self._done.is_set():
+            started = time.monotonic()
             with self._lock:
                 found = self._predecessor(self._members)
             name = found[0] if found is not None else "-"
@@ -191,6 +196,8 @@ class MemoryReplication:
                 self._say_once(f"{type(e).__name__}:{name}", f"copying {name}'s memory tier failed: "
                                f"{type(e).__name__}: {e} (tried again every {self.poll_s} s; said once until a "
                                "copy succeeds)")
+            # A look waits at the peer until its pinned steps change; one that came back at once waits here.
+            self._done.wait(max(0.02, self.poll_s - (time.monotonic() - started)))
 
     def pull(self) -> Copy | None:
         """Copy the predecessor's newest pinned step, when newer than the copy held; returns the new copy."""
@@ -206,12 +213,14 @@ class MemoryReplication:
             self._say_once(f"address:{node}", f"{node} publishes no address for its memory tier (an agent "
                            "without --memory-replicas 1?): no copy of it is kept")
             return None
-        own, _ = peer.index()
+        seen = self._seen
+        own, _ = peer.index(seen[1], WAIT_S) if seen is not None and seen[0] == node else peer.index()
         stems = node_stems(at, self.nproc)
         pinned = {stem: [r for r in own.get(stem, []) if r.slot in mem.PINNED] for stem in stems}
         versions = common(pinned, stems)
         held = self.copy
         if not versions or (held is not None and held.node == node and held.version >= versions[0]):
+            self._seen = (node, peer.pinned)
             return None
         version = versions[0]
         directory = self.root / REPLICAS / node
@@ -224,6 +233,7 @@ class MemoryReplication:
             record = next(r for r in pinned[stem] if (r.step, r.generation) == version)
             plan.append((record, free_pinned(have.get(stem, []), whole, COPY_SLOTS)))
         if not self._room_for(mine, directory, plan):
+            self._seen = (node, peer.pinned)  # looked at again when its pinned steps change
             return None
         started = time.monotonic()
         for record, slot in plan:
@@ -231,6 +241,7 @@ class MemoryReplication:
                 raise Cancelled(f"copying {node}'s step {version[0]}")
             place(self.root, self.limit, directory, record, slot, peer.fill(OWN, record, self._done.is_set))
         copy = Copy(node, version, sum(r.size for r, _ in plan), time.monotonic() - started)
+        self._seen = (node, peer.pinned)
         first = held is None or held.node != node
         self.copy = copy
         self._said.clear()  # a failure after this one is said again
@@ -328,7 +339,8 @@ class MemoryReplication:
                     record = next(r for r in source.offered[stem] if (r.step, r.generation) == version)
                     slot = free_pinned(mem.read_records(self.root, stem, mem.PINNED), keep)
                     place(self.root, self.limit, self.root, record, slot, source.fill(record))
-                staged[stem] = {"steps": [v[0] for v in chosen], "from": source.name}
+                sizes = [r.size for r in source.offered[stem] if (r.step, r.generation) in keep]
+                staged[stem] = {"steps": [v[0] for v in chosen], "from": source.name, "bytes": sum(sizes)}
         except (LookupError, TimeoutError, Cancelled, mem.NoRoom, *_FAILURES) as e:
             why = str(e) if isinstance(e, LookupError) else f"{type(e).__name__}: {e}"
             for stem in stems:
