@@ -325,6 +325,8 @@ class WorkerGroup:
         (``D``) on a dead filesystem or driver, with their state from /proc:
         the caller must not start new workers beside them.
         """
+        for spare in self.spares.values():
+            spare.signal(signal.SIGKILL)  # it holds nothing of the run's to save: gone at once, not after a grace
         self.signal(signal.SIGTERM)
         self.signal(signal.SIGCONT)
         deadline = self._clock() + grace_s
@@ -333,7 +335,8 @@ class WorkerGroup:
             return any(w.exit is None for w in self.everyone())
 
         while alive() and self._clock() < deadline:
-            time.sleep(0.02)
+            self.changed.wait(0.02)  # each worker's waiter sets it when it exits (after recording the exit)
+            self.changed.clear()
         if alive():
             self.signal(signal.SIGKILL)
         kill_deadline = time.monotonic() + self._kill_wait_s
