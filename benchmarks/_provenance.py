@@ -67,3 +67,19 @@ def write_results(out_dir: str | Path, name: str, res: dict, render) -> Path:  #
     base.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
     base.with_suffix(".md").write_text(render(res))
     return base
+
+
+def run_record(script: str, argv: list[str], started: float, load_before: dict) -> dict:
+    """What every result file records about its run: commit, uncommitted code, command, load, duration."""
+    import time
+
+    return {"commit": commit(), "uncommitted": uncommitted_code_changes(),
+            "command": f"python benchmarks/{script} " + " ".join(argv), "load_before": load_before,
+            "load_after": load_now(), "seconds": round(time.time() - started, 1)}
+
+
+def run_line(result: dict) -> str:
+    """The line under a result's title that says where and how it was measured."""
+    return (f"commit `{result['commit']}`; `{result['command']}`; {result['seconds']} s; load before "
+            f"{result['load_before']['loadavg']}, after {result['load_after']['loadavg']}")
+

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
-from _provenance import commit, load_now, uncommitted_code_changes
+from _provenance import load_now, run_line, run_record
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -116,17 +116,14 @@ def main() -> int:
     with_copy, without = summary["with a copy"], summary["without"]
     met = (with_copy["from_memory"] == with_copy["bitwise"] == with_copy["runs"] == without["bitwise"]
            and with_copy["median_redone"] < without["median_redone"])
-    result = {"commit": commit(), "uncommitted": uncommitted_code_changes(),
-              "command": "python benchmarks/memory_replica_bench.py " + " ".join(sys.argv[1:]),
-              "load_before": load_before, "load_after": load_now(), "seconds": round(time.time() - started, 1),
+    result = {**run_record("memory_replica_bench.py", sys.argv[1:], started, load_before),
               "runs": runs, "summary": summary, "met": met,
               "redone_ratio": round(with_copy["median_redone"] / without["median_redone"], 3)
               if without["median_redone"] else None}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory_replica_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# A node lost with its agent: memory state from a peer's copy, against none", "",
-             (f"commit `{result['commit']}`; `{result['command']}`; {result['seconds']} s; load before "
-              f"{load_before['loadavg']}, after {result['load_after']['loadavg']}"), "",
+             run_line(result), "",
              "| mode | run | fault → next new step (s) | last step before | restored | re-done | staging (s, bytes) | equal |",
              "|---|---|---|---|---|---|---|---|"]
     for mode, found in runs.items():

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _provenance import commit, load_now, uncommitted_code_changes
+from _provenance import load_now, run_line, run_record
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -96,15 +96,12 @@ def main() -> int:
         summary[name] = {"median_s": round(statistics.median(seconds), 3), "max_s": max(seconds),
                          "target_s": target, "met": in_time and redone_ok
                          and all(r["equal"] and r["rung"] == RUNG[name] and r["passed"] for r in found)}
-    result = {"commit": commit(), "uncommitted": uncommitted_code_changes(),
-              "command": "python benchmarks/node_loss_bench.py " + " ".join(sys.argv[1:]),
-              "load_before": load_before, "load_after": load_now(), "seconds": round(time.time() - started, 1),
+    result = {**run_record("node_loss_bench.py", sys.argv[1:], started, load_before),
               "runs": runs, "summary": summary}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "node_loss_bench.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# A whole node lost: fault to the next new step", "",
-             (f"commit `{result['commit']}`; `{result['command']}`; {result['seconds']} s; load before "
-              f"{load_before['loadavg']}, after {result['load_after']['loadavg']}"), "",
+             run_line(result), "",
              "| drill | run | fault → decision (s) | fault → next new step (s) | rung | re-done | equal |",
              "|---|---|---|---|---|---|---|"]
     for name, found in runs.items():

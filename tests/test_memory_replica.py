@@ -82,6 +82,16 @@ def make(cluster, name: str, **kw) -> Node:
     return node
 
 
+def trained_pair(cluster, steps: range) -> tuple[Node, Node]:
+    """Nodes a and b, in that order, each rank having trained ``steps``."""
+    a, b = make(cluster, "a"), make(cluster, "b")
+    a.train(0, steps)
+    b.train(1, steps)
+    for node in (a, b):
+        node.replication.follow(("a", "b"))
+    return a, b
+
+
 def test_pinned_steps_stay_while_the_other_slots_turn_over(cluster):
     a = make(cluster, "a")
     a.train(0, range(1, 26))
@@ -89,11 +99,7 @@ def test_pinned_steps_stay_while_the_other_slots_turn_over(cluster):
 
 
 def test_the_successor_copies_the_newest_pinned_step_verified_and_a_lost_node_is_staged_from_it(cluster):
-    a, b = make(cluster, "a"), make(cluster, "b")
-    a.train(0, range(1, 26))
-    b.train(1, range(1, 26))
-    for node in (a, b):
-        node.replication.follow(("a", "b"))
+    a, b = trained_pair(cluster, range(1, 26))
     copy = b.replication.pull()
     assert copy is not None and copy.node == "a" and copy.version == (20, 1)
     assert b.replication.pull() is None  # nothing newer
@@ -161,11 +167,7 @@ def test_a_request_not_signed_with_the_run_token_is_refused(cluster):
 
 
 def test_a_copy_whose_bytes_changed_is_not_kept(cluster):
-    a, b = make(cluster, "a"), make(cluster, "b")
-    a.train(0, range(1, 11))
-    b.train(1, range(1, 11))
-    for node in (a, b):
-        node.replication.follow(("a", "b"))
+    a, b = trained_pair(cluster, range(1, 11))
     pinned = next(r for r in mem.read_records(a.root, "rank00000") if r.slot in mem.PINNED)
     shard = a.root / f"rank00000.{pinned.slot}.shard"
     data = bytearray(shard.read_bytes())
@@ -211,11 +213,7 @@ def test_a_copy_that_cannot_be_kept_is_refused_at_start_naming_the_fix(tmp_path,
 def test_a_copy_stopped_midway_never_writes_over_the_newest_step_it_held_whole(cluster):
     """Each pull that stops after its first file (the second one's bytes damaged at the peer) leaves the copy
     with files of different steps; the step held whole before stays whole, and staging takes it."""
-    a, b = make(cluster, "a"), make(cluster, "b")
-    for node in (a, b):
-        node.replication.follow(("a", "b"))
-    a.train(0, range(1, 21))
-    b.train(1, range(1, 21))
+    a, b = trained_pair(cluster, range(1, 21))
     assert b.replication.pull().version == (20, 1)
 
     def damage_replicated(step: int) -> None:
