@@ -103,7 +103,10 @@ def test_a_real_run_writes_the_well_known_kind_strings(tmp_path: Path):
         {"kind": "kill", "rank": 0, "step": 7, "attempt": 0, "section": "step"}]}))
     run_dir = tmp_path / "run"
     worker_events = tmp_path / "worker_events.jsonl"
-    proc = run_agent(run_dir, "--node-id", "n0", "--fault-plan", str(plan),
+    # The restart must read the durable tier (its `checkpoint_restored` is one of the strings checked): with the
+    # memory tier on, it restores from memory whenever the tier's interval, chosen from the measured cost of a
+    # save, left it a step at or past the commit of step 5, and from the commit otherwise.
+    proc = run_agent(run_dir, "--node-id", "n0", "--fault-plan", str(plan), "--no-memory-tier",
                      script_args=("--steps", "10", "--every", "5", "--dir", str(tmp_path / "ckpt"), "--sync",
                                   "--trace", str(tmp_path / "trace"), "--events", str(worker_events)))
     assert proc.returncode == 0, explain(proc)
