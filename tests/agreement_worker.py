@@ -40,8 +40,8 @@ class Counting(LocalStorage):
 
     reads: dict[str, int] = {}
 
-    def read_file(self, name, path, chunk_bytes):
-        buf, digest = super().read_file(name, path, chunk_bytes)
+    def read_file(self, name, path, spec):
+        buf, digest = super().read_file(name, path, spec)
         Counting.reads[path] = Counting.reads.get(path, 0) + len(buf)
         return buf, digest
 

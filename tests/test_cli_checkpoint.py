@@ -174,7 +174,7 @@ def test_manifest_with_escaping_path(ckpt: Path, capsys: pytest.CaptureFixture[s
 
 def test_verify_storage_error_propagates(ckpt: Path) -> None:
     class Broken(LocalStorage):
-        def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
+        def read_file(self, name: str, path: str, spec: object) -> tuple[bytearray, object]:
             raise StorageError(f"could not read {path}: Input/output error")
 
     with pytest.raises(StorageError):

@@ -13,7 +13,11 @@ from hypothesis import strategies as st
 
 import resilient
 from resilient.checkpoint import manifest as mf
+from resilient.checkpoint.digest import digest_bytes
+from resilient.checkpoint.inspect import verify_checkpoint
+from resilient.checkpoint.storage import LocalStorage
 
+from .stores import LocalStore
 from .tiny import params, same, tiny_run, train
 
 NEWEST, PREVIOUS = "step_0000000006", "step_0000000003"
@@ -31,9 +35,9 @@ def pristine(store):
     return store, after_3
 
 
-def restore_expecting_fallback(store, after_3, reason_part: str) -> None:
+def restore_expecting_fallback(store, after_3, reason_part: str, **run_args) -> None:
     events = resilient.EventLog()
-    run = tiny_run(store.url, store.endpoint, events=events)
+    run = tiny_run(store.url, store.endpoint, events=events, **run_args)
     assert run.restored_from == PREVIOUS and run.step == 3
     assert same(params(run), after_3)
     (quarantined,) = events.of_kind("checkpoint_quarantined")
@@ -124,8 +128,108 @@ def test_different_world_size_is_a_clear_error(pristine):
 
     def two_ranks(body):
         body["world_size"] = 2
-        body["files"].append({"path": "rank00001.shard", "size": 1, "digest": "0" * 64, "rank": 1})
+        got = digest_bytes(b"x", body["chunk_bytes"], body["digest_algorithm"])
+        body["files"].append({"path": "rank00001.shard", "size": 1, "digest": got.digest, "blocks": list(got.blocks),
+                              "rank": 1})
 
     rewrite_manifest(store, two_ranks)
     with pytest.raises(resilient.CheckpointMismatchError, match="written by 2 ranks but this job has 1"):
         tiny_run(store.url, store.endpoint)
+
+
+# ----------------------------------------------- every format, every kind of damage
+FORMATS = ("xxh3-128", "sha256", "v2-sha256-unlisted")
+"""Format 4 with each digest, and a format-2 manifest of the kind written before block digests were listed."""
+BLOCK = 4096
+
+
+def _as_format_2(store: LocalStore, name: str) -> None:
+    """Rewrite a format-4 SHA-256 manifest as format 2 wrote it: no block digests, no index key."""
+    body = json.loads(store.read(name, "manifest.json"))
+    assert body["digest_algorithm"] == "sha256-chunked" and body["index"] is None
+    body["schema"] = mf.SCHEMA
+    del body["index"]
+    for entry in body["files"]:
+        del entry["blocks"]
+    body["manifest_digest"] = mf._content_digest(body)
+    store.write(name, "manifest.json", mf._canonical(body))
+
+
+@pytest.fixture(scope="module")
+def pristine_formats(tmp_path_factory):
+    """Per format: a local location with commits at 3 and 6 (files of several blocks), and the parameters after
+    step 3."""
+    out = {}
+    for fmt in FORMATS:
+        store = LocalStore(tmp_path_factory.mktemp(fmt) / "ckpt")
+        digest = "xxh3-128" if fmt == "xxh3-128" else "sha256"
+        run = tiny_run(store.url, hidden=256, chunk_bytes=BLOCK, digest=digest)
+        train(run, 3)
+        run.close()
+        after_3 = params(run)
+        train(run, 6)
+        run.close()
+        if fmt.startswith("v2"):
+            for name in (PREVIOUS, NEWEST):
+                _as_format_2(store, name)
+        out[fmt] = (store, after_3)
+    return out
+
+
+def _damage(store: LocalStore, data: st.DataObject) -> str:
+    """One kind of damage to one file of the newest checkpoint; returns what the verdict must name."""
+    rel = data.draw(st.sampled_from([k for k in store.keys(NEWEST) if k.endswith(".shard")]), label="file")
+    blob = bytearray(store.read(NEWEST, rel))
+    blocks = -(-len(blob) // BLOCK)
+    kind = data.draw(st.sampled_from(["flip", "truncate", "extend", "swap", "stale", "header"]), label="kind")
+    if kind == "flip":
+        offset = data.draw(st.integers(0, len(blob) - 1), label="offset")
+        blob[offset] ^= 1 << data.draw(st.integers(0, 7), label="bit")
+    elif kind == "truncate":
+        del blob[data.draw(st.integers(0, len(blob) - 1), label="length"):]
+    elif kind == "extend":
+        blob += bytes(data.draw(st.integers(1, 2 * BLOCK), label="extra"))
+    elif kind in ("swap", "stale") and blocks >= 2:
+        a, b = data.draw(st.lists(st.integers(0, blocks - 2), min_size=2, max_size=2, unique=True), label="blocks")
+        ra, rb = slice(a * BLOCK, (a + 1) * BLOCK), slice(b * BLOCK, (b + 1) * BLOCK)
+        if kind == "swap":
+            if blob[ra] == blob[rb]:  # identical blocks (zero padding): swapping changes nothing, so no damage
+                blob[ra.start] ^= 0xFF
+            blob[ra], blob[rb] = blob[rb], blob[ra]
+        else:  # a block of the same file in the checkpoint before: a write that landed half-way
+            older = store.read(PREVIOUS, rel)
+            if older[ra] == blob[ra]:
+                blob[ra.start] ^= 0xFF
+            blob[ra] = older[ra]
+    else:  # a forged header: another tensor table in the same bytes
+        start = blob.index(b'"tensors":') + len(b'"tensors":')
+        offset = blob.index(b'"offset":', start) + len(b'"offset":')
+        blob[offset] = ord("1") if blob[offset] != ord("1") else ord("2")
+    store.write(NEWEST, rel, bytes(blob))
+    return rel
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), fmt=st.sampled_from(FORMATS))
+def test_every_kind_of_damage_in_every_format_is_detected_and_the_restore_falls_back(pristine_formats, data, fmt):
+    template, after_3 = pristine_formats[fmt]
+    store = template.clone()
+    rel = _damage(store, data)
+    report = verify_checkpoint(LocalStorage(store.url), NEWEST)
+    assert not report.ok and rel in (report.problem or ""), report
+    assert verify_checkpoint(LocalStorage(store.url), PREVIOUS).ok
+    restore_expecting_fallback(store, after_3, rel, hidden=256)
+
+
+@pytest.mark.parametrize("fmt", ["xxh3-128", "sha256"])
+def test_a_forged_block_digest_in_a_resealed_manifest_is_detected(pristine_formats, fmt):
+    """Format 4: a manifest whose listed blocks do not give the file's digest is corrupt, whatever else holds."""
+    template, after_3 = pristine_formats[fmt]
+    store = template.clone()
+
+    def forge(body):
+        entry = body["files"][0]
+        entry["blocks"][-1] = "0" * len(entry["blocks"][-1])
+
+    rewrite_manifest(store, forge)
+    restore_expecting_fallback(store, after_3, "its digest is not that of its blocks", hidden=256)

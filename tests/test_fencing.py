@@ -62,15 +62,17 @@ def _storage(store):
 
 def _stage(storage, name: str, token: str):
     """A staged one-file checkpoint and its manifest, as a save would leave them."""
-    from resilient.checkpoint.manifest import FileEntry, Manifest, step_of
+    from resilient.checkpoint.digest import BlockSpec
+    from resilient.checkpoint.manifest import SCHEMA_BLOCKS, FileEntry, Manifest, step_of
 
+    spec = BlockSpec(block_bytes=4096)
     staging = storage.begin(name, token)
-    size, digest = storage.write_file(staging, "replicated.shard", [memoryview(b"x" * 100)], 4096)
-    size1, digest1 = storage.write_file(staging, "rank00000.shard", [memoryview(b"y" * 10)], 4096)
-    files = (FileEntry(staging.file_prefix + "replicated.shard", size, digest, None),
-             FileEntry(staging.file_prefix + "rank00000.shard", size1, digest1, 0))
+    files = tuple(FileEntry(staging.file_prefix + rel, got.size, got.digest, rank, got.blocks)
+                  for rel, data, rank in (("replicated.shard", b"x" * 100, None), ("rank00000.shard", b"y" * 10, 0))
+                  for got in [storage.write_file(staging, rel, [memoryview(data)], spec)])
     manifest = Manifest(name=name, step=step_of(name) or 0, world_size=1, files=files, parent=None,
-                        created_unix=time.time(), chunk_bytes=4096)
+                        created_unix=time.time(), chunk_bytes=4096, schema=SCHEMA_BLOCKS,
+                        digest_algorithm=spec.algorithm)
     return staging, manifest.to_bytes()
 
 
@@ -124,8 +126,8 @@ def test_s3_commit_whose_fence_moves_during_the_put_is_taken_back(s3_url):
     assert storage.list_committed() == []
 
 
-def _manager(url, endpoint=None, fence=None, events=None):
-    config = CheckpointConfig(dir=url, endpoint_url=endpoint, every_steps=None, keep=5)
+def _manager(url, endpoint=None, fence=None, events=None, digest="xxh3-128"):
+    config = CheckpointConfig(dir=url, endpoint_url=endpoint, every_steps=None, keep=5, digest=digest)
     return CheckpointManager(config, Coordinator(), events or resilient.EventLog(), fence=fence)
 
 
@@ -135,16 +137,19 @@ def _save(manager, step: int):
 
 
 def test_manifests_record_generation_and_launch_and_old_ones_still_read(store):
-    result = _save(_manager(store.url, store.endpoint, Fence(launch=L1, generation=4)), 3)
+    result = _save(_manager(store.url, store.endpoint, Fence(launch=L1, generation=4), digest="sha256"), 3)
     assert result.ok, result.error
     assert (result.manifest.generation, result.manifest.launch) == (4, L1)
     raw = store.read("step_0000000003", "manifest.json")
     assert (json.loads(raw)["generation"], json.loads(raw)["launch"]) == (4, L1)
 
-    # A manifest written before fencing (schema 1, no generation/launch) reads as generation 0 of no launch.
+    # A manifest written before fencing (schema 1, no generation/launch, SHA-256 without block digests listed)
+    # reads as generation 0 of no launch.
     body = json.loads(raw)
     body["schema"] = SCHEMA_V1
-    del body["generation"], body["launch"]
+    del body["generation"], body["launch"], body["index"]
+    for entry in body["files"]:
+        del entry["blocks"]
     body["manifest_digest"] = mf._content_digest(body)
     old = mf._canonical(body)
     parsed = parse_manifest(old, "step_0000000003")

@@ -61,7 +61,8 @@ def plant_deep_header(directory: Path, name: str, rel: str) -> None:
     (directory / name / rel).write_bytes(blob)
     body = json.loads((directory / name / "manifest.json").read_bytes())
     (entry,) = [f for f in body["files"] if f["path"] == rel]
-    entry["size"], entry["digest"] = len(blob), digest_bytes(blob, body["chunk_bytes"])
+    got = digest_bytes(blob, body["chunk_bytes"], body["digest_algorithm"])
+    entry["size"], entry["digest"], entry["blocks"] = len(blob), got.digest, list(got.blocks)
     body["manifest_digest"] = mf._content_digest(body)
     (directory / name / "manifest.json").write_bytes(mf._canonical(body))
 

@@ -46,7 +46,7 @@ def test_fsdp_resume_is_bitwise_equal(tmp_path, reference):
     # What was restored, gathered to full tensors, is what the first process ended with.
     assert saved.starts[1]["params"] == saved_end(tmp_path / "b")["params"]
     manifest = json.loads((tmp_path / "ckpt" / "step_0000000015" / "manifest.json").read_text())
-    assert manifest["schema"] == "resilient.checkpoint/3" and manifest["index"] == "sharded.index"
+    assert manifest["schema"] == "resilient.checkpoint/4" and manifest["index"] == "sharded.index"
     assert sorted(f["path"] for f in manifest["files"]) == [
         "rank00000.shard", "rank00001.shard", "replicated.shard", "sharded.index"]
     detail = inspect_checkpoint(LocalStorage(tmp_path / "ckpt"), "step_0000000015")

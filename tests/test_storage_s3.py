@@ -13,15 +13,15 @@ import pytest
 from botocore.exceptions import ClientError
 
 from resilient.checkpoint import s3, s3_client
-from resilient.checkpoint.digest import digest_bytes
-from resilient.checkpoint.manifest import FileEntry, Manifest, checkpoint_name, parse_manifest
+from resilient.checkpoint.digest import BlockSpec, digest_bytes
+from resilient.checkpoint.manifest import SCHEMA_BLOCKS, FileEntry, Manifest, checkpoint_name, parse_manifest
 from resilient.checkpoint.s3 import S3Storage
 from resilient.checkpoint.storage import Staging, StoreRetry, open_storage
 from resilient.checkpoint.store_retries import RetryReports
 from resilient.errors import CommitConflictError, StorageError
 from resilient.events import EventLog
 
-CHUNK = 1 << 20
+CHUNK = BlockSpec(block_bytes=1 << 20)
 MiB = 1 << 20
 
 
@@ -50,8 +50,9 @@ def stage(store: S3Storage, step: int, token: str, files: dict[str, bytes] | Non
     files = files or {"replicated.bin": b"r" * 10, "rank_00000.bin": os.urandom(1000)}
     entries = []
     for (rel, data), rank in zip(files.items(), (None, 0)):
-        size, digest = store.write_file(staging, rel, [memoryview(data)], CHUNK)
-        entries.append(FileEntry(path=staging.file_prefix + rel, size=size, digest=digest, rank=rank))
+        got = store.write_file(staging, rel, [memoryview(data)], CHUNK)
+        entries.append(FileEntry(path=staging.file_prefix + rel, size=got.size, digest=got.digest, rank=rank,
+                                 blocks=got.blocks))
     manifest = Manifest(
         name=name,
         step=step,
@@ -59,7 +60,9 @@ def stage(store: S3Storage, step: int, token: str, files: dict[str, bytes] | Non
         files=tuple(entries),
         parent=None,
         created_unix=time.time(),
-        chunk_bytes=CHUNK,
+        chunk_bytes=CHUNK.block_bytes,
+        schema=SCHEMA_BLOCKS,
+        digest_algorithm=CHUNK.algorithm,
     )
     return staging, manifest.to_bytes()
 
@@ -75,9 +78,10 @@ def test_small_file_roundtrip(s3_url: tuple[str, str]) -> None:
     staging = store.begin("step_0000000001", "tokA")
     assert staging.file_prefix == "tokA/"
     header, body = b"hdr" * 7, os.urandom(3 * MiB + 5)
-    size, digest = store.write_file(staging, "rank_00000.bin", [memoryview(header), memoryview(body)], CHUNK)
-    assert size == len(header) + len(body)
-    assert digest == digest_bytes(header + body, CHUNK)
+    digest = store.write_file(staging, "rank_00000.bin", [memoryview(header), memoryview(body)], CHUNK)
+    assert digest.size == len(header) + len(body)
+    assert digest == digest_bytes(header + body, CHUNK.block_bytes)
+    assert len(digest.blocks) == 4  # 3 MiB + 26 bytes in blocks of 1 MiB
     assert keys(s3_url) == ["ckpts/step_0000000001/tokA/rank_00000.bin"]
     buf, got = store.read_file("step_0000000001", "tokA/rank_00000.bin", CHUNK)
     assert isinstance(buf, bytearray) and buf == header + body and got == digest
@@ -86,8 +90,10 @@ def test_small_file_roundtrip(s3_url: tuple[str, str]) -> None:
 def test_empty_file_roundtrip(s3_url: tuple[str, str]) -> None:
     store = store_for(s3_url)
     staging = store.begin("step_0000000001", "tokA")
-    assert store.write_file(staging, "empty.bin", [], CHUNK) == (0, digest_bytes(b"", CHUNK))
-    assert store.read_file("step_0000000001", "tokA/empty.bin", CHUNK) == (bytearray(), digest_bytes(b"", CHUNK))
+    empty = digest_bytes(b"", CHUNK.block_bytes)
+    assert empty.size == 0 and len(empty.blocks) == 1
+    assert store.write_file(staging, "empty.bin", [], CHUNK) == empty
+    assert store.read_file("step_0000000001", "tokA/empty.bin", CHUNK) == (bytearray(), empty)
 
 
 def test_large_file_multipart(s3_url: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,8 +102,8 @@ def test_large_file_multipart(s3_url: tuple[str, str], monkeypatch: pytest.Monke
     # Odd segment sizes: pieces() yields short views at every segment boundary.
     segments = [b"H" * 100, os.urandom(20 * MiB + 3), os.urandom(21 * MiB), b"T" * 7]
     data = b"".join(segments)
-    size, digest = store.write_file(staging, "rank_00000.bin", [memoryview(s) for s in segments], CHUNK)
-    assert (size, digest) == (len(data), digest_bytes(data, CHUNK))
+    digest = store.write_file(staging, "rank_00000.bin", [memoryview(s) for s in segments], CHUNK)
+    assert digest.size == len(data) and digest == digest_bytes(data, CHUNK.block_bytes)
     key = "ckpts/step_0000000002/tokB/rank_00000.bin"
     head = client_for(s3_url).head_object(Bucket=bucket_of(s3_url), Key=key)
     assert head["ContentLength"] == len(data)
@@ -107,7 +113,7 @@ def test_large_file_multipart(s3_url: tuple[str, str], monkeypatch: pytest.Monke
     buf, got = store.read_file("step_0000000002", "tokB/rank_00000.bin", CHUNK)
     assert buf == data and got == digest
     monkeypatch.setattr(s3, "RANGE_BYTES", 4 * MiB)  # force parallel ranged GETs
-    buf, got = store.read_file("step_0000000002", "tokB/rank_00000.bin", 3 * MiB)
+    buf, got = store.read_file("step_0000000002", "tokB/rank_00000.bin", BlockSpec(block_bytes=3 * MiB))
     assert buf == data and got == digest_bytes(data, 3 * MiB)
 
 
@@ -136,8 +142,8 @@ def test_commit_lists_in_step_order(s3_url: tuple[str, str]) -> None:
     assert store.read_manifest(checkpoint_name(20)) == raws[20]
     manifest = parse_manifest(store.read_manifest(checkpoint_name(20)), checkpoint_name(20))
     for entry in manifest.files:
-        buf, digest = store.read_file(manifest.name, entry.path, manifest.chunk_bytes)
-        assert (len(buf), digest) == (entry.size, entry.digest)
+        buf, digest = store.read_file(manifest.name, entry.path, manifest.spec)
+        assert (len(buf), digest.digest, digest.blocks) == (entry.size, entry.digest, entry.blocks)
     assert store.read_manifest(checkpoint_name(999)) == b""
 
 

@@ -139,7 +139,7 @@ def place(root: Path, limit: int, directory: Path, record: mem.SlotRecord, slot:
         view = memoryview(mapped)
         try:
             fill(view)
-            hasher = ChunkedHasher(record.chunk_bytes, hash_pool("read"))
+            hasher = ChunkedHasher(record.chunk_bytes, hash_pool("read"), record.algorithm)
             hasher.update(view)
             ok = hasher.hexdigest() == record.digest
         finally:

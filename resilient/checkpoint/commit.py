@@ -16,8 +16,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CommitConflictError, FencedError, ResilientError
+from .digest import BlockSpec
 from .fence import Fence
-from .manifest import SCHEMA, SCHEMA_SHARDED, FileEntry, Manifest
+from .manifest import SCHEMA_BLOCKS, FileEntry, Manifest
 from .shard import plan_layout
 from .sharded import INDEX_FILE, merge
 from .storage import Staging, Storage
@@ -40,7 +41,7 @@ def set_fault_point(fn: Callable[[str, int], None] | None) -> None:
 
 
 def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[str, Any]], *, job: Job, name: str,
-                  parent: str | None, world_size: int, chunk_bytes: int, fence: Fence) -> dict[str, Any]:
+                  parent: str | None, world_size: int, spec: BlockSpec, fence: Fence) -> dict[str, Any]:
     """Commit ``job`` as checkpoint ``name`` if every rank's report is good; the outcome for every rank."""
     errors = [r["error"] for r in reports if r["error"]]
     if errors or staging is None:
@@ -49,11 +50,11 @@ def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[
         return {"ok": False, "error": "; ".join(errors) or "staging failed"}
     counters = {k: sum(int(r["counters"].get(k, 0)) for r in reports) for k in ("samples", "tokens")}
     counters["step"] = job.step
-    files = [FileEntry(**f) for r in reports for f in r["files"]]
+    files = [FileEntry(**{**f, "blocks": tuple(f["blocks"])}) for r in reports for f in r["files"]]
     index = None
     if any(r["index"] is not None for r in reports):
         try:
-            index = write_index(storage, staging, [r["index"] or [] for r in reports], chunk_bytes)
+            index = write_index(storage, staging, [r["index"] or [] for r in reports], spec)
         except Exception as e:  # noqa: BLE001  whatever it is, the staged files go and the peers hear why
             storage.abort(staging)
             return {"ok": False, "error": f"index of the sharded state of {name}: {e}"}
@@ -65,13 +66,14 @@ def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[
         files=tuple(files),
         parent=parent,
         created_unix=time.time(),
-        chunk_bytes=chunk_bytes,
+        chunk_bytes=spec.block_bytes,
         fingerprint=job.fingerprint,
         counters=counters,
         generation=fence.generation,
         launch=fence.launch,
         index=index.path if index is not None else None,
-        schema=SCHEMA_SHARDED if index is not None else SCHEMA,
+        schema=SCHEMA_BLOCKS,
+        digest_algorithm=spec.algorithm,
     )
     raw = manifest.to_bytes()
     if _fault_point is not None:
@@ -91,9 +93,10 @@ def decide_commit(storage: Storage, staging: Staging | None, reports: list[dict[
     return {"ok": True, "manifest": raw.decode()}
 
 
-def write_index(storage: Storage, staging: Staging, tables: list[list[dict[str, Any]]], chunk_bytes: int) -> FileEntry:
+def write_index(storage: Storage, staging: Staging, tables: list[list[dict[str, Any]]], spec: BlockSpec) -> FileEntry:
     """Merge the ranks' chunk tables into the sharded index and stage it as a shard without tensors."""
     skeleton, tensors = flatten(merge(tables), "index")
     layout = plan_layout(skeleton, tensors)
-    size, digest = storage.write_file(staging, INDEX_FILE, [memoryview(layout.header)], chunk_bytes)
-    return FileEntry(path=staging.file_prefix + INDEX_FILE, size=size, digest=digest, rank=None)
+    got = storage.write_file(staging, INDEX_FILE, [memoryview(layout.header)], spec)
+    return FileEntry(path=staging.file_prefix + INDEX_FILE, size=got.size, digest=got.digest, rank=None,
+                     blocks=got.blocks)

@@ -351,10 +351,9 @@ class CheckpointManager:
             staging = self.storage.begin(name, self.token)
             for key, snap in job.snapshots.items():
                 rel = file_name(key, rank)
-                size, digest = self.storage.write_file(staging, rel, snap.segments(), self.config.chunk_bytes)
-                files.append(
-                    {"path": staging.file_prefix + rel, "size": size, "digest": digest, "rank": None if key == REPLICATED else rank}
-                )
+                got = self.storage.write_file(staging, rel, snap.segments(), self.config.spec)
+                files.append({"path": staging.file_prefix + rel, "size": got.size, "digest": got.digest,
+                              "blocks": got.blocks, "rank": None if key == REPLICATED else rank})
         except (ResilientError, OSError) as e:
             error = f"rank {rank}: {e}"
         finally:
@@ -373,7 +372,7 @@ class CheckpointManager:
     def _decide_commit(self, job: Job, name: str, staging: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
         parent = self.last_committed.name if self.last_committed else None
         return decide_commit(self.storage, staging, reports, job=job, name=name, parent=parent,
-                             world_size=self.coord.world_size, chunk_bytes=self.config.chunk_bytes, fence=self.fence)
+                             world_size=self.coord.world_size, spec=self.config.spec, fence=self.fence)
 
     def _apply_retention(self, newest: str) -> None:
         try:

@@ -57,7 +57,7 @@ import torch
 from ..errors import CheckpointCorruptError
 from ..events import EventKind, EventLog
 from .coordinator import Coordinator
-from .digest import DEFAULT_CHUNK_BYTES, ChunkedHasher, hash_pool
+from .digest import DEFAULT, DEFAULT_CHUNK_BYTES, HEX_LENGTH, SHA256, ChunkedHasher, hash_pool
 from .shard import decode, plan_layout
 from .snapshot import copy_tensors
 from .tree import flatten, unflatten
@@ -99,6 +99,8 @@ class SlotRecord:
     chunk_bytes: int
     counters: dict[str, int]
     created_unix: float
+    algorithm: str = SHA256
+    """How ``digest`` was made (:mod:`.digest`; a manifest without it was written with SHA-256)."""
 
     def to_json(self) -> bytes:
         return json.dumps({"format": FORMAT, **self.__dict__}, sort_keys=True).encode()
@@ -115,11 +117,11 @@ class SlotRecord:
                          fingerprint=body["fingerprint"] if isinstance(body["fingerprint"], str) else None, size=int(body["size"]),
                          digest=str(body["digest"]), chunk_bytes=int(body["chunk_bytes"]),
                          counters={str(k): int(v) for k, v in dict(body["counters"]).items()},
-                         created_unix=float(body["created_unix"]))
+                         created_unix=float(body["created_unix"]), algorithm=str(body.get("algorithm", SHA256)))
         except (ValueError, TypeError, KeyError, AttributeError):
             return None
         ok = (record.stem == stem and record.slot == slot and record.step >= 0 and record.size > 0
-              and record.chunk_bytes > 0 and record.world_size > 0)
+              and record.chunk_bytes > 0 and record.world_size > 0 and record.algorithm in HEX_LENGTH)
         return record if ok else None
 
 
@@ -331,13 +333,13 @@ class MemoryTier:
         started = time.perf_counter()
         try:
             for stem, slot, target, size in written:
-                hasher = ChunkedHasher(self.chunk_bytes, hash_pool("write"))
+                hasher = ChunkedHasher(self.chunk_bytes, hash_pool("write"), DEFAULT)
                 view = target.view()
                 hasher.update(view[:size])
                 digest = hasher.hexdigest()
                 del view
                 entry = SlotRecord(stem=stem, slot=slot, step=step, size=size, digest=digest,
-                                   chunk_bytes=self.chunk_bytes, created_unix=time.time(), **record)
+                                   chunk_bytes=self.chunk_bytes, created_unix=time.time(), algorithm=DEFAULT, **record)
                 final = self.root / f"{stem}.{slot}.json"
                 temporary = final.with_suffix(".json.tmp")
                 temporary.write_bytes(entry.to_json())
@@ -416,7 +418,7 @@ class MemoryTier:
                 raise CheckpointCorruptError(name, path.name, f"unreadable ({e.strerror})") from None
             if got != record.size:
                 raise CheckpointCorruptError(name, path.name, f"{got} bytes, its manifest says {record.size}")
-            hasher = ChunkedHasher(record.chunk_bytes, hash_pool("read"))
+            hasher = ChunkedHasher(record.chunk_bytes, hash_pool("read"), record.algorithm)
             hasher.update(buf)
             if hasher.hexdigest() != record.digest:
                 raise CheckpointCorruptError(name, path.name, "digest mismatch (the bytes changed after the save)")

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 from ..errors import CommitConflictError, StorageError
-from .digest import ChunkedHasher, hash_pool
+from .digest import BlockSpec, ChunkedHasher, FileDigest, hash_pool
 from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
 from .s3_client import ABSENT, CONFLICT, S3Bucket
@@ -118,19 +118,17 @@ class S3Storage(S3Bucket, Storage):
             raise StorageError(f"invalid save token {token!r}")
         return Staging(name=name, token=token, file_prefix=f"{token}/")  # nothing to create on S3
 
-    def write_file(
-        self, staging: Staging, relpath: str, segments: Sequence[memoryview], chunk_bytes: int
-    ) -> tuple[int, str]:
+    def write_file(self, staging: Staging, relpath: str, segments: Sequence[memoryview], spec: BlockSpec) -> FileDigest:
         key = self._key(staging.name, staging.file_prefix + relpath)
         views = pieces(segments)
-        hasher = ChunkedHasher(chunk_bytes, hash_pool("write"))
+        hasher = ChunkedHasher(spec.block_bytes, hash_pool("write"), spec.algorithm)
         if sum(len(v) for v in views) <= MULTIPART_THRESHOLD:
             for v in views:
                 hasher.update(v)
             self._call("put_object", key, Key=key, Body=ViewsReader(views))
         else:
             self._multipart_upload(key, views, hasher)
-        return hasher.size, hasher.hexdigest()
+        return hasher.result()
 
     def _multipart_upload(self, key: str, views: list[memoryview], hasher: ChunkedHasher) -> None:
         size = sum(len(v) for v in views)
@@ -212,7 +210,7 @@ class S3Storage(S3Bucket, Storage):
         self._fetch(key, resp["ETag"], memoryview(buf), 0, resp["Body"])
         return bytes(buf)
 
-    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[bytearray, str]:
+    def read_file(self, name: str, path: str, spec: BlockSpec) -> tuple[bytearray, FileDigest]:
         key = self._key(name, path)
         resp = self._call("get_object", key, absent=ABSENT, Key=key)
         if resp is None:
@@ -220,11 +218,11 @@ class S3Storage(S3Bucket, Storage):
         size, etag = int(resp["ContentLength"]), str(resp["ETag"])
         buf = bytearray(size)
         view = memoryview(buf)
-        hasher = ChunkedHasher(chunk_bytes)
+        hasher = ChunkedHasher(spec.block_bytes, algorithm=spec.algorithm)
         if size <= 2 * RANGE_BYTES:
             self._fetch(key, etag, view, 0, resp["Body"])
             hasher.update(view)
-            return buf, hasher.hexdigest()
+            return buf, hasher.result()
         # Big object: the open response streams the first range while ranged GETs
         # fetch the rest in parallel; ranges are hashed in order as they arrive.
         bounds = [(s, min(size, s + RANGE_BYTES)) for s in range(0, size, RANGE_BYTES)]
@@ -239,7 +237,7 @@ class S3Storage(S3Bucket, Storage):
             except BaseException:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
-        return buf, hasher.hexdigest()
+        return buf, hasher.result()
 
     # ----------------------------------------------------- remove and move
     def quarantine(self, name: str, reason: str) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..errors import CommitConflictError, StorageError
 from ..fsutil import fsync_dir
-from .digest import ChunkedHasher, hash_pool
+from .digest import BlockSpec, ChunkedHasher, FileDigest, hash_pool
 from .fence import Fence, LocalFence
 from .manifest import MANIFEST_FILE, step_of
 
@@ -97,10 +97,8 @@ class Storage(ABC):
         """Prepare a staging area for checkpoint ``name``; safe to call from every rank."""
 
     @abstractmethod
-    def write_file(
-        self, staging: Staging, relpath: str, segments: Sequence[memoryview], chunk_bytes: int
-    ) -> tuple[int, str]:
-        """Durably write the concatenated ``segments``; return (size, digest)."""
+    def write_file(self, staging: Staging, relpath: str, segments: Sequence[memoryview], spec: BlockSpec) -> FileDigest:
+        """Durably write the concatenated ``segments``; return their size and digests, hashed while writing."""
 
     @abstractmethod
     def commit(self, staging: Staging, manifest: bytes, fence: Fence | None = None) -> None:
@@ -120,8 +118,8 @@ class Storage(ABC):
         """Raw manifest bytes of a committed checkpoint."""
 
     @abstractmethod
-    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[ReadBuffer, str]:
-        """Whole content of a checkpoint file and its digest, hashed while reading."""
+    def read_file(self, name: str, path: str, spec: BlockSpec) -> tuple[ReadBuffer, FileDigest]:
+        """Whole content of a checkpoint file and its digests, hashed while reading."""
 
     @abstractmethod
     def quarantine(self, name: str, reason: str) -> str:
@@ -230,11 +228,9 @@ class LocalStorage(Storage):
         self._mkdirs(self._staging_dir(staging))
         return staging
 
-    def write_file(
-        self, staging: Staging, relpath: str, segments: Sequence[memoryview], chunk_bytes: int
-    ) -> tuple[int, str]:
+    def write_file(self, staging: Staging, relpath: str, segments: Sequence[memoryview], spec: BlockSpec) -> FileDigest:
         path = os.path.join(self._staging_dir(staging), relpath)
-        hasher = ChunkedHasher(chunk_bytes, hash_pool("write"))
+        hasher = ChunkedHasher(spec.block_bytes, hash_pool("write"), spec.algorithm)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
@@ -248,7 +244,7 @@ class LocalStorage(Storage):
                 os.close(fd)
         except OSError as e:
             raise _storage_error("write", path, e) from e
-        return hasher.size, hasher.hexdigest()
+        return hasher.result()
 
     def commit(self, staging: Staging, manifest: bytes, fence: Fence | None = None) -> None:
         src = self._staging_dir(staging)
@@ -291,7 +287,7 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", path, e) from e
 
-    def read_file(self, name: str, path: str, chunk_bytes: int) -> tuple[ReadBuffer, str]:
+    def read_file(self, name: str, path: str, spec: BlockSpec) -> tuple[ReadBuffer, FileDigest]:
         # Read into an anonymous mapping: unlike a bytearray it is not
         # zero-filled first, and unlike a mapping of the file the bytes we
         # verify are the bytes we use (no later SIGBUS or change under us,
@@ -299,7 +295,7 @@ class LocalStorage(Storage):
         # are populated up front where the OS can (one call instead of a fault
         # per page inside the read: about half the time of a warm read here).
         full = os.path.join(self.root, name, path)
-        hasher = ChunkedHasher(chunk_bytes)
+        hasher = ChunkedHasher(spec.block_bytes, algorithm=spec.algorithm)
         try:
             with open(full, "rb", buffering=0) as f:
                 size = os.fstat(f.fileno()).st_size
@@ -312,7 +308,7 @@ class LocalStorage(Storage):
                         raise OSError(errno.EIO, "file shrank while being read")
                     hasher.update(view[pos : pos + n])  # hashed on the pool while the next piece is read
                     pos += n
-                digest = hasher.hexdigest()
+                digest = hasher.result()
                 view.release()
         except FileNotFoundError:
             raise

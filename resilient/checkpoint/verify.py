@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointCorruptError, StorageError
+from .digest import FileDigest
 from .manifest import FileEntry, Manifest
 from .shard import decode
 from .storage import Storage
@@ -65,7 +66,7 @@ def check_file(storage: Storage, manifest: Manifest, entry: FileEntry, *, decode
     becomes a StorageError too, since it says nothing about the content.
     """
     try:
-        buf, digest = storage.read_file(manifest.name, entry.path, manifest.chunk_bytes)
+        buf, got = storage.read_file(manifest.name, entry.path, manifest.spec)
     except FileNotFoundError:
         return Checked(FileCheck(entry.path, entry.rank, entry.size, None, None, None, MISSING))
     except StorageError:
@@ -77,9 +78,10 @@ def check_file(storage: Storage, manifest: Manifest, entry: FileEntry, *, decode
     problems = []
     if len(buf) != entry.size:
         problems.append(f"size is {len(buf)} bytes, manifest says {entry.size} (truncated or overwritten)")
-    digest_ok = digest == entry.digest
+    digest_ok = got.digest == entry.digest
     if not digest_ok:
-        problems.append(f"digest mismatch (content changed after commit): {digest[:16]}... != {entry.digest[:16]}...")
+        problems.append(f"digest mismatch (content changed after commit){_where(got, entry, manifest)}: "
+                        f"{got.digest[:16]}... != {entry.digest[:16]}...")
     decode_ok: bool | None = None
     tree: Any = None
     tensors: list[torch.Tensor] = []
@@ -94,6 +96,15 @@ def check_file(storage: Storage, manifest: Manifest, entry: FileEntry, *, decode
             problems.append(f"undecodable content ({detail})")
     check = FileCheck(entry.path, entry.rank, entry.size, len(buf), digest_ok, decode_ok, "; ".join(problems) or None)
     return Checked(check, tree if check.ok or decode_unverified else None, tuple(tensors), buf)
+
+
+def _where(got: FileDigest, entry: FileEntry, manifest: Manifest) -> str:
+    """Which block differs first, where the manifest lists them (format 4)."""
+    bad = got.first_bad_block(entry.blocks)
+    if bad is None:
+        return ""
+    start = bad * manifest.chunk_bytes
+    return f" in block {bad} of {len(entry.blocks)} (bytes {start}..{min(entry.size, start + manifest.chunk_bytes)})"
 
 
 def read_verified(storage: Storage, manifest: Manifest, entry: FileEntry) -> Any:
