@@ -63,7 +63,10 @@ def open_checkpoints(run: Run, config: CheckpointConfig, env: WorkerEnv | None, 
             run._apply(restored)
             manager.last_committed = durable
             return manager
-    restored = manager.restore(targets=(lambda: sharded_targets(run)) if run._sharded else None)
+    if run._sharded:
+        restored = manager.restore(targets=lambda: sharded_targets(run))
+    else:  # read in place: into the model's parameters and buffers, and the optimizer's state where it has one
+        restored = manager.restore(live=lambda: capture_payloads(run, replicated=True))
     if restored is not None:
         run._apply(restored)
     return manager

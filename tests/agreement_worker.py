@@ -23,7 +23,7 @@ from resilient.checkpoint.coordinator import Coordinator
 from resilient.errors import StorageError
 
 
-def failing(rank_to_fail: int, method: str, error: BaseException):
+def failing(rank_to_fail: int, methods: tuple[str, ...], error: BaseException):
     class Failing(LocalStorage):
         pass
 
@@ -31,7 +31,8 @@ def failing(rank_to_fail: int, method: str, error: BaseException):
         raise error
 
     if dist.get_rank() == rank_to_fail:
-        setattr(Failing, method, broken)
+        for method in methods:
+            setattr(Failing, method, broken)
     return Failing
 
 
@@ -45,13 +46,31 @@ class Counting(LocalStorage):
         Counting.reads[path] = Counting.reads.get(path, 0) + len(buf)
         return buf, digest
 
+    def open_ranges(self, name, path):
+        reader = super().open_ranges(name, path)
+        read = reader.readinto
+
+        def counted(offset, views):
+            n = read(offset, views)
+            Counting.reads[path] = Counting.reads.get(path, 0) + n
+            return n
+
+        reader.readinto = counted
+        return reader
+
+
+class CountingShared(Counting):
+    """A store that cannot read byte ranges (as S3 here): the replicated state goes out from rank 0."""
+
+    ranged = False
+
 
 FAILURES = {
     "none": (0, None, None),
-    "list0": (0, "list_committed", StorageError("injected: listing failed on rank 0")),
-    "manifest0": (0, "read_manifest", RuntimeError("injected: manifest read blew up on rank 0")),
-    "read0": (0, "read_file", MemoryError("injected: out of memory on rank 0")),
-    "read1": (1, "read_file", StorageError("injected: rank 1 cannot read")),
+    "list0": (0, ("list_committed",), StorageError("injected: listing failed on rank 0")),
+    "manifest0": (0, ("read_manifest",), RuntimeError("injected: manifest read blew up on rank 0")),
+    "read0": (0, ("read_file", "open_ranges"), MemoryError("injected: out of memory on rank 0")),
+    "read1": (1, ("read_file", "open_ranges"), StorageError("injected: rank 1 cannot read")),
 }
 
 
@@ -78,8 +97,9 @@ def main(argv: list[str]) -> int:
             scenario, directory = item.split("=", 1)
             who, method, error = FAILURES.get(scenario, (0, None, None))
             storage = failing(who, method, error)(directory) if method else None
-            if scenario == "count":
-                storage = Counting(directory)
+            if scenario in ("count", "count_shared"):
+                Counting.reads.clear()
+                storage = (Counting if scenario == "count" else CountingShared)(directory)
             started = time.monotonic()
             events = resilient.EventLog()
             restored = None
@@ -92,7 +112,7 @@ def main(argv: list[str]) -> int:
                 outcome, detail = f"{type(e).__name__}: {e}", None
             out[scenario] = {"outcome": outcome, "elapsed_s": time.monotonic() - started, "state_of": detail,
                              "quarantined": [e.fields for e in events.of_kind("checkpoint_quarantined")],
-                             "reads": dict(Counting.reads) if scenario == "count" else None,
+                             "reads": dict(Counting.reads) if scenario.startswith("count") else None,
                              "restored": [e.fields for e in events.of_kind("checkpoint_restored")],
                              "model": restored.replicated["model"].tolist() if restored else None}
         with open(f"{argv[1]}.rank{rank}", "w") as f:

@@ -197,10 +197,10 @@ def _damage(store: LocalStore, data: st.DataObject) -> str:
                 blob[ra.start] ^= 0xFF
             blob[ra], blob[rb] = blob[rb], blob[ra]
         else:  # a block of the same file in the checkpoint before: a write that landed half-way
-            older = store.read(PREVIOUS, rel)
-            if older[ra] == blob[ra]:
-                blob[ra.start] ^= 0xFF
-            blob[ra] = older[ra]
+            stale = bytearray(store.read(PREVIOUS, rel)[ra])
+            if stale == blob[ra]:  # unchanged since (the header's block, say): a stale copy of it is no damage
+                stale[0] ^= 0xFF
+            blob[ra] = stale
     else:  # a forged header: another tensor table in the same bytes
         start = blob.index(b'"tensors":') + len(b'"tensors":')
         offset = blob.index(b'"offset":', start) + len(b'"offset":')

@@ -74,7 +74,7 @@ def outcomes(tmp_path_factory):
     torchrun("save", str(pristine))
     assert LocalStorage(pristine).list_committed() == [PREVIOUS, NEWEST]
     dirs = {}
-    for scenario in ("list0", "manifest0", "read0", "read1", "deep", "count"):
+    for scenario in ("list0", "manifest0", "read0", "read1", "deep", "count", "count_shared"):
         dirs[scenario] = Path(shutil.copytree(pristine, root / scenario))
     plant_deep_header(dirs["deep"], NEWEST, "rank00001.shard")
     evidence = Path(shutil.copytree(dirs["deep"], root / "deep-evidence"))
@@ -139,11 +139,24 @@ def test_cli_verify_and_inspect_report_the_same_problem_as_restore(outcomes, cap
     assert f"PROBLEM   {problem}" in capsys.readouterr().out
 
 
-def test_the_replicated_state_is_read_from_storage_once_and_sent_to_the_other_ranks(outcomes):
+def test_in_a_shared_directory_every_rank_reads_the_replicated_state_itself_in_place(outcomes):
     by_scenario, dirs, _ = outcomes
     rank0, rank1 = by_scenario["count"]
     assert rank0["outcome"] == rank1["outcome"] == f"restored {NEWEST}"
     size = {f["path"]: f["size"] for f in json.loads((dirs["count"] / NEWEST / "manifest.json").read_bytes())["files"]}
+    assert rank0["reads"] == {"replicated.shard": size["replicated.shard"], "rank00000.shard": size["rank00000.shard"]}
+    assert rank1["reads"] == {"replicated.shard": size["replicated.shard"], "rank00001.shard": size["rank00001.shard"]}
+    assert rank1["model"] == rank0["model"] == [float(2 * i) for i in range(16)]
+    assert [rank0["restored"][0]["read_bytes"], rank1["restored"][0]["read_bytes"]] == [
+        size["replicated.shard"] + size["rank00000.shard"], size["replicated.shard"] + size["rank00001.shard"]]
+
+
+def test_from_a_store_without_ranged_reads_the_replicated_state_is_read_once_and_sent_to_the_other_ranks(outcomes):
+    by_scenario, dirs, _ = outcomes
+    rank0, rank1 = by_scenario["count_shared"]
+    assert rank0["outcome"] == rank1["outcome"] == f"restored {NEWEST}"
+    manifest = json.loads((dirs["count_shared"] / NEWEST / "manifest.json").read_bytes())
+    size = {f["path"]: f["size"] for f in manifest["files"]}
     assert rank0["reads"] == {"replicated.shard": size["replicated.shard"], "rank00000.shard": size["rank00000.shard"]}
     assert rank1["reads"] == {"rank00001.shard": size["rank00001.shard"]}, "rank 1 read the replicated state itself"
     assert rank1["model"] == rank0["model"] == [float(2 * i) for i in range(16)]

@@ -38,7 +38,7 @@ from .coordinator import Coordinator
 from .fence import Fence
 from .manifest import Manifest, checkpoint_name, parse_manifest
 from .pacing import Busy, Pending, SaveDecision, decide_save, local_busy, second_buffer_fits
-from .restore import RANK, REPLICATED, Restored, Targets, restore_newest
+from .restore import RANK, REPLICATED, Live, Restored, Targets, restore_newest
 from .retention import decide_retention
 from .snapshot import HostBuffer, snapshot_bytes
 from .storage import Storage, open_storage
@@ -413,10 +413,11 @@ class CheckpointManager:
         except CheckpointError:
             return None
 
-    def restore(self, targets: Targets | None = None) -> Restored | None:
+    def restore(self, targets: Targets | None = None, live: Live | None = None) -> Restored | None:
         """Load the newest committed checkpoint that verifies on every rank (see :mod:`.restore`).
 
-        ``targets``: the live DTensors that a checkpoint of sharded state is resharded onto.
+        ``targets``: the live DTensors that a checkpoint of sharded state is resharded onto; ``live``: the live
+        state trees by payload key, which unsharded state is read into where it can be.
 
         Returns None when nothing was ever committed.  Raises
         :class:`NoValidCheckpointError` when checkpoints exist but none
@@ -424,7 +425,7 @@ class CheckpointManager:
         same error on every rank.
         """
         restored = restore_newest(self.storage, self.coord, self.events, elastic=self.config.elastic,
-                                  targets=targets)
+                                  targets=targets, live=live)
         if restored is not None:
             self.last_committed = restored.manifest
         return restored

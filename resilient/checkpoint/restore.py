@@ -2,10 +2,16 @@
 
 Rank 0 lists the committed checkpoints and reads each manifest; both go out
 through :meth:`Coordinator.on_root`, so a failure there is the same error on
-every rank.  Every rank judges the same manifest bytes.  The replicated
-state is read from storage once: rank 0 reads and verifies it and sends the
-verified bytes to the others (:meth:`Coordinator.share`); each rank reads its
-own file through the one verified read (:func:`.verify.read_verified`), and
+every rank.  Every rank judges the same manifest bytes.  A checkpoint of
+format 4 on a store that reads byte ranges (a directory, which every rank of
+a job shares) is read in place (:mod:`.placed`): every rank reads the
+replicated state and its own file itself, in parallel, straight into the
+live tensors, verifying each block as it lands; a sharded rank reads the
+chunks it holds as saved into its live local tensors.  Otherwise the
+replicated state is read from storage once: rank 0 reads and verifies it
+and sends the verified bytes to the others (:meth:`Coordinator.share`);
+each rank reads its own file through the one verified read
+(:func:`.verify.read_verified`).  Each rank
 reports ``ok``, ``corrupt`` or ``error`` whatever went wrong (nothing a
 damaged or hostile file does escapes as an exception on one rank only).
 Rank 0 combines the reports into one verdict for all: any ``error`` stops
@@ -31,6 +37,7 @@ from ..events import EventKind, EventLog
 from . import sharded
 from .coordinator import Coordinator
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest
+from .placed import can_place, live_paths, read_placed
 from .shard import decode
 from .storage import Storage
 from .tree import unflatten
@@ -53,15 +60,18 @@ class Restored:
 
 Targets = Callable[[], dict[str, Any]]
 """The live DTensors a sharded checkpoint fills, by index key (:func:`.sharded.targets_of`)."""
+Live = Callable[[], dict[str, Any]]
+"""The live state trees by payload key (REPLICATED, RANK): where an unsharded restore reads in place."""
 
 
 def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, elastic: bool,
-                   targets: Targets | None = None) -> Restored | None:
+                   targets: Targets | None = None, live: Live | None = None) -> Restored | None:
     """Load the newest committed checkpoint that verifies on every rank (see the module docstring).
 
     A checkpoint of sharded state is resharded onto ``targets`` (called
     once it is needed): each rank reads the saved rank files that hold its
-    chunks, whatever the world size or mesh they were saved with.
+    chunks, whatever the world size or mesh they were saved with.  Unsharded
+    state is read in place into ``live``'s tensors where it can be.
     Returns None when nothing was ever committed.  Raises
     :class:`NoValidCheckpointError` when checkpoints exist but none
     verifies, :class:`StorageError` when the store cannot be read, the same
@@ -80,14 +90,15 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             problems.append(str(e))
             continue
         _check_world(storage, coord, events, manifest, elastic)
-        status, detail, restored = _load_local(storage, coord, manifest, targets)
+        status, detail, restored = _load_local(storage, coord, manifest, targets, live)
         kind, why = _agree(coord, status, detail)
         if kind == "ok":
             assert restored is not None
             if problems:
                 events.emit(EventKind.CHECKPOINT_FALLBACK, restored=name, skipped=problems)
             index = manifest.index_file()
-            shared = manifest.file_for(None).size + (index.size if index else 0) if coord.is_root else 0
+            everyone = index is None and storage.ranged and can_place(manifest)  # each rank read it in place
+            shared = manifest.file_for(None).size + (index.size if index else 0) if coord.is_root or everyone else 0
             events.emit(EventKind.CHECKPOINT_RESTORED, name=name, step=manifest.step, location=storage.url,
                         read_bytes=shared + sum(manifest.file_for(r).size for r in restored.ranks_read))
             return restored
@@ -137,8 +148,8 @@ def _agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
     return str(kind), str(why)
 
 
-def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest,
-                targets: Targets | None) -> tuple[str, str, Restored | None]:
+def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest, targets: Targets | None,
+                live: Live | None) -> tuple[str, str, Restored | None]:
     """This rank's state: ("ok"|"corrupt"|"error"|"mismatch", detail, restored).
 
     Never raises: a rank that raised here would leave its peers waiting in
@@ -149,9 +160,23 @@ def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest,
     shared file did not arrive (rank 0 reports why) says "ok" for itself
     and returns no state: the agreed verdict is not "ok" then.
     """
-    replicated_status, detail, replicated = _replicated(storage, coord, manifest, manifest.file_for(None))
     own = coord.rank % manifest.world_size  # elastic: rank r takes the rank state of saved rank r mod saved
     index_entry = manifest.index_file()
+    in_place = storage.ranged and can_place(manifest)
+    if index_entry is None and in_place:
+        trees = _guarded(live) if live is not None else ("ok", "", {})
+        if trees[0] != "ok":
+            return trees[0], trees[1], None
+        status, detail, replicated = _guarded(partial(read_placed, storage, manifest, manifest.file_for(None),
+                                                      live_paths(trees[2].get(REPLICATED))))
+        if status != "ok":
+            return status, detail, None
+        status, detail, mine = _guarded(partial(read_placed, storage, manifest, manifest.file_for(own),
+                                                live_paths(trees[2].get(RANK))))
+        if status != "ok":
+            return status, detail, None
+        return "ok", "", Restored(manifest, replicated, mine, ranks_read=(own,))
+    replicated_status, detail, replicated = _replicated(storage, coord, manifest, manifest.file_for(None))
     if index_entry is None:
         if replicated_status not in ("ok", "peer"):
             return replicated_status, detail, None
@@ -187,9 +212,13 @@ def _load_sharded(storage: Storage, manifest: Manifest, replicated: Any, index_t
     except Exception as e:  # noqa: BLE001  the peers must hear of it
         return "error", f"planning the restore of {manifest.name}: {type(e).__name__}: {e}", None
     ranks = sorted(sharded.files_needed(index, plan) | {own})
+    in_place = storage.ranged and can_place(manifest)
+    places = sharded.in_place(index, live, plan) if in_place else {}
     files: dict[int, Any] = {}
     for r in ranks:
-        status, detail, files[r] = _guarded(partial(read_verified, storage, manifest, manifest.file_for(r)))
+        read = partial(read_placed, storage, manifest, manifest.file_for(r), places.get(r, {})) if in_place \
+            else partial(read_verified, storage, manifest, manifest.file_for(r))
+        status, detail, files[r] = _guarded(read)
         if status != "ok":
             return status, detail, None
     status, detail, filled = _guarded(lambda: _assembled(index, live, plan, files, manifest))

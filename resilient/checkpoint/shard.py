@@ -103,19 +103,38 @@ def plan_layout(skeleton: Any, tensors: list[torch.Tensor]) -> ShardLayout:
     return ShardLayout(header=header, entries=tuple(entries), data_bytes=offset)
 
 
-def decode(buf: bytearray | memoryview | mmap.mmap) -> tuple[Any, list[torch.Tensor]]:
-    """Parse a whole shard held in a writable buffer; tensors alias ``buf``.
+@dataclass(frozen=True)
+class Header:
+    """A shard's parsed and checked header: where each tensor's bytes are."""
+
+    skeleton: Any
+    entries: tuple[TensorEntry, ...]
+    data_start: int
+    """Offset of the data section in the file."""
+
+
+def header_end(prefix: bytes | bytearray | memoryview) -> int:
+    """Where the data section starts, from the file's first 16 bytes (ValueError: not a shard file)."""
+    view = memoryview(prefix).cast("B")
+    if len(view) < 16 or bytes(view[:8]) != MAGIC:
+        raise ValueError("not a shard file (bad magic bytes)")
+    (hlen,) = struct.unpack("<Q", view[8:16])
+    if hlen > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {hlen} bytes is larger than the {MAX_HEADER_BYTES} a shard may have")
+    return _align(16 + hlen)
+
+
+def parse_header(buf: bytes | bytearray | memoryview | mmap.mmap, file_size: int) -> Header:
+    """Parse and check the header at the start of ``buf`` (which holds at least its bytes) of a shard of
+    ``file_size`` bytes: every entry fits the data section, which ends where the file does.
 
     Raises ``ValueError`` describing the first inconsistency found.
     """
     view = memoryview(buf).cast("B")
-    if len(view) < 16 or bytes(view[:8]) != MAGIC:
-        raise ValueError("not a shard file (bad magic bytes)")
+    header_end(view)
     (hlen,) = struct.unpack("<Q", view[8:16])
-    if 16 + hlen > len(view):
+    if 16 + hlen > min(len(view), file_size):
         raise ValueError(f"header length {hlen} runs past the end of the file")
-    if hlen > MAX_HEADER_BYTES:
-        raise ValueError(f"header of {hlen} bytes is larger than the {MAX_HEADER_BYTES} a shard may have")
     raw = bytes(view[16 : 16 + hlen])
     depth = nesting_depth(raw)
     if depth > MAX_HEADER_DEPTH:
@@ -128,23 +147,29 @@ def decode(buf: bytearray | memoryview | mmap.mmap) -> tuple[Any, list[torch.Ten
         raise ValueError(f"unsupported shard format {header.get('format') if isinstance(header, dict) else header!r}")
     data_start = _align(16 + hlen)
     data_bytes = header.get("data_bytes")
-    if not isinstance(data_bytes, int) or data_start + data_bytes != len(view):
-        raise ValueError(f"file is {len(view)} bytes but its header describes {data_start}+{data_bytes}")
-    tensors = []
+    if not isinstance(data_bytes, int) or data_start + data_bytes != file_size:
+        raise ValueError(f"file is {file_size} bytes but its header describes {data_start}+{data_bytes}")
     table = header.get("tensors")
     if not isinstance(table, list):
         raise ValueError("tensor table missing")  # noqa: TRY004  a content problem, reported as ValueError like all
     if len(table) > MAX_TENSORS:
         raise ValueError(f"tensor table lists {len(table)} tensors, more than the {MAX_TENSORS} a shard may have")
-    for i, entry in enumerate(table):
-        tensors.append(_tensor_from(buf, data_start, data_bytes, i, entry))
-    return header.get("skeleton"), tensors
+    entries = tuple(_entry(data_bytes, i, entry) for i, entry in enumerate(table))
+    return Header(header.get("skeleton"), entries, data_start)
 
 
-def _tensor_from(buf: Any, data_start: int, data_bytes: int, i: int, e: Any) -> torch.Tensor:
+def decode(buf: bytearray | memoryview | mmap.mmap) -> tuple[Any, list[torch.Tensor]]:
+    """Parse a whole shard held in a writable buffer; tensors alias ``buf``.
+
+    Raises ``ValueError`` describing the first inconsistency found.
+    """
+    header = parse_header(buf, len(memoryview(buf)))
+    return header.skeleton, [_tensor_at(buf, header.data_start, e) for e in header.entries]
+
+
+def _entry(data_bytes: int, i: int, e: Any) -> TensorEntry:
     if not isinstance(e, dict) or e.get("dtype") not in DTYPES:
         raise ValueError(f"tensor {i}: unknown dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
-    dtype = DTYPES[e["dtype"]]
     shape, offset, nbytes = e.get("shape"), e.get("offset"), e.get("nbytes")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise ValueError(f"tensor {i}: bad shape {shape!r}")
@@ -153,13 +178,17 @@ def _tensor_from(buf: Any, data_start: int, data_bytes: int, i: int, e: Any) -> 
     numel = 1
     for s in shape:
         numel *= s
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize != nbytes or offset + nbytes > data_bytes:
+    if numel * DTYPES[e["dtype"]].itemsize != nbytes or offset + nbytes > data_bytes:
         raise ValueError(f"tensor {i}: {nbytes} bytes at {offset} do not fit shape {shape} of {e['dtype']}")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=data_start + offset)
-    return flat.view(dtype).view(shape)
+    return TensorEntry(e["dtype"], tuple(shape), offset, nbytes)
+
+
+def _tensor_at(buf: Any, data_start: int, e: TensorEntry) -> torch.Tensor:
+    dtype = DTYPES[e.dtype]
+    if e.nbytes == 0:
+        return torch.empty(e.shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=e.nbytes, offset=data_start + e.offset)
+    return flat.view(dtype).view(e.shape)
 
 
 def nesting_depth(raw: bytes) -> int:

@@ -336,6 +336,21 @@ def _chunks_by_offsets(index: dict[str, Saved]) -> dict[tuple[str, tuple[int, ..
     return {(key, c.offsets): c for key, saved in index.items() for c in saved.chunks}
 
 
+def in_place(index: dict[str, Saved], targets: dict[str, Any], plan: list[Any]) -> dict[int, dict[Any, Any]]:
+    """Where a saved chunk is exactly a target's local chunk, that local tensor as the place to read it into:
+    by saved rank, the key path of the chunk in its rank file (``("shards", item)``) -> the live local tensor.
+    :func:`assemble` then finds each such chunk already in place (as read, no copy)."""
+    by_offsets = _chunks_by_offsets(index)
+    out: dict[int, dict[Any, Any]] = {}
+    for item in plan:
+        key = item.dest_index.fqn
+        local = targets[key].to_local()
+        chunk = by_offsets[(key, tuple(item.storage_index.offset))]
+        if tuple(item.lengths) == tuple(local.shape) == chunk.sizes and not any(item.dest_offsets):
+            out.setdefault(chunk.rank, {})[(SHARDS, chunk.item)] = local
+    return out
+
+
 def assemble(index: dict[str, Saved], targets: dict[str, Any], plan: list[Any], files: dict[int, Any],
              checkpoint: str) -> dict[str, Any]:
     """New DTensors like ``targets``, their local chunks filled by ``plan`` from the decoded rank ``files``.

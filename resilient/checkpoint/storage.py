@@ -64,10 +64,65 @@ class StoreRetry:
     """What the store answered (``503 SlowDown``), or the exception of a request that got no answer."""
 
 
+class RangeReader:
+    """Byte ranges of one committed file, read into given buffers (:meth:`Storage.open_ranges`).
+
+    This one serves them from the whole file read once (any store); a store that can read ranges itself
+    overrides :meth:`Storage.open_ranges`.  Safe to use from several threads at once.
+    """
+
+    def __init__(self, data: ReadBuffer | bytes) -> None:
+        self._data = memoryview(data).cast("B")
+        self.size = len(self._data)
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
+        """Fill ``views`` in order with the bytes from ``offset``; the bytes read (fewer at the file's end)."""
+        pos = offset
+        for view in views:
+            n = max(0, min(len(view), self.size - pos))
+            view[:n] = self._data[pos:pos + n]
+            pos += n
+            if n < len(view):
+                break
+        return pos - offset
+
+    def close(self) -> None:
+        self._data.release()
+
+
+class _LocalRanges(RangeReader):
+    """Ranges of a local file by ``preadv``: one scatter read per range, no intermediate buffer."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self._fd).st_size
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
+        done = 0
+        views = [v for v in views if len(v)]
+        while views:
+            n = os.preadv(self._fd, views, offset + done)
+            if n == 0:
+                break
+            done += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if views and n:
+                views[0] = views[0][n:]
+        return done
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class Storage(ABC):
     """A checkpoint store. Every method raises :class:`StorageError` on I/O failure."""
 
     url: str
+    ranged = False
+    """Reads byte ranges without reading the whole file (:meth:`open_ranges`), and every rank of a job sees the
+    same files: a restore then reads in place on every rank (:mod:`.placed`)."""
 
     def observe_retries(self, report: Callable[[StoreRetry], None]) -> None:
         """Have ``report`` called (on the requesting thread) for every request the store's client retries.
@@ -120,6 +175,13 @@ class Storage(ABC):
     @abstractmethod
     def read_file(self, name: str, path: str, spec: BlockSpec) -> tuple[ReadBuffer, FileDigest]:
         """Whole content of a checkpoint file and its digests, hashed while reading."""
+
+    def open_ranges(self, name: str, path: str) -> RangeReader:
+        """A reader of byte ranges of a committed checkpoint's file (FileNotFoundError when there is none).
+
+        This default reads the file whole once; a store that reads ranges overrides it."""
+        buf, _ = self.read_file(name, path, BlockSpec())
+        return RangeReader(buf)
 
     @abstractmethod
     def quarantine(self, name: str, reason: str) -> str:
@@ -178,6 +240,8 @@ def _storage_error(action: str, path: str, e: OSError) -> StorageError:
 
 class LocalStorage(Storage):
     """Checkpoints in a directory on a local or shared POSIX filesystem."""
+
+    ranged = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
@@ -315,6 +379,15 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", full, e) from e
         return buf, digest
+
+    def open_ranges(self, name: str, path: str) -> RangeReader:
+        full = os.path.join(self.root, name, path)
+        try:
+            return _LocalRanges(full)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _storage_error("read", full, e) from e
 
     def quarantine(self, name: str, reason: str) -> str:
         self._mkdirs(self._quarantine_root)
