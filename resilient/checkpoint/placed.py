@@ -101,7 +101,7 @@ def read_placed(storage: Storage, manifest: Manifest, entry: FileEntry, live: Ma
             raise corrupt(f"undecodable content ({e})") from None
     except (CheckpointCorruptError, StorageError):
         raise
-    except Exception as e:  # noqa: BLE001  an unreadable store or an exhausted resource says nothing of the content
+    except Exception as e:  # an unreadable store or an exhausted resource says nothing of the content
         raise _unreadable(storage, manifest, entry, e) from e
     finally:
         reader.close()
