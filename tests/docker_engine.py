@@ -28,8 +28,8 @@ from pathlib import Path
 
 STARTUP_S = 60.0
 BASE_IMAGE = "resilient-test-base:bookworm"
-RUNTIME = ["torch==2.13.0", "psutil>=5.9", "boto3>=1.36", "prometheus-client>=0.20", "moto[server]>=5",
-           "setuptools>=68", "wheel"]
+RUNTIME = ["torch==2.13.0", "psutil>=5.9", "xxhash>=3.0", "boto3>=1.36", "prometheus-client>=0.20",
+           "moto[server]>=5", "setuptools>=68", "wheel"]
 """What the base image carries: the agent image's pip then finds each of its requirements satisfied."""
 
 

@@ -3,6 +3,8 @@ live tensors, each block verified as it lands."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,8 +13,8 @@ from hypothesis import strategies as st
 import resilient
 from resilient.checkpoint.digest import BlockSpec
 from resilient.checkpoint.manifest import SCHEMA_BLOCKS, FileEntry, Manifest
-from resilient.checkpoint.placed import read_placed
-from resilient.checkpoint.shard import plan_layout
+from resilient.checkpoint.placed import read_placed, walk_indices
+from resilient.checkpoint.shard import parse_header, plan_layout
 from resilient.checkpoint.storage import LocalStorage, RangeReader
 from resilient.checkpoint.tree import flatten
 from resilient.errors import CheckpointCorruptError
@@ -70,13 +72,41 @@ def test_read_in_place_gives_the_saved_tree_and_fills_every_live_tensor_that_fit
         elif fits == "other shape":
             live[("tensors", key)] = torch.zeros(t.numel() + 1, dtype=t.dtype)
     got = read_placed(storage, manifest, manifest.file_for(0), live)
-    assert got["meta"] == tree["meta"]
+    assert got.read_bytes == manifest.file_for(0).size
+    assert got.tree["meta"] == tree["meta"]
     for key, t in tree["tensors"].items():
-        assert got["tensors"][key].dtype == t.dtype and torch.equal(got["tensors"][key], t)
+        assert got.tree["tensors"][key].dtype == t.dtype and torch.equal(got.tree["tensors"][key], t)
         if key in kept:
             assert torch.equal(kept[key], t)
             if t.numel():
-                assert got["tensors"][key].data_ptr() == kept[key].data_ptr(), "read into the live tensor"
+                assert got.tree["tensors"][key].data_ptr() == kept[key].data_ptr(), "read into the live tensor"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), block=st.sampled_from([64, 256, 4096]))
+def test_a_read_of_some_tensors_reads_only_the_blocks_that_hold_them(tmp_path_factory, data, block):
+    """A sharded rank reads only its chunks of a peer's file: the wanted tensors come back whole and verified,
+    the rest as empty placeholders, and no block that holds none of them past the header's is read."""
+    tree = _random_tree(data.draw)
+    storage, manifest = _commit(tmp_path_factory.mktemp("partial"), tree, block)
+    entry = manifest.file_for(0)
+    names = sorted(tree["tensors"])
+    wanted = data.draw(st.lists(st.sampled_from(names), unique=True), label="wanted")
+    got = read_placed(storage, manifest, entry, {}, [("tensors", k) for k in wanted])
+    for key, t in tree["tensors"].items():
+        if key in wanted:
+            assert torch.equal(got.tree["tensors"][key], t)
+        else:
+            assert got.tree["tensors"][key].numel() == 0
+    raw = (Path(storage.root) / NAME / entry.path).read_bytes()
+    header = parse_header(raw, len(raw))
+    blocks = set(range(-(-header.data_start // block)))  # the header's, read and verified first
+    paths = dict(walk_indices(header.skeleton, len(header.entries)))
+    for i, e in enumerate(header.entries):
+        if e.nbytes and paths[i][-1] in wanted:
+            start = header.data_start + e.offset
+            blocks |= set(range(start // block, (start + e.nbytes - 1) // block + 1))
+    assert got.read_bytes == sum(min(len(raw), (b + 1) * block) - b * block for b in blocks)
 
 
 def test_a_damaged_block_names_itself_and_a_missing_file_is_missing(tmp_path):

@@ -117,6 +117,27 @@ def test_large_file_multipart(s3_url: tuple[str, str], monkeypatch: pytest.Monke
     assert buf == data and got == digest_bytes(data, 3 * MiB)
 
 
+def test_ranges_are_read_into_their_places(s3_url: tuple[str, str]) -> None:
+    """A restore's reads in place: each range lands in the views it is given, one view straight from the GET,
+    several through one GET; the end of the object shortens a read; a missing object is FileNotFoundError."""
+    store = store_for(s3_url)
+    staging = store.begin("step_0000000004", "tokR")
+    data = os.urandom(3 * MiB + 11)
+    store.write_file(staging, "rank_00000.bin", [memoryview(data)], CHUNK)
+    reader = store.open_ranges("step_0000000004", "tokR/rank_00000.bin")
+    assert reader.size == len(data)
+    one = bytearray(MiB)
+    assert reader.readinto(5, [memoryview(one)]) == MiB and one == data[5:5 + MiB]
+    a, b, c = bytearray(10), bytearray(0), bytearray(MiB)
+    assert reader.readinto(MiB, [memoryview(a), memoryview(b), memoryview(c)]) == MiB + 10
+    assert bytes(a + c) == data[MiB:2 * MiB + 10]
+    tail = bytearray(100)
+    assert reader.readinto(len(data) - 11, [memoryview(tail)]) == 11 and tail[:11] == data[-11:]
+    reader.close()
+    with pytest.raises(FileNotFoundError):
+        store.open_ranges("step_0000000004", "tokR/absent.bin")
+
+
 def test_failed_multipart_upload_is_aborted(s3_url: tuple[str, str]) -> None:
     store = store_for(s3_url)
     real = store._client.upload_part

@@ -13,7 +13,10 @@ rest in the read buffer).  Here, with the manifest's block digests
    else new memory that becomes the restored state;
 3. every other block is read with one scatter read (``preadv``) straight
    into the destinations' bytes (alignment padding into scratch) and
-   hashed as it lands, several blocks at once on the read pool.
+   hashed as it lands, several blocks at once on the read pool.  A reader
+   that wants only some tensors (a sharded rank's chunks in a peer's file)
+   reads only the blocks that hold them; the rest of the file stays unread
+   and its tensors come back as empty placeholders.
 
 The restored tree's tensors are then the live ones, so the caller's
 ``load_state_dict`` copies nothing (a copy onto itself is skipped).  A
@@ -26,8 +29,9 @@ the run (the agreed verdict of :mod:`.restore`).
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -53,9 +57,20 @@ def live_paths(tree: Any) -> dict[Path, torch.Tensor]:
     return {path: leaf for path, leaf in walk(tree) if isinstance(leaf, torch.Tensor)}
 
 
-def read_placed(storage: Storage, manifest: Manifest, entry: FileEntry, live: Mapping[Path, torch.Tensor]) -> Any:
+@dataclass(frozen=True)
+class Placed:
+    """What :func:`read_placed` read: the decoded tree and the bytes it took from the store."""
+
+    tree: Any
+    read_bytes: int
+
+
+def read_placed(storage: Storage, manifest: Manifest, entry: FileEntry, live: Mapping[Path, torch.Tensor],
+                only: Collection[Path] | None = None) -> Placed:
     """The decoded tree of ``entry``, its tensors read into ``live``'s at the same key paths where they match
-    and into new memory elsewhere, every block verified as it lands.
+    and into new memory elsewhere, every block verified as it lands.  ``only``: the key paths of the tensors
+    wanted (None: all); the others come back as empty placeholders, their blocks unread unless a wanted
+    tensor shares them.
 
     Raises :class:`CheckpointCorruptError` naming the damage, :class:`StorageError` when the store cannot be
     read (FileNotFoundError becomes "file is missing", as in :mod:`.verify`).
@@ -91,12 +106,12 @@ def read_placed(storage: Storage, manifest: Manifest, entry: FileEntry, live: Ma
             head += more
         try:
             header = parse_header(head, entry.size)
-            dests = _destinations(header, live)
+            dests, wanted = _destinations(header, live, only)
         except ValueError as e:
             raise corrupt(f"undecodable content ({e})") from None
-        _fill(reader, header, dests, head, entry, spec.algorithm, block, corrupt)
+        read = _fill(reader, header, dests, wanted, head, entry, spec.algorithm, block, corrupt)
         try:
-            return unflatten(header.skeleton, dests)
+            return Placed(unflatten(header.skeleton, dests), len(head) + read)
         except ValueError as e:
             raise corrupt(f"undecodable content ({e})") from None
     except (CheckpointCorruptError, StorageError):
@@ -111,19 +126,28 @@ def _unreadable(storage: Storage, manifest: Manifest, entry: FileEntry, e: BaseE
     return StorageError(f"could not read {manifest.name}/{entry.path} from {storage.url}: {type(e).__name__}: {e}")
 
 
-def _destinations(header: Header, live: Mapping[Path, torch.Tensor]) -> list[torch.Tensor]:
-    """Each saved tensor's destination: the live tensor at its key path where it matches, else new memory."""
+def _destinations(header: Header, live: Mapping[Path, torch.Tensor],
+                  only: Collection[Path] | None) -> tuple[list[torch.Tensor], list[bool]]:
+    """Each saved tensor's destination (the live tensor at its key path where it matches, else new memory;
+    an empty placeholder where it is not wanted), and whether it is wanted."""
     paths = dict(walk_indices(header.skeleton, len(header.entries)))
-    out = []
+    wanted_paths = None if only is None else set(only)
+    out, wanted = [], []
     for i, e in enumerate(header.entries):
         dtype = DTYPES[e.dtype]
-        target = live.get(paths.get(i, ()))
-        if (isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == e.shape
+        path = paths.get(i, ())
+        target = live.get(path)
+        if wanted_paths is not None and path not in wanted_paths:
+            out.append(torch.empty(0, dtype=dtype))
+            wanted.append(False)
+        elif (isinstance(target, torch.Tensor) and target.dtype == dtype and tuple(target.shape) == e.shape
                 and target.device.type == "cpu" and target.is_contiguous() and not target.is_sparse):
             out.append(target.detach())
+            wanted.append(True)
         else:
             out.append(torch.empty(e.shape, dtype=dtype))
-    return out
+            wanted.append(True)
+    return out, wanted
 
 
 class _Slot(int):
@@ -139,44 +163,51 @@ def walk_indices(skeleton: Any, count: int) -> list[tuple[int, Path]]:
     return [(int(leaf), path) for path, leaf in walk(tree) if type(leaf) is _Slot]
 
 
-def _fill(reader: RangeReader, header: Header, dests: list[torch.Tensor], head: bytearray, entry: FileEntry,
-          algorithm: str, block: int, corrupt: Any) -> None:
-    """Read the data section into ``dests`` block by block, verifying each; the blocks already in ``head``
-    (verified) are copied from there."""
-    pieces: list[tuple[int, memoryview]] = []  # (file offset, destination bytes), in file order, gaps padded
-    pos = 0
-    for e, t in sorted(zip(header.entries, dests), key=lambda p: p[0].offset):
-        start = header.data_start + e.offset
-        if start > pos:
-            pieces.append((pos, memoryview(bytearray(start - pos))))
-        if e.nbytes:
-            pieces.append((start, _bytes_of(t, e)))
-        pos = max(pos, start + e.nbytes)
-    if pos < entry.size:
-        pieces.append((pos, memoryview(bytearray(entry.size - pos))))
+def _fill(reader: RangeReader, header: Header, dests: list[torch.Tensor], wanted: list[bool], head: bytearray,
+          entry: FileEntry, algorithm: str, block: int, corrupt: Any) -> int:
+    """Read the wanted tensors into ``dests``, block by block, verifying each block; the blocks already in
+    ``head`` (verified) are copied from there.  Returns the bytes read from the store."""
+    pieces = sorted((header.data_start + e.offset, _bytes_of(t, e))  # (file offset, destination bytes)
+                    for e, t, w in zip(header.entries, dests, wanted) if w and e.nbytes)
+    first, count = -(-len(head) // block), -(-entry.size // block)
+    if all(wanted):
+        blocks: list[int] = list(range(first, count))
+    else:
+        needed = {b for start, view in pieces for b in range(start // block, (start + len(view) - 1) // block + 1)}
+        blocks = sorted(b for b in needed if b >= first)
     pending: list[tuple[int, Future[bytes]]] = []
     pool = hash_pool("read")
-    for index in range(-(-len(head) // block), -(-entry.size // block)):
+    read = 0
+    for index in blocks:
         lo, hi = index * block, min(entry.size, (index + 1) * block)
         pending.append((index, pool.submit(_read_and_hash, reader, lo, _views(pieces, lo, hi), algorithm)))
-    for view_start, view in pieces:  # what lies in the header's blocks: from the verified scratch
-        if view_start < len(head):
-            n = min(len(view), len(head) - view_start)
-            view[:n] = memoryview(head)[view_start:view_start + n]
+        read += hi - lo
+    for start, view in pieces:  # what lies in the header's blocks: from the verified scratch
+        if start < len(head):
+            n = min(len(view), len(head) - start)
+            view[:n] = memoryview(head)[start:start + n]
     for index, future in pending:
         digest = future.result()
         if digest.hex() != entry.blocks[index]:
             raise corrupt(_mismatch(index, entry, block))
+    return read
 
 
 def _views(pieces: list[tuple[int, memoryview]], lo: int, hi: int) -> list[memoryview]:
-    """The destination bytes of file range ``[lo, hi)``, in order."""
+    """The destination bytes of file range ``[lo, hi)`` in order, what no destination takes into scratch."""
     out = []
+    pos = lo
     for start, view in pieces:
         end = start + len(view)
         if end <= lo or start >= hi:
             continue
-        out.append(view[max(lo, start) - start:min(hi, end) - start])
+        a, b = max(lo, start), min(hi, end)
+        if a > pos:
+            out.append(memoryview(bytearray(a - pos)))
+        out.append(view[a - start:b - start])
+        pos = b
+    if pos < hi:
+        out.append(memoryview(bytearray(hi - pos)))
     return out
 
 

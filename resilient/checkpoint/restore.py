@@ -3,15 +3,15 @@
 Rank 0 lists the committed checkpoints and reads each manifest; both go out
 through :meth:`Coordinator.on_root`, so a failure there is the same error on
 every rank.  Every rank judges the same manifest bytes.  A checkpoint of
-format 4 on a store that reads byte ranges (a directory, which every rank of
-a job shares) is read in place (:mod:`.placed`): every rank reads the
-replicated state and its own file itself, in parallel, straight into the
-live tensors, verifying each block as it lands; a sharded rank reads the
-chunks it holds as saved into its live local tensors.  Otherwise the
-replicated state is read from storage once: rank 0 reads and verifies it
-and sends the verified bytes to the others (:meth:`Coordinator.share`);
-each rank reads its own file through the one verified read
-(:func:`.verify.read_verified`).  Each rank
+format 4 on a store that reads byte ranges is read in place (:mod:`.placed`):
+each rank reads its own file straight into the live tensors, verifying each
+block as it lands, and a sharded rank reads only the blocks of a peer's file
+that hold its chunks.  From a directory (which every rank of a job shares)
+every rank also reads the replicated state itself, in parallel; elsewhere
+(S3, or formats 1 to 3) it is read from storage once: rank 0 reads and
+verifies it and sends the verified bytes to the others
+(:meth:`Coordinator.share`).  Files not read in place go through the one
+verified read (:func:`.verify.read_verified`).  Each rank
 reports ``ok``, ``corrupt`` or ``error`` whatever went wrong (nothing a
 damaged or hostile file does escapes as an exception on one rank only).
 Rank 0 combines the reports into one verdict for all: any ``error`` stops
@@ -56,6 +56,9 @@ class Restored:
     """This rank's DTensors of sharded state by index key (:mod:`.sharded`); None without sharded state."""
     ranks_read: tuple[int, ...] = ()
     """Saved ranks whose files this rank read (its own, and those holding chunks it needs)."""
+    read_bytes: int | None = None
+    """Bytes this rank read from the store for this restore, the shared files included; None: the whole files
+    of ``ranks_read``, and the shared ones on rank 0 (a read that is not in place)."""
 
 
 Targets = Callable[[], dict[str, Any]]
@@ -96,11 +99,11 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             assert restored is not None
             if problems:
                 events.emit(EventKind.CHECKPOINT_FALLBACK, restored=name, skipped=problems)
-            index = manifest.index_file()
-            everyone = index is None and storage.ranged and can_place(manifest)  # each rank read it in place
-            shared = manifest.file_for(None).size + (index.size if index else 0) if coord.is_root or everyone else 0
+            read_bytes = restored.read_bytes
+            if read_bytes is None:
+                read_bytes = _shared_bytes(manifest, coord) + sum(manifest.file_for(r).size for r in restored.ranks_read)
             events.emit(EventKind.CHECKPOINT_RESTORED, name=name, step=manifest.step, location=storage.url,
-                        read_bytes=shared + sum(manifest.file_for(r).size for r in restored.ranks_read))
+                        read_bytes=read_bytes)
             return restored
         if kind == "error":
             raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
@@ -116,6 +119,12 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             "to start a new run."
         )
     return None
+
+
+def _shared_bytes(manifest: Manifest, coord: Coordinator) -> int:
+    """Bytes of the files rank 0 reads and shares (the replicated state, the index): on rank 0, else 0."""
+    index = manifest.index_file()
+    return manifest.file_for(None).size + (index.size if index else 0) if coord.is_root else 0
 
 
 def _check_world(storage: Storage, coord: Coordinator, events: EventLog, manifest: Manifest, elastic: bool) -> None:
@@ -162,20 +171,8 @@ def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest, target
     """
     own = coord.rank % manifest.world_size  # elastic: rank r takes the rank state of saved rank r mod saved
     index_entry = manifest.index_file()
-    in_place = storage.ranged and can_place(manifest)
-    if index_entry is None and in_place:
-        trees = _guarded(live) if live is not None else ("ok", "", {})
-        if trees[0] != "ok":
-            return trees[0], trees[1], None
-        status, detail, replicated = _guarded(partial(read_placed, storage, manifest, manifest.file_for(None),
-                                                      live_paths(trees[2].get(REPLICATED))))
-        if status != "ok":
-            return status, detail, None
-        status, detail, mine = _guarded(partial(read_placed, storage, manifest, manifest.file_for(own),
-                                                live_paths(trees[2].get(RANK))))
-        if status != "ok":
-            return status, detail, None
-        return "ok", "", Restored(manifest, replicated, mine, ranks_read=(own,))
+    if index_entry is None and storage.ranged and can_place(manifest):
+        return _load_in_place(storage, coord, manifest, own, live)
     replicated_status, detail, replicated = _replicated(storage, coord, manifest, manifest.file_for(None))
     if index_entry is None:
         if replicated_status not in ("ok", "peer"):
@@ -190,11 +187,43 @@ def _load_local(storage: Storage, coord: Coordinator, manifest: Manifest, target
             return status, why, None
     if "peer" in (replicated_status, index_status):
         return "ok", "", None
-    return _load_sharded(storage, manifest, replicated, index_tree, own, targets)
+    return _load_sharded(storage, coord, manifest, replicated, index_tree, own, targets)
 
 
-def _load_sharded(storage: Storage, manifest: Manifest, replicated: Any, index_tree: Any, own: int,
-                  targets: Targets | None) -> tuple[str, str, Restored | None]:
+def _load_in_place(storage: Storage, coord: Coordinator, manifest: Manifest, own: int,
+                   live: Live | None) -> tuple[str, str, Restored | None]:
+    """Unsharded state read in place (:mod:`.placed`): the replicated state by every rank where the store
+    shares reads, else by rank 0 and sent (its collectives first, on every rank alike); then this rank's own
+    file."""
+    def trees() -> dict[str, Any]:
+        return live() if live is not None else {}
+
+    if storage.shared_reads:  # no collective on this path: a rank may stop at its first problem
+        status, detail, got = _guarded(trees)
+        if status != "ok":
+            return status, detail, None
+        status, detail, placed = _guarded(partial(read_placed, storage, manifest, manifest.file_for(None),
+                                                  live_paths(got.get(REPLICATED))))
+        if status != "ok":
+            return status, detail, None
+        replicated, shared = placed.tree, placed.read_bytes
+    else:
+        status, detail, replicated = _replicated(storage, coord, manifest, manifest.file_for(None))
+        if status not in ("ok", "peer"):
+            return status, detail, None
+        shared = _shared_bytes(manifest, coord)
+        own_status, detail, got = _guarded(trees)
+        if own_status != "ok":
+            return own_status, detail, None
+    mine_status, detail, mine = _guarded(partial(read_placed, storage, manifest, manifest.file_for(own),
+                                                 live_paths(got.get(RANK))))
+    if mine_status != "ok" or status == "peer":  # a rank without rank 0's copy says "ok" for itself (above)
+        return mine_status, detail, None
+    return "ok", "", Restored(manifest, replicated, mine.tree, ranks_read=(own,), read_bytes=shared + mine.read_bytes)
+
+
+def _load_sharded(storage: Storage, coord: Coordinator, manifest: Manifest, replicated: Any, index_tree: Any,
+                  own: int, targets: Targets | None) -> tuple[str, str, Restored | None]:
     """This rank's state of a sharded checkpoint: its own rank file, and its chunks from the files that hold
     them (:mod:`.sharded`)."""
     status, detail, index = _guarded(lambda: _parsed_index(index_tree, manifest, index_entry_path(manifest)))
@@ -211,20 +240,29 @@ def _load_sharded(storage: Storage, manifest: Manifest, replicated: Any, index_t
         return "mismatch", str(e), None
     except Exception as e:  # noqa: BLE001  the peers must hear of it
         return "error", f"planning the restore of {manifest.name}: {type(e).__name__}: {e}", None
-    ranks = sorted(sharded.files_needed(index, plan) | {own})
-    in_place = storage.ranged and can_place(manifest)
-    places = sharded.in_place(index, live, plan) if in_place else {}
-    files: dict[int, Any] = {}
-    for r in ranks:
-        read = partial(read_placed, storage, manifest, manifest.file_for(r), places.get(r, {})) if in_place \
-            else partial(read_verified, storage, manifest, manifest.file_for(r))
-        status, detail, files[r] = _guarded(read)
-        if status != "ok":
-            return status, detail, None
+    needed = sharded.chunks_needed(index, plan)
+    ranks = sorted(set(needed) | {own})
+    if not (storage.ranged and can_place(manifest)):
+        files: dict[int, Any] = {}
+        for r in ranks:
+            status, detail, files[r] = _guarded(partial(read_verified, storage, manifest, manifest.file_for(r)))
+            if status != "ok":
+                return status, detail, None
+        read_bytes = None
+    else:  # in place: its own file whole, of a peer's only the blocks holding the chunks it needs
+        places = sharded.in_place(index, live, plan)
+        files, read_bytes = {}, _shared_bytes(manifest, coord)
+        for r in ranks:
+            only = None if r == own else [(sharded.SHARDS, item) for item in needed[r]]
+            status, detail, placed = _guarded(partial(read_placed, storage, manifest, manifest.file_for(r),
+                                                      places.get(r, {}), only))
+            if status != "ok":
+                return status, detail, None
+            files[r], read_bytes = placed.tree, read_bytes + placed.read_bytes
     status, detail, filled = _guarded(lambda: _assembled(index, live, plan, files, manifest))
     if status != "ok":
         return status, detail, None
-    return "ok", "", Restored(manifest, replicated, files[own], filled, tuple(ranks))
+    return "ok", "", Restored(manifest, replicated, files[own], filled, tuple(ranks), read_bytes)
 
 
 def index_entry_path(manifest: Manifest) -> str:

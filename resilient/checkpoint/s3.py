@@ -25,6 +25,12 @@ stale writer that dies inside it leaves its manifest behind.  Deletes and
 garbage collection read the fence before touching anything, so a claim that
 lands during one of them is noticed only by the next.
 
+A restore reads byte ranges (:meth:`S3Storage.open_ranges`: one ranged GET
+per block, conditional on the object's ETag), so a rank reads its own file
+in place and only the blocks of a peer's file that hold its chunks; the
+replicated state is still read once, by rank 0, and sent to the others
+(every rank's GET of it would multiply the transfer by the world size).
+
 boto3 is imported only when an S3 location is opened; every boto3/botocore
 failure surfaces as :class:`StorageError` naming the object and a fix.
 """
@@ -46,7 +52,7 @@ from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
 from .s3_client import ABSENT, CONFLICT, S3Bucket
 from .s3_support import ViewsReader, group_views
-from .storage import Staging, Storage, pieces
+from .storage import RangeReader, Staging, Storage, pieces
 
 MULTIPART_THRESHOLD = 16 << 20  # larger objects go up as parallel multipart parts
 PART_BYTES = 8 << 20  # smallest part we build; S3's minimum is 5 MiB (except the last)
@@ -66,8 +72,38 @@ def _referenced_tokens(raw: bytes) -> set[str] | None:
         return None
 
 
+class _S3Ranges(RangeReader):
+    """Ranges of one object by ranged GETs, each conditional on the ETag it had when opened."""
+
+    def __init__(self, store: S3Storage, key: str, size: int, etag: str) -> None:
+        self._store, self._key, self._etag = store, key, etag
+        self.size = size
+
+    def readinto(self, offset: int, views: Sequence[memoryview]) -> int:
+        views = [v for v in views if len(v)]
+        want = min(sum(len(v) for v in views), self.size - offset)
+        if want <= 0:
+            return 0
+        if len(views) == 1 and want == len(views[0]):
+            self._store._fetch(self._key, self._etag, views[0], offset)  # straight into its place
+            return want
+        got = bytearray(want)
+        self._store._fetch(self._key, self._etag, memoryview(got), offset)
+        pos = 0
+        for view in views:
+            n = min(len(view), want - pos)
+            view[:n] = memoryview(got)[pos:pos + n]
+            pos += n
+        return want
+
+    def close(self) -> None:
+        pass
+
+
 class S3Storage(S3Bucket, Storage):
     """Checkpoints in an S3 (or S3-compatible) bucket; see the module docstring for the layout."""
+
+    ranged = True
 
     def _has_manifest(self, name: str) -> bool:
         key = self._key(name, MANIFEST_FILE)
@@ -209,6 +245,13 @@ class S3Storage(S3Bucket, Storage):
         buf = bytearray(resp["ContentLength"])
         self._fetch(key, resp["ETag"], memoryview(buf), 0, resp["Body"])
         return bytes(buf)
+
+    def open_ranges(self, name: str, path: str) -> RangeReader:
+        key = self._key(name, path)
+        head = self._call("head_object", key, absent=ABSENT, Key=key)
+        if head is None:
+            raise FileNotFoundError(errno.ENOENT, f"no such object {self._where(key)}")
+        return _S3Ranges(self, key, int(head["ContentLength"]), str(head["ETag"]))
 
     def read_file(self, name: str, path: str, spec: BlockSpec) -> tuple[bytearray, FileDigest]:
         key = self._key(name, path)

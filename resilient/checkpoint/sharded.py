@@ -326,10 +326,14 @@ def read_plan(index: dict[str, Saved], targets: dict[str, Any], checkpoint: str)
     return list(create_default_local_load_plan(targets, metadata).items)
 
 
-def files_needed(index: dict[str, Saved], plan: list[Any]) -> set[int]:
-    """The saved ranks whose files hold what ``plan`` reads."""
+def chunks_needed(index: dict[str, Saved], plan: list[Any]) -> dict[int, set[int]]:
+    """The saved chunks ``plan`` reads: by saved rank (whose file holds them), their items."""
     by_offsets = _chunks_by_offsets(index)
-    return {by_offsets[(item.storage_index.fqn, tuple(item.storage_index.offset))].rank for item in plan}
+    out: dict[int, set[int]] = {}
+    for item in plan:
+        chunk = by_offsets[(item.storage_index.fqn, tuple(item.storage_index.offset))]
+        out.setdefault(chunk.rank, set()).add(chunk.item)
+    return out
 
 
 def _chunks_by_offsets(index: dict[str, Saved]) -> dict[tuple[str, tuple[int, ...]], Chunk]:

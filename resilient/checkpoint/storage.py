@@ -121,8 +121,11 @@ class Storage(ABC):
 
     url: str
     ranged = False
-    """Reads byte ranges without reading the whole file (:meth:`open_ranges`), and every rank of a job sees the
-    same files: a restore then reads in place on every rank (:mod:`.placed`)."""
+    """Reads byte ranges without reading the whole file (:meth:`open_ranges`): a restore then reads each rank's
+    own file, and a sharded rank's chunks, in place (:mod:`.placed`)."""
+    shared_reads = False
+    """Every rank reading one file costs about what one read does (a directory: the page cache or a shared
+    filesystem): each rank then reads the replicated state itself, instead of receiving it from rank 0."""
 
     def observe_retries(self, report: Callable[[StoreRetry], None]) -> None:
         """Have ``report`` called (on the requesting thread) for every request the store's client retries.
@@ -242,6 +245,7 @@ class LocalStorage(Storage):
     """Checkpoints in a directory on a local or shared POSIX filesystem."""
 
     ranged = True
+    shared_reads = True
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
