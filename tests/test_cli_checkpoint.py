@@ -187,6 +187,7 @@ def test_inspect_shows_counters_and_keys(ckpt: Path, capsys: pytest.CaptureFixtu
     assert code == 0
     assert out.splitlines()[0].split() == ["checkpoint", NEWEST]
     assert "counters  step=6 samples=12 tokens=0" in out
+    assert "resilient.checkpoint/4, xxh3-128-chunked in 4.0 MiB blocks, each listed" in out
     assert "consumed=12" in out
     for key in ("model", "optimizer", "rng", "data", "counters", "fingerprint.model"):
         assert key in out

@@ -143,7 +143,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("created", f"{_utc(m.created_unix)} ({age(time.time(), m.created_unix)} ago)"),
         ("parent", m.parent or "-"),
         ("size", f"{human_size(m.total_bytes)} in {len(m.files)} files"),
-        ("format", f"{m.schema}, {m.digest_algorithm} in {human_size(m.chunk_bytes)} chunks"),
+        ("format", f"{m.schema}, {m.digest_algorithm} in {human_size(m.chunk_bytes)} blocks"
+                   f"{', each listed' if all(f.blocks for f in m.files) else ''}"),
         ("counters", _kv(m.counters)),
     ]
     fields += [(f"fingerprint.{k}", _kv(v) if isinstance(v, dict) else str(v)) for k, v in m.fingerprint.items()]
