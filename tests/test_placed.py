@@ -3,6 +3,7 @@ live tensors, each block verified as it lands."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,42 @@ def test_a_restore_reads_in_place_and_a_fallback_overwrites_a_damaged_read(tmp_p
     assert again.restored_from == "step_0000000003" and same(params(again), after_3)
     (quarantined,) = events.of_kind("checkpoint_quarantined")
     assert "replicated.shard: digest mismatch" in quarantined.fields["reason"]
+
+
+def test_no_read_lands_after_a_damaged_block_fails_the_file(tmp_path):
+    """A block found damaged while later blocks are still being read: the read waits for them all before it
+    raises, so nothing lands in a live tensor once the restore has moved on (a fallback writes there next) and
+    the reader is never used after it is closed."""
+    _, manifest = _commit(tmp_path, {"w": torch.arange(8192, dtype=torch.float32)}, 4096)
+    path = tmp_path / NAME / "rank00000.shard"
+    blob = bytearray(path.read_bytes())
+    blob[4096 + 1] ^= 0x01  # block 1, the first read after the header's
+    path.write_bytes(bytes(blob))
+    landed: list[int] = []
+    closed: list[bool] = []
+
+    class Slow(LocalStorage):
+        def open_ranges(self, name, path):
+            reader = super().open_ranges(name, path)
+            read, close = reader.readinto, reader.close
+
+            def slow(offset, views):
+                if offset >= 2 * 4096:
+                    threading.Event().wait(0.2)  # the later blocks are still in flight when block 1 fails
+                n = read(offset, views)
+                landed.append(offset)
+                assert not closed, "read after close"
+                return n
+
+            def closing():
+                closed.append(True)
+                close()
+
+            reader.readinto, reader.close = slow, closing
+            return reader
+
+    with pytest.raises(CheckpointCorruptError, match="block 1 of"):
+        read_placed(Slow(tmp_path), manifest, manifest.file_for(0), {})
+    raised_with = sorted(landed)
+    threading.Event().wait(0.5)
+    assert sorted(landed) == raised_with == [b * 4096 for b in range(9)], "a read landed after the raise"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Collection, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -178,14 +178,19 @@ def _fill(reader: RangeReader, header: Header, dests: list[torch.Tensor], wanted
     pending: list[tuple[int, Future[bytes]]] = []
     pool = hash_pool("read")
     read = 0
-    for index in blocks:
-        lo, hi = index * block, min(entry.size, (index + 1) * block)
-        pending.append((index, pool.submit(_read_and_hash, reader, lo, _views(pieces, lo, hi), algorithm)))
-        read += hi - lo
-    for start, view in pieces:  # what lies in the header's blocks: from the verified scratch
-        if start < len(head):
-            n = min(len(view), len(head) - start)
-            view[:n] = memoryview(head)[start:start + n]
+    try:
+        for index in blocks:
+            lo, hi = index * block, min(entry.size, (index + 1) * block)
+            pending.append((index, pool.submit(_read_and_hash, reader, lo, _views(pieces, lo, hi), algorithm)))
+            read += hi - lo
+        for start, view in pieces:  # what lies in the header's blocks: from the verified scratch
+            if start < len(head):
+                n = min(len(view), len(head) - start)
+                view[:n] = memoryview(head)[start:start + n]
+    finally:
+        # Every read ends before this returns or raises: none may land in a live tensor after it (a fallback
+        # restore writes there next), nor use the reader once it is closed.
+        wait([future for _, future in pending])
     for index, future in pending:
         digest = future.result()
         if digest.hex() != entry.blocks[index]:
