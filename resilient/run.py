@@ -144,7 +144,9 @@ class Run:
         self._sharded = check_sharding(model, ddp, spare=spare and joined is None)
         """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
         layout = shard_layout(self, model, optimizer, env, spare=spare)
-        self._timer = step_timer(self._hooks, optimizer)
+        _attempt.take_over(optimizer)  # an earlier Run over this optimizer lets go of it
+        optimizer_hooks: list[Any] = []
+        self._timer = step_timer(self._hooks, optimizer, optimizer_hooks)
         """Step time by section, sent to the agent every few steps for its straggler and slowdown detectors."""
         self._ddp = _attempt.ddp_options(ddp, model, self._timer)
         _attempt.init_default_group(self._ddp is not None)  # torchrun or the agent, and the script made no group
@@ -163,7 +165,8 @@ class Run:
         self._nonfinite_hook = _nonfinite.install(self, optimizer, self._nonfinite)
         self._position = _attempt.StepPosition.BEFORE
         """Where this rank is in the current step's optimizer update (set by hooks; BEFORE at attempt entry)."""
-        _attempt.track_position(self, optimizer)  # after the Run's other optimizer hooks (see track_position)
+        optimizer_hooks += [self._nonfinite_hook, *_attempt.track_position(self, optimizer)]  # the latter last
+        _attempt.hooked(optimizer, optimizer_hooks)
         self.scheduler = scheduler
         self.scaler = scaler
         self.data = data

@@ -50,6 +50,7 @@ import enum
 import hashlib
 import random
 import sys
+import weakref
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -204,14 +205,14 @@ class StepPosition(enum.Enum):
     ``state=`` objects may lag it, and what the body would still have done is unknown).  Dirty too."""
 
 
-def track_position(run: Run, optimizer: Any) -> None:
-    """Follow ``optimizer``'s update in ``run._position`` (BEFORE at each attempt's entry).
+def track_position(run: Run, optimizer: Any) -> list[Any]:
+    """Follow ``optimizer``'s update in ``run._position`` (BEFORE at each attempt's entry); the hooks' handles.
 
     Registered after every other hook the Run installs (the non-finite check, the step timer), so a
     collective those run before the update leaves the rank BEFORE it: nothing of the update was applied.
     """
     if optimizer is None:
-        return
+        return []
 
     def entered(*_: Any) -> None:
         run._position = StepPosition.INSIDE
@@ -219,8 +220,27 @@ def track_position(run: Run, optimizer: Any) -> None:
     def finished(*_: Any) -> None:
         run._position = StepPosition.AFTER
 
-    optimizer.register_step_pre_hook(entered)
-    optimizer.register_step_post_hook(finished)
+    return [optimizer.register_step_pre_hook(entered), optimizer.register_step_post_hook(finished)]
+
+
+_HOOKED: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+"""The handles of the hooks that the newest Run over each optimizer put on it."""
+
+
+def take_over(optimizer: Any) -> None:
+    """Remove the hooks an earlier Run put on ``optimizer``: the optimizer's steps answer to the newest Run over
+    it.  An earlier Run's checks, counters and events would otherwise follow steps no longer its, and the
+    optimizer would keep it alive, with its host buffers, for as long as the optimizer lives."""
+    if optimizer is None:
+        return
+    for handle in _HOOKED.pop(optimizer, []):
+        handle.remove()
+
+
+def hooked(optimizer: Any, handles: list[Any]) -> None:
+    """Record the hooks a Run put on ``optimizer`` (for :func:`take_over`)."""
+    if optimizer is not None:
+        _HOOKED[optimizer] = [h for h in handles if h is not None]
 
 
 def snapshot_state(name: str, obj: Any) -> Any:

@@ -62,14 +62,15 @@ def run_queue_wait(path: str = SCHEDSTAT) -> float | None:
         return None
 
 
-def step_timer(hooks: WorkerHooks | None, optimizer: Any) -> StepTimer | None:
-    """The Run's timer under an agent (None without one: nobody would read the reports), hooked to ``optimizer``."""
+def step_timer(hooks: WorkerHooks | None, optimizer: Any, handles: list[Any]) -> StepTimer | None:
+    """The Run's timer under an agent (None without one: nobody would read the reports), hooked to ``optimizer``
+    (the hooks' handles appended to ``handles``)."""
     if hooks is None:
         return None
     timer = StepTimer(hooks.timing)
     if optimizer is not None:
-        optimizer.register_step_pre_hook(timer.optimizer_pre)
-        optimizer.register_step_post_hook(timer.optimizer_post)
+        handles.append(optimizer.register_step_pre_hook(timer.optimizer_pre))
+        handles.append(optimizer.register_step_post_hook(timer.optimizer_post))
     return timer
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 
 import resilient
+from resilient.run_attempt import StepPosition
 
 
 class Ema:
@@ -87,3 +91,28 @@ def test_the_host_buffer_is_prepared_before_the_first_save(tmp_path):
     assert prepared >= snapshot_bytes(run._payloads()) > 3 * 64 * 64 * 4, "model + AdamW state not covered"
     result = run.close()
     assert result.ok and manager._writer.buffers[0].capacity == prepared, "the final save had to grow the buffer"
+
+
+def test_a_run_made_again_over_the_same_optimizer_frees_the_first_one(tmp_path):
+    """A second Run over the same optimizer (a script that makes its Run again) takes the optimizer's hooks over:
+    the first Run's hooks are removed, so the optimizer no longer keeps it alive with its host buffer and
+    checkpoint manager, and only the newest Run's checks follow the optimizer's steps."""
+    run, model, opt, scaler, ema, _ = make(tmp_path, {"lr": 0.1})
+    for _ in run.steps(2):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    run.save()
+    run.close()
+    first, buffers = weakref.ref(run), weakref.ref(run.checkpoints._writer.buffers[0])
+    del run
+    gc.collect()
+    assert first() is not None, "a Run the script dropped still guards its optimizer"
+    again = resilient.Run(model=model, optimizer=opt, scaler=scaler, state={"ema": ema}, config={"lr": 0.1},
+                          checkpoint=resilient.CheckpointConfig(dir=tmp_path / "c", every_steps=None))
+    assert again.restored_from is not None
+    gc.collect()
+    assert first() is None and buffers() is None, "the optimizer kept the first Run alive"
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()  # the dead Run's hooks are inert; the live one's see the step
+    assert again._position is StepPosition.AFTER
