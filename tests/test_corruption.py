@@ -138,17 +138,21 @@ def test_different_world_size_is_a_clear_error(pristine):
 
 
 # ----------------------------------------------- every format, every kind of damage
-FORMATS = ("xxh3-128", "sha256", "v2-sha256-unlisted")
-"""Format 4 with each digest, and a format-2 manifest of the kind written before block digests were listed."""
+FORMATS = ("xxh3-128", "sha256", "v2-sha256-unlisted", "v1-sha256-unlisted")
+"""Format 4 with each digest, and manifests of formats 2 and 1, written before block digests were listed (1:
+before fencing too)."""
 BLOCK = 4096
 
 
-def _as_format_2(store: LocalStore, name: str) -> None:
-    """Rewrite a format-4 SHA-256 manifest as format 2 wrote it: no block digests, no index key."""
+def _as_older_format(store: LocalStore, name: str, schema: str) -> None:
+    """Rewrite a format-4 SHA-256 manifest as format 2 (or 1) wrote it: no block digests, no index key (and no
+    generation or launch)."""
     body = json.loads(store.read(name, "manifest.json"))
     assert body["digest_algorithm"] == "sha256-chunked" and body["index"] is None
-    body["schema"] = mf.SCHEMA
+    body["schema"] = schema
     del body["index"]
+    if schema == mf.SCHEMA_V1:
+        del body["generation"], body["launch"]
     for entry in body["files"]:
         del entry["blocks"]
     body["manifest_digest"] = mf._content_digest(body)
@@ -169,9 +173,9 @@ def pristine_formats(tmp_path_factory):
         after_3 = params(run)
         train(run, 6)
         run.close()
-        if fmt.startswith("v2"):
+        if fmt.startswith("v"):
             for name in (PREVIOUS, NEWEST):
-                _as_format_2(store, name)
+                _as_older_format(store, name, mf.SCHEMA if fmt.startswith("v2") else mf.SCHEMA_V1)
         out[fmt] = (store, after_3)
     return out
 
