@@ -426,3 +426,47 @@ def test_a_store_that_hangs_delays_only_the_store_copy_of_the_status(tmp_path):
     final = json.loads(status_file.read_text())
     assert final["phase"] == "finished: succeeded"
     assert stored and stored[-1]["phase"] == "finished: succeeded", "the final status reaches the store"
+
+
+def test_a_worker_killed_while_the_agent_looks_is_a_failure_on_the_next_pass_never_a_success(tmp_path, monkeypatch):
+    """A worker's exit lands from its own thread at any moment.  One pass of the watch loop reads the exits,
+    then does the in-process bookkeeping (store reads across machines, time on a loaded machine), then asks
+    whether every member exited: a worker SIGKILLed in between must not count as exited and not failed (the
+    agent would end the generation "all workers exited 0" and exit 0).  Here the bookkeeping kills the real
+    worker and waits for its exit to be recorded; that pass sees it running, the next one as a failure."""
+    from types import SimpleNamespace
+
+    from resilient.agent import generation, machine
+    from resilient.agent.health import HealthConfig
+    from resilient.agent.launcher import WorkerGroup, WorkerSpec
+    from resilient.agent.tracker import RankTracker
+    from resilient.watchdog.sections import SectionTimeouts
+
+    group = WorkerGroup([WorkerSpec(local_rank=0, rank=0, argv=("sleep", "600"), env={},
+                                    log_file=tmp_path / "w.log", echo=False)])
+    worker = group.workers[0]
+
+    def kill_meanwhile(*_args):
+        worker.signal(signal.SIGKILL)
+        wait_for(lambda: worker.exit is not None, timeout=HANG_GUARD_S, what="the exit recorded", interval=0.01)
+
+    monkeypatch.setattr(generation, "follow", kill_meanwhile)
+    tracker = RankTracker()
+    ctx = SimpleNamespace(config=SimpleNamespace(signalled_together_s=0.0, health_paths=()), clock=lambda: 0.0,
+                          tracker=tracker, inproc=None, slowness=None, interrupted=lambda: False,
+                          stop_requested=lambda: None)
+    peers = SimpleNamespace(verdict=None, quarantined=None, waiting=0, ended=False, stop=None, stop_request=None,
+                            detectors=None)
+    state = machine.WatchState(machine.Phase.RUNNING, next_health=1e9)
+    cfg = machine.Settings(preempt_grace_s=30.0, health_interval_s=10.0, health=HealthConfig(),
+                           sections=SectionTimeouts())
+    try:
+        first = generation._observe(ctx, group, None, tmp_path, peers, state, SectionTimeouts())
+        assert not first.failed and not first.all_exited, first
+        assert machine.transition(state, first, cfg).state.phase is not machine.Phase.ENDED
+        monkeypatch.setattr(generation, "follow", lambda *_args: None)
+        second = generation._observe(ctx, group, None, tmp_path, peers, state, SectionTimeouts())
+        assert second.failed == (machine.Failed(0, -signal.SIGKILL),) and second.all_exited, second
+        assert isinstance(machine.transition(state, second, cfg).commands[0], machine.AnswerFailure)
+    finally:
+        group.stop(grace_s=0)

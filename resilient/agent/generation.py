@@ -339,7 +339,8 @@ def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
     c = ctx.config
     now = ctx.clock()
     stopping = state.phase is machine.Phase.STOPPING
-    exits = [e for e in group.exits() if e.returncode != 0]
+    settled = group.settled()
+    exits = list(settled.failed)
     failed = tuple(machine.Failed(e.rank, e.returncode) for e in exits)
     news = _news(follow(ctx, group, a, gdir, now)) if not stopping else None
     together = False
@@ -355,7 +356,8 @@ def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
         gone = ctx.inproc.waiting_now(a.generation, [w.worker_id for w in group.workers.values()])
         waiting = [r for r, w in group.workers.items() if w.worker_id in gone]
     straggler = None
-    all_exited = group.all_exited()
+    # From the same reading as ``failed``: a member killed since then is seen on the next pass, as a failure.
+    all_exited = settled.all_exited and group.unchanged_since(settled)
     if ctx.slowness is not None and not stopping and not failed and news is None and not all_exited:
         if peers.detectors is not None:
             ctx.slowness.from_store(peers.detectors)

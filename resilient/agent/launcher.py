@@ -139,6 +139,17 @@ class Exit:
         return -self.returncode if self.returncode < 0 else None
 
 
+@dataclass(frozen=True)
+class Settled:
+    """One reading of a group's members (:meth:`WorkerGroup.settled`)."""
+
+    members: tuple[Worker, ...]
+    failed: tuple[Exit, ...]
+    """Members that had exited non-zero, earliest first."""
+    all_exited: bool
+    """Every member had exited (zero or not) at the same reading."""
+
+
 class Worker:
     """One running worker process."""
 
@@ -309,8 +320,19 @@ class WorkerGroup:
     def running(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.exit is None]
 
-    def all_exited(self) -> bool:
-        return all(w.exit is not None for w in self.workers.values())
+    def settled(self) -> Settled:
+        """The members' exits, each read once: a worker's exit lands from its own thread at any moment, so
+        "every member exited" and "these exited non-zero" must come from the same reading, or a worker killed
+        between two readings counts as exited and not failed (a SIGKILL seen as success)."""
+        members = tuple(self.workers.values())
+        seen = [w.exit for w in members]
+        failed = sorted((e for e in seen if e is not None and e.returncode != 0), key=lambda e: e.at)
+        return Settled(members, tuple(failed), all(e is not None for e in seen))
+
+    def unchanged_since(self, settled: Settled) -> bool:
+        """The members are the ones ``settled`` read (no promotion, shrink or adoption since)."""
+        now = tuple(self.workers.values())
+        return len(now) == len(settled.members) and all(a is b for a, b in zip(now, settled.members))
 
     def signal(self, signum: int) -> None:
         for w in self.everyone():
