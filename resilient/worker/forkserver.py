@@ -98,6 +98,10 @@ def why_not_fork() -> str | None:
     return None
 
 
+STATUS_LOST = 255
+"""The exit code reported for a worker whose wait status could not be read (never 0: that would be a success)."""
+
+
 class Server:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -132,8 +136,8 @@ class Server:
         for pid in list(self.children):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 0
+            except ChildProcessError:  # reaped by someone else: its status is lost, and lost is not success
+                done, status = pid, STATUS_LOST << 8
             if done:
                 self.children.discard(pid)
                 send_message(self.sock, {"exit": pid, "returncode": returncode(status)})
