@@ -158,7 +158,7 @@ def test_the_documented_commands_and_example_topology_are_valid():
     assert example.nodes == 2 and example.module and not example.etcd
     parser = build_parser()
     seen = 0
-    for doc in (root / "README.md", root / "deploy" / "README.md"):
+    for doc in (root / "docs" / "deploy.md", root / "deploy" / "README.md"):
         for line in re.findall(r"^resilient local-cluster .*$", doc.read_text(), flags=re.MULTILINE):
             args = parser.parse_args(shlex.split(line.split("#")[0])[1:])
             assert args.handler is not None, line

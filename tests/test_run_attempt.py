@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +24,7 @@ from resilient.data import DataFetchError
 from resilient.run_attempt import is_recoverable
 
 from . import launch
+from .docs_text import the_block
 
 WORKER = Path(__file__).with_name("attempt_worker.py")
 REPO = WORKER.parent.parent
@@ -276,10 +276,8 @@ def test_ddp_true_owns_the_wrapper_and_syncs_only_the_last_micro_batch():
         dist.destroy_process_group()
 
 
-def test_readme_recovery_example_runs_under_plain_python(tmp_path):
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Recovery without restarting"):]
-    (script,) = re.findall(r"```py\n(.*?)```", section, flags=re.DOTALL)[:1]
+def test_the_docs_recovery_example_runs_under_plain_python(tmp_path):
+    script = the_block("docs/in-process.md", "py", "with run.attempt():")
     (tmp_path / "train.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=180,

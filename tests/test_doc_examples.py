@@ -1,24 +1,19 @@
-"""The README's examples run as written, so the docs cannot drift from the code."""
+"""The README's and the docs site's examples run as written, so the docs cannot drift from the code."""
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 from resilient.cli.main import main as cli
 
-README = (Path(__file__).parent.parent / "README.md").read_text()
-
-
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.DOTALL)
+from .docs_text import REPO, blocks, pages, the_block
 
 
 def test_readme_training_example_runs_and_resumes(tmp_path, capsys):
-    (script,) = [b for b in blocks("python") if "resilient.Run(" in b and "fully_shard" not in b]
+    script = the_block("README.md", "python", "resilient.Run(")
+    assert the_block("docs/training-script.md", "python", "resilient.Run(") == script  # one example, two places
     path = tmp_path / "train.py"
     path.write_text(script)
     first = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
@@ -29,7 +24,7 @@ def test_readme_training_example_runs_and_resumes(tmp_path, capsys):
     assert second.stdout.strip().endswith("step 50, restored from step_0000000050")
 
     # The command-line section, against the checkpoints the example just wrote.
-    (commands,) = [b for b in blocks("bash") if "resilient checkpoint ls" in b]
+    commands = the_block("docs/checkpoints.md", "bash", "resilient checkpoint ls")
     for line in commands.splitlines():
         argv = shlex.split(line.split("#")[0])
         assert argv[0] == "resilient"
@@ -39,9 +34,9 @@ def test_readme_training_example_runs_and_resumes(tmp_path, capsys):
     assert "step_0000000050" in out
 
 
-def test_readme_fsdp_example_runs_and_resumes_on_two_ranks(tmp_path):
-    """The FSDP2 example, saved as fsdp.py and run twice under torchrun with 2 ranks, as the README says."""
-    (script,) = [b for b in blocks("python") if "fully_shard" in b and "resilient.device_mesh" not in b]
+def test_the_fsdp_example_runs_and_resumes_on_two_ranks(tmp_path):
+    """The FSDP2 example, saved as fsdp.py and run twice under torchrun with 2 ranks, as its page says."""
+    script = the_block("docs/sharded.md", "python", "init_device_mesh(")
     (tmp_path / "fsdp.py").write_text(script)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "fsdp.py"]
     outs = []
@@ -56,11 +51,11 @@ def test_readme_fsdp_example_runs_and_resumes_on_two_ranks(tmp_path):
     assert '"index": "sharded.index"' in manifest
 
 
-def test_readme_hsdp_example_replaces_a_killed_rank_without_replay(tmp_path):
-    """The HSDP example under `resilient run` with a spare, rank 3 killed by the README's fault plan."""
-    (script,) = [b for b in blocks("python") if "resilient.device_mesh" in b]
+def test_the_hsdp_example_replaces_a_killed_rank_without_replay(tmp_path):
+    """The HSDP example under `resilient run` with a spare, rank 3 killed by its page's fault plan."""
+    script = the_block("docs/sharded.md", "python", "resilient.device_mesh(")
     (tmp_path / "hsdp.py").write_text(script)
-    (commands,) = [b for b in blocks("bash") if "kill3.json hsdp.py" in b]
+    commands = the_block("docs/sharded.md", "bash", "kill3.json hsdp.py")
     echo, command = commands.strip().splitlines()
     subprocess.run(echo, shell=True, cwd=tmp_path, check=True)
     argv = shlex.split(command)
@@ -78,23 +73,23 @@ def test_readme_hsdp_example_replaces_a_killed_rank_without_replay(tmp_path):
 
 def test_readme_commands_exist():
     for command in ("bash scripts/demo.sh", "bash scripts/test.sh --all"):
-        assert command in README
-        assert (Path(__file__).parent.parent / command.split()[1]).exists()
-    ci = (Path(__file__).parent.parent / ".ci" / "run").read_text()
+        assert command in the_block("README.md", "bash", command)
+        assert (REPO / command.split()[1]).exists()
+    ci = (REPO / ".ci" / "run").read_text()
     assert "exec bash scripts/test.sh --all\n" in ci  # CI runs the README's test command, every tier
 
 
-def test_readme_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
+def test_the_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
     from resilient.chaos.plan import FaultPlan
     from resilient.cli.main import build_parser
 
     parser = build_parser()
-    shown = [line for b in blocks("bash") for line in b.replace("\\\n", " ").splitlines()
-             if line.strip().startswith("resilient ")]
+    shown = [line for p in pages() for b in blocks(str(p.relative_to(REPO)), "bash")
+             for line in b.replace("\\\n", " ").splitlines() if line.strip().startswith("resilient ")]
     for line in shown:
         parser.parse_args(shlex.split(line.split("#")[0])[1:])  # every command and flag shown exists
     assert any("report goodput" in line for line in shown) and any("--metrics-port" in line for line in shown)
-    (commands,) = [b for b in blocks("bash") if "--store etcd" in b]
+    commands = the_block("README.md", "bash", "--store etcd")
     lines = [line for line in commands.replace("\\\n", " ").splitlines() if line.strip().startswith("resilient")]
     assert len(lines) >= 4
 
@@ -103,7 +98,7 @@ def test_readme_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
     assert argv[:4] == ["resilient", "run", "--nproc-per-node", "2"]
     argv[argv.index("--steps") + 1] = "6"
     argv = [str(tmp_path / a) if a.startswith("runs/") else a for a in argv]
-    repo = Path(__file__).parent.parent
+    repo = REPO
     cmd = [sys.executable, "-m", "resilient", "run", "--run-dir", str(tmp_path / "run"), "--quiet",
            *argv[2:], "--layers", "1", "--batch-size", "4"]
     proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=180, check=False)
@@ -111,5 +106,5 @@ def test_readme_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
     assert "succeeded: all workers exited 0" in proc.stderr
     assert (tmp_path / "runs" / "gpt" / "ckpt" / "step_0000000006" / "manifest.json").exists()
 
-    (plan,) = [b for b in blocks("json") if '"faults"' in b]
+    plan = the_block("docs/observability.md", "json", '"faults"')
     assert [f.kind for f in FaultPlan.loads(plan).faults] == ["kill", "hang"]
