@@ -59,7 +59,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import compat
-from .agent.consequences import is_collective_error  # torch-free: the agent's own classification of peer failures
+from .collective import is_collective_error  # torch-free: the agent classifies peer failures the same way
 from .elastic.batch import BatchPlan
 from .errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError, ResilientError
 from .events import EventKind
@@ -348,7 +348,7 @@ def is_recoverable(exc: BaseException) -> bool:
     """Whether ``exc`` is a peer or collective failure that re-forming the group can survive.
 
     The same classification the agent uses for consequences
-    (:func:`resilient.agent.consequences.is_collective_error`): gloo's
+    (:func:`resilient.collective.is_collective_error`): gloo's
     "Connection closed/reset by peer", an aborted NCCL communicator, a
     ``DistBackendError`` and its kin, a collective timeout, anywhere in the
     exception's chain.  Interrupts, exits and resilient's own errors are not.

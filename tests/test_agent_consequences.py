@@ -6,10 +6,11 @@ import signal
 
 import pytest
 
-from resilient.agent.consequences import describe_other, describe_others, is_collective_error, short_error
+from resilient.agent.consequences import describe_other, describe_others, short_error
 from resilient.agent.incidents import Incident, format_incident
 from resilient.agent.policy import Failure, first_failure
 from resilient.agent.restores import summarise_restores
+from resilient.collective import is_collective_error
 
 GLOO_RESET = {
     "exc_type": "RuntimeError",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from resilient.chaos.inject import FaultInjector, InjectedFault
-from resilient.chaos.plan import Fault, FaultPlan, FaultPlanError
+from resilient.faults.inject import FaultInjector, InjectedFault
+from resilient.faults.plan import Fault, FaultPlan, FaultPlanError
 from resilient.events import EventLog
 
 REPO = Path(__file__).resolve().parent.parent
@@ -129,7 +129,7 @@ def test_injector_fires_each_fault_once_and_records_it_first(capsys):
     assert not injector.armed
     recorded = events.of_kind("fault_injected")
     assert [e.fields["fault"]["kind"] for e in recorded] == ["hang", "raise"] and recorded[0].fields["seed"] == 5
-    assert "resilient.chaos: injecting fault" in capsys.readouterr().err
+    assert "resilient: injecting fault" in capsys.readouterr().err
     assert not FaultInjector(plan, None, 0, 1, events=events).armed  # attempt 1: nothing planned
 
 
@@ -157,8 +157,8 @@ def test_a_slow_fault_delays_its_section_once_per_step_for_its_steps():
 # -------------------------------------------------- faults in real (torch-free) processes
 INJECT_SCRIPT = """
 import faulthandler, signal, sys, time
-from resilient.chaos.inject import FaultInjector
-from resilient.chaos.plan import FaultPlan
+from resilient.faults.inject import FaultInjector
+from resilient.faults.plan import FaultPlan
 faulthandler.register(signal.SIGUSR2, file=open(sys.argv[2], "a"), all_threads=True)
 open(sys.argv[2] + ".ready", "w").close()
 injector = FaultInjector(FaultPlan.load(sys.argv[1]), "n1", 0, 0)

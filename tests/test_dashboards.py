@@ -39,6 +39,7 @@ import yaml
 
 from resilient.cli import dashboards_cmd
 from resilient.cli.dashboards_cmd import Expr, dashboard_exprs, load_dashboards, load_rules, metric_names, rule_exprs
+from resilient.metrics import assets as metrics_assets
 from resilient.metrics.catalogue import series_names
 
 from .agent_helpers import events, start_agent, wait_for
@@ -202,18 +203,18 @@ def test_dashboards_check_passes_and_names_unknown_metrics_and_variables(tmp_pat
 
 
 def test_assets_are_found_in_a_checkout_and_in_an_installed_layout(tmp_path):
-    assert dashboards_cmd.assets_dir() == REPO / "dashboards"  # this checkout (PYTHONPATH)
+    assert metrics_assets.assets_dir() == REPO / "dashboards"  # this checkout (PYTHONPATH)
     installed = tmp_path / "site-packages" / "resilient"
     for sub in ("grafana", "prometheus"):
         (installed / "_dashboards" / sub).mkdir(parents=True)
-    assert dashboards_cmd.assets_dir(installed) == installed / "_dashboards"
+    assert metrics_assets.assets_dir(installed) == installed / "_dashboards"
     checkout = tmp_path / "checkout"
     for sub in ("grafana", "prometheus"):
         (checkout / "dashboards" / sub).mkdir(parents=True)
     (checkout / "resilient").mkdir()
-    assert dashboards_cmd.assets_dir(checkout / "resilient") == checkout / "dashboards"
-    with pytest.raises(dashboards_cmd.ConfigError, match=r"not installed .* pass --dir DIR"):
-        dashboards_cmd.assets_dir(tmp_path / "elsewhere" / "resilient")
+    assert metrics_assets.assets_dir(checkout / "resilient") == checkout / "dashboards"
+    with pytest.raises(metrics_assets.ConfigError, match=r"not installed .* pass --dir DIR"):
+        metrics_assets.assets_dir(tmp_path / "elsewhere" / "resilient")
 
 
 def _build_wheel(out: Path) -> Path:

@@ -80,7 +80,7 @@ def test_readme_commands_exist():
 
 
 def test_the_agent_commands_parse_and_the_one_machine_command_runs(tmp_path):
-    from resilient.chaos.plan import FaultPlan
+    from resilient.faults.plan import FaultPlan
     from resilient.cli.main import build_parser
 
     parser = build_parser()

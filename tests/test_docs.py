@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.chaos.plan import FaultPlan
+from resilient.faults.plan import FaultPlan
 from resilient.cli.main import build_parser
 
 from .docs_text import DOCS, REPO, Block, blocks_of, pages

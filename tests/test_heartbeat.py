@@ -238,7 +238,7 @@ def test_worker_side_agent_modules_do_not_import_torch():
         "import sys, resilient.agent\n"
         "light = [m for m in sys.modules if m.startswith('resilient.agent.')]\n"
         "import resilient.worker.heartbeat, resilient.worker.env, resilient.worker.hooks\n"
-        "import resilient.chaos.plan, resilient.chaos.inject\n"
+        "import resilient.faults.plan, resilient.faults.inject\n"
         "print(light, 'torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

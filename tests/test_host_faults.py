@@ -1,5 +1,8 @@
 """Host faults of the drills: parsed and checked, injected on real processes through real cgroups, undone.
 
+Each kind is an object that injects it and says how to undo it; what lasts is undone newest first, every undo
+tried even when one before it failed.
+
 The cgroup tests move a real sleeping process into a freezer and a CPU cgroup of this machine (cgroup v1 here,
 as root) and read the kernel's view back: its state, its cgroup, its quota.  The skip test points the injector
 at a cgroup tree that has neither, as on a machine without them, and the drill is reported as skipped with why.
@@ -15,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from resilient.chaos import host
+from resilient.chaos import host_faults
 from resilient.chaos.drill import DrillError, load_drill
-from resilient.chaos.host import HostFault, HostFaultError, HostInjector, parse_host_faults, unavailable
+from resilient.chaos.host import HostInjector, UndoStack
+from resilient.chaos.host_faults import HOST_FAULT_KINDS, HostFault, HostFaultError, parse_host_faults, unavailable
+from resilient.chaos.host_kinds import KINDS
 from resilient.chaos.runner import run_drill
 from resilient.events import EventKind, EventLog, ForwardingLog
 from resilient.watchdog.attribution import Suspect, attribute_hang
@@ -163,7 +168,7 @@ def test_a_checkpoint_fault_damages_the_newest_commit_at_or_after_its_step(tmp_p
 
 
 def test_a_drill_whose_fault_this_machine_cannot_produce_is_skipped_with_the_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(host, "CGROUP_ROOT", tmp_path / "no-cgroups")  # a machine with no cgroup hierarchies
+    monkeypatch.setattr(host_faults, "CGROUP_ROOT", tmp_path / "no-cgroups")  # a machine with no cgroup hierarchies
     why = unavailable("freeze")
     assert why is not None and "no cgroup freezer hierarchy" in why
     path = tmp_path / "d.toml"
@@ -274,3 +279,70 @@ def test_a_store_outage_stops_the_real_etcd_and_starts_it_again_with_its_data(tm
     finally:
         etcd.close()
     assert etcd.pids() == [] and not etcd.data.exists()
+
+
+def test_every_host_fault_kind_has_one_object_that_injects_it() -> None:
+    assert sorted(KINDS) == sorted(HOST_FAULT_KINDS)
+    for kind in HOST_FAULT_KINDS:
+        trigger = {"step": 3} if kind.endswith("_checkpoint") else {"at_s": 1.0}
+        fault = HostFault(kind=kind, duration_s=2.0, **trigger)
+        assert fault.describe().endswith(("at 1 s", "after rank 0 completes step 3")), fault.describe()
+
+
+def test_what_lasts_is_lifted_when_due_and_the_rest_unwound_newest_first_every_undo_tried() -> None:
+    lifted: list[tuple[str, dict]] = []
+    stack = UndoStack(lambda fault, detail: lifted.append((fault.kind, detail)))
+    order: list[str] = []
+
+    def undo(name: str, fails: bool = False):
+        def run() -> dict:
+            order.append(name)
+            if fails:
+                raise OSError(f"{name} is stuck")
+            return {"name": name}
+        return run
+
+    stack.push(HostFault(kind="freeze", at_s=0.0, duration_s=5.0), undo("thaw"), until=None)
+    stack.push(HostFault(kind="s3_errors", at_s=0.0, duration_s=1.0), undo("clear"), until=10.0)
+    stack.push(HostFault(kind="partition", at_s=0.0, duration_s=1.0), undo("mend", fails=True), until=None)
+    stack.push(HostFault(kind="store_outage", at_s=0.0, duration_s=1.0), undo("start"), until=None)
+    stack.lift_due(9.9)
+    assert order == [] and len(stack) == 4
+    stack.lift_due(10.0)
+    assert order == ["clear"] and len(stack) == 3
+    failed = stack.unwind()
+    assert order == ["clear", "start", "mend", "thaw"], "newest first, and the one after a failed undo still runs"
+    assert [k for k, _ in lifted] == ["s3_errors", "store_outage", "freeze"]
+    assert len(failed) == 1 and "cut rank 0's node off the network" in failed[0] and "mend is stuck" in failed[0]
+    assert len(stack) == 0 and stack.unwind() == []
+
+
+def test_a_frozen_and_throttled_rank_is_thawed_and_its_cgroups_removed_newest_first_on_close(tmp_path: Path) -> None:
+    for kind in ("freeze", "cpu_quota"):
+        assert unavailable(kind) is None, f"this machine cannot produce {kind}: {unavailable(kind)}"
+    victim = subprocess.Popen(["sleep", "600"])
+    try:
+        node = tmp_path / "run" / "nodes" / "n0"
+        node.mkdir(parents=True)
+        (node / "pids.json").write_text(json.dumps({"agent": {"pid": 1}, "workers": [{"rank": 0, "pid": victim.pid}]}))
+        faults = (HostFault(kind="cpu_quota", at_s=0.0, quota=0.5), HostFault(kind="freeze", at_s=0.0, duration_s=60))
+        inj = HostInjector(faults, tmp_path, tmp_path / "ckpt", "unit")
+        try:
+            inj.poll()
+            made = inj.leftovers()
+            assert len(made) == 2 and all(Path(p).is_dir() for p in made), made
+            freezer = next(Path(p) for p in made if "freeze" in p)
+            assert (freezer / "freezer.state").read_text().strip() in ("FREEZING", "FROZEN")
+            assert str(victim.pid) in (freezer / "cgroup.procs").read_text().split()
+        finally:
+            stuck = inj.close()
+        assert stuck == [] and inj.leftovers() == []
+        assert process_state(victim.pid) in ("sleeping", "running")
+        lifts = [e["fault"]["kind"] for e in inj.events() if e["kind"] == "fault_lifted"]
+        assert lifts == ["freeze", "cpu_quota"], "undone newest first"
+        injected = [e for e in inj.events() if e["kind"] == "fault_injected"]
+        assert [e["pid"] for e in injected] == [victim.pid, victim.pid]
+    finally:
+        victim.kill()
+        victim.wait(timeout=30)
+    assert victim.returncode == -9, "a thawed process dies of SIGKILL"

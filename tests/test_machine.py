@@ -21,8 +21,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient.agent.continuation import Hold
-from resilient.agent.failures import Outcome
 from resilient.agent.health import DiskObservation, HealthConfig, HealthObservation
 from resilient.agent.incidents import Incident
 from resilient.agent.machine import (
@@ -48,6 +46,7 @@ from resilient.agent.machine import (
     settle,
     transition,
 )
+from resilient.agent.outcome import Hold, Outcome
 from resilient.agent.policy import Failure
 from resilient.agent.rendezvous import Assignment
 from resilient.elastic.observe import FaultKind

@@ -14,9 +14,10 @@ from botocore.exceptions import ClientError
 
 from resilient.checkpoint import s3, s3_client
 from resilient.checkpoint.digest import BlockSpec, digest_bytes
+from resilient.checkpoint.locations import open_storage
 from resilient.checkpoint.manifest import SCHEMA_BLOCKS, FileEntry, Manifest, checkpoint_name, parse_manifest
 from resilient.checkpoint.s3 import S3Storage
-from resilient.checkpoint.storage import Staging, StoreRetry, open_storage
+from resilient.checkpoint.storage import Staging, StoreRetry
 from resilient.checkpoint.store_retries import RetryReports
 from resilient.errors import CommitConflictError, StorageError
 from resilient.events import EventLog

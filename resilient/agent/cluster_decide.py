@@ -26,6 +26,7 @@ from .cluster import GenerationView, Involvement, PoolEntry, folded_at_step
 from .incidents import Incident
 from .inproc import FOLDED_PER_STEP
 from .inproc_state import clean_position
+from .outcome import settle_s
 from .policy import Failure
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
            now: float) -> dict[str, Any] | str | None:
     """What follows generation ``a``, once every member is accounted for (or the settle time passed): the
     decision's body as published, a problem (restart), or None (not yet, or another agent decides)."""
-    from .continuation import settle_s
-
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster

@@ -42,8 +42,8 @@ from ..events import EventKind, OutcomeKind
 from .cluster import ClusterState, Involvement, collectors
 from .cluster_decide import decide, membership_of
 from .cluster_watch import Snapshot
-from .continuation import Hold, continue_as, grow_boundary, joiners_waiting, settle_s
-from .failures import Outcome
+from .continuation import continue_as, grow_boundary, joiners_waiting
+from .outcome import Hold, Outcome, settle_s
 from .policy import Failure
 from .rendezvous import Assignment
 

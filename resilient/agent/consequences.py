@@ -7,7 +7,7 @@ functions here decide it from what the agent already has, the exits it
 stamped and each rank's error file (written by the ``sys.excepthook`` its
 ``Run`` installs):
 
-* :func:`is_collective_error`: the error is of the kind a lost peer causes
+* :func:`~resilient.collective.is_collective_error`: the error is of the kind a lost peer causes
   (a connection reset or closed by the peer, an aborted communicator, a
   collective that timed out), so :func:`~resilient.agent.policy.first_failure`
   never names it while another failure is at hand;
@@ -31,24 +31,7 @@ from typing import Any
 from ..exitcodes import describe_exit
 from .policy import Failure
 
-COLLECTIVE_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
-"""torch.distributed's error types for a failed backend, connection or store: a peer is gone or unreachable."""
-COLLECTIVE_ERROR_TEXT = (
-    "connection closed by peer", "connection reset by peer", "broken pipe", "nccl communicator was aborted",
-    "ncclremoteerror", "remote process exited", "socket timeout", "timed out waiting", "timeout waiting for",
-)
-"""Phrases gloo, NCCL and the c10d store use when a peer died or stopped answering (matched lowercased)."""
-
 _SOURCE = re.compile(r"^\[([^\]\s]*/)?([^\]\s/]*)\.(cc|cpp|h|hpp):\d+\]\s*")
-
-
-def is_collective_error(error: Mapping[str, Any] | None) -> bool:
-    """Whether ``error`` (an error file's record) is what a lost or stuck peer makes a survivor raise."""
-    if not error:
-        return False
-    kind = str(error.get("exc_type") or "").rsplit(".", 1)[-1]
-    text = str(error.get("message") or "").lower()
-    return kind in COLLECTIVE_ERROR_TYPES or any(p in text for p in COLLECTIVE_ERROR_TEXT)
 
 
 def short_error(error: Mapping[str, Any]) -> str:

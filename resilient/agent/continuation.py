@@ -1,21 +1,25 @@
-"""A generation that goes on after a failure: the watch loop's side of in-process recovery.
+"""A generation that goes on after a failure, on one machine: the watch loop's side of in-process recovery.
 
-:mod:`resilient.agent.generation` calls in here at three points:
+:mod:`resilient.agent.generation` calls in here, directly or through :mod:`resilient.agent.recover` (which
+sends the decisions of a run across machines to :mod:`resilient.agent.cluster_flow` instead):
 
 * :func:`start_spares` with the run's first workers, once the workers of a restart have
   restored (or at its first failure, if that comes sooner), and after each
   promotion, to keep ``--spares`` warm processes (each on a heartbeat socket
   slot no live process uses);
-* :func:`continue_after` when members were lost (exited, or a hung rank the
+* :func:`continue_locally` when members were lost (exited, or a hung rank the
   agent killed): it asks the ladder (:class:`~resilient.agent.inproc.InProcess`)
   and either carries out a promotion or a shrink, records the incident with
   that decision and returns the generation's new :class:`Assignment`, or
   returns None: the generation ends as a failure and the restart path runs
   as it always has;
-* :func:`follow` on every tick: spares that exited, the members' progress
+* :func:`follow_locally` on every tick: spares that exited, the members' progress
   through a recovery under way (every member ``rejoined``: the recovery is
   complete; a deadline passed: a failure), a hold for a spare
   (``wait_for_repair``) that must be decided again.
+
+The pieces a run across machines shares (:func:`continue_as`, :func:`grow_boundary`, :func:`joiners_waiting`)
+live here too; nothing here imports the cross-machine flow.
 """
 
 from __future__ import annotations
@@ -35,54 +39,27 @@ from .inproc import ACTING
 from .inproc_grow import carry_out_grow, consider_grow
 from .inproc_state import Recovering
 from .launcher import WorkerGroup, WorkerSpec
+from .outcome import Hold, Outcome, settle_s
 from .policy import Failure
 from .rendezvous import Assignment
+from .worker_env import base_env, worker_env
 
 if TYPE_CHECKING:
-    from .failures import Outcome
     from .generation import GenerationContext
     from .incidents import Incident
-
-
-@dataclass
-class Hold:
-    """Members lost with no rung to act on yet: the ladder said wait for a spare; decided again each tick."""
-
-    lost: dict[int, str]
-    kind: FaultKind
-    step: int
-    exit_codes: tuple[int, ...]
-    failure: Failure
-    incident: Incident
-    detected_at: float
-    last_progress_at: float
-    since: float
-    """When the hold began (the ladder's ``waiting_since`` once it said wait for repair)."""
-    settling: bool = False
-    """Not decided yet: waiting for every live member to report that it left the failed group, so that
-    members lost together (two ranks killed at once) are decided together."""
 
 
 SPARE_FAILURES_TO_GIVE_UP = 2
 """Spares that exit before they are ready, in a row, after which the agent stops starting them."""
 
 
-def settle_s(ctx: GenerationContext) -> float:
-    """Longest wait for every survivor to say it left the failed group before the ladder decides anyway."""
-    return min(5.0, ctx.config.recovery_timeout_s / 4)
-
-
 def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, worker_id: str,
                attempt: int) -> WorkerSpec:
     """A spare's process: the script with no rank (it waits in ``resilient.Run()``), on its own socket slot."""
-    from .generation import worker_env  # not at the top: generation imports this module
-
     c = ctx.config
     assert ctx.inproc is not None
-    base = {k: v for k, v in c.worker_env.items()
+    base = {k: v for k, v in base_env(c).items()
             if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    if c.nproc_per_node > 1:
-        base.setdefault("OMP_NUM_THREADS", "1")
     env = {**base, **worker_env(c, ctx.run_dir, ctx.launch_id, a.generation, attempt, slot, gdir, worker_id),
            **ctx.inproc.worker_env(worker_id, "spare")}
     return WorkerSpec(local_rank=0, rank=-1, argv=tuple(c.entrypoint), env=env, log_file=gdir / f"{worker_id}.log",
@@ -108,26 +85,19 @@ def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir
         inp.spare_started(worker_id, worker.pid, a.generation)
 
 
-def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, *,
-                   lost: dict[int, str], kind: FaultKind, failure: Failure, exit_codes: tuple[int, ...],
-                   incident: Incident, detected_at: float, last_progress_at: float,
-                   hold: Hold | None = None) -> Assignment | Hold | RecoveryDecision | None:
-    """Recover in process from losing ``lost`` (rank -> worker id) if the ladder can; see the module doc.
+def continue_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, *,
+                     lost: dict[int, str], kind: FaultKind, failure: Failure, exit_codes: tuple[int, ...],
+                     incident: Incident, detected_at: float, last_progress_at: float,
+                     hold: Hold | None = None) -> Assignment | Hold | RecoveryDecision | None:
+    """On one machine: recover in process from losing ``lost`` (rank -> worker id) if the ladder can.
 
     Returns the new assignment (the generation goes on), a :class:`Hold`
     (decide again on a later tick), the ladder's decision to restart or stop
     (end the generation as a failure; the incident records it), or None when
-    in-process recovery is not on offer.
+    no member survives.
     """
     inp, outlook_of, next_generation, record = ctx.inproc, ctx.restart_outlook, ctx.next_generation, ctx.record_incident
-    if inp is None or outlook_of is None or next_generation is None or record is None:
-        return None
-    start_spares(ctx, group, a, gdir)  # a failure before the workers had restored: the spares start now
-    if inp.cluster is not None:  # across machines the decision goes through the store
-        from .cluster_flow import report_lost
-
-        return hold or report_lost(ctx, group, a, lost=lost, kind=kind, failure=failure, incident=incident,
-                                   exit_codes=exit_codes, detected_at=detected_at, last_progress_at=last_progress_at)
+    assert inp is not None and outlook_of is not None and next_generation is not None and record is not None
     if not any(r not in lost for r in group.workers):
         return None
     if inp.recovering is not None:  # a failure while the previous recovery was under way: fold it into this one
@@ -193,19 +163,12 @@ def continue_as(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     return moved
 
 
-def follow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
-           now: float) -> str | Assignment | Outcome | None:
-    """One tick of in-process bookkeeping: why the generation must end as a failure, its new assignment
-    (it grew back, or, across machines, a decision was carried out), how it ends otherwise, or None."""
+def follow_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
+                   now: float) -> str | Assignment | Outcome | None:
+    """One tick of in-process bookkeeping on this node: spares that exited, a recovery's progress, a retry in
+    place or a grow; why the generation must end as a failure, its new assignment, or None."""
     inp = ctx.inproc
-    if inp is None:
-        return None
-    if inp.cluster is not None:
-        from .cluster_flow import tick
-
-        moved = tick(ctx, group, a, gdir, now)
-        if moved is not None:
-            return moved
+    assert inp is not None
     if inp.declined is not None:  # this run recovers by restart only: a spare would hold memory for nothing
         for worker in group.spares.values():
             if worker.exit is None:
@@ -308,8 +271,11 @@ def _maybe_retry(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir
                         generation=a.generation, kind="collective", rank=None, pid=None, section="step", step=step,
                         summary=summary)
     last = max((i.last_seen for i in ranks.values()), default=now)
-    ended = continue_after(ctx, group, a, gdir, lost={}, kind=FaultKind.COLLECTIVE_ERROR, failure=failure,
-                           exit_codes=(), incident=incident, detected_at=now, last_progress_at=last)
+    ended: Assignment | Hold | RecoveryDecision | None = None
+    if ctx.restart_outlook is not None and ctx.next_generation is not None and ctx.record_incident is not None:
+        start_spares(ctx, group, a, gdir)
+        ended = continue_locally(ctx, group, a, gdir, lost={}, kind=FaultKind.COLLECTIVE_ERROR, failure=failure,
+                                 exit_codes=(), incident=incident, detected_at=now, last_progress_at=last)
     if isinstance(ended, Assignment):
         return ended
     why = ended.reason if isinstance(ended, RecoveryDecision) else "in-process recovery is not on offer"

@@ -27,11 +27,12 @@ from ..elastic.decide import Action
 from ..elastic.evict import StragglerCase, decide_eviction
 from ..elastic.observe import FaultKind
 from ..events import EventKind, OutcomeKind
-from .continuation import Hold, continue_after
-from .failures import Outcome
+from .cluster_decide import preview
 from .incidents import Incident
 from .launcher import WorkerGroup
+from .outcome import Hold, Outcome
 from .policy import Failure
+from .recover import continue_after
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
@@ -57,8 +58,6 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
     at = max([*survivors.values(), *([step] if step is not None else [])], default=0)
     lost = {rank: worker.worker_id}
     if inproc.cluster is not None:  # across machines: the ladder over every node's members and the pool's spares
-        from .cluster_decide import preview
-
         try:
             ladder, world, opted = preview(ctx, a, lost, FaultKind.STRAGGLER, replace(failure, step=at))
         except ControlStoreError as e:  # weighed again at the flag's next due window

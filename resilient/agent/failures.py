@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..collective import is_collective_error
 from ..elastic.decide import RecoveryDecision
 from ..elastic.observe import FaultKind
 from ..events import EventKind, OutcomeKind
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
-from .consequences import describe_others, is_collective_error
-from .continuation import Hold, continue_after
+from .consequences import describe_others
 from .incidents import (
     Incident,
     describe_failure,
@@ -29,39 +29,21 @@ from .incidents import (
     stacks_record,
 )
 from .launcher import Exit, WorkerGroup
+from .outcome import Hold, Outcome
 from .policy import Failure, first_failure
+from .recover import continue_after
 from .rendezvous import Assignment
+from .worker_env import STACK_SIGNAL
 
 if TYPE_CHECKING:
     from .generation import GenerationContext
 
-STACK_SIGNAL = signal.SIGUSR2
-STOP_SIGNAL = signal.SIGUSR1
 
 
 def error_file(group: WorkerGroup, e: Exit) -> Path:
     """The error file of the process that made exit ``e`` (its own, whatever rank it holds now)."""
     worker = next(w for w in group.everyone() if w.pid == e.pid)
     return Path(worker.spec.env["RESILIENT_ERROR_FILE"])
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a generation ended on this node."""
-
-    kind: OutcomeKind
-    reason: str
-    failure: Failure | None = None
-    incident: Incident | None = None
-    detected_at: float = 0.0
-    """Agent clock when the failure was detected."""
-    last_progress_at: float = 0.0
-    """Agent clock of the failing rank's last sign of progress (its last heartbeat)."""
-    takes_place_of: str | None = None
-    """A spare node's generation ended to take this lost node's place in the run's restart (it joins the
-    rendezvous as a node of the run)."""
-
-
 
 
 def end_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,

@@ -22,12 +22,9 @@ from ..events import Emit, EventKind, OutcomeKind
 from ..fsutil import write_json_atomic
 from ..watchdog.sections import SectionTimeouts, for_storage
 from . import machine
-from .continuation import continue_after, follow, start_spares
+from .continuation import start_spares
 from .eviction import weigh_straggler
 from .failures import (
-    STACK_SIGNAL,
-    STOP_SIGNAL,
-    Outcome,
     end_on_failure,
     end_on_hang,
     recovery_failed,
@@ -42,11 +39,14 @@ from .incidents import (
     unhealthy_incident,
 )
 from .launcher import WorkerGroup, WorkerSpec
+from .outcome import Outcome
 from .policy import Failure
+from .recover import continue_after, follow
 from .rendezvous import Assignment
 from .restores import RestoreSummary, summarise_restores
-from .rundir import RunDir, heartbeat_socket
+from .rundir import RunDir
 from .sweep import Stuck
+from .worker_env import STOP_SIGNAL, base_env, worker_env
 
 if TYPE_CHECKING:
     from ..coord.quarantine import Standing
@@ -180,35 +180,6 @@ class PeerWatch:
         self._thread.join(timeout=30)
 
 
-def worker_env(c: AgentConfig, run_dir: RunDir, launch_id: str, generation: int, attempt: int, slot: int,
-               gdir: Path, name: str) -> dict[str, str]:
-    """The variables every process of the agent gets (a rank or a spare): run, launch, generation, its
-    heartbeat socket ``slot``, and its files in ``gdir`` named after ``name`` (``rank<N>``, a spare's id)."""
-    env = {
-        "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": c.run_id,
-        "RESILIENT_RUN_ID": c.run_id, "RESILIENT_LAUNCH_ID": launch_id, "RESILIENT_RUN_DIR": str(c.run_dir),
-        "RESILIENT_NODE_ID": c.node_id,
-        "RESILIENT_GENERATION": str(generation), "RESILIENT_ATTEMPT": str(attempt),
-        "RESILIENT_AGENT_SOCKET": heartbeat_socket(run_dir, slot),
-        "RESILIENT_STACK_FILE": str(gdir / f"{name}.stacks.txt"),
-        "RESILIENT_STACK_SIGNAL": str(int(STACK_SIGNAL)),
-        "RESILIENT_ERROR_FILE": str(gdir / f"{name}.error.json"),
-        "RESILIENT_CONTROL_FILE": str(gdir / "control.json"),
-        "RESILIENT_STOP_SIGNAL": str(int(STOP_SIGNAL)),
-    }
-    if c.fault_plan is not None:
-        env["RESILIENT_FAULT_PLAN"] = str(c.fault_plan)
-    return env
-
-
-def base_env(config: AgentConfig) -> dict[str, str]:
-    """What every worker's environment starts from (the fork server runs with it too)."""
-    base = dict(config.worker_env)
-    if config.nproc_per_node > 1:
-        base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N processes must not each take every core
-    return base
-
-
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
                  gdir: Path, inproc: InProcess | None = None) -> list[WorkerSpec]:
     c = config
@@ -335,7 +306,7 @@ def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path
 def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch,
              state: machine.WatchState, sections: SectionTimeouts) -> machine.Observation:
     """One pass's inputs.  Reading some has effects the loop relies on: the in-process bookkeeping's pass
-    (:func:`~resilient.agent.continuation.follow`), the slowness watch's scoring, the health probe when due."""
+    (:func:`~resilient.agent.recover.follow`), the slowness watch's scoring, the health probe when due."""
     c = ctx.config
     now = ctx.clock()
     stopping = state.phase is machine.Phase.STOPPING

@@ -20,11 +20,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..collective import is_collective_error
 from ..events import Emit, EventKind, FailureKind
 from ..exitcodes import describe_exit
 from ..fsutil import write_json_atomic
 from ..watchdog.stacks import StackCapture
-from .consequences import is_collective_error, short_error
+from .consequences import short_error
 
 if TYPE_CHECKING:
     from ..coord.store import ControlStore

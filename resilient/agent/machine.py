@@ -27,9 +27,8 @@ from typing import Any
 
 from ..events import OutcomeKind
 from ..watchdog.sections import HangDecision, RankView, SectionStats, SectionTimeouts, decide_hang
-from .continuation import Hold
-from .failures import Outcome
 from .health import HealthConfig, HealthObservation, assess
+from .outcome import Hold, Outcome
 from .rendezvous import Assignment
 
 

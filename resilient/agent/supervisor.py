@@ -45,7 +45,7 @@ from .control import ControlServer
 from .coordination import Coordination
 from .failure_rate import failure_rate_env
 from .forking import Spawner
-from .generation import GenerationContext, Outcome
+from .generation import GenerationContext
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .incident_book import IncidentBook
@@ -54,12 +54,14 @@ from .inproc import InProcess
 from .launcher import parent_death_signal
 from .memory_replica import PUBLISHED_AS
 from .memory_tier import NodeMemory
+from .outcome import Outcome
 from .policy import Action, Failure, FailureMark, decide_restart
 from .rendezvous import Assignment, RendezvousClosedError
 from .reporting import NodeReporting
 from .rundir import RunDir, heartbeat_socket, read_token
 from .slowness import watch_for
 from .tracker import HeartbeatIntake, RankTracker, stale_events
+from .worker_env import base_env
 
 __all__ = ["Agent", "AgentResult", "heartbeat_socket", "run_agent"]
 
@@ -148,7 +150,7 @@ class Agent:
             self.reporting.memory = self.memory
         self.reporting.slowness = self.slowness = watch_for(self)
         self.spawner = Spawner(enabled=config.fork_server,
-                               base_env=gen_mod.base_env(config), preload=config.preload,
+                               base_env=base_env(config), preload=config.preload,
                                log_file=self.run_dir.node_dir / "forkserver.log",
                                unavailable=lambda reason: self.emit(EventKind.FORK_SERVER_UNAVAILABLE, reason=reason))
         """Starts the workers: forked from a process that has imported torch when it can."""

@@ -45,9 +45,9 @@ from typing import Any
 import tomllib
 
 from ..errors import ConfigError
+from ..faults.plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 from .gameday import GameDay
-from .host import NETWORK_FAULTS, STORAGE_FAULTS, HostFault, HostFaultError, parse_host_faults
-from .plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
+from .host_faults import NETWORK_FAULTS, STORAGE_FAULTS, HostFault, HostFaultError, parse_host_faults
 
 RUNGS = ("retry_in_place", "promote_spare", "shrink", "restart")
 """What an expectation's ``rung`` may name: the recovery ladder's rungs, cheapest first."""

@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from .host import HostFault
+from .host_faults import HostFault
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -66,7 +66,7 @@ def unavailable() -> str | None:
 
 def dashboards_dir() -> Path:
     """The shipped dashboards folder (the repository's, or the wheel's ``resilient/_dashboards``)."""
-    from ..cli.dashboards_cmd import assets_dir
+    from ..metrics.assets import assets_dir
 
     return assets_dir()
 

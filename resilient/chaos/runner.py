@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..faults.plan import FaultPlan
 from . import cluster, monitor, netns, s3proxy
 from .drill import Drill
 from .gameday import predict
-from .host import HostInjector, unavailable
-from .plan import FaultPlan
+from .host import HostInjector
+from .host_faults import unavailable
 from .score import Measured, Observed, Verdict, judge, to_json
 from .timeline import draw
 
@@ -228,7 +229,7 @@ def _verify_commits(drill: Drill, ckpt: Path) -> tuple[int, list[str]] | None:
     if drill.script_path() is not None or not ckpt.is_dir():
         return None
     from ..checkpoint.inspect import list_checkpoints, verify_checkpoint
-    from ..checkpoint.storage import open_storage
+    from ..checkpoint.locations import open_storage
 
     storage = open_storage(ckpt)
     names = [c.name for c in list_checkpoints(storage)]
@@ -239,7 +240,7 @@ def _verify_commits(drill: Drill, ckpt: Path) -> tuple[int, list[str]] | None:
 def _verify_s3_commits(s3: s3proxy.S3Endpoint, url: str) -> tuple[int, list[str]]:
     """The same check on the drill's bucket, read from the server directly (not through the fault proxy)."""
     from ..checkpoint.inspect import list_checkpoints, verify_checkpoint
-    from ..checkpoint.storage import open_storage
+    from ..checkpoint.locations import open_storage
 
     with s3proxy.credentials():
         storage = open_storage(url, endpoint_url=s3.direct)

@@ -20,7 +20,7 @@ _EXPORTS = {
     "parse_manifest": "resilient.checkpoint.manifest",
     "LocalStorage": "resilient.checkpoint.storage",
     "Storage": "resilient.checkpoint.storage",
-    "open_storage": "resilient.checkpoint.storage",
+    "open_storage": "resilient.checkpoint.locations",
 }
 
 __all__ = [
@@ -39,10 +39,11 @@ __all__ = [
 if TYPE_CHECKING:
     from .config import CheckpointConfig
     from .fence import Fence
+    from .locations import open_storage
     from .manager import CheckpointManager, SaveResult
     from .manifest import Manifest, parse_manifest
     from .restore import Restored
-    from .storage import LocalStorage, Storage, open_storage
+    from .storage import LocalStorage, Storage
 
 
 __getattr__ = lazy_getattr("resilient.checkpoint", _EXPORTS, globals())

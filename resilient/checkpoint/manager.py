@@ -36,12 +36,13 @@ from .commit import decide_commit
 from .config import CheckpointConfig
 from .coordinator import Coordinator
 from .fence import Fence
+from .locations import open_storage
 from .manifest import Manifest, checkpoint_name, parse_manifest
 from .pacing import Busy, Pending, SaveDecision, decide_save, local_busy, second_buffer_fits
 from .restore import RANK, REPLICATED, Live, Restored, Targets, restore_newest
 from .retention import decide_retention
 from .snapshot import HostBuffer, snapshot_bytes
-from .storage import Storage, open_storage
+from .storage import Storage
 from .store_retries import RetryReports
 from .writer import Job, SaveResult, Writer
 

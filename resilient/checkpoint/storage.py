@@ -440,14 +440,3 @@ class LocalStorage(Storage):
         except FileNotFoundError:
             return []
 
-
-def open_storage(url: str | os.PathLike[str], *, endpoint_url: str | None = None) -> Storage:
-    """A backend for ``url``: ``s3://bucket/prefix`` or a local directory path."""
-    text = os.fspath(url)
-    if text.startswith("s3://"):
-        from .s3 import S3Storage
-
-        return S3Storage(text, endpoint_url=endpoint_url)
-    if "://" in text:
-        raise StorageError(f"unsupported checkpoint location {text!r}: use a directory path or s3://bucket/prefix")
-    return LocalStorage(text)

@@ -206,7 +206,7 @@ def resolve_endpoint(flag: str | None, environ: Mapping[str, str]) -> str | None
 
 def open_location(args: argparse.Namespace) -> Storage:
     """The storage behind ``args.location``; :class:`ResilientError` if it cannot be used."""
-    from ..checkpoint.storage import open_storage
+    from ..checkpoint.locations import open_storage
 
     location: str = args.location
     is_local = "://" not in location

@@ -9,7 +9,7 @@ built-ins.  ``push`` uploads the dashboards through ``grafana-client``
 (``pip install grafana-client``, or the ``resilient-train[grafana]`` extra),
 imported only when pushing.
 
-Both find the assets wherever they run from: :func:`assets_dir` is the
+Both find the assets wherever they run from: :func:`~resilient.metrics.assets.assets_dir` is the
 repository's ``dashboards/`` in a source checkout and the copy the wheel
 installs as ``resilient/_dashboards`` otherwise (see setup.py).
 
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..metrics.assets import assets_dir
 
 TOKEN_ENV = "GRAFANA_TOKEN"
 
@@ -49,25 +50,6 @@ _LABEL_LIST = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\
 _IDENT = re.compile(r"(?<![\w:$.])([A-Za-z_:][\w:]*)(\s*\()?")
 _VARIABLE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\[\[(\w+)(?::[^\]]*)?\]\]|\$(\w+)")
 _LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*(\w+)\s*\)\s*$", re.DOTALL)
-
-
-def assets_dir(package_dir: Path | None = None) -> Path:
-    """The operator assets folder (``grafana/``, ``prometheus/``, ``runbooks/``, ...), from any directory.
-
-    ``package_dir`` is the ``resilient`` package folder (default: this
-    installation's).  An installed wheel has the assets at
-    ``resilient/_dashboards``; a source checkout (also an editable install)
-    at ``dashboards/`` next to the package.  The path is derived from the
-    package's own location, never from the current directory or an import
-    of the assets, so it is always the copy that belongs to this code.
-    """
-    package = package_dir if package_dir is not None else Path(__file__).resolve().parent.parent
-    candidates = (package / "_dashboards", package.parent / "dashboards")
-    for candidate in candidates:
-        if (candidate / "grafana").is_dir() and (candidate / "prometheus").is_dir():
-            return candidate
-    raise ConfigError(f"the dashboards and alert rules are not installed (looked in {candidates[0]} and "
-                      f"{candidates[1]}); reinstall resilient-train, or pass --dir DIR (and --rules FILE)")
 
 
 def default_dir() -> Path:

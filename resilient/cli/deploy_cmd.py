@@ -31,7 +31,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from ..deploy.render import render
     from ..deploy.topology import load_topology
     from ..errors import ConfigError
-    from .dashboards_cmd import assets_dir
+    from ..metrics.assets import assets_dir
 
     topology = load_topology(args.topology)
     files = render(topology, args.target, assets=assets_dir(), source=args.topology.name)

@@ -129,7 +129,7 @@ def newest_checkpoint(location: str | None) -> dict[str, Any] | None:
         return None
     try:
         from ..checkpoint.inspect import list_checkpoints
-        from ..checkpoint.storage import open_storage
+        from ..checkpoint.locations import open_storage
 
         infos = [i for i in list_checkpoints(open_storage(location)) if i.manifest_ok]
     except Exception as e:  # status must still print the rest

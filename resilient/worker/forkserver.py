@@ -290,15 +290,14 @@ WARM = ("torch._dynamo", "torch.distributed.checkpoint")
 it), a sharded restore ``torch.distributed.checkpoint``.  Neither starts a thread or touches CUDA at import."""
 
 
+PRELOADED = ("torch", "torch.distributed", "resilient.run")
+"""Imported first, by name: the worker side sits below the Run it serves and never imports it itself."""
+
+
 def preload(modules: list[str]) -> None:
     """What every worker imports: torch, its distributed package, this project's Run, what a first optimizer or
     sharded restore imports (:data:`WARM`), and the user's."""
-    import torch
-    import torch.distributed  # noqa: F401
-
-    import resilient.run  # noqa: F401
-
-    for name in (*WARM, *modules):
+    for name in (*PRELOADED, *WARM, *modules):
         importlib.import_module(name)
 
 

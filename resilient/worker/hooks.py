@@ -55,9 +55,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from contextlib import AbstractContextManager
 
-    from ..chaos.inject import FaultInjector
     from ..data.loader import ElasticLoader
     from ..events import EventLog
+    from ..faults.inject import FaultInjector
 
 UNCAUGHT_PREFIX = "resilient: uncaught "
 """Starts the line the excepthook prints before the traceback once the error file is written: the agent
@@ -138,8 +138,8 @@ class WorkerHooks:
             else:
                 self.notes.append("Run created outside the main thread: no graceful stop on the stop signal")
         if env.fault_plan is not None:
-            from ..chaos.inject import FaultInjector  # only now: `import resilient` never loads chaos
-            from ..chaos.plan import FaultPlan
+            from ..faults.inject import FaultInjector  # only now: `import resilient` never loads the injector
+            from ..faults.plan import FaultPlan
 
             plan = FaultPlan.load(env.fault_plan)
             self._fault_plan = plan
@@ -251,7 +251,7 @@ class WorkerHooks:
         self.rank, self.generation = rank, generation
         self.sender.rejoin(generation, rank)
         if self._fault_plan is not None:
-            from ..chaos.inject import FaultInjector
+            from ..faults.inject import FaultInjector
 
             self.injector = FaultInjector(self._fault_plan, self.env.node_id, rank, self.env.attempt,
                                           events=self.events, after_step=resume_step, record=self._fault_record())

@@ -109,7 +109,7 @@ class FaultInjector:
 
     def fire(self, fault: Fault, step: int) -> None:
         """Record ``fault``, then carry it out."""
-        message = f"resilient.chaos: injecting fault into rank {self.rank} (pid {os.getpid()}): {fault.describe()}"
+        message = f"resilient: injecting fault into rank {self.rank} (pid {os.getpid()}): {fault.describe()}"
         for events in (self.events, self._record):
             if events is not None:
                 events.emit(EventKind.FAULT_INJECTED, fault=fault.to_dict(), step=step, rank=self.rank,

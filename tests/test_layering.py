@@ -1,0 +1,166 @@
+"""The package's house rules, read from its source: no import cycle, layers that point one way, small modules.
+
+Imports are read with ``ast`` from every module of ``resilient/``, at any depth: an import inside a function
+counts (it runs when the function does), one under ``if TYPE_CHECKING:`` does not (it never runs).  From
+``resilient.x import y`` where ``y`` is a submodule counts as importing ``resilient.x.y``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAX_LINES = 500
+OPERATOR = ("resilient.cli", "resilient.deploy", "resilient.chaos")
+"""The operator side, highest first: each may import those after it, and nothing below imports any of them."""
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file, for every module under the package folder ``root``."""
+    found = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: Mapping[str, Path]) -> list[str]:
+    if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+    else:
+        if node.level:
+            package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+            package = package[:len(package) - (node.level - 1)]
+            base = ".".join(package + ([node.module] if node.module else []))
+        else:
+            base = node.module or ""
+        targets = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]
+    resolved = []
+    for target in targets:
+        while target and target not in known:  # a name inside a module: the module
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            resolved.append(target)
+    return resolved
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports when it runs (function-level included, TYPE_CHECKING not)."""
+    known = modules(root)
+    graph: dict[str, set[str]] = {name: set() for name in known}
+
+    def visit(name: str, path: Path, node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(name, path, child)
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            graph[name].update(_imported(name, path, node, known))
+        for child in ast.iter_child_nodes(node):
+            visit(name, path, child)
+
+    for name, path in known.items():
+        visit(name, path, ast.parse(path.read_text(), str(path)))
+    return graph
+
+
+def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+    return found
+
+
+def top(name: str) -> str:
+    """``resilient.agent.generation`` -> ``resilient.agent``: the top-level package or module it belongs to."""
+    return ".".join(name.split(".")[:2])
+
+
+def package_graph(graph: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    tops: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        tops.setdefault(top(name), set()).update(top(t) for t in targets if top(t) != top(name))
+    return tops
+
+
+def test_no_module_of_the_package_is_part_of_an_import_cycle() -> None:
+    found = cycles(import_graph(REPO / "resilient"))
+    assert not found, "import cycles (function-level imports count):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_top_level_packages_import_each_other_one_way() -> None:
+    found = cycles(package_graph(import_graph(REPO / "resilient")))
+    assert not found, "packages that import each other:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_operator_side_is_imported_by_nothing_below_it() -> None:
+    graph = import_graph(REPO / "resilient")
+    wrong = []
+    for name, targets in graph.items():
+        mine = top(name)
+        for target in targets:
+            theirs = top(target)
+            if theirs not in OPERATOR or theirs == mine:
+                continue
+            if name == "resilient.__main__" and theirs == "resilient.cli":
+                continue
+            if mine in OPERATOR and OPERATOR.index(mine) < OPERATOR.index(theirs):
+                continue  # the CLI over deploy and chaos; deploy over chaos
+            wrong.append(f"{name} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_analysis_finds_a_cycle_made_by_an_import_inside_a_function(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from .. import c\n")
+    (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n"
+                                  "def g():\n    import pkg.a\n")
+    (package / "d.py").write_text("from .c import g\n")
+    graph = import_graph(package)
+    assert graph["pkg.a"] == {"pkg.sub", "pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg", "pkg.c"}
+    assert graph["pkg.c"] == {"pkg.a"}, "an import under TYPE_CHECKING never runs"
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+    assert cycles(package_graph(graph)) == [["pkg.a", "pkg.c", "pkg.sub"]]
