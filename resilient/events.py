@@ -44,6 +44,7 @@ class EventKind(str, Enum):
     UNREPRODUCIBLE_RANDOM_STREAMS = "unreproducible_random_streams"  # a replacement cannot draw the lost rank's numbers
     IN_PROCESS_DECLINED = "in_process_declined"  # this run recovers by restart only, and why (said once, at start)
     TORCH_FEATURES_OFF = "torch_features_off"  # private torch APIs this torch lacks: the features that need them are off
+    COMM_NOT_TIMED = "comm_not_timed"  # the gradient all-reduce's wait cannot be timed (a straggler may go unseen)
     REPLICA_MISMATCH = "replica_mismatch"  # the replica audit found ranks whose parameters differ from the others'
     # A peer was lost during the replica audit's collective: this step's attempt meets the broken group and recovers
     # it in process (the rank is clean, no update begun); the audit waits for its next boundary.
@@ -252,10 +253,11 @@ FORWARDED = frozenset({
     EventKind.CHECKPOINT_QUARANTINE_FAILED,
     EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS, EventKind.CHECKPOINT_STORE_RETRYING,
     EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, EventKind.IN_PROCESS_DECLINED, EventKind.TORCH_FEATURES_OFF,
+    EventKind.COMM_NOT_TIMED,
 })
 """What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong, gradients
 that were not finite, and what its recovery cannot do (random streams a replacement cannot reproduce, in-process
-recovery declined, torch features off), which whoever reads the run's events (an operator, a drill's score) must
+recovery declined, torch features off, communication it cannot time), which whoever reads the run's events (an operator, a drill's score) must
 see without opening every rank's log."""
 
 

@@ -206,15 +206,37 @@ class StepTimer:
 
     def comm_hook(self, inner: Callable[..., Any] | None) -> Callable[[Any, Any], Any]:
         """A DDP communication hook that times ``inner`` (None: DDP's default all-reduce)."""
+        return CommTiming(self, inner).hook()
+
+
+_NO_STATE = object()
+
+
+class CommTiming:
+    """A DDP communication hook that tells a :class:`StepTimer` when each bucket is handed over and when its
+    reduction completes, around the hook it runs (DDP's default all-reduce when none).
+
+    The timer and the inner hook can be changed after registration (DDP takes one hook, once): a later Run
+    over the same wrapper takes the timing over, and a hook the script registers afterwards runs inside.
+    """
+
+    def __init__(self, timer: StepTimer, inner: Callable[..., Any] | None = None) -> None:
+        self.timer = timer
+        self.inner = inner
+        self.inner_state: Any = _NO_STATE
+        """The state the inner hook was registered with, when it came after this hook (else the hook's own)."""
+
+    def hook(self) -> Callable[[Any, Any], Any]:
         import torch
         import torch.distributed as dist
 
-        timer = self
+        timing = self
 
         def timed(state: Any, bucket: Any) -> Any:
+            timer, inner = timing.timer, timing.inner
             timer.bucket_handed()
             if inner is not None:
-                fut = inner(state, bucket)
+                fut = inner(state if timing.inner_state is _NO_STATE else timing.inner_state, bucket)
             else:
                 buffer = bucket.buffer()
                 # Scale then sum, as DDP's built-in path does (a multiply by the reciprocal, not a divide:
@@ -232,3 +254,48 @@ class StepTimer:
         timed.__annotations__ = {"state": object, "bucket": dist.GradBucket,
                                  "return": torch.futures.Future[torch.Tensor]}
         return timed
+
+
+TIMING_ATTRIBUTE = "_resilient_comm_timing"
+"""Where a script's DDP wrapper keeps the :class:`CommTiming` registered on it."""
+
+
+def time_script_ddp(model: Any, timer: StepTimer | None) -> str | None:
+    """Time the gradient all-reduce of a DDP wrapper the script made itself (``Run(model=DDP(...))``).
+
+    The timer's hook is registered on it, and the wrapper's ``register_comm_hook`` now puts a hook the script
+    registers later inside the timed one, with its own state: the script's code does not change, and its hook
+    is timed too.  Without this a rank waiting for a slow peer waits inside the backward, which is counted as
+    its compute: every rank looks as slow as the straggler.  Returns why it cannot (a hook registered before
+    the Run: DDP takes one, once), or None.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if timer is None or not isinstance(model, DistributedDataParallel):
+        return None
+    timing = getattr(model, TIMING_ATTRIBUTE, None)
+    if isinstance(timing, CommTiming):
+        timing.timer = timer  # an earlier Run over this wrapper registered it: this one takes it over
+        return None
+    if model._comm_hooks:
+        hook = getattr(model._comm_hooks[0][0], "__qualname__", "a hook")
+        return (f"the DDP wrapper has a communication hook ({hook}) registered before resilient.Run(): DDP takes one "
+                "hook, so the Run cannot time the gradient all-reduce, and a rank waiting for a slow peer looks as "
+                "slow as it (straggler detection cannot tell them apart); register the hook after resilient.Run() "
+                "and it runs inside the Run's, timed")
+    timing = CommTiming(timer)
+    try:
+        model.register_comm_hook(model.process_group, timing.hook())
+    except RuntimeError as e:  # a built-in hook (register_builtin_comm_hook) is not listed in _comm_hooks
+        return f"the DDP wrapper's communication could not be timed: {e}"
+
+    def register_comm_hook(state: object, hook: Callable[..., Any]) -> None:
+        if timing.inner is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        model._check_comm_hook(hook)
+        timing.inner, timing.inner_state = hook, state
+        model._comm_hooks.append((hook, state))
+
+    object.__setattr__(model, "register_comm_hook", register_comm_hook)
+    object.__setattr__(model, TIMING_ATTRIBUTE, timing)
+    return None

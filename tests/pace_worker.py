@@ -50,6 +50,10 @@ def main() -> None:
                    help="reading a batch takes this long (a slow input path: each sample sleeps its share)")
     p.add_argument("--ckpt", default=None, help="commit a checkpoint here every --every steps (a restart resumes)")
     p.add_argument("--every", type=int, default=50)
+    p.add_argument("--wrap-self", action="store_true",
+                   help="as most scripts do: init_process_group and DistributedDataParallel by the script, Run(model=ddp)")
+    p.add_argument("--own-hook", action="store_true",
+                   help="with --wrap-self: register a DDP communication hook of the script's after resilient.Run()")
     p.add_argument("--perturb", default=None, metavar="RANK,STEP",
                    help="add 1e-3 to the first weight of RANK at STEP, on that rank only (for the replica audit)")
     args = p.parse_args()
@@ -63,8 +67,23 @@ def main() -> None:
                                    batch_size=32, seed=3)
     checkpoint = None if args.ckpt is None else resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every,
                                                                           elastic=True)
-    run = resilient.Run(model=model, optimizer=optimizer, data=data, ddp=True, audit_every=args.audit_every,
-                        checkpoint=checkpoint)
+    own_hook_calls = [0]
+    if args.wrap_self:
+        torch.distributed.init_process_group("gloo")
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        run = resilient.Run(model=wrapped, optimizer=optimizer, data=data, audit_every=args.audit_every,
+                            checkpoint=checkpoint)
+        if args.own_hook:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            def counted(state, bucket):
+                own_hook_calls[0] += 1
+                return allreduce_hook(state, bucket)
+
+            wrapped.register_comm_hook(None, counted)
+    else:
+        run = resilient.Run(model=model, optimizer=optimizer, data=data, ddp=True, audit_every=args.audit_every,
+                            checkpoint=checkpoint)
     perturb = tuple(int(x) for x in args.perturb.split(",")) if args.perturb else None
     for step in run.steps(args.steps):
         if perturb == (run.rank, step):
@@ -81,7 +100,7 @@ def main() -> None:
     for t in model.parameters():
         h.update(t.detach().numpy().tobytes())
     with open(f"{args.out}.{run.rank}", "w") as f:
-        json.dump({"rank": run.rank, "params": h.hexdigest(), "step": run.step}, f)
+        json.dump({"rank": run.rank, "params": h.hexdigest(), "step": run.step, "own_hook_calls": own_hook_calls[0]}, f)
     run.close()
     gc.collect()  # reference cycles holding the group go before it is destroyed
     if torch.distributed.is_initialized():

@@ -164,3 +164,9 @@ def test_the_analysis_finds_a_cycle_made_by_an_import_inside_a_function(tmp_path
     assert graph["pkg.c"] == {"pkg.a"}, "an import under TYPE_CHECKING never runs"
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
     assert cycles(package_graph(graph)) == [["pkg.a", "pkg.c", "pkg.sub"]]
+
+
+def test_no_module_is_longer_than_the_house_allows() -> None:
+    long = {str(path.relative_to(REPO)): n for path in (REPO / "resilient").rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by responsibility): {long}"

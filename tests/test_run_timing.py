@@ -194,3 +194,52 @@ def test_the_timing_hook_reduces_exactly_as_ddp_does_at_a_world_size_that_is_not
             assert p.exitcode == 0
     plain, hooked = results
     assert plain == hooked
+
+
+class _Ticks:
+    """A clock that moves one tick per read: every interval the timer measures is positive."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def test_a_ddp_wrapper_the_script_made_is_timed_and_its_own_hook_registered_later_runs_inside():
+    from resilient.run_timing import time_script_ddp
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        first: list = []
+        assert time_script_ddp(ddp, StepTimer(first.append, window=1, clock=_Ticks(), cpu_wait=lambda: None)) is None
+        states: list = []
+
+        def own(state, bucket):
+            states.append(state)
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer() * 2)  # the script's own reduction: visible in the gradients
+            return fut
+
+        ddp.register_comm_hook("mine", own)  # after the Run, as a script that wrapped DDP itself does
+        with pytest.raises(RuntimeError, match="can only be called once"):
+            ddp.register_comm_hook("again", own)
+        later: list = []
+        timer = StepTimer(later.append, window=1, clock=_Ticks(), cpu_wait=lambda: None)
+        assert time_script_ddp(ddp, timer) is None  # a second Run over the wrapper takes its timing over
+        timer.begin()
+        x = torch.ones(4, 8)
+        ddp(x).sum().backward()
+        timer.end_step(0)
+        assert states == ["mine"], "the script's hook ran, with the state it registered"
+        assert torch.equal(ddp.module.bias.grad, torch.full((8,), 8.0)), "its result is what DDP applied"
+        assert first == [] and later and later[0]["s"].get("comm", 0) > 0, later
+        plain = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+        plain.register_comm_hook(None, own)  # before the Run: DDP takes one hook, so it cannot be timed
+        why = time_script_ddp(plain, StepTimer(later.append, window=1))
+        assert why is not None and "registered before resilient.Run()" in why and "own" in why
+    finally:
+        gc.collect()
+        dist.destroy_process_group()

@@ -155,3 +155,23 @@ def test_slow_data_loading_is_a_data_wait_slowdown_not_a_straggler(tmp_path):
     [incident] = [i for i in incidents(run) if i["kind"] == "slowdown"]
     assert incident["performance"]["attribution"]["section"] == "data"
     assert incident["performance"]["ended"]["excess_s"] == ended["excess_s"]
+
+
+def test_a_straggler_is_flagged_in_a_script_that_wraps_ddp_itself_and_registers_its_own_hook(tmp_path):
+    """The script as most are written: it makes the process group and the DDP wrapper itself, passes the wrapper
+    to resilient.Run(), then registers a communication hook of its own.  Rank 1 is 15 ms slower from step 150.
+    The ranks that wait for it wait inside the backward; the Run's hook on the script's wrapper tells that wait
+    from compute, so rank 1 alone is flagged, in compute.  The script's hook runs (inside the Run's) and every
+    rank ends with the same parameters."""
+    run = tmp_path / "run"
+    faults = plan(tmp_path / "plan.json", {"kind": "slow", "rank": 1, "step": 150, "section": "step",
+                                           "duration_s": SLOW_S})
+    proc = run_agent(run, "--nproc-per-node", "3", *NODE, "--fault-plan", str(faults), script=WORKER,
+                     script_args=("--steps", "500", "--out", str(tmp_path / "out"), "--wrap-self", "--own-hook",
+                                  *DEVICE), timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert kinds(run, "comm_not_timed") == []
+    flagged = kinds(run, "straggler_flagged")
+    assert flagged and {(e["rank"], e["section"]) for e in flagged} == {(1, "compute")}, flagged
+    outs = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
+    assert len({o["params"] for o in outs}) == 1 and all(o["own_hook_calls"] > 0 for o in outs), outs
