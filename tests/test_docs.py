@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from resilient.cli import run_config
+from resilient.cli.main import _subcommand, build_parser
+from resilient.errors import ConfigError
 from resilient.faults.plan import FaultPlan
-from resilient.cli.main import build_parser
 
 from .docs_text import DOCS, REPO, Block, blocks_of, pages
 
@@ -143,6 +145,24 @@ def _command_problems(block: Block, parser) -> list[str]:
     return problems
 
 
+def load_run_config(block: Block, problems: list[str]) -> None:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as f:
+        f.write(block.body)
+        f.flush()
+        try:
+            flags = run_config.load(Path(f.name), _subcommand(build_parser(), "run"))
+        except ConfigError as e:
+            problems.append(f"{block.where()}: {e}")
+            return
+    tokens = [token for given in flags.values() for token in given]
+    try:
+        build_parser().parse_args(["run", *tokens, "train.py"])
+    except SystemExit:
+        problems.append(f"{block.where()}: its flags do not parse: {' '.join(tokens)}")
+
+
 def test_every_code_block_of_the_readme_and_the_site_is_run_or_checked() -> None:
     parser = build_parser()
     problems: list[str] = []
@@ -158,11 +178,13 @@ def test_every_code_block_of_the_readme_and_the_site_is_run_or_checked() -> None
                 data = json.loads(block.body)
                 if "faults" in data:
                     FaultPlan.loads(block.body)
+            elif block.lang == "toml":  # the pages' TOML is resilient run --config files: every key a flag
+                load_run_config(block, problems)
             elif block.lang in ("text", "mermaid"):
                 pass  # output as printed, trees and diagrams (the state diagram is tests/test_machine.py's)
             else:
                 problems.append(f"{block.where()}: a block in {block.lang or 'no language'}: name one "
-                                f"(python, bash, json, text, mermaid) so that it is checked")
+                                f"(python, bash, json, toml, text, mermaid) so that it is checked")
     assert not problems, "\n".join(problems)
     assert seen.get("python", 0) + seen.get("py", 0) >= 5 and seen.get("bash", 0) >= 15, seen
 

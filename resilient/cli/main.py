@@ -27,6 +27,7 @@ from . import (
     quarantine_cmd,
     report_cmd,
     run_cmd,
+    run_config,
     status_cmd,
     stop_cmd,
 )
@@ -57,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:
+        try:
+            argv = ["run", *run_config.expand(argv[1:], _subcommand(parser, "run"))]
+        except ResilientError as e:
+            print(f"resilient: error: {e}", file=sys.stderr)
+            return 2
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help, --version and usage errors; argparse already printed
@@ -73,6 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The reader went away (``| head``); don't let the interpreter complain at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
 
 
 def _version() -> str:

@@ -1,8 +1,12 @@
 """``resilient run``: supervise a training script, as torchrun does, with hang detection.
 
-Flags that torchrun has keep its names (``--nnodes``, ``--nproc-per-node``,
-``--max-restarts``, ``--rdzv-id``, ``--rdzv-endpoint``, ``--local-addr``,
-``--monitor-interval``); the rest are ours.  Environment variables read
+Flags that torchrun has keep its names and meaning (``--nnodes``,
+``--nproc-per-node``, ``--max-restarts``, ``--rdzv-id``, ``--local-addr``,
+``--monitor-interval``, ``--standalone``, ``--rdzv-backend etcd`` with
+``--rdzv-endpoint``); torchrun's c10d and static rendezvous across machines
+are refused with the fix (the nodes meet through etcd).  The rest are ours;
+``--config FILE.toml`` gives any of them from a file
+(:mod:`resilient.cli.run_config`).  Environment variables read
 here: ``RESILIENT_ETCD_PASSWORD`` (so a password need not be on the
 command line), and under Slurm ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT``,
 which name the launch (``slurm-<job>-<restart count>``) unless
@@ -87,10 +91,13 @@ def add_parser(commands: Any) -> None:
                    help="--max-restarts counts per launch (default) or for the run across resubmissions")
     p.add_argument("--run-dir", type=Path, metavar="DIR", help="events, logs and incidents (default: runs/<run id>)")
     p.add_argument("--store", metavar="URL", help="etcd://HOST:PORT[,HOST:PORT] or etcds:// (TLS); omit on one machine")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
-                   help="etcd endpoint, same as --store etcd://HOST:PORT")
     p.add_argument("--rdzv-backend", "--rdzv_backend", choices=["etcd", "etcd-v3", "c10d", "static"],
-                   help="accepted for torchrun compatibility; the store URL decides")
+                   help="as torchrun's: etcd (with --rdzv-endpoint) is --store etcd://HOST:PORT; c10d and static "
+                   "only on one machine (the nodes of a run meet through etcd)")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
+                   help="with --rdzv-backend etcd: the etcd endpoint")
+    p.add_argument("--standalone", action="store_true",
+                   help="as torchrun's: one machine, nothing to meet through (the default without --store)")
     p.add_argument("--etcd-user", metavar="USER", help=f"etcd user (password from ${PASSWORD_ENV})")
     p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle for etcds://")
     p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcds://")
@@ -115,9 +122,9 @@ def add_parser(commands: Any) -> None:
                    help="after a failure, SIGTERM-to-SIGKILL grace for the other workers (default 5)")
     p.add_argument("--preempt-grace", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds the workers get to checkpoint and exit (default 60)")
-    p.add_argument("--signalled-together", type=float, default=1.0, metavar="S",
-                   help="seconds a worker killed by SIGTERM waits for this agent's own SIGTERM (a scheduler "
-                        "ending the job: a stop, not a failure) before it counts as a failure (default 1)")
+    # Seconds a worker killed by SIGTERM waits for this agent's own SIGTERM (a scheduler ending the job: a stop,
+    # not a failure) before it counts as a failure (default 1).  For tests: not in --help.
+    p.add_argument("--signalled-together", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
     p.add_argument("--health-path", action="append", default=[], metavar="DIR",
                    help="directory whose free space is checked (e.g. the checkpoint dir); repeatable")
     p.add_argument("--min-free-disk-gb", type=float, metavar="GB", help="step out below this free disk (default 1)")
@@ -160,8 +167,9 @@ def add_parser(commands: Any) -> None:
                    help="burn in before the first rendezvous too (a returning node always burns in)")
     p.add_argument("--burn-in-min-ratio", type=float, default=0.7, metavar="R",
                    help="a burn-in passes at R of the fleet's median for every measure (default 0.7)")
-    p.add_argument("--burn-in-arg", action="append", default=[], metavar="ARG",
-                   help="an argument for the burn-in process, e.g. --burn-in-arg=--disk-mib=8; repeatable")
+    # An argument for the burn-in process, e.g. --burn-in-arg=--disk-mib=8; repeatable.  For tests (a smaller
+    # burn-in): not in --help.
+    p.add_argument("--burn-in-arg", action="append", default=[], metavar="ARG", help=argparse.SUPPRESS)
     p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
     p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
     p.add_argument("--no-fork-server", dest="fork_server", action="store_false",
@@ -189,11 +197,38 @@ def add_parser(commands: Any) -> None:
                    help="the run's mean time between failures: the workers then save durable checkpoints at the "
                         "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
                         "estimated from the run's incident history before each generation (default: every_steps)")
+    p.add_argument("--config", metavar="FILE.toml",
+                   help="flags from a TOML file, a key per flag (nproc-per-node = 2, quiet = true, section-timeout "
+                        "= {step = 30}); flags on the command line override it")
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     p.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
     p.set_defaults(handler=cmd_run)
+
+
+def rendezvous_store(args: argparse.Namespace, max_nodes: int) -> str | None:
+    """The control store URL from ``--store`` and torchrun's rendezvous flags, each meaning what it means under
+    torchrun or refused with the fix: the nodes of a run meet through etcd, never a TCPStore."""
+    store, backend, endpoint = args.store, args.rdzv_backend, args.rdzv_endpoint
+    across = "across machines run etcd and give --store etcd://HOST:PORT (or --rdzv-backend etcd --rdzv-endpoint " \
+             "HOST:PORT); on one machine leave the rendezvous flags out"
+    if backend in ("etcd", "etcd-v3"):
+        if endpoint is None and store is None:
+            raise ConfigError(f"--rdzv-backend {backend} needs --rdzv-endpoint HOST:PORT (or --store etcd://...)")
+        if endpoint is not None and store is not None and store != f"etcd://{endpoint}":
+            raise ConfigError(f"--rdzv-endpoint {endpoint} and --store {store} name two stores: give one")
+        store = store or f"etcd://{endpoint}"
+    elif endpoint is not None:
+        kind = backend or "static (torchrun's default)"
+        raise ConfigError(f"--rdzv-endpoint {endpoint} with --rdzv-backend {kind}: torchrun's {backend or 'static'} "
+                          f"rendezvous meets at a TCPStore on that host, which resilient run does not use; {across}")
+    elif backend is not None and (store is not None or max_nodes > 1):
+        raise ConfigError(f"--rdzv-backend {backend} across machines: resilient run's nodes meet through etcd, not "
+                          f"torchrun's {backend} rendezvous; {across}")
+    if args.standalone and (store is not None or max_nodes > 1):
+        raise ConfigError("--standalone is one machine: drop it, or drop --store and --nnodes above 1")
+    return store
 
 
 def parse_nnodes(text: str, flag: str = "--nnodes") -> tuple[int, int]:
@@ -266,12 +301,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
 
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     min_nproc, nproc = parse_nnodes(args.nproc_per_node, "--nproc-per-node")
-    store = args.store or (f"etcd://{args.rdzv_endpoint}" if args.rdzv_endpoint else None)
-    if args.rdzv_backend in ("etcd", "etcd-v3") and store is None:
-        raise ConfigError(f"--rdzv-backend {args.rdzv_backend} needs --rdzv-endpoint HOST:PORT (or --store etcd://...)")
-    if args.rdzv_backend in ("c10d", "static") and store is not None:
-        print(f"resilient: warning: --rdzv-backend {args.rdzv_backend} has no effect: with --store the nodes meet "
-              "through etcd", file=sys.stderr)
+    store = rendezvous_store(args, max_nodes)
     run_id, node_id = slurm_ids(args.run_id, args.node_id, environ)
     if store is not None and not run_id:
         raise ConfigError("--store needs --run-id: every node of the run must give the same one")
@@ -343,6 +373,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     from ..agent.supervisor import run_agent
 
+    if args.config is not None:  # resilient's main() reads the file before parsing; a caller that did not, is wrong
+        raise ConfigError("--config FILE is expanded before the command line is parsed: call resilient.cli.main.main()")
     config = build_config(args, dict(os.environ))
     print(f"resilient: run {config.run_id} node {config.node_id}: {config.nproc_per_node} worker(s); "
           f"run dir {config.run_dir}", file=sys.stderr, flush=True)
