@@ -404,3 +404,32 @@ def test_deferred_saves_are_exported_and_reported():
     assert samples["resilient_checkpoint_deferred_steps_total"] == 3.0
     text = render([NodeReport("n", acct)], [])
     assert "checkpoints: 1 scheduled saves deferred (writer busy), taken 3 steps late in all" in text
+
+
+def test_every_gauge_of_the_catalogue_is_exported_from_the_first_scrape_nan_until_known():
+    """A run in its first seconds: no step, no commit, no baseline, no slowdown, no MFU.  Every gauge without
+    per-rank labels is in the scrape already (NaN where nothing is known yet), so a panel or an alert rule finds
+    it; what is known has its value."""
+    import math
+
+    from resilient.metrics.catalogue import METRICS
+    from resilient.metrics.exporter import NodeView, families
+
+    ledger = Ledger(LedgerConfig())  # no ideal step time given, none measured yet
+    ledger.agent_started(0.0)
+    view = NodeView(run_id="r", node="n", now=1.0, account=ledger.account(1.0), slowness={})
+    exported: dict[str, list] = {}
+    for fam in families(view):
+        for s in fam.samples:
+            exported.setdefault(s.name, []).append(s)
+    per_rank = {"rank", "section"}
+    for metric in METRICS:
+        if metric.type != "gauge" or per_rank & set(metric.labels):
+            continue
+        assert metric.name in exported, f"{metric.name} is missing from the first scrape"
+    value = {name: [s.value for s in samples] for name, samples in exported.items()}
+    assert all(math.isnan(v) for v in value["resilient_baseline_step_seconds"])
+    assert all(math.isnan(v) for v in value["resilient_slowdown_ratio"])
+    assert len(value["resilient_goodput_ratio"]) == 2  # run and window
+    assert value["resilient_slowdown_active"] == [0.0] and value["resilient_stall_threshold_seconds"] == [600.0]
+    assert all(math.isnan(v) for v in value["resilient_checkpoint_age_seconds"]), "no commit yet"

@@ -72,9 +72,13 @@ def families(view: NodeView) -> Iterator[Any]:
         return kind[spec.type](family_name, spec.help, labels=list(spec.labels))
 
     def one(name: str, value: float | None, *extra: str) -> Any:
+        """A family of one series; a gauge not known yet is NaN (exported from the first scrape, so a panel or
+        a rule finds it), a counter not known yet is left out."""
         f = fam(name)
         if value is not None and not math.isnan(value):
             f.add_metric([*base, *extra], float(value))
+        elif BY_NAME[name].type == "gauge":
+            f.add_metric([*base, *extra], math.nan)
         return f
 
     f = fam("resilient_agent_info")
@@ -93,8 +97,7 @@ def families(view: NodeView) -> Iterator[Any]:
     ):
         f = fam(name)
         for scope, value in (("run", run_value), ("window", window_value)):
-            if value is not None:
-                f.add_metric([*base, scope], float(value))
+            f.add_metric([*base, scope], math.nan if value is None else float(value))
         yield f
     yield one("resilient_ideal_step_seconds", a.ideal_step_s)
     yield one("resilient_committed_step", a.committed_step)
@@ -166,10 +169,9 @@ def _slowness(snap: Mapping[str, Any], fam: Callable[[str], Any], base: list[str
     active, ratio, baseline = fam("resilient_slowdown_active"), fam("resilient_slowdown_ratio"), \
         fam("resilient_baseline_step_seconds")
     active.add_metric(base, 1.0 if slow else 0.0)
-    if slow:
-        ratio.add_metric(base, float(slow["ratio"]))
-    if snap.get("baseline_s") is not None:
-        baseline.add_metric(base, float(snap["baseline_s"]))
+    ratio.add_metric(base, float(slow["ratio"]) if slow else math.nan)  # NaN: no slowdown to measure
+    known = snap.get("baseline_s")
+    baseline.add_metric(base, math.nan if known is None else float(known))  # NaN: no baseline yet
     yield active
     yield ratio
     yield baseline
