@@ -36,6 +36,8 @@ FEATURES: Mapping[str, str] = {
     "group_timeout": "a re-formed process group keeps the script's collective timeout",
     "group_registry": "the process groups a script made itself are found before a recovery relies on them",
     "fsdp_rebind": "in-process recovery of FSDP2 / HSDP state (its meshes moved to the re-formed group)",
+    "fsdp_comm_timing": "FSDP2's all-gathers and reduce-scatters timed as communication (a rank waiting for a "
+                        "slow peer is told from the straggler)",
     "dtensor_chunks": "sharded (DTensor) checkpoints: each rank's chunk of a tensor",
     "fused_norm": "the non-finite gradient check in one fused pass (without it: one pass per tensor)",
 }
@@ -110,6 +112,16 @@ def _fsdp_rebind() -> list[str | None]:
     ]
 
 
+def _fsdp_comm_timing() -> list[str | None]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        _callable(FSDPModule, "FSDPModule", "set_custom_all_gather"),
+        _callable(FSDPModule, "FSDPModule", "set_custom_reduce_scatter"),
+        _callable(FSDPModule, "FSDPModule", "_get_fsdp_state"),
+    ]
+
+
 def _dtensor_chunks() -> list[str | None]:
     from torch.distributed.tensor import DTensor
 
@@ -128,6 +140,7 @@ _PROBES: Mapping[str, Callable[[], list[str | None]]] = {
     "group_timeout": _group_timeout,
     "group_registry": _group_registry,
     "fsdp_rebind": _fsdp_rebind,
+    "fsdp_comm_timing": _fsdp_comm_timing,
     "dtensor_chunks": _dtensor_chunks,
     "fused_norm": _fused_norm,
 }
@@ -150,7 +163,7 @@ def probe_all() -> dict[str, str | None]:
     return {feature: probe(feature) for feature in FEATURES}
 
 
-SHARDED = frozenset({"fsdp_rebind", "dtensor_chunks"})
+SHARDED = frozenset({"fsdp_rebind", "fsdp_comm_timing", "dtensor_chunks"})
 """The features only a sharded (FSDP2 / DTensor) model uses."""
 
 STATUS: dict[str, str | None] = {}

@@ -51,7 +51,7 @@ from .run_payloads import (
 )
 from .run_recovery import InProcessRecovery
 from .run_sections import AFTER_STEPS, BETWEEN, Section
-from .run_timing import step_timer, time_script_ddp
+from .run_timing import step_timer, time_fsdp, time_script_ddp
 from .state import Stateful, check_stateful, model_fingerprint
 from .worker.env import WorkerEnv
 from .worker.heartbeat import HeartbeatCounts
@@ -149,7 +149,9 @@ class Run:
         self._timer = step_timer(self._hooks, optimizer, optimizer_hooks)
         """Step time by section, sent to the agent every few steps for its straggler and slowdown detectors."""
         self._ddp = _attempt.ddp_options(ddp, model, self._timer)
-        if self._ddp is None and (untimed := time_script_ddp(model, self._timer)) is not None:
+        untimed = time_script_ddp(model, self._timer) if self._ddp is None else None
+        untimed = untimed or (time_fsdp(model, self._timer) if self._sharded else None)
+        if untimed is not None:
             self.events.emit(EventKind.COMM_NOT_TIMED, reason=untimed)
         _attempt.init_default_group(self._ddp is not None)  # torchrun or the agent, and the script made no group
         if isinstance(seed, bool) or not isinstance(seed, int):

@@ -121,6 +121,9 @@ class StepTimer:
         self._acc[self._bucket] = self._acc.get(self._bucket, 0.0) + (now - self._mark)
         self._bucket, self._mark = _BUCKETS.get(section, section), now
 
+    def now(self) -> float:
+        return self._clock()
+
     def nested(self, name: str, seconds: float) -> None:
         """``seconds`` of the current section were in fact ``name`` (measured by a hook inside it)."""
         if self._mark is None:
@@ -298,4 +301,66 @@ def time_script_ddp(model: Any, timer: StepTimer | None) -> str | None:
 
     object.__setattr__(model, "register_comm_hook", register_comm_hook)
     object.__setattr__(model, TIMING_ATTRIBUTE, timing)
+    return None
+
+
+class _TimedCollective:
+    """An FSDP2 all-gather or reduce-scatter (the one FSDP had) that tells the timer how long each blocking call
+    took, waiting for every rank included, as communication.  An asynchronous call (CUDA's prefetching
+    all-gather) returns its work untouched: its wait happens later, in FSDP's own code, and is not seen."""
+
+    def __init__(self, timer: StepTimer, inner: Any) -> None:
+        self.timer = timer
+        self.inner = inner
+
+    def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_op"):
+            return self.inner(*args, **kwargs)
+        timer = self.timer
+        started = timer.now()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            timer.nested(COMM, timer.now() - started)
+
+
+def time_fsdp(model: Any, timer: StepTimer | None) -> str | None:
+    """Time the all-gathers and reduce-scatters of every FSDP2 module in ``model`` as communication, so that the
+    ranks waiting for a slow peer (inside those collectives) are told from it.  Returns why it cannot, or None.
+    HSDP's all-reduce across replicas is not timed (FSDP issues it itself)."""
+    from . import compat
+
+    if timer is None:
+        return None
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError as e:
+        return f"FSDP2's collectives cannot be timed under this torch: {e}"
+    shards = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not shards:
+        return None
+    off = compat.missing("fsdp_comm_timing")
+    if off is not None:
+        return off
+    timed_gather = type("TimedAllGather", (_TimedCollective, AllGather), {})
+    timed_scatter = type("TimedReduceScatter", (_TimedCollective, ReduceScatter), {})
+    for module in shards:
+        groups = getattr(module._get_fsdp_state(), "_fsdp_param_groups", None)
+        if groups is None:
+            return "FSDP2's collectives cannot be timed: its state has no _fsdp_param_groups under this torch"
+        if len(groups) != 1:
+            continue  # no parameters of its own (a root over sharded children), or several meshes: left as it is
+        gather, scatter = getattr(groups[0], "_all_gather_comm", None), getattr(groups[0], "_reduce_scatter_comm", None)
+        if gather is None or scatter is None:
+            return "FSDP2's collectives cannot be timed: its param group has no _all_gather_comm under this torch"
+        for comm, setter, kind in ((gather, module.set_custom_all_gather, timed_gather),
+                                   (scatter, module.set_custom_reduce_scatter, timed_scatter)):
+            if isinstance(comm, _TimedCollective):
+                comm.timer = timer  # an earlier Run over this model timed it: this one takes it over
+            else:
+                setter(kind(timer, comm))
     return None

@@ -52,6 +52,8 @@ def main() -> None:
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--wrap-self", action="store_true",
                    help="as most scripts do: init_process_group and DistributedDataParallel by the script, Run(model=ddp)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the MLP with FSDP2 (fully_shard) on a mesh of every rank instead of DDP")
     p.add_argument("--own-hook", action="store_true",
                    help="with --wrap-self: register a DDP communication hook of the script's after resilient.Run()")
     p.add_argument("--perturb", default=None, metavar="RANK,STEP",
@@ -68,7 +70,18 @@ def main() -> None:
     checkpoint = None if args.ckpt is None else resilient.CheckpointConfig(dir=args.ckpt, every_steps=args.every,
                                                                           elastic=True)
     own_hook_calls = [0]
-    if args.wrap_self:
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        torch.distributed.init_process_group("gloo")
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # over the sharded parameters
+        run = resilient.Run(model=model, optimizer=optimizer, data=data, checkpoint=checkpoint)
+    elif args.wrap_self:
         torch.distributed.init_process_group("gloo")
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         run = resilient.Run(model=wrapped, optimizer=optimizer, data=data, audit_every=args.audit_every,
@@ -98,7 +111,8 @@ def main() -> None:
         run.report(loss=loss)
     h = hashlib.sha256()
     for t in model.parameters():
-        h.update(t.detach().numpy().tobytes())
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t  # a sharded parameter: all of it, on every rank
+        h.update(full.detach().numpy().tobytes())
     with open(f"{args.out}.{run.rank}", "w") as f:
         json.dump({"rank": run.rank, "params": h.hexdigest(), "step": run.step, "own_hook_calls": own_hook_calls[0]}, f)
     run.close()

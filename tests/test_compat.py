@@ -28,6 +28,7 @@ BREAKS = {
     "group_registry": [(dist.distributed_c10d, "_world")],
     "fsdp_rebind": [(FSDPModule, "_get_fsdp_state"), (FSDPModule, "reset_iter_state"),
                     (DeviceMesh, "_get_root_mesh")],
+    "fsdp_comm_timing": [(FSDPModule, "set_custom_all_gather"), (FSDPModule, "set_custom_reduce_scatter")],
     "dtensor_chunks": [(DTensor, "__create_chunk_list__")],
     "fused_norm": [(torch, "_foreach_norm")],
 }

@@ -175,3 +175,20 @@ def test_a_straggler_is_flagged_in_a_script_that_wraps_ddp_itself_and_registers_
     assert flagged and {(e["rank"], e["section"]) for e in flagged} == {(1, "compute")}, flagged
     outs = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
     assert len({o["params"] for o in outs}) == 1 and all(o["own_hook_calls"] > 0 for o in outs), outs
+
+
+def test_a_straggler_is_flagged_in_an_fsdp2_script_whose_peers_wait_in_its_collectives(tmp_path):
+    """FSDP2 (fully_shard) on 3 ranks: the ranks that wait for a slow peer wait inside the all-gathers and
+    reduce-scatters, which the Run times as communication; rank 1, 15 ms slower from step 150, is flagged alone,
+    in compute, and every rank ends with the same parameters."""
+    run = tmp_path / "run"
+    faults = plan(tmp_path / "plan.json", {"kind": "slow", "rank": 1, "step": 150, "section": "step",
+                                           "duration_s": SLOW_S})
+    proc = run_agent(run, "--nproc-per-node", "3", *NODE, "--fault-plan", str(faults), script=WORKER,
+                     script_args=("--steps", "500", "--out", str(tmp_path / "out"), "--fsdp", *DEVICE), timeout=300)
+    assert proc.returncode == 0, explain(proc)
+    assert kinds(run, "comm_not_timed") == []
+    flagged = kinds(run, "straggler_flagged")
+    assert flagged and {(e["rank"], e["section"]) for e in flagged} == {(1, "compute")}, flagged
+    outs = [json.loads((tmp_path / f"out.{r}").read_text()) for r in range(3)]
+    assert len({o["params"] for o in outs}) == 1, outs
