@@ -452,9 +452,10 @@ def test_a_worker_killed_while_the_agent_looks_is_a_failure_on_the_next_pass_nev
 
     monkeypatch.setattr(generation, "follow", kill_meanwhile)
     tracker = RankTracker()
+    settled: list[int] = []
     ctx = SimpleNamespace(config=SimpleNamespace(signalled_together_s=0.0, health_paths=()), clock=lambda: 0.0,
                           tracker=tracker, inproc=None, slowness=None, interrupted=lambda: False,
-                          stop_requested=lambda: None)
+                          stop_requested=lambda: None, settle_heartbeats=lambda: settled.append(1))
     peers = SimpleNamespace(verdict=None, quarantined=None, waiting=0, ended=False, stop=None, stop_request=None,
                             detectors=None)
     state = machine.WatchState(machine.Phase.RUNNING, next_health=1e9)
@@ -463,10 +464,12 @@ def test_a_worker_killed_while_the_agent_looks_is_a_failure_on_the_next_pass_nev
     try:
         first = generation._observe(ctx, group, None, tmp_path, peers, state, SectionTimeouts())
         assert not first.failed and not first.all_exited, first
+        assert settled == [], "no failure seen: nothing to settle"
         assert machine.transition(state, first, cfg).state.phase is not machine.Phase.ENDED
         monkeypatch.setattr(generation, "follow", lambda *_args: None)
         second = generation._observe(ctx, group, None, tmp_path, peers, state, SectionTimeouts())
         assert second.failed == (machine.Failed(0, -signal.SIGKILL),) and second.all_exited, second
+        assert settled == [1], "its last heartbeats are in the tracker before the failure is built"
         assert isinstance(machine.transition(state, second, cfg).commands[0], machine.AnswerFailure)
     finally:
         group.stop(grace_s=0)

@@ -518,3 +518,30 @@ def test_a_malformed_timing_or_audit_report_is_refused_saying_what_is_wrong(kind
                    **{field: value})
     with pytest.raises(HeartbeatError, match=problem):
         decode(encode(hb))
+
+
+def test_settling_hands_on_every_heartbeat_queued_before_it(sock_path):
+    """A worker's last heartbeats sit in the socket's queue when the agent sees it exit; the receiver's thread
+    may not have read them yet.  settle() returns only once everything queued before it was handed on."""
+    gate = threading.Event()
+    inbox = Inbox()
+
+    def slow(hb: Heartbeat, at: float) -> None:
+        gate.wait(5)  # the receiver's thread is held up, as a loaded machine would
+        inbox(hb, at)
+
+    receiver = HeartbeatReceiver(sock_path, slow)
+    try:
+        sender = HeartbeatSender(sock_path, rank=0, local_rank=0)
+        for step in range(5):  # fewer than the socket queues (a full queue drops at the sender, by design)
+            sender.send("section", "step", step)
+        sender.close()
+        assert sender.dropped == 0 and len(inbox.messages()) == 0  # the thread waits at the first one
+        threading.Timer(0.2, gate.set).start()
+        assert receiver.settle(timeout=10)
+        assert [hb.step for hb in inbox.messages()] == list(range(5)), "all of it, in order, when settle returns"
+    finally:
+        gate.set()
+        receiver.close()
+    assert receiver.malformed == 0, "the marker is never taken for a heartbeat"
+    assert not receiver.settle(timeout=0.2), "a closed receiver settles nothing"

@@ -89,13 +89,8 @@ def continue_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, 
                      lost: dict[int, str], kind: FaultKind, failure: Failure, exit_codes: tuple[int, ...],
                      incident: Incident, detected_at: float, last_progress_at: float,
                      hold: Hold | None = None) -> Assignment | Hold | RecoveryDecision | None:
-    """On one machine: recover in process from losing ``lost`` (rank -> worker id) if the ladder can.
-
-    Returns the new assignment (the generation goes on), a :class:`Hold`
-    (decide again on a later tick), the ladder's decision to restart or stop
-    (end the generation as a failure; the incident records it), or None when
-    no member survives.
-    """
+    """:func:`~resilient.agent.recover.continue_after` on one machine (its answers, or None when no member
+    survives): the survivors settle, the ladder decides, and a rung that acts is carried out here."""
     inp, outlook_of, next_generation, record = ctx.inproc, ctx.restart_outlook, ctx.next_generation, ctx.record_incident
     assert inp is not None and outlook_of is not None and next_generation is not None and record is not None
     if not any(r not in lost for r in group.workers):

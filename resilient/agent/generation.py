@@ -105,6 +105,8 @@ class GenerationContext:
     """Across machines: read this node's quarantine record (the peer watch asks every 5 s)."""
     spawner: Spawner | None = None
     """Starts the workers (forked from the agent's fork server when it can); None: the plain way."""
+    settle_heartbeats: Callable[[], None] | None = None
+    """Hand every heartbeat already queued to the tracker (called when workers exited non-zero)."""
 
 
 QUARANTINE_EVERY = 5
@@ -311,6 +313,8 @@ def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
     now = ctx.clock()
     stopping = state.phase is machine.Phase.STOPPING
     settled = group.settled()
+    if settled.failed and ctx.settle_heartbeats is not None:
+        ctx.settle_heartbeats()  # what the failed workers sent before they died is in the tracker before it is read
     exits = list(settled.failed)
     failed = tuple(machine.Failed(e.rank, e.returncode) for e in exits)
     news = _news(follow(ctx, group, a, gdir, now)) if not stopping else None

@@ -18,6 +18,8 @@ from ..worker.protocol import MAX_DATAGRAM, Heartbeat, HeartbeatError, decode_da
 from .sockets import bind_private
 
 logger = logging.getLogger("resilient.agent")
+MARK = b"\x00resilient-settle"
+"""A datagram the receiver sends itself (:meth:`HeartbeatReceiver.settle`); never a heartbeat (those are JSON)."""
 
 
 class HeartbeatReceiver:
@@ -44,6 +46,8 @@ class HeartbeatReceiver:
         self.callback_errors = 0
         self.last_error: str | None = None
         self._closed = threading.Event()
+        self._settled = threading.Condition()
+        self._marks_seen = 0
         self._sock = bind_private(self.path, socket.SOCK_DGRAM)
         self._thread = threading.Thread(target=self._serve, name="resilient-heartbeats", daemon=True)
         self._thread.start()
@@ -62,6 +66,11 @@ class HeartbeatReceiver:
             received_at = self._clock()
             if self._closed.is_set():
                 return
+            if data == MARK:
+                with self._settled:
+                    self._marks_seen += 1
+                    self._settled.notify_all()
+                continue
             try:
                 heartbeats = decode_datagram(data)
             except HeartbeatError as e:
@@ -78,6 +87,25 @@ class HeartbeatReceiver:
                 except Exception:  # one bad callback must not stop heartbeat intake
                     self.callback_errors += 1
                     logger.exception("heartbeat callback failed for rank %s", hb.rank)
+
+    def settle(self, timeout: float = 1.0) -> bool:
+        """Return once every heartbeat queued on the socket now has been handed on (False: not within ``timeout``).
+
+        A datagram a worker sent is in this socket's queue from the moment its ``sendto`` returned, so once a
+        worker's exit is seen, settling makes the tracker hold everything it sent before it died (its last
+        section and step), whichever thread got there first.  A marker sent to the socket itself is handled in
+        order after them.
+        """
+        with self._settled:
+            wanted = self._marks_seen + 1
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.settimeout(timeout)
+                s.sendto(MARK, self.path)
+        except OSError:
+            return False
+        with self._settled:
+            return self._settled.wait_for(lambda: self._marks_seen >= wanted or self._closed.is_set(), timeout)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread, close the socket and remove its path."""

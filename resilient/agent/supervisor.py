@@ -210,7 +210,12 @@ class Agent:
             next_generation=self._next_generation, record_incident=self.incidents.record_open,
             recovered=self.incidents.recovered, slowness=self.slowness,
             quarantined=self.gate.check if self.gate is not None else None, spawner=self.spawner,
+            settle_heartbeats=self._settle_heartbeats,
         )
+
+    def _settle_heartbeats(self) -> None:
+        for receiver in self._receivers:
+            receiver.settle()
 
     def _restart_outlook(self, failure: Failure) -> RestartOutlook:
         """What the restart policy would decide about ``failure`` now, for the ladder's lower rungs."""
