@@ -6,7 +6,7 @@ waiting, as a host waits for its accelerator (the CPUs are then not all
 busy, as on a GPU machine; three compute-bound ranks on two cores would
 measure the kernel's scheduler instead, ``--device-ms 0`` records that),
 each timing its steps with the Run's own timer
-(:class:`resilient.run_timing.StepTimer`: the same communication hook,
+(:class:`resilient.run.timing.StepTimer`: the same communication hook,
 optimizer hooks and section switches a Run uses under the agent), and the
 window reports are written with their provenance to
 ``tests/data/step_noise.json``.  The synthetic traces of
@@ -39,7 +39,7 @@ OUT = ROOT / "tests" / "data" / "step_noise.json"
 
 
 def _rank(rank: int, world: int, port: int, steps: int, device_s: float, width: int, queue: mp.SimpleQueue) -> None:
-    from resilient.run_timing import StepTimer
+    from resilient.run.timing import StepTimer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -99,7 +99,7 @@ def main() -> None:
             raise SystemExit(f"a rank exited with {proc.exitcode}")
     windows = [[by_rank[r][i] for r in range(args.world)] for i in range(min(len(v) for v in by_rank.values()))]
     record = {
-        "what": "healthy step time by section, one report per rank per window of 5 steps (resilient.run_timing)",
+        "what": "healthy step time by section, one report per rank per window of 5 steps (resilient.run.timing)",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "commit": commit(), "uncommitted": uncommitted_code_changes(),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "torch": torch.__version__},

@@ -42,7 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import commit, load_now, uncommitted_code_changes  # noqa: E402
 
-from resilient.run_timing import StepTimer  # noqa: E402
+from resilient.run.timing import StepTimer  # noqa: E402
 from resilient.watchdog.slowdown import SlowdownDetector  # noqa: E402
 from resilient.watchdog.straggler import StragglerDetector  # noqa: E402
 from resilient.watchdog.traces import Trace, healthy, load_noise, replay, with_job_slowdown, with_straggler  # noqa: E402

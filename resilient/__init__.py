@@ -29,7 +29,7 @@ _EXPORTS = {
     "NoValidCheckpointError": "resilient.errors",
     "ResilientError": "resilient.errors",
     "StorageError": "resilient.errors",
-    "device_mesh": "resilient.mesh",
+    "device_mesh": "resilient.run.mesh",
 }
 
 __all__ = [
@@ -64,7 +64,7 @@ if TYPE_CHECKING:
         StorageError,
     )
     from .events import EventLog
-    from .mesh import device_mesh
+    from .run.mesh import device_mesh
     from .run import Run
     from .state import Stateful
 

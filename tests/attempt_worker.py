@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import resilient
-from resilient.run_attempt import step_seed
+from resilient.run.attempt import is_recoverable, step_seed
 
 SEED = 0
 
@@ -116,7 +116,7 @@ def main() -> int:
                         events=events, ddp=not classic, seed=SEED)
     asked: list[BaseException] = []
     if args.die_rank is not None:
-        run._recovery = lambda exc: asked.append(exc) and False  # what in-process recovery would be handed
+        run._state.recovery = lambda exc: asked.append(exc) and False  # what in-process recovery would be handed
     with open(f"{args.trace}.rank{rank}", "a") as trace:
         trace.write(json.dumps({"event": "start", "restored_from": run.restored_from, "step": run.step,
                                 "world_size": run.world_size, "wrapped": type(run.model).__name__}) + "\n")
@@ -127,7 +127,7 @@ def main() -> int:
             if args.die_rank is None:
                 raise
             trace.write(json.dumps({"event": "error", "type": type(exc).__qualname__, "message": str(exc)[:300],
-                                    "recoverable": run._attempt_failed(exc), "asked_recovery": len(asked),
+                                    "recoverable": is_recoverable(exc), "asked_recovery": len(asked),
                                     "step": run.step}) + "\n")
             failed = True
         if failed:

@@ -61,7 +61,7 @@ def test_a_probe_fails_when_an_api_changed_shape(monkeypatch) -> None:
 
 
 def test_without_the_ddp_layout_api_a_rebuilt_wrapper_takes_ddps_own_layout(monkeypatch) -> None:
-    from resilient.run_attempt import ddp_layout
+    from resilient.run.ddp import ddp_layout
 
     monkeypatch.setitem(compat.STATUS, "ddp_bucket_layout", "off for the test")
     store = dist.HashStore()
@@ -95,7 +95,7 @@ def test_a_model_off_the_cpu_recovers_by_restart_and_says_why() -> None:
 
 def test_without_the_sharding_apis_fsdp_recovery_and_sharded_checkpoints_fail_closed(monkeypatch) -> None:
     from resilient.elastic.mesh_rebind import ShardRecoveryUnsupported, survey
-    from resilient.run_payloads import check_sharding
+    from resilient.run.payloads import check_sharding
 
     monkeypatch.setitem(compat.STATUS, "fsdp_rebind", "fsdp_rebind is off for the test")
     with pytest.raises(ShardRecoveryUnsupported, match="fsdp_rebind is off for the test"):

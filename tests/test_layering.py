@@ -2,7 +2,8 @@
 
 Imports are read with ``ast`` from every module of ``resilient/``, at any depth: an import inside a function
 counts (it runs when the function does), one under ``if TYPE_CHECKING:`` does not (it never runs).  From
-``resilient.x import y`` where ``y`` is a submodule counts as importing ``resilient.x.y``.
+``resilient.x import y`` where ``y`` is a submodule counts as importing ``resilient.x.y`` (and not
+``resilient.x`` itself, unless a name of its ``__init__`` is imported beside it).
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ def _imported(name: str, path: Path, node: ast.Import | ast.ImportFrom, known: M
             base = ".".join(package + ([node.module] if node.module else []))
         else:
             base = node.module or ""
-        targets = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]
+        submodules = [f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in known]
+        # ``from pkg import a, b`` of submodules alone imports them, not a name of pkg's ``__init__``: like
+        # ``from pkg.a import x``, it counts as importing the submodules only (a parent package's
+        # ``__init__`` runs for every import below it, and is never counted as imported by one).
+        targets = submodules if len(submodules) == len(node.names) else [base, *submodules]
     resolved = []
     for target in targets:
         while target and target not in known:  # a name inside a module: the module
@@ -159,8 +164,10 @@ def test_the_analysis_finds_a_cycle_made_by_an_import_inside_a_function(tmp_path
     (package / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\n"
                                   "def g():\n    import pkg.a\n")
     (package / "d.py").write_text("from .c import g\n")
+    (package / "e.py").write_text("from .sub import b, thing\n")  # a name of sub's __init__ beside a submodule
     graph = import_graph(package)
-    assert graph["pkg.a"] == {"pkg.sub", "pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg", "pkg.c"}
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}, "submodules, not their parents"
+    assert graph["pkg.e"] == {"pkg.sub", "pkg.sub.b"}
     assert graph["pkg.c"] == {"pkg.a"}, "an import under TYPE_CHECKING never runs"
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
     assert cycles(package_graph(graph)) == [["pkg.a", "pkg.c", "pkg.sub"]]
@@ -170,3 +177,21 @@ def test_no_module_is_longer_than_the_house_allows() -> None:
     long = {str(path.relative_to(REPO)): n for path in (REPO / "resilient").rglob("*.py")
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines (split them by responsibility): {long}"
+
+
+def test_the_runs_parts_take_its_state_never_the_run() -> None:
+    """Only the Run's own module (and the package's entry) may name ``Run``: every part of it, and everything
+    below, works on a ``RunState`` (even a type annotation of ``Run`` elsewhere is a part reaching into it)."""
+    allowed = {"resilient", "resilient.run", "resilient.run.core"}
+    wrong = []
+    for name, path in modules(REPO / "resilient").items():
+        if name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and any(alias.name == "Run" for alias in node.names):
+                wrong.append(f"{name} imports Run (line {node.lineno})")
+            if isinstance(node, ast.Attribute) and node.attr == "_state" and not (
+                    isinstance(node.value, ast.Name) and node.value.id == "self"):
+                wrong.append(f"{name} reads another object's _state (line {node.lineno})")
+    assert not wrong, "\n".join(wrong)
+

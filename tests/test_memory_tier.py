@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from resilient.checkpoint import memory as mem
 from resilient.checkpoint.coordinator import Coordinator
-from resilient.checkpoint.restore import _agree
+from resilient.checkpoint.restore import agree
 from resilient.errors import CheckpointCorruptError
 from resilient.events import EventLog
-from resilient.run_memory import decide_interval
+from resilient.run.memory import decide_interval
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
 
@@ -106,7 +106,7 @@ def test_a_flipped_byte_is_refused_and_the_restore_takes_the_next_older_common_s
     path.write_bytes(raw)
     with pytest.raises(CheckpointCorruptError, match="digest mismatch"):
         t.load(3, 0, 0)
-    got = mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=None, agree=_agree)
+    got = mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=None, agree=agree)
     assert got is not None and got.step == 2 and same(got.rank_state, payloads(2)["rank"])
     restored = events.of_kind("memory_tier_restored")[-1].fields
     assert restored["step"] == 2 and "digest mismatch" in restored["skipped"][0]
@@ -118,13 +118,13 @@ def test_nothing_at_least_as_new_as_the_durable_commit_means_the_durable_tier(ro
     for step in (1, 2, 3):
         save(t, step)
     t.wait()
-    assert mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=4, agree=_agree) is None
-    got = mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=3, agree=_agree)
+    assert mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=4, agree=agree) is None
+    got = mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=3, agree=agree)
     assert got is not None and got.step == 3  # as new as the commit: memory is the faster read
     for slot in range(mem.SLOTS):  # every slot damaged: the durable tier, and an event that says why
         shard = root / f"replicated.{slot}.shard"
         shard.write_bytes(b"\0" * shard.stat().st_size)
-    assert mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=None, agree=_agree) is None
+    assert mem.restore_memory(t, Coordinator(), events, fingerprint="f", not_before=None, agree=agree) is None
     fallback = events.of_kind("memory_tier_fallback")[-1].fields
     assert len(fallback["problems"]) == 3 and all("replicated" in p for p in fallback["problems"])
 

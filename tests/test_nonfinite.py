@@ -13,7 +13,7 @@ import torch
 import resilient
 from resilient.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
 from resilient.exitcodes import EXIT_UNRECOVERABLE, exit_code_for
-from resilient.run_attempt import poisoned
+from resilient.run.attempt import poisoned
 
 
 class Data:

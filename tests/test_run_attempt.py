@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from resilient import ConfigError, ElasticLoader, EventLog, Run
 from resilient.data import DataFetchError
-from resilient.run_attempt import is_recoverable
+from resilient.run.attempt import is_recoverable, rewind_current
+from resilient.run.ddp import rebuild
 
 from . import launch
 from .docs_text import the_block
@@ -170,8 +171,8 @@ def test_attempt_without_in_process_recovery_passes_every_error_through():
                     draws(run)
                     raise error
         assert info.value is error, "re-raised unchanged"
-        assert run.step == 0 and run._attempt_start is None
-    assert run._attempt_failed(RuntimeError(GLOO_RESET)), "a peer failure, but nothing here can re-form the group"
+        assert run.step == 0 and run._state.attempt_start is None
+    assert is_recoverable(RuntimeError(GLOO_RESET)), "a peer failure, but nothing here can re-form the group"
 
 
 def test_rewind_attempt_restores_the_cursor_and_every_random_stream():
@@ -182,14 +183,14 @@ def test_rewind_attempt_restores_the_cursor_and_every_random_stream():
             first = draws(run)
             assert run.data.consumed == 12
             assert all(p.grad is not None for p in run.model.parameters())
-            run._rewind_attempt()
+            rewind_current(run._state)
             assert run.data.consumed == 0 and all(p.grad is None for p in run.model.parameters())
             again = draws(run)
     assert first == again, "the retried step reads the same batches and draws the same numbers"
     assert [len(first[i]) for i in (2, 5, 8)] == [4, 4, 4] and first[2] + first[5] + first[8] == \
         run.data.indices_at(0, 12), "the step's three micro-batches are its twelve stream positions in order"
-    with pytest.raises(ConfigError, match="outside run.attempt"):
-        run._rewind_attempt()
+    with pytest.raises(ConfigError, match="only inside run.attempt"):
+        rewind_current(run._state)
 
 
 def train(run: Run, fail_at: int | None) -> tuple[list, list]:
@@ -217,7 +218,7 @@ def test_a_recovered_attempt_is_retried_and_the_run_is_the_run_that_never_failed
     run = make_run(global_batch=8)
     calls: list = []
     # What in-process recovery plugs in: it rewinds the attempt itself (first), re-forms the group, and says retry.
-    run._recovery = lambda exc: calls.append(exc) or run._rewind_attempt() or True
+    run._state.recovery = lambda exc: calls.append(exc) or rewind_current(run._state) or True
     seen, got = train(run, 2)
     assert seen == [0, 1, 2, 2, 3], "steps() yields the failed step again"
     assert len(calls) == 1 and isinstance(calls[0], RuntimeError)
@@ -269,7 +270,7 @@ def test_ddp_true_owns_the_wrapper_and_syncs_only_the_last_micro_batch():
             with run.attempt():
                 syncing += [ddp.require_backward_grad_sync for _ in run.micro_batches()]
         assert syncing == [False, False, False, False, True], "no_sync() on all but the last micro-batch"
-        run._rebuild_ddp()
+        rebuild(run._state)
         assert isinstance(run.model, torch.nn.parallel.DistributedDataParallel) and run.model is not ddp
         assert run.model.module is ddp.module, "rebuilt around the same module (and the optimizer's parameters)"
     finally:
@@ -288,7 +289,7 @@ def test_the_docs_recovery_example_runs_under_plain_python(tmp_path):
 
 
 def test_a_rebuilt_ddp_wrapper_can_start_in_the_bucket_layout_of_the_one_it_replaces():
-    from resilient.run_attempt import ddp_layout, wrap_ddp
+    from resilient.run.ddp import ddp_layout, wrap_ddp
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

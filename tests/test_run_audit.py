@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from resilient.errors import ConfigError
-from resilient.run_audit import checked_every, compare, fingerprints
+from resilient.run.audit import checked_every, compare, fingerprints
 
 
 def model() -> torch.nn.Module:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 import resilient
-from resilient.run_attempt import StepPosition
+from resilient.run.saving import payloads
+from resilient.run.state import StepPosition
 
 
 class Ema:
@@ -88,7 +90,7 @@ def test_the_host_buffer_is_prepared_before_the_first_save(tmp_path):
         opt.zero_grad()
     from resilient.checkpoint.snapshot import snapshot_bytes
 
-    assert prepared >= snapshot_bytes(run._payloads()) > 3 * 64 * 64 * 4, "model + AdamW state not covered"
+    assert prepared >= snapshot_bytes(payloads(run._state)) > 3 * 64 * 64 * 4, "model + AdamW state not covered"
     result = run.close()
     assert result.ok and manager._writer.buffers[0].capacity == prepared, "the final save had to grow the buffer"
 
@@ -104,15 +106,31 @@ def test_a_run_made_again_over_the_same_optimizer_frees_the_first_one(tmp_path):
         opt.zero_grad()
     run.save()
     run.close()
-    first, buffers = weakref.ref(run), weakref.ref(run.checkpoints._writer.buffers[0])
+    first, buffers = weakref.ref(run._state), weakref.ref(run.checkpoints._writer.buffers[0])
     del run
     gc.collect()
-    assert first() is not None, "a Run the script dropped still guards its optimizer"
+    assert first() is not None, "the state of a Run the script dropped still guards its optimizer"
     again = resilient.Run(model=model, optimizer=opt, scaler=scaler, state={"ema": ema}, config={"lr": 0.1},
                           checkpoint=resilient.CheckpointConfig(dir=tmp_path / "c", every_steps=None))
     assert again.restored_from is not None
     gc.collect()
-    assert first() is None and buffers() is None, "the optimizer kept the first Run alive"
+    assert first() is None and buffers() is None, "the optimizer kept the first Run's state alive"
     model(torch.randn(4, 3)).sum().backward()
     opt.step()  # the dead Run's hooks are inert; the live one's see the step
-    assert again._position is StepPosition.AFTER
+    assert again._state.position is StepPosition.AFTER
+
+
+def test_a_runs_attributes_read_its_state_and_cannot_be_assigned(tmp_path):
+    """The script reads the Run; only the Run changes its state (a script that set ``run.step`` would desync the
+    loop, the checkpoints and the agent's view of the step)."""
+    run, model, opt, *_ = make(tmp_path, {"lr": 0.1})
+    for _ in run.steps(1):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert (run.step, run.model, run.optimizer) == (1, model, opt)
+    assert run.step is run._state.step and run.user_state is run._state.user_state
+    with pytest.raises(AttributeError, match="Run.step cannot be assigned"):
+        run.step = 5
+    assert run.step == 1 and "step" not in vars(run), "nothing shadows the state"
+    run.close()

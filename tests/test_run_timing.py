@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from resilient.run_timing import StepTimer, run_queue_wait
+from resilient.run.timing import StepTimer, run_queue_wait
 
 
 class Clock:
@@ -208,7 +208,7 @@ class _Ticks:
 
 
 def test_a_ddp_wrapper_the_script_made_is_timed_and_its_own_hook_registered_later_runs_inside():
-    from resilient.run_timing import time_script_ddp
+    from resilient.run.timing import time_script_ddp
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:

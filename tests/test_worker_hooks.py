@@ -287,7 +287,7 @@ def test_run_reports_its_sections(tmp_path, agent):
         run.close()
         wait_for(lambda: agent.sections()[-1][0] == "bye", what="bye")
     finally:
-        run._hooks.uninstall()
+        run._state.hooks.uninstall()
     S = "section"
     assert agent.sections() == [
         ("hello", "init", 0), (S, "restore", 0), (S, "init", 0),  # restore re-enters init
@@ -330,7 +330,7 @@ def test_a_restoring_run_reports_the_checkpoint_its_step_and_its_time(tmp_path, 
     try:
         wait_for(lambda: any(m.kind == "restored" for m in agent.seen()), what="the restore report")
     finally:
-        run._hooks.uninstall()
+        run._state.hooks.uninstall()
     [report] = [m for m in agent.seen() if m.kind == "restored"]
     assert report.restored is not None and run.restored_from == "step_0000000003"
     assert (report.restored["checkpoint"], report.restored["step"]) == (run.restored_from, run.step) == (
@@ -342,7 +342,7 @@ def test_explicit_no_agent_beats_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RESILIENT_AGENT_SOCKET", "/nonexistent/socket")
     monkeypatch.setenv("RANK", "not-a-number")  # would fail if the environment were read
     run = tiny(tmp_path, None)
-    assert run._hooks is None and run.data.report_section is None
+    assert run._state.hooks is None and run.data.report_section is None
     train(run, 2)
     with run.section("eval"):
         pass
@@ -362,7 +362,7 @@ def test_graceful_stop_in_process(tmp_path, agent):
                 steps_done.append(step)
         wait_for(lambda: agent.sections()[-1][0] == "bye", what="bye")
     finally:
-        run._hooks.uninstall()
+        run._state.hooks.uninstall()
     assert info.value.code == 0 and steps_done == [0, 1, 2] and run.step == 3
     stop = run.events.of_kind("graceful_stop")[0].fields
     assert (stop["stop_at_step"], stop["reason"], stop["committed"]) == (3, "drill", "step_0000000003")

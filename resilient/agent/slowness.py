@@ -1,7 +1,7 @@
 """The agent's side of straggler and slowdown detection: collect the ranks' windows, score them, report.
 
 Workers send one ``timing`` heartbeat per window of steps
-(:mod:`resilient.run_timing`).  :meth:`SlownessWatch.take` files them by
+(:mod:`resilient.run.timing`).  :meth:`SlownessWatch.take` files them by
 generation and window on the receiver's thread; the watch loop calls
 :meth:`SlownessWatch.poll`, which scores every window all of this node's
 ranks have reported, in order, with the pure detectors

@@ -76,7 +76,7 @@ DIR_ENV = "RESILIENT_MEMORY_DIR"
 LIMIT_ENV = "RESILIENT_MEMORY_LIMIT"
 PIN_EVERY_ENV = "RESILIENT_MEMORY_PIN_EVERY"
 EVERY_ENV = "RESILIENT_MEMORY_EVERY"
-"""Steps between memory saves; ``auto`` (or unset) chooses from the measured cost (:func:`resilient.run_memory.decide_interval`)."""
+"""Steps between memory saves; ``auto`` (or unset) chooses from the measured cost (:func:`resilient.run.memory.decide_interval`)."""
 
 
 def file_stem(key: str, rank: int) -> str:

@@ -94,7 +94,7 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             continue
         _check_world(storage, coord, events, manifest, elastic)
         status, detail, restored = _load_local(storage, coord, manifest, targets, live)
-        kind, why = _agree(coord, status, detail)
+        kind, why = agree(coord, status, detail)
         if kind == "ok":
             assert restored is not None
             if problems:
@@ -142,7 +142,7 @@ def _check_world(storage: Storage, coord: Coordinator, events: EventLog, manifes
     )
 
 
-def _agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
+def agree(coord: Coordinator, status: str, detail: str) -> tuple[str, str]:
     """Every rank's ("ok"|"corrupt"|"error"|"mismatch", detail) -> one verdict, the same on every rank."""
     statuses = coord.gather(json.dumps([status, detail]).encode())
     verdict = None

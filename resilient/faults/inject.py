@@ -140,7 +140,7 @@ class FaultInjector:
             self._slowed[fault.section] = step
             self._sleep(fault.duration_s)
         elif fault.kind == "nan":
-            self._poison = True  # the Run's next micro-batch gets one NaN (resilient.run_attempt.poisoned)
+            self._poison = True  # the Run's next micro-batch gets one NaN (resilient.run.attempt.poisoned)
         elif fault.kind == "sigstop":
             _flush_stdio()
             os.kill(os.getpid(), signal.SIGSTOP)

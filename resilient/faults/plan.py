@@ -29,7 +29,7 @@ published (:func:`resilient.checkpoint.commit.set_fault_point`).  Kinds:
 - ``nan``: the rank's next micro-batch (``run.micro_batches()``) carries one
   NaN in its first floating-point tensor (a copy: the loader's data stays
   clean), so its loss and, once all-reduced, every rank's gradients are not
-  finite (:mod:`resilient.run_nonfinite` catches them before the update).
+  finite (:mod:`resilient.run.nonfinite` catches them before the update).
 
 :meth:`FaultPlan.random` makes a plan from a seed, so a drill can ask for
 "three random crashes" and get the same three every time.

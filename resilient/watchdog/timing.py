@@ -1,7 +1,7 @@
 """A rank's step time by section over one window of steps: what the detectors score.
 
 Every rank splits each step's wall time into sections (``Run`` measures
-them: :mod:`resilient.run_timing`) and, every ``window`` steps, reports per
+them: :mod:`resilient.run.timing`) and, every ``window`` steps, reports per
 section the median seconds per step over the window.  A section that does
 not occur on most steps (a checkpoint every 50 steps) has a median of zero;
 its mean per step is reported instead, so its cost still shows.

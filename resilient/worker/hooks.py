@@ -231,7 +231,7 @@ class WorkerHooks:
         self.sender.send_single("timing", self.section, self.step, committed_step=self.committed_step, timing=report)
 
     def audit(self, report: dict[str, Any]) -> None:
-        """Send the replica audit's finding (:mod:`resilient.run_audit`) in a datagram of its own."""
+        """Send the replica audit's finding (:mod:`resilient.run.audit`) in a datagram of its own."""
         if self._said_bye or self.standby:
             return
         self.sender.send_single("audit", self.section, self.step, committed_step=self.committed_step, audit=report)

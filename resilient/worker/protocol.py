@@ -67,7 +67,7 @@ index, "n": steps measured, "step": mean seconds per step, "s": {section:
 seconds per step}}`` (see :mod:`resilient.watchdog.timing`).  It is sent
 once per window (every few steps), not per step.  ``audit`` (alone too)
 carries ``audit``: the replica audit's finding when parameters differ across
-data-parallel ranks (:mod:`resilient.run_audit`), sent by the lowest rank.
+data-parallel ranks (:mod:`resilient.run.audit`), sent by the lowest rank.
 
 The sender lives in :mod:`resilient.worker.heartbeat`, the receiver in
 :mod:`resilient.agent.heartbeat`.

@@ -15,7 +15,7 @@ verdict is all-reduced (MAX) so that no rank steps while another does not.
 A non-finite gradient raises :class:`~resilient.errors.NonFiniteGradientsError`
 from ``optimizer.step()``: the update is not applied.  Inside
 ``with run.attempt():`` the step is rewound (cursor, counters, gradients,
-random streams: :func:`resilient.run_attempt.rewind`) and retried on the
+random streams: :func:`resilient.run.attempt.rewind`) and retried on the
 same batch, up to :data:`RETRIES` times; an intermittent fault is gone on the
 retry and the run goes on as if it never happened.  When every try of the
 step is non-finite the batch or the model is the cause, not chance:
@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import compat
-from .errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
-from .events import EventKind
-from .state import unwrap
+from .. import compat
+from ..errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
+from ..events import EventKind
+from ..state import unwrap
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import RunState
 
 MODES = ("retry", "raise", "off")
 RETRIES = 2
@@ -57,11 +57,11 @@ def checked_mode(mode: Any) -> str:
     return str(mode)
 
 
-def install(run: Run, optimizer: torch.optim.Optimizer | None, mode: str) -> Any:
+def install(state: RunState, optimizer: torch.optim.Optimizer | None, mode: str) -> Any:
     """Register the check on ``optimizer`` (None when there is nothing to check); returns the hook's handle."""
     if optimizer is None or mode == "off":
         return None
-    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: check(run, opt))
+    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: check(state, opt))
 
 
 def _local(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -69,7 +69,7 @@ def _local(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (to_local(), True) if callable(to_local) else (grad, False)
 
 
-def check(run: Run, optimizer: torch.optim.Optimizer) -> None:
+def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
     """Raise :class:`NonFiniteGradientsError` when a gradient ``optimizer`` is about to apply is not finite."""
     grads, sharded = [], False
     for group in optimizer.param_groups:
@@ -96,15 +96,15 @@ def check(run: Run, optimizer: torch.optim.Optimizer) -> None:
         bad = flag[0].bool()
     if not bool(bad.item()):
         return
-    names = _bad_params(run, optimizer)
+    names = _bad_params(state, optimizer)
     where = f" (on this rank: {', '.join(names)})" if names else " (on another rank's shards)"
     raise NonFiniteGradientsError(
-        f"step {run.step}: a gradient is not finite (NaN or Inf) on rank {run.rank} before the optimizer's update"
-        f"{where}; the update was not applied", step=run.step, rank=run.rank, params=names)
+        f"step {state.step}: a gradient is not finite (NaN or Inf) on rank {state.rank} before the optimizer's update"
+        f"{where}; the update was not applied", step=state.step, rank=state.rank, params=names)
 
 
-def _bad_params(run: Run, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
-    names = {id(p): n for n, p in unwrap(run.model).named_parameters()}
+def _bad_params(state: RunState, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
+    names = {id(p): n for n, p in unwrap(state.model).named_parameters()}
     found: list[str] = []
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -117,26 +117,25 @@ def _bad_params(run: Run, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
     return tuple(found)
 
 
-def retry(run: Run, exc: NonFiniteGradientsError) -> bool:
-    """From ``run.attempt()``'s exit: rewind and retry the step (True), or raise the persistent error."""
-    tries = run._nonfinite_tries.get(run.step, 0) + 1
-    run._nonfinite_tries = {run.step: tries}  # only the current step's count is kept
-    start = run._attempt_start
-    positions = None if start is None or start.consumed is None else (start.consumed, run.data.consumed
-                                                                      if run.data is not None else None)
-    retried = run._nonfinite == "retry" and tries <= RETRIES
-    run.events.emit(EventKind.NONFINITE_GRADIENTS, step=run.step, rank=run.rank, params=list(exc.params),
+def retry(state: RunState, exc: NonFiniteGradientsError) -> bool:
+    """From ``run.attempt()``'s exit: whether to retry the step on the same batch (the attempt rewinds it), or
+    raise the persistent error once every try was non-finite."""
+    tries = state.nonfinite_tries.get(state.step, 0) + 1
+    state.nonfinite_tries = {state.step: tries}  # only the current step's count is kept
+    start = state.attempt_start
+    positions = None if start is None or start.consumed is None else (start.consumed, state.data.consumed
+                                                                      if state.data is not None else None)
+    retried = state.nonfinite_mode == "retry" and tries <= RETRIES
+    state.events.emit(EventKind.NONFINITE_GRADIENTS, step=state.step, rank=state.rank, params=list(exc.params),
                     tries=tries, retried=retried, error=str(exc)[:500])
-    if run._nonfinite != "retry":
+    if state.nonfinite_mode != "retry":
         return False
     if not retried:
         span = "" if positions is None or positions[1] is None else \
             f" (this rank's samples at stream positions {positions[0]} to {positions[1] - 1})"
         raise PersistentNonFiniteError(
-            f"step {run.step}: the gradients were not finite in {tries} tries of the same batch{span}: the data or "
+            f"step {state.step}: the gradients were not finite in {tries} tries of the same batch{span}: the data or "
             "the model diverges, not an intermittent fault, and a restart would replay the same. Look at those "
-            f"samples and at the learning rate and loss scaling; {exc}", step=run.step, rank=run.rank,
+            f"samples and at the learning rate and loss scaling; {exc}", step=state.step, rank=state.rank,
             params=exc.params) from exc
-    run._rewind_attempt()
-    run._retry = True
     return True

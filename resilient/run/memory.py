@@ -23,16 +23,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import memory as mem
-from .checkpoint.manifest import Manifest, checkpoint_name
-from .checkpoint.restore import Restored
-from .events import EventKind
-from .state import unwrap
+from ..checkpoint import memory as mem
+from ..checkpoint.manifest import Manifest, checkpoint_name
+from ..checkpoint.restore import Restored, agree
+from ..events import EventKind
+from ..state import unwrap
+from .attempt import is_recoverable
+from .payloads import capture_payloads, sharded_targets
 
 if TYPE_CHECKING:
-    from .checkpoint.coordinator import Coordinator
-    from .run import Run
-    from .worker.env import WorkerEnv
+    from ..checkpoint.coordinator import Coordinator
+    from ..worker.env import WorkerEnv
+    from .state import RunState
 
 
 DECIDE_FIRST, DECIDE_EVERY = 4, 50
@@ -73,9 +75,9 @@ def decide_interval(costs: list[mem.SaveCost], step_s: float | None, *, on_cpu: 
 class RunMemory:
     """The memory tier of one rank of a Run."""
 
-    def __init__(self, run: Run, env: WorkerEnv) -> None:
+    def __init__(self, state: RunState, env: WorkerEnv) -> None:
         assert env.memory_dir is not None
-        self.run = run
+        self.state = state
         self.env = env
         # The node's replicated copy is kept by its local rank 0 alone.  A promoted spare never keeps it: its
         # LOCAL_RANK is the spare's own, and the rank it replaces may be another, so it could write the slot
@@ -84,10 +86,10 @@ class RunMemory:
         self.keeps_replicated = env.local_rank == 0 and env.role != "spare"
         self.tier = mem.MemoryTier(env.memory_dir, limit=env.memory_limit,
                                    local_rank=env.local_rank if self.keeps_replicated else max(1, env.local_rank),
-                                   events=run.events, generation=env.generation)
+                                   events=state.events, generation=env.generation)
         self.fixed = env.memory_every or None
         self.every = self.fixed or 1
-        self.fingerprint = hashlib.sha256(json.dumps(run._fingerprint, sort_keys=True, default=str)
+        self.fingerprint = hashlib.sha256(json.dumps(state.fingerprint, sort_keys=True, default=str)
                                           .encode()).hexdigest()
         self._rank: int | None = None
         self._saved: int | None = None
@@ -96,36 +98,33 @@ class RunMemory:
     # ------------------------------------------------------------ restore
     def restore(self, coord: Coordinator, durable: Manifest | None) -> Restored | None:
         """Every rank's state from the tier when it holds a step at least as new as ``durable``; collective."""
-        from .checkpoint.restore import _agree
-
-        got = mem.restore_memory(self.tier, coord, self.run.events, fingerprint=self.fingerprint,
-                                 not_before=durable.step if durable is not None else None, agree=_agree,
-                                 prepare=self._put_back if self.run._sharded else None)
+        got = mem.restore_memory(self.tier, coord, self.state.events, fingerprint=self.fingerprint,
+                                 not_before=durable.step if durable is not None else None, agree=agree,
+                                 prepare=self._put_back if self.state.sharded else None)
         if got is None:
             return None
         manifest = Manifest(name=f"memory:{checkpoint_name(got.step)}", step=got.step, world_size=coord.world_size,
                             files=(), parent=durable.name if durable is not None else None,
                             created_unix=time.time(), chunk_bytes=self.tier.chunk_bytes,
-                            fingerprint=self.run._fingerprint, counters=got.counters)
+                            fingerprint=self.state.fingerprint, counters=got.counters)
         return Restored(manifest, got.replicated, got.rank_state, sharded=got.prepared, ranks_read=(coord.rank,))
 
     def _put_back(self, replicated: Any, rank_state: Any) -> dict[str, Any]:
         """A sharded rank's kept local tensors as DTensors of the live model's layout (ValueError: another)."""
-        from .checkpoint import sharded
-        from .run_payloads import sharded_targets
+        from ..checkpoint import sharded
 
-        return sharded.put_back_local(sharded_targets(self.run), rank_state.get(sharded.SHARDS),
+        return sharded.put_back_local(sharded_targets(self.state), rank_state.get(sharded.SHARDS),
                                       rank_state.get(sharded.LAYOUT))
 
     # ------------------------------------------------------------ saving
     def at_boundary(self) -> None:
         """At a step boundary: choose the interval where due, and save when the step falls on it."""
-        run = self.run
-        step = run.step
+        state = self.state
+        step = state.step
         if step == 0:
             return
-        if run.last_step_s is not None:
-            self._step_times = [*self._step_times[-15:], run.last_step_s]
+        if state.last_step_s is not None:
+            self._step_times = [*self._step_times[-15:], state.last_step_s]
         if self.fixed is None and (step == DECIDE_FIRST or step % DECIDE_EVERY == 0):
             self._decide(step)  # collective: a rank whose tier went off still takes part, or its peers wait
         if self.tier.off is not None:
@@ -134,37 +133,33 @@ class RunMemory:
         if (step % self.every and not pinned) or step == self._saved:  # the same boundary again: an in-process retry
             return
         self._saved = step
-        if self._rank is not None and self._rank != run.rank:  # an in-process regroup renumbered this rank
+        if self._rank is not None and self._rank != state.rank:  # an in-process regroup renumbered this rank
             self.tier.forget(self._rank)
-        self._rank = run.rank
-        if run._inproc is not None:
-            self.tier.generation = run._inproc.generation
-        from .run_payloads import capture_payloads
-
-        with run.section("checkpoint"):
-            self.tier.save(step, capture_payloads(run, replicated=self.keeps_replicated, local_shards=True), rank=run.rank,
-                           world_size=run.world_size, fingerprint=self.fingerprint,
-                           counters={"step": step, "samples": run.samples, "tokens": run.tokens}, pin=bool(pinned))
+        self._rank = state.rank
+        if state.inproc is not None:
+            self.tier.generation = state.inproc.generation
+        with state.section("checkpoint"):
+            self.tier.save(step, capture_payloads(state, replicated=self.keeps_replicated, local_shards=True), rank=state.rank,
+                           world_size=state.world_size, fingerprint=self.fingerprint,
+                           counters={"step": step, "samples": state.samples, "tokens": state.tokens}, pin=bool(pinned))
 
     def _decide(self, step: int) -> None:
-        from . import run_attempt as _attempt
-
-        run = self.run
+        state = self.state
         self.tier.wait()  # the newest save's hashing belongs to its cost
         times = sorted(self._step_times)
         step_s = times[len(times) // 2] if times else None
-        on_cpu = all(p.device.type == "cpu" for p in unwrap(run.model).parameters())
+        on_cpu = all(p.device.type == "cpu" for p in unwrap(state.model).parameters())
         cadence = decide_interval(self.tier.costs, step_s, on_cpu=on_cpu)
         proposed = cadence.every
-        if run.checkpoints is not None:
+        if state.checkpoints is not None:
             try:
-                proposed = run.checkpoints.coord.agree_max((cadence.every,))[0]
+                proposed = state.checkpoints.coord.agree_max((cadence.every,))[0]
             except Exception as exc:
-                if run._inproc is None or not _attempt.is_recoverable(exc):
+                if state.inproc is None or not is_recoverable(exc):
                     raise
                 return  # a peer was lost: the step's attempt recovers the group; the interval stays
         if proposed != self.every:
-            run.events.emit(EventKind.MEMORY_CADENCE, step=step, every=proposed, previous=self.every,
+            state.events.emit(EventKind.MEMORY_CADENCE, step=step, every=proposed, previous=self.every,
                             proposed_here=cadence.every, reason=cadence.reason, cost_s=round(cadence.cost_s, 6),
                             step_s=round(step_s, 6) if step_s is not None else None, budget=BUDGET)
             self.every = proposed
@@ -173,9 +168,9 @@ class RunMemory:
         self.tier.close()
 
 
-def open_memory(run: Run, env: WorkerEnv | None) -> RunMemory | None:
+def open_memory(state: RunState, env: WorkerEnv | None) -> RunMemory | None:
     """The Run's memory tier, or None without an agent's tier."""
     if env is None or env.memory_dir is None:
         return None
-    return RunMemory(run, env)
+    return RunMemory(state, env)
 

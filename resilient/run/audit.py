@@ -25,10 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .events import EventKind
+from ..errors import ConfigError
+from ..events import EventKind
+from ..state import unwrap
+from .attempt import is_recoverable
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import RunState
 
 MAX_TENSORS = 10
 """Tensors named in a report (the count of all that differ is reported too)."""
@@ -62,13 +65,11 @@ def compare(names: list[str], gathered: list[torch.Tensor]) -> dict[str, Any] | 
             "of_tensors": len(names), "world_size": len(gathered)}
 
 
-def audit(run: Run, step: int) -> dict[str, Any] | None:
-    """Compare ``run``'s replicated parameters across its data-parallel ranks at ``step``; report a mismatch."""
+def audit(state: RunState, step: int) -> dict[str, Any] | None:
+    """Compare the run's replicated parameters across its data-parallel ranks at ``step``; report a mismatch."""
     import torch.distributed as dist
 
-    from .state import unwrap
-
-    names, mine = fingerprints(unwrap(run.model))
+    names, mine = fingerprints(unwrap(state.model))
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     found = compare(names, [g.cpu() for g in gathered])
@@ -79,22 +80,33 @@ def audit(run: Run, step: int) -> dict[str, Any] | None:
     found["reason"] = (f"replica audit at step {step}: rank(s) {', '.join(map(str, found['ranks']))} of "
                        f"{found['world_size']} hold parameters that differ from the other replicas in "
                        f"{found['tensors_differing']} of {found['of_tensors']} tensors, e.g. {described}")
-    run.events.emit(EventKind.REPLICA_MISMATCH, **found)
-    if run._hooks is not None and run.rank == 0:
-        run._hooks.audit(found)
+    state.events.emit(EventKind.REPLICA_MISMATCH, **found)
+    if state.hooks is not None and state.rank == 0:
+        state.hooks.audit(found)
     return found
 
 
 def checked_every(every: object) -> int:
     """``Run(audit_every=...)`` validated: an int >= 0."""
-    from .errors import ConfigError
-
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError(f"Run(audit_every={every!r}) must be a number of steps >= 0 (0: no replica audit)")
     return every
 
 
-def due(run: Run, every: int) -> bool:
-    """Whether the boundary before update ``run.step`` is an audit point of a replicated multi-rank run."""
-    return bool(every) and run.step > 0 and run.step % every == 0 and run.world_size > 1 \
-        and run._ddp is not None and not run._sharded
+def due(state: RunState) -> bool:
+    """Whether the boundary before update ``state.step`` is an audit point of a replicated multi-rank run."""
+    every = state.audit_every
+    return bool(every) and state.step > 0 and state.step % every == 0 and state.world_size > 1 \
+        and state.ddp_options is not None and not state.sharded
+
+
+def at_boundary(state: RunState) -> None:
+    """The replica audit at this boundary.  A peer lost during its collective, with in-process recovery on, is
+    left to this step's attempt: its first collective meets the same broken group and the attempt recovers it
+    (this rank is clean, no update begun).  Anything else propagates."""
+    try:
+        audit(state, state.step)
+    except Exception as exc:
+        if state.inproc is None or not is_recoverable(exc):
+            raise
+        state.events.emit(EventKind.REPLICA_AUDIT_INTERRUPTED, step=state.step, error=str(exc)[:500])

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .run import Run
+    from .state import RunState
 
 
 BETWEEN = ""
@@ -26,29 +26,24 @@ not to the calibrated timeout of the checkpoint it saved last."""
 class Section:
     """``Run.section(name)``: enter ``name``, re-enter the enclosing section on the way out."""
 
-    __slots__ = ("_name", "_outer", "_run")
+    __slots__ = ("_name", "_outer", "_state")
 
-    def __init__(self, run: Run, name: str) -> None:
+    def __init__(self, state: RunState, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"Run.section({name!r}): a section needs a non-empty name")
-        self._run = run
+        self._state = state
         self._name = name
         self._outer: str | None = None
 
     def __enter__(self) -> None:
-        outer = self._run._section
-        if outer != self._name:  # already inside it (e.g. save() around _save()): nothing to report
+        outer = self._state.current_section
+        if outer != self._name:  # already inside it (e.g. save() around a save): nothing to report
             self._outer = outer
-            self._run._enter(self._name)
+            self._state.enter(self._name)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        hooks = self._run._hooks
+        hooks = self._state.hooks
         if exc is not None and hooks is not None:
             hooks.raised_in(exc, self._name)  # the error file names where it was raised, not where it surfaced
         if self._outer is not None:
-            if self._outer == BETWEEN:
-                self._run._section = BETWEEN  # nothing to re-enter: the next step reports itself
-                if self._run._timer is not None:
-                    self._run._timer.switch(BETWEEN)
-            else:
-                self._run._enter(self._outer)
+            self._state.leave_for(self._outer)

@@ -30,16 +30,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError
-from .worker.env import WorkerEnv
+from ..errors import ConfigError
+from ..worker.env import WorkerEnv
 
 if TYPE_CHECKING:
     from torch.distributed import Store
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .elastic.reform import Assignment
-    from .events import EventLog
-    from .worker.hooks import WorkerHooks
+    from ..elastic.reform import Assignment
+    from ..events import EventLog
+    from ..worker.hooks import WorkerHooks
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def device_mesh(device_type: str, mesh_shape: Sequence[int], *,
     global _joined
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .run_attempt import init_default_group
+    from .ddp import init_default_group
 
     env = WorkerEnv.from_environ(os.environ)
     if env is not None and env.role == "spare":
@@ -91,7 +91,7 @@ def worker_hooks(env: WorkerEnv | None, events: EventLog, joined: Joined | None)
         return joined.hooks
     if env is None:
         return None
-    from .worker.hooks import WorkerHooks
+    from ..worker.hooks import WorkerHooks
 
     hooks = WorkerHooks(env, events=events)
     hooks.install()
@@ -99,8 +99,8 @@ def worker_hooks(env: WorkerEnv | None, events: EventLog, joined: Joined | None)
 
 
 def _join_as_spare(env: WorkerEnv) -> Joined:
-    from .elastic.reform import AssignmentTimeoutError, abort_key, connect_store, reform, wait_for_assignment
-    from .worker.hooks import WorkerHooks
+    from ..elastic.reform import AssignmentTimeoutError, abort_key, connect_store, reform, wait_for_assignment
+    from ..worker.hooks import WorkerHooks
 
     assert env.recovery_store is not None and env.worker_id is not None
     hooks = WorkerHooks(env)

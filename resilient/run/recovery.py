@@ -1,13 +1,13 @@
 """In-process recovery of a :class:`~resilient.run.Run` under the agent: the worker's side of rung 1.
 
-Wired when the agent gives ``RESILIENT_RECOVERY_STORE`` (``Run._recovery``
-is then an :class:`InProcessRecovery`).  Two ways into a re-formed group:
+Wired when the agent gives ``RESILIENT_RECOVERY_STORE`` (the Run state's
+``recovery`` is then an :class:`InProcessRecovery`).  Two ways into a re-formed group:
 
-- **a survivor**: a peer failure inside ``with run.attempt():`` reaches
+- **a survivor**: a peer failure inside ``with state.attempt():`` reaches
   :meth:`InProcessRecovery.__call__` with the error alive.  It rewinds the
   attempt first (cursor, counters, gradients, ``state=`` objects, scheduler,
   RNG) and notes where it was in the optimizer's update
-  (:class:`~resilient.run_attempt.StepPosition`), then releases every
+  (:class:`~resilient.run.state.StepPosition`), then releases every
   reference to the old groups (the DDP wrapper, the finished frames of the
   error's traceback, the checkpoint Coordinator's sub-groups once an
   in-flight save has its outcome) and destroys them at once: that is what
@@ -41,7 +41,7 @@ its FSDP step state is reset and its groups released before the
 destruction, its meshes rebound first in the new group, and each rank takes
 its shards from a replica that holds them
 (:mod:`resilient.elastic.shard_sync`).  A sharded spare was promoted
-already, in ``resilient.device_mesh()`` (:mod:`resilient.mesh`), before its
+already, in ``resilient.device_mesh()`` (:mod:`resilient.run.mesh`), before its
 Run existed; :meth:`InProcessRecovery.wait_as_spare` then only takes the
 state.  Any failure inside recovery sends
 ``gave_up`` and re-raises the original error (chained to the failure), so
@@ -60,10 +60,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.constants import default_pg_timeout
 
-from .checkpoint.coordinator import Coordinator
-from .elastic import groups, mesh_rebind
-from .elastic.observe import ranks_text
-from .elastic.reform import (
+from ..checkpoint.coordinator import Coordinator
+from ..elastic import groups, mesh_rebind
+from ..elastic.observe import ranks_text
+from ..elastic.reform import (
     Assignment,
     AssignmentError,
     AssignmentTimeoutError,
@@ -77,20 +77,22 @@ from .elastic.reform import (
     reform,
     wait_for_assignment,
 )
-from .elastic.shard_sync import sync_sharded
-from .elastic.state_sync import StateSyncError, agree_step, sync_from
-from .events import EventKind
-from .run_attempt import StepPosition, ddp_layout, regroup, wrap_ddp
-from .state import unwrap
+from ..elastic.shard_sync import sync_sharded
+from ..elastic.state_sync import StateSyncError, agree_step, sync_from
+from ..events import EventKind
+from ..state import unwrap
+from .attempt import rewind_current
+from .ddp import ddp_layout, regroup, wrap_ddp
+from .state import StepPosition
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from .elastic.mesh_rebind import ShardLayout
+    from ..elastic.mesh_rebind import ShardLayout
     from .mesh import Joined
-    from .run import Run
-    from .worker.env import WorkerEnv
-    from .worker.hooks import WorkerHooks
+    from ..worker.env import WorkerEnv
+    from ..worker.hooks import WorkerHooks
+    from .state import RunState
 
 
 MAX_REFORMATIONS = 3
@@ -99,12 +101,12 @@ re-formation before it (a member, a spare or the deciding agent lost while the g
 
 
 class InProcessRecovery:
-    """``Run._recovery`` under an agent that offers in-process recovery; True from a call: retry the step."""
+    """The Run's ``recovery`` under an agent that offers in-process recovery; True from a call: retry the step."""
 
-    def __init__(self, run: Run, env: WorkerEnv, hooks: WorkerHooks | None, *, layout: ShardLayout | None = None,
+    def __init__(self, state: RunState, env: WorkerEnv, hooks: WorkerHooks | None, *, layout: ShardLayout | None = None,
                  joined: Joined | None = None) -> None:
         assert env.recovery_store is not None and env.worker_id is not None
-        self.run = run
+        self.state = state
         self.env = env
         self.hooks = hooks
         self.layout = layout
@@ -139,7 +141,7 @@ class InProcessRecovery:
         if foreign:
             self.decline(f"the script made process groups of its own ({'; '.join(foreign)}), which a re-formed "
                          "world cannot make again; create them in Run(groups=fn), which calls fn again after "
-                         "every re-formation (run.groups holds what it returned)")
+                         "every re-formation (state.groups holds what it returned)")
         if self.declined is None:
             self._report(self._ready("worker"))
 
@@ -149,10 +151,10 @@ class InProcessRecovery:
         if self.declined is not None:
             return
         self.declined = reason
-        run = self.run
-        run._recovery = None  # a failure inside run.attempt() now propagates: the agent restarts the group
+        state = self.state
+        state.recovery = None  # a failure inside state.attempt() now propagates: the agent restarts the group
         self._report({"event": "declined", "worker": self.worker_id, "role": self.env.role, "reason": reason})
-        run.events.emit(EventKind.IN_PROCESS_DECLINED, rank=run.rank, worker=self.worker_id, reason=reason)
+        state.events.emit(EventKind.IN_PROCESS_DECLINED, rank=state.rank, worker=self.worker_id, reason=reason)
 
     def owned_groups(self) -> list[Any]:
         """The groups a re-formation makes again: the default group, the checkpoint coordinator's, the sharded
@@ -160,8 +162,8 @@ class InProcessRecovery:
         import torch.distributed as dist
 
         owned: list[Any] = [dist.group.WORLD]
-        if self.run.checkpoints is not None:
-            owned += self.run.checkpoints.coord.groups
+        if self.state.checkpoints is not None:
+            owned += self.state.checkpoints.coord.groups
         if self.layout is not None:
             root = self.layout.root
             owned += [root.get_group(d) for d in range(root.ndim)]
@@ -170,15 +172,15 @@ class InProcessRecovery:
     def __call__(self, exc: BaseException) -> bool:
         """Survive ``exc`` (a peer failure inside the attempt) in a re-formed group; raise it if that fails."""
         failed_at = time.monotonic()
-        run = self.run
-        step, position = run.step, run._position
+        state = self.state
+        step, position = state.step, state.position
         clean = position is StepPosition.BEFORE
         try:
-            layout = ddp_layout(run.model)
+            layout = ddp_layout(state.model)
             # Back to the step's start: cursor, counters, state= objects, scheduler, RNG.  A clean rank's
             # parameters and optimizer state are the step's start too; a dirty rank's are partly updated, and
             # the whole state will come from a clean peer (or, with none, from the newest commit).
-            run._rewind_attempt()
+            rewind_current(state)
             mine = self._extra(step, layout)
             # Before the release: the agent decides once every live member said this (or a short settle time
             # passed), so ranks lost together are decided together, and it decides while this rank releases.
@@ -195,7 +197,7 @@ class InProcessRecovery:
                 assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
                 self._received = False
                 try:
-                    with run.section("restore"):  # the agent times the re-formation; a drill can strike in it
+                    with state.section("restore"):  # the agent times the re-formation; a drill can strike in it
                         self._join(assignment, step, clean, mine, failed_at=failed_at, abandon_s=abandon_s,
                                    wait_s=time.monotonic() - waited)
                     return True
@@ -234,25 +236,25 @@ class InProcessRecovery:
         the agent's store asked (one small request per step).  Every member polls at every boundary and the
         agent schedules the boundary a few steps ahead of the furthest rank, so all of them leave together.
         """
-        run, data = self.run, self.run.data
+        state, data = self.state, self.state.data
         if self.declined is not None or data is None or not data.global_batch:
             return
-        if run.world_size * data.batch_size >= data.global_batch:
+        if state.world_size * data.batch_size >= data.global_batch:
             return
         store = self._connect()
         key = grow_key(self.generation)
         if not store.check([key]):
             return
         plan = json.loads(store.get(key))
-        if run.step < int(plan["at_step"]):
+        if state.step < int(plan["at_step"]):
             return
         started = time.monotonic()
         try:
-            with run.section("restore"):  # the agent books the re-formation as recovery, and times it
-                mine = self._extra(run.step, ddp_layout(run.model))
+            with state.section("restore"):  # the agent books the re-formation as recovery, and times it
+                mine = self._extra(state.step, ddp_layout(state.model))
                 self._release(None)
                 assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
-                self._join(assignment, run.step, True, mine, failed_at=None, abandon_s=time.monotonic() - started,
+                self._join(assignment, state.step, True, mine, failed_at=None, abandon_s=time.monotonic() - started,
                            wait_s=0.0)
         except Exception as err:
             self._give_up(err)
@@ -260,13 +262,13 @@ class InProcessRecovery:
 
     def _release(self, exc: BaseException | None) -> None:
         """Drop every reference to the old groups, then destroy them (see ``abandon()``)."""
-        run = self.run
+        state = self.state
         if self.layout is not None:  # FSDP's in-flight collectives and unsharded parameters, then its groups
             mesh_rebind.reset_iteration(self.layout)
             mesh_rebind.release(self.layout)
-        wrapper = run.model
-        run.model = unwrap(wrapper)  # DDP first: a group destroyed by its reducer can deadlock (architecture.md)
-        held = weakref.ref(wrapper) if wrapper is not run.model else None
+        wrapper = state.model
+        state.model = unwrap(wrapper)  # DDP first: a group destroyed by its reducer can deadlock (architecture.md)
+        held = weakref.ref(wrapper) if wrapper is not state.model else None
         del wrapper
         seen: set[int] = set()
         current = exc
@@ -274,11 +276,11 @@ class InProcessRecovery:
             seen.add(id(current))
             traceback.clear_frames(current.__traceback__)
             current = current.__cause__ or current.__context__
-        if run.checkpoints is not None:
-            run.checkpoints.wait()  # a save in flight fails on the broken group; the manager records it
-            run.checkpoints.coord = Coordinator()  # its sub-groups go with the old group
-        if run._make_groups is not None:  # the script's groups of this generation (Run(groups=fn)) go with it
-            run.groups, self.user_groups = None, []
+        if state.checkpoints is not None:
+            state.checkpoints.wait()  # a save in flight fails on the broken group; the manager records it
+            state.checkpoints.coord = Coordinator()  # its sub-groups go with the old group
+        if state.make_groups is not None:  # the script's groups of this generation (Run(groups=fn)) go with it
+            state.groups, self.user_groups = None, []
         if held is not None and held() is not None:
             # Something still holds the wrapper (a reference cycle): only a collection frees it, and with it the
             # group and its connections.  Not unconditional: a collection costs ~90 ms with torch loaded.
@@ -332,16 +334,16 @@ class InProcessRecovery:
         """Form ``assignment``'s group (unless ``form_s`` says it was formed already), take the state of a
         clean rank that completed the most (``completed``: this rank's updates, None without state;
         ``clean``: False when it failed inside or after its update), rebuild DDP; report ``rejoined``."""
-        run = self.run
+        state = self.state
         started = time.monotonic()
-        ckpt, layout = run.checkpoints, self.layout
+        ckpt, layout = state.checkpoints, self.layout
         if form_s is None:
             # A sharded model's mesh groups first: a spare creates them (resilient.device_mesh) before its Run.
             # Then the checkpoint coordinator's, then the script's own (Run(groups=fn)): the order of the start.
             makers: list[Any] = [lambda: mesh_rebind.rebind(layout)] if layout is not None else []
             if ckpt is not None:
                 makers.append(lambda: Coordinator.from_environment(ckpt.config.timeout_s))
-            if run._make_groups is not None:
+            if state.make_groups is not None:
                 makers.append(self.make_user_groups)
             reformed = reform(assignment, timeout_s=self.timeout_s, store=self._group_store(assignment),
                               subgroups=makers, collective_timeout=self.collective_timeout,
@@ -355,62 +357,62 @@ class InProcessRecovery:
         self.generation = assignment.generation
         formed = time.monotonic()
         agreement = agree_step(completed, clean, preferred_source=assignment.source_rank)
-        module = unwrap(run.model)
+        module = unwrap(state.model)
         self._received = agreement.source_rank != assignment.rank
         if layout is not None:  # each shard from a replica that holds it, the rest from the source
-            extra = sync_sharded(agreement, layout, module, run.optimizer, run.scheduler, run.scaler, mine)
+            extra = sync_sharded(agreement, layout, module, state.optimizer, state.scheduler, state.scaler, mine)
         else:
-            extra = sync_from(agreement.source_rank, module, run.optimizer, run.scheduler, run.scaler, mine)
+            extra = sync_from(agreement.source_rank, module, state.optimizer, state.scheduler, state.scaler, mine)
         if extra["step"] != agreement.completed:
             raise StateSyncError(f"the source (rank {agreement.source_rank}) sent counters of step {extra['step']} "
                                  f"with the state of step {agreement.completed}")
         source = agreement.source_rank == assignment.rank
-        run.step, run.samples, run.tokens = agreement.completed, int(extra["samples"]), int(extra["tokens"])
-        if run.data is not None:
-            run.data.load_state_dict(extra["data"])
+        state.step, state.samples, state.tokens = agreement.completed, int(extra["samples"]), int(extra["tokens"])
+        if state.data is not None:
+            state.data.load_state_dict(extra["data"])
         if not source:
-            for name, obj in run.user_state.items():
+            for name, obj in state.user_state.items():
                 obj.load_state_dict(extra["user"][name])
-        run._last_saved_step = run.step  # nothing to save at once: the state came from a peer, not a new update
+        state.last_saved_step = state.step  # nothing to save at once: the state came from a peer, not a new update
         if ckpt is not None and ckpt.cadence is not None and extra.get("checkpoint_every"):
             ckpt.cadence.every = int(extra["checkpoint_every"])  # a newcomer schedules its saves as its peers do
-        regroup(run)  # rank, world size, and the loader's share of the kept global batch
-        if run._ddp is not None:
+        regroup(state)  # rank, world size, and the loader's share of the kept global batch
+        if state.ddp_options is not None:
             # The ranks hold the same state: DDP's own broadcast of it would only send the model again.  The
             # source's bucket layout keeps the retried step's sums in the uninterrupted run's order.
-            run.model = wrap_ddp(module, {**run._ddp, "init_sync": False}, extra["ddp_layout"])
+            state.model = wrap_ddp(module, {**state.ddp_options, "init_sync": False}, extra["ddp_layout"])
         synced = time.monotonic()
         self._warn_streams(assignment)
         if self.hooks is not None:
-            self.hooks.rejoin(assignment.generation, run.rank, resume_step=run.step)
+            self.hooks.rejoin(assignment.generation, state.rank, resume_step=state.step)
         seconds = {"abandon": abandon_s, "wait": wait_s, "form": formed - started, "sync": synced - formed,
                    "total": synced - (failed_at if failed_at is not None else started)}
         seconds = {k: round(v, 6) for k, v in seconds.items()}
         report = {"event": "rejoined", "worker": self.worker_id, "generation": assignment.generation,
-                  "rank": run.rank, "world_size": run.world_size, "completed": agreement.completed,
+                  "rank": state.rank, "world_size": state.world_size, "completed": agreement.completed,
                   "source": agreement.source_rank, "replacement": assignment.is_replacement,
                   "reason": agreement.reason, "seconds": seconds, "failed_at": failed_at}
         self._report(report)
-        run.events.emit(EventKind.GROUP_REJOINED, worker=self.worker_id, generation=assignment.generation,
-                        rank=run.rank, world_size=run.world_size, step=run.step, source=agreement.source_rank,
+        state.events.emit(EventKind.GROUP_REJOINED, worker=self.worker_id, generation=assignment.generation,
+                        rank=state.rank, world_size=state.world_size, step=state.step, source=agreement.source_rank,
                         replacement=assignment.is_replacement, reason=agreement.reason, seconds=seconds)
 
     def make_user_groups(self) -> None:
         """Call ``Run(groups=fn)``'s ``fn`` in the current generation; ``run.groups`` is what it returned."""
-        run = self.run
-        assert run._make_groups is not None
-        run.groups = None  # the old generation's groups go: a reference kept would keep their connections open
+        state = self.state
+        assert state.make_groups is not None
+        state.groups = None  # the old generation's groups go: a reference kept would keep their connections open
         self.user_groups = []
-        run.groups, self.user_groups = groups.made_by(run._make_groups)
+        state.groups, self.user_groups = groups.made_by(state.make_groups)
 
     def _warn_streams(self, assignment: Assignment) -> None:
         """Once, at the first recovery with a replacement: the global generators it cannot reproduce."""
-        if self._warned_streams or not assignment.replacements or self.run.reseed:
+        if self._warned_streams or not assignment.replacements or self.state.reseed:
             return
         self._warned_streams = True
         streams = ["random"] + (["numpy.random"] if "numpy" in sys.modules else [])
-        self.run.events.emit(
-            EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, rank=self.run.rank, step=self.run.step, streams=streams,
+        self.state.events.emit(
+            EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, rank=self.state.rank, step=self.state.step, streams=streams,
             replacements=list(assignment.replacements),
             note=(f"{' and '.join(streams)} on {ranks_text(assignment.replacements, verb=False)} continue from the "
                   "replacement's own history, not the lost rank's (torch's generator is seeded per step under "
@@ -419,12 +421,12 @@ class InProcessRecovery:
     def _extra(self, step: int | None, layout: list[list[int]] | None) -> dict[str, Any]:
         """What travels with the state besides model and optimizer: counters, the loader's cursor, ``state=``,
         and the DDP bucket layout."""
-        run = self.run
-        ckpt = run.checkpoints
-        return {"step": step if step is not None else run.step, "samples": run.samples, "tokens": run.tokens,
+        state = self.state
+        ckpt = state.checkpoints
+        return {"step": step if step is not None else state.step, "samples": state.samples, "tokens": state.tokens,
                 "ddp_layout": layout, "checkpoint_every": ckpt.every if ckpt is not None else None,
-                "data": run.data.state_dict() if run.data is not None else None,
-                "user": {name: obj.state_dict() for name, obj in run.user_state.items()}}
+                "data": state.data.state_dict() if state.data is not None else None,
+                "user": {name: obj.state_dict() for name, obj in state.user_state.items()}}
 
     def _connect(self) -> Store:
         if self._store is None:
@@ -444,9 +446,9 @@ class InProcessRecovery:
         return self._group_stores[assignment.generation]
 
     def _ready(self, role: str) -> dict[str, Any]:
-        data = self.run.data
-        report = {"event": "ready", "worker": self.worker_id, "role": role, "step": self.run.step,
-                  "world_size": self.run.world_size, "global_batch": data.global_batch if data is not None else None,
+        data = self.state.data
+        report = {"event": "ready", "worker": self.worker_id, "role": role, "step": self.state.step,
+                  "world_size": self.state.world_size, "global_batch": data.global_batch if data is not None else None,
                   "micro_batch": data.batch_size if data is not None else None,
                   "batch_rule": data.batch_rule if data is not None else None}
         if self.layout is not None:  # which ranks hold copies of which shards: the agent's ladder needs it
@@ -456,11 +458,11 @@ class InProcessRecovery:
     def _give_up(self, err: BaseException) -> None:
         error = f"{type(err).__qualname__}: {err}"[:1000]
         self._report({"event": "gave_up", "worker": self.worker_id, "generation": self.generation, "error": error})
-        self.run.events.emit(EventKind.RECOVERY_GAVE_UP, worker=self.worker_id, generation=self.generation,
-                             step=self.run.step, error=error)
-        self.run.model = unwrap(self.run.model)
-        if self.run.checkpoints is not None:
-            self.run.checkpoints.coord = Coordinator()
+        self.state.events.emit(EventKind.RECOVERY_GAVE_UP, worker=self.worker_id, generation=self.generation,
+                             step=self.state.step, error=error)
+        self.state.model = unwrap(self.state.model)
+        if self.state.checkpoints is not None:
+            self.state.checkpoints.coord = Coordinator()
         abandon()  # groups left alive at interpreter exit can abort the process instead of a clean exit code
 
     def _report(self, report: dict[str, Any]) -> None:

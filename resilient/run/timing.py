@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .watchdog.timing import CHECKPOINT, COMM, COMPUTE, DATA, OPTIMIZER
+from ..watchdog.timing import CHECKPOINT, COMM, COMPUTE, DATA, OPTIMIZER
 
 WINDOW_STEPS = 5
 """Steps per timing window (the detectors score one window at a time)."""
@@ -45,7 +45,7 @@ COMM_HOOK = "comm_hook"
 COMM_STATE = "comm_state"
 """Keys of ``Run(ddp={...})`` that carry a user's communication hook and its state (not DDP arguments)."""
 if TYPE_CHECKING:
-    from .worker.hooks import WorkerHooks
+    from ..worker.hooks import WorkerHooks
 
 _BUCKETS = {"step": COMPUTE, "": COMPUTE, "data": DATA, "checkpoint": CHECKPOINT}
 """Run section -> timing section; any other name (a user's section) is its own."""
@@ -331,7 +331,7 @@ def time_fsdp(model: Any, timer: StepTimer | None) -> str | None:
     """Time the all-gathers and reduce-scatters of every FSDP2 module in ``model`` as communication, so that the
     ranks waiting for a slow peer (inside those collectives) are told from it.  Returns why it cannot, or None.
     HSDP's all-reduce across replicas is not timed (FSDP issues it itself)."""
-    from . import compat
+    from .. import compat
 
     if timer is None:
         return None

@@ -1,0 +1,165 @@
+"""The state of one rank's :class:`~resilient.run.Run`, in one object every part of the Run works on.
+
+:class:`RunState` holds what the Run was given (model, optimizer, loader,
+``state=`` objects), where the rank is (step, counters, section, the
+attempt and the optimizer's update), and the parts that act on it (the
+worker hooks, the step timer, checkpoints, the memory tier, in-process
+recovery).  The Run's modules take a ``RunState`` and nothing else of the
+Run: the attempt (:mod:`.attempt`), DDP's wrapper (:mod:`.ddp`), what is
+saved and put back (:mod:`.payloads`, :mod:`.saving`), the non-finite check
+(:mod:`.nonfinite`), the replica audit (:mod:`.audit`), the memory tier
+(:mod:`.memory`) and in-process recovery (:mod:`.recovery`).  The
+:class:`~resilient.run.Run` a script holds is a thin face over it: its
+public attributes read the state, and none of them can be assigned.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .sections import BETWEEN, Section
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..checkpoint.manager import CheckpointManager, SaveResult
+    from ..data.loader import ElasticLoader
+    from ..elastic.batch import BatchPlan
+    from ..events import EventLog
+    from ..worker.hooks import WorkerHooks
+    from .attempt import AttemptStart
+    from .memory import RunMemory
+    from .recovery import InProcessRecovery
+    from .timing import StepTimer
+
+
+class StepPosition(enum.Enum):
+    """Where a rank is inside the step's optimizer update (DESIGN.md, "A step is atomic to the outside")."""
+
+    BEFORE = "before"
+    """The update was not entered: the rank's state is the step's start, once the attempt is rewound (clean)."""
+    INSIDE = "inside"
+    """Inside ``optimizer.step()``: part of the update may be applied (an optimizer with a collective in its
+    step applies one part, waits for its peers, applies the rest).  Dirty: never a source of state."""
+    AFTER = "after"
+    """The update was applied but the rest of the step body did not finish (the scheduler, the counters, the
+    ``state=`` objects may lag it, and what the body would still have done is unknown).  Dirty too."""
+
+
+@dataclass(eq=False)
+class RunState:
+    """Everything one rank's Run holds; the Run's modules read and change it, the script reads it through Run."""
+
+    # ---------------------------------------------------------------- given by the script
+    model: torch.nn.Module
+    """The model to call: the DDP wrapper with ``ddp=True`` under a process group, else the module given."""
+    events: EventLog
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None
+    scaler: Any = None
+    data: ElasticLoader | None = None
+    user_state: dict[str, Any] = field(default_factory=dict)
+    """The ``state=`` objects, by name."""
+    config: dict[str, Any] | None = None
+    seed: int = 0
+    reseed: bool = False
+    make_groups: Callable[[], Any] | None = None
+    """``Run(groups=fn)``'s ``fn``: makes the script's own process groups, again after every re-formation."""
+    ddp_options: dict[str, Any] | None = None
+    """DistributedDataParallel's keyword arguments when the Run wraps the model (``ddp=True``); None: it does not."""
+    nonfinite_mode: str = "retry"
+    audit_every: int = 0
+    sharded: bool = False
+    """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    """Model structure, config digest and versions: in every manifest, compared on restore."""
+
+    # ---------------------------------------------------------------- where the rank is
+    step: int = 0
+    """Completed optimizer updates; inside the loop body the index of the update being computed."""
+    samples: int = 0
+    tokens: int = 0
+    last_loss: float | None = None
+    last_step_s: float | None = None
+    step_started: float | None = None
+    rank: int = 0
+    world_size: int = 1
+    restored_from: str | None = None
+    groups: Any = None
+    """What ``make_groups`` returned in the current generation (None before it ran)."""
+    current_section: str = "init"
+    position: StepPosition = StepPosition.BEFORE
+    """Where this rank is in the current step's optimizer update (set by hooks; BEFORE at attempt entry)."""
+    attempt_start: AttemptStart | None = None
+    """The current ``run.attempt()``'s start (None outside one)."""
+    retry: bool = False
+    """The attempt failed and was recovered (or its gradients were not finite): ``steps()`` yields it again."""
+    micro: Generator[Any, None, None] | None = None
+    micro_samples: int | None = None
+    """Samples of the step's micro-batches read so far (what ``report()`` counts when not told)."""
+    announced_plan: BatchPlan | None = None
+    """The batch plan last announced in a ``batch_planned`` event."""
+    nonfinite_tries: dict[int, int] = field(default_factory=dict)
+    last_saved_step: int | None = None
+    prepared: bool = False
+    """The checkpoint manager was told the size of a save (after the first update)."""
+    reported_save: SaveResult | None = None
+
+    # ---------------------------------------------------------------- the parts that act on it
+    hooks: WorkerHooks | None = None
+    """The agent's side in this process (heartbeats, stacks, error file, faults, stop); None without an agent."""
+    timer: StepTimer | None = None
+    """Step time by section, sent to the agent for its straggler and slowdown detectors (None without one)."""
+    checkpoints: CheckpointManager | None = None
+    memory: RunMemory | None = None
+    """The node's memory tier: restored from first, saved at boundaries."""
+    inproc: InProcessRecovery | None = None
+    """The agent's in-process recovery: the survivor's side, the spare's, growing back."""
+    recovery: Callable[[BaseException], bool] | None = None
+    """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
+
+    def section(self, name: str) -> Section:
+        """Enter section ``name`` for a ``with`` block; the enclosing one is re-entered on the way out."""
+        return Section(self, name)
+
+    def enter(self, section: str) -> None:
+        """Enter ``section``: the timer charges it from now, the agent hears of it in a heartbeat."""
+        self.current_section = section
+        if self.timer is not None:
+            self.timer.switch(section)
+        if self.hooks is not None:
+            self.hooks.enter(section, self.step, self.committed_step(), tokens=self.tokens, samples=self.samples,
+                             save=self._new_save_report())
+
+    def leave_for(self, outer: str) -> None:
+        """Back to ``outer`` (a section left): between two updates nothing is reported, the next step reports."""
+        if outer != BETWEEN:
+            self.enter(outer)
+            return
+        self.current_section = BETWEEN
+        if self.timer is not None:
+            self.timer.switch(BETWEEN)
+
+    def committed_step(self) -> int | None:
+        """The step of the newest committed checkpoint this rank knows of (None: none)."""
+        manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
+        return manifest.step if manifest is not None else None
+
+    def close_micro_batches(self) -> None:
+        """Close the step's micro-batch generator, if open: one left inside DDP's ``no_sync()`` leaves it."""
+        micro, self.micro = self.micro, None
+        if micro is not None:
+            micro.close()
+
+    def _new_save_report(self) -> dict[str, Any] | None:
+        """The newest finished save, once: what the agent exports as checkpoint duration and bytes."""
+        results = self.checkpoints.results if self.checkpoints is not None else None
+        if not results or results[-1] is self.reported_save:
+            return None
+        result = self.reported_save = results[-1]
+        size = result.manifest.total_bytes if result.manifest is not None else 0
+        return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
+                "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}
