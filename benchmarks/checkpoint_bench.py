@@ -29,7 +29,7 @@ from _ckpt_report import TARGETS, describe, render_markdown, verdicts
 from resilient import CheckpointConfig, Run
 from resilient.checkpoint.coordinator import Coordinator
 from resilient.checkpoint.manager import CheckpointManager
-from resilient.events import EventLog
+from resilient.core.events import EventLog
 
 SAVE_PEERS = ["ours", "torch_save_fsync", "dcp_default", "dcp_reused_stager", "raw_write", "dd"]
 

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._lazy import lazy_getattr
+from .core.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "CheckpointConfig": "resilient.checkpoint.config",
     "ElasticLoader": "resilient.data.loader",
-    "EventLog": "resilient.events",
+    "EventLog": "resilient.core.events",
     "Run": "resilient.run",
-    "Stateful": "resilient.state",
-    "CheckpointCorruptError": "resilient.errors",
-    "CheckpointError": "resilient.errors",
-    "CheckpointMismatchError": "resilient.errors",
-    "ConfigError": "resilient.errors",
-    "DataFetchError": "resilient.errors",
-    "NoValidCheckpointError": "resilient.errors",
-    "ResilientError": "resilient.errors",
-    "StorageError": "resilient.errors",
+    "Stateful": "resilient.core.state",
+    "CheckpointCorruptError": "resilient.core.errors",
+    "CheckpointError": "resilient.core.errors",
+    "CheckpointMismatchError": "resilient.core.errors",
+    "ConfigError": "resilient.core.errors",
+    "DataFetchError": "resilient.core.errors",
+    "NoValidCheckpointError": "resilient.core.errors",
+    "ResilientError": "resilient.core.errors",
+    "StorageError": "resilient.core.errors",
     "device_mesh": "resilient.run.mesh",
 }
 
@@ -52,8 +52,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .checkpoint.config import CheckpointConfig
-    from .data.loader import ElasticLoader
-    from .errors import (
+    from .core.errors import (
         CheckpointCorruptError,
         CheckpointError,
         CheckpointMismatchError,
@@ -63,10 +62,11 @@ if TYPE_CHECKING:
         ResilientError,
         StorageError,
     )
-    from .events import EventLog
-    from .run.mesh import device_mesh
+    from .core.events import EventLog
+    from .core.state import Stateful
+    from .data.loader import ElasticLoader
     from .run import Run
-    from .state import Stateful
+    from .run.mesh import device_mesh
 
 
 __getattr__ = lazy_getattr("resilient", _EXPORTS, globals())

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import resilient
 from resilient.checkpoint import CheckpointConfig, CheckpointManager, LocalStorage
 from resilient.checkpoint.coordinator import Coordinator
-from resilient.errors import StorageError
+from resilient.core.errors import StorageError
 
 
 def failing(rank_to_fail: int, methods: tuple[str, ...], error: BaseException):

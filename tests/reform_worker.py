@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from resilient.checkpoint.coordinator import Coordinator
 from resilient.elastic.reform import abandon, connect_store, is_peer_failure, reform, wait_for_assignment
 from resilient.elastic.state_sync import agree_step, sync_from
-from resilient.errors import ResilientError
+from resilient.core.errors import ResilientError
 
 BATCH = 8
 IN, OUT = 16, 4

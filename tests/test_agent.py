@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
+from resilient.core.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 
 from .agent_helpers import events, explain, incidents, node_status, run_agent, start_agent, wait_for
 from .helpers import assert_same_run, read_trace

@@ -10,7 +10,7 @@ from resilient.agent.consequences import describe_other, describe_others, short_
 from resilient.agent.incidents import Incident, format_incident
 from resilient.agent.policy import Failure, first_failure
 from resilient.agent.restores import summarise_restores
-from resilient.collective import is_collective_error
+from resilient.core.collective import is_collective_error
 
 GLOO_RESET = {
     "exc_type": "RuntimeError",

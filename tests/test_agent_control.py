@@ -11,7 +11,7 @@ import pytest
 from resilient.agent.control import ControlError, ControlServer, call
 from resilient.agent.rundir import RunDir, read_token
 from resilient.cli.main import main
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ import pytest
 from resilient.agent.generation import SIGNALLED_POLL_S, _signalled_with_agent
 from resilient.agent.launcher import Exit
 from resilient.agent.sweep import AgentAlreadyRunningError, NodeProcesses, Stuck
-from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_UNHEALTHY
+from resilient.core.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_UNHEALTHY
 from resilient.watchdog.procfs import read_stat
 
 from .agent_helpers import (

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import resilient
-from resilient.errors import SerializationError
+from resilient.core.errors import SerializationError
 
 from .tiny import params, same, tiny_run, train
 

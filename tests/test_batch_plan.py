@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resilient.elastic.batch import BatchRule, feasible_world_sizes, plan_batch
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 
 def positions(plan, rank, k):

@@ -28,7 +28,7 @@ from resilient.checkpoint.cadence import (
 )
 from resilient.checkpoint.config import CheckpointConfig
 from resilient.checkpoint.inspect import verify_checkpoint
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.metrics.report import render_cadence
 
 from .agent_helpers import events, explain, run_agent

@@ -14,7 +14,7 @@ import pytest
 
 from resilient.faults.inject import FaultInjector, InjectedFault
 from resilient.faults.plan import Fault, FaultPlan, FaultPlanError
-from resilient.events import EventLog
+from resilient.core.events import EventLog
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

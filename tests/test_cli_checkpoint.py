@@ -19,7 +19,7 @@ from resilient.checkpoint.manifest import parse_manifest
 from resilient.checkpoint.storage import LocalStorage
 from resilient.cli.checkpoint_cmd import ENDPOINT_ENV, human_size, resolve_endpoint
 from resilient.cli.main import main
-from resilient.errors import CheckpointMismatchError, StorageError
+from resilient.core.errors import CheckpointMismatchError, StorageError
 
 NAMES = ["step_0000000002", "step_0000000004", "step_0000000006"]
 NEWEST = NAMES[-1]

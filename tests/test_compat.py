@@ -14,9 +14,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from resilient import compat
+from resilient.core import compat
 from resilient.elastic import groups
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 BREAKS = {
     # feature -> (owner, attribute) whose loss turns it off, with the words its reason must have
@@ -31,6 +31,7 @@ BREAKS = {
     "fsdp_comm_timing": [(FSDPModule, "set_custom_all_gather"), (FSDPModule, "set_custom_reduce_scatter")],
     "dtensor_chunks": [(DTensor, "__create_chunk_list__")],
     "fused_norm": [(torch, "_foreach_norm")],
+    "late_nonfinite": [(torch, "_amp_foreach_non_finite_check_and_unscale_")],
 }
 
 
@@ -108,7 +109,7 @@ def test_without_the_sharding_apis_fsdp_recovery_and_sharded_checkpoints_fail_cl
 
 def test_without_the_fused_norm_the_nonfinite_check_still_finds_a_nan(monkeypatch) -> None:
     from resilient import Run
-    from resilient.errors import NonFiniteGradientsError
+    from resilient.core.errors import NonFiniteGradientsError
 
     monkeypatch.setitem(compat.STATUS, "fused_norm", "fused_norm is off for the test")
     monkeypatch.delattr(torch, "_foreach_norm")  # the fallback must not touch it

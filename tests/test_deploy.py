@@ -21,7 +21,7 @@ import yaml
 from resilient.cli.main import build_parser
 from resilient.deploy.render import KUBERNETES_VERSION, TARGETS, render
 from resilient.deploy.topology import TopologyError, load_topology, parse_topology
-from resilient.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNRECOVERABLE
+from resilient.core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNRECOVERABLE
 
 from .agent_helpers import agent_env
 

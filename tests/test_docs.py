@@ -23,7 +23,7 @@ import pytest
 
 from resilient.cli import run_config
 from resilient.cli.main import _subcommand, build_parser
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.faults.plan import FaultPlan
 
 from .docs_text import DOCS, REPO, Block, blocks_of, pages

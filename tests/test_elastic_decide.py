@@ -24,7 +24,7 @@ from resilient.elastic.costs import RecoveryCosts, shrink_or_wait
 from resilient.elastic.decide import Action, LadderConfig, Promotion, RecoveryDecision, decide_recovery
 from resilient.elastic.grow import GrowAction, decide_grow
 from resilient.elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 NOW = 1000.0
 RESTART_OK = RestartOutlook(allowed=True, reason="restart 1 of 3 now after: rank 1 failed")

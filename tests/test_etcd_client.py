@@ -10,7 +10,7 @@ import pytest
 
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.store import StoreAuthError, StoreRequestError, StoreUnavailableError
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 from .etcd_server import ROOT_PASSWORD, EtcdServer, _free_port
 

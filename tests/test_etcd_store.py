@@ -17,7 +17,7 @@ from resilient.coord.store import (
     StoreRequestError,
     run_prefix,
 )
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 from .etcd_server import EtcdServer
 

@@ -1,4 +1,4 @@
-"""Event kinds live in one place (``resilient.events.EventKind``) and their strings do not change.
+"""Event kinds live in one place (``resilient.core.events.EventKind``) and their strings do not change.
 
 ``events.jsonl`` is read by operators, tools and tests, so a kind's string is
 an interface: the source check keeps every call site on the enum, and a real
@@ -11,7 +11,7 @@ import ast
 import json
 from pathlib import Path
 
-from resilient.events import EventKind, EventLog, OutcomeKind
+from resilient.core.events import EventKind, EventLog, OutcomeKind
 
 from .agent_helpers import events, explain, run_agent
 from .helpers import REPO
@@ -63,13 +63,13 @@ def test_no_emit_call_in_the_package_passes_a_bare_string():
     # The walk must see the real call sites, or an empty walk would pass.
     assert emit_calls(sources) >= 50
     offenders = [where for filename, source in sources.items() for where in literal_kinds(source, filename)]
-    assert offenders == [], f"use a resilient.events.EventKind member (add one if needed) at: {offenders}"
+    assert offenders == [], f"use a resilient.core.events.EventKind member (add one if needed) at: {offenders}"
 
 
 def test_every_event_kind_is_emitted_somewhere_and_named_after_its_string():
     used: set[str] = set()
     for filename, source in package_sources().items():
-        if filename == "resilient/events.py":
+        if filename == "resilient/core/events.py":
             continue
         for node in ast.walk(ast.parse(source, filename)):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "EventKind":

@@ -6,7 +6,7 @@ import pytest
 
 from resilient.elastic.costs import RecoveryCosts
 from resilient.elastic.evict import EvictConfig, StragglerCase, decide_eviction
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 COSTS = RecoveryCosts(spare_s=1.0, shrink_s=1.0)
 

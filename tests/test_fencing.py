@@ -29,7 +29,7 @@ from resilient.checkpoint import manifest as mf
 from resilient.checkpoint.coordinator import Coordinator
 from resilient.checkpoint.fence import decide_claim
 from resilient.checkpoint.manifest import SCHEMA_V1, parse_manifest
-from resilient.errors import FencedError
+from resilient.core.errors import FencedError
 
 from .helpers import REPO, WORKER, assert_same_run, read_trace, run_worker
 

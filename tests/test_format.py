@@ -16,7 +16,7 @@ from resilient.checkpoint.retention import decide_retention
 from resilient.checkpoint.shard import decode
 from resilient.checkpoint.snapshot import HostBuffer, take_snapshots
 from resilient.checkpoint.tree import flatten, unflatten
-from resilient.errors import CheckpointCorruptError, ConfigError, SerializationError
+from resilient.core.errors import CheckpointCorruptError, ConfigError, SerializationError
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int8, torch.bool,
           torch.uint8]
@@ -128,6 +128,6 @@ def test_config_errors_name_the_setting(kwargs, message):
 
 
 def test_importing_the_package_imports_neither_torch_nor_chaos():
-    code = "import sys, resilient, resilient.errors; print('torch' in sys.modules, 'resilient.chaos' in sys.modules)"
+    code = "import sys, resilient, resilient.core.errors; print('torch' in sys.modules, 'resilient.chaos' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

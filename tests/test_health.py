@@ -21,7 +21,7 @@ from resilient.agent.health import (
     assess,
     probe,
 )
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 
 def test_probe_on_this_machine_reads_memory_disk_and_explains_missing_gpus(tmp_path: Path) -> None:

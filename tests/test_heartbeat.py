@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resilient.agent.heartbeat import HeartbeatReceiver
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.worker.heartbeat import RECONNECT_INTERVAL_S, HeartbeatSender
 from resilient.worker.protocol import Heartbeat, HeartbeatError, decode, decode_datagram, encode
 

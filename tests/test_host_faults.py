@@ -24,7 +24,7 @@ from resilient.chaos.host import HostInjector, UndoStack
 from resilient.chaos.host_faults import HOST_FAULT_KINDS, HostFault, HostFaultError, parse_host_faults, unavailable
 from resilient.chaos.host_kinds import KINDS
 from resilient.chaos.runner import run_drill
-from resilient.events import EventKind, EventLog, ForwardingLog
+from resilient.core.events import EventKind, EventLog, ForwardingLog
 from resilient.watchdog.attribution import Suspect, attribute_hang
 from resilient.watchdog.procfs import frozen_by_cgroup
 from resilient.watchdog.stacks import capture, process_state

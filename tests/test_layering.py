@@ -16,6 +16,21 @@ REPO = Path(__file__).resolve().parent.parent
 MAX_LINES = 500
 OPERATOR = ("resilient.cli", "resilient.deploy", "resilient.chaos")
 """The operator side, highest first: each may import those after it, and nothing below imports any of them."""
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core: errors, events, exit codes, files, tensors, torch state, compat", ("resilient.core",)),
+    ("the package's face: version, lazy exports", ("resilient",)),
+    ("parts: checkpoints, coordination, fault plans, detectors, metrics",
+     ("resilient.checkpoint", "resilient.coord", "resilient.faults", "resilient.watchdog", "resilient.metrics")),
+    ("elastic: batch plans, re-formation, state sync", ("resilient.elastic",)),
+    ("the worker's side: data, the agent's hooks in a worker", ("resilient.data", "resilient.worker")),
+    ("training: the Run", ("resilient.run",)),
+    ("the node agent", ("resilient.agent",)),
+    ("chaos drills", ("resilient.chaos",)),
+    ("deployment", ("resilient.deploy",)),
+    ("the CLI", ("resilient.cli", "resilient.__main__")),
+)
+"""The layers, lowest first (each a folder of ``resilient/``): a package imports only those in lower layers (and
+the CLI's entry module its CLI)."""
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -152,6 +167,23 @@ def test_the_operator_side_is_imported_by_nothing_below_it() -> None:
                 continue  # the CLI over deploy and chaos; deploy over chaos
             wrong.append(f"{name} imports {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_package_is_in_a_layer_and_imports_only_those_below() -> None:
+    graph = import_graph(REPO / "resilient")
+    layer = {package: i for i, (_, packages) in enumerate(LAYERS) for package in packages}
+    unplaced = sorted({top(name) for name in graph} - set(layer))
+    assert not unplaced, f"packages in no layer (place each in LAYERS): {unplaced}"
+    wrong = []
+    for name, targets in graph.items():
+        mine = top(name)
+        for target in targets:
+            theirs = top(target)
+            if theirs == mine or layer[theirs] < layer[mine] or (mine, theirs) == ("resilient.__main__", "resilient.cli"):
+                continue
+            wrong.append(f"{name} ({LAYERS[layer[mine]][0].split(':')[0]}) imports {target} "
+                         f"({LAYERS[layer[theirs]][0].split(':')[0]})")
+    assert not wrong, "imports that do not point down the layers:\n" + "\n".join(sorted(wrong))
 
 
 def test_the_analysis_finds_a_cycle_made_by_an_import_inside_a_function(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.metrics.catalogue import CATEGORIES, STEP_BUCKETS
 from resilient.metrics.ideal import measured_ideal
 from resilient.metrics.ledger import Ledger, LedgerConfig
@@ -339,7 +339,7 @@ def test_the_metrics_package_imports_no_higher_layer():
 
     import resilient.metrics
 
-    allowed = {"resilient", "resilient.errors", "resilient.events", "resilient.fsutil", "resilient._lazy"}
+    allowed = {"resilient", "resilient.core.errors", "resilient.core.events", "resilient.core.fsutil", "resilient.core.lazy"}
     package = Path(resilient.metrics.__file__).parent
     found = []
     for path in sorted(package.glob("*.py")):

@@ -18,7 +18,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from resilient.events import FAILURE_KINDS, OutcomeKind
+from resilient.core.events import FAILURE_KINDS, OutcomeKind
 from resilient.metrics.ledger import Ledger, LedgerConfig
 from resilient.metrics.ledger_account import totals
 

@@ -20,8 +20,8 @@ import pytest
 
 from resilient.chaos.runner import leftovers
 from resilient.deploy.local import alive, read_state, recorded_pids, run_exit_code
-from resilient.errors import ConfigError
-from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
+from resilient.core.errors import ConfigError
+from resilient.core.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 
 from .agent_helpers import agent_env
 

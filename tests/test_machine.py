@@ -50,7 +50,7 @@ from resilient.agent.outcome import Hold, Outcome
 from resilient.agent.policy import Failure
 from resilient.agent.rendezvous import Assignment
 from resilient.elastic.observe import FaultKind
-from resilient.events import OutcomeKind
+from resilient.core.events import OutcomeKind
 from resilient.watchdog.sections import RankView, SectionTimeouts
 
 GiB = 1 << 30

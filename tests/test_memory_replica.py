@@ -22,8 +22,8 @@ from resilient.agent.memory_peers import REPLICAS, PeerTier, common, node_stems,
 from resilient.agent.memory_tier import NodeMemory
 from resilient.checkpoint import memory as mem
 from resilient.cli.status_cmd import render
-from resilient.errors import ConfigError
-from resilient.events import EventKind, EventLog
+from resilient.core.errors import ConfigError
+from resilient.core.events import EventKind, EventLog
 
 from .test_memory_tier import SHM, payloads, same
 

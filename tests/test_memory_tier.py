@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from resilient.checkpoint import memory as mem
 from resilient.checkpoint.coordinator import Coordinator
 from resilient.checkpoint.restore import agree
-from resilient.errors import CheckpointCorruptError
-from resilient.events import EventLog
+from resilient.core.errors import CheckpointCorruptError
+from resilient.core.events import EventLog
 from resilient.run.memory import decide_interval
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None

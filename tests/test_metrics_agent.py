@@ -10,7 +10,7 @@ import subprocess
 import sys
 import urllib.request
 
-from resilient.exitcodes import EXIT_PREEMPTED_AGENT
+from resilient.core.exitcodes import EXIT_PREEMPTED_AGENT
 from resilient.metrics.catalogue import BADPUT_CATEGORIES, METRICS
 from resilient.watchdog.stacks import process_state
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.metrics.ledger import Ledger, LedgerConfig
 from resilient.metrics.mfu import account_mfu, lookup_device, mfu, normalise_dtype, resolve_peak, transformer_flops
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import resilient
-from resilient.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
-from resilient.exitcodes import EXIT_UNRECOVERABLE, exit_code_for
+from resilient.core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
+from resilient.core.exitcodes import EXIT_UNRECOVERABLE, exit_code_for
 from resilient.run.attempt import poisoned
 
 
@@ -35,13 +35,16 @@ class Data:
         return x, self.y[i]
 
 
-def train(data: Data, steps: int = 6, **kw) -> tuple[list[torch.Tensor], resilient.Run]:
+def train(data: Data, steps: int = 6, *, fused: bool = False, seen: list | None = None,
+          **kw) -> tuple[list[torch.Tensor], resilient.Run]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
     run = resilient.Run(model=model, optimizer=opt, data=resilient.ElasticLoader(data, batch_size=4, seed=1),
                         agent=None, **kw)
-    for _ in run.steps(steps):
+    for step in run.steps(steps):
+        if seen is not None:
+            seen.append(step)
         with run.attempt():
             for x, y in run.micro_batches():
                 torch.nn.functional.mse_loss(run.model(x), y).backward()
@@ -113,3 +116,68 @@ def test_a_poisoned_batch_is_a_copy_with_one_nan():
     assert torch.isnan(px).sum() == 1 and torch.isnan(px.view(-1)[0]) and torch.equal(py, y)
     assert torch.isfinite(x).all()  # the loader's tensor is untouched
     assert poisoned({"ids": torch.arange(3), "v": x})["v"].isnan().sum() == 1
+
+
+def test_a_late_verdict_never_applies_a_nan_and_the_step_is_run_again_wherever_it_falls(tmp_path):
+    """nonfinite_verdict="late": the check sets a flag on the device and the fused step skips the update by it;
+    the flag is read a step later (or at a boundary that keeps the state).  A NaN in any step, the last one
+    included, and with a checkpoint every step: the run equals the run that never saw it, bit for bit, and so
+    does its newest commit."""
+    clean, _ = train(Data(), fused=True, nonfinite_verdict="now")
+    for bad in range(16):  # every sample: every step of the six, first and last included
+        ckpt = resilient.CheckpointConfig(dir=tmp_path / f"c{bad}", every_steps=1) if bad % 4 == 0 else None
+        seen: list[int] = []
+        got, run = train(Data(bad=bad, times=1), fused=True, nonfinite_verdict="late", seen=seen, checkpoint=ckpt)
+        assert all(torch.equal(a, b) for a, b in zip(clean, got)), f"sample {bad}: not the clean run's parameters"
+        [event] = run.events.of_kind("nonfinite_gradients")
+        assert event.fields["late"] is True and event.fields["retried"] is True and event.fields["tries"] == 1
+        step = event.fields["step"]
+        assert seen[:step + 1] == list(range(step + 1)) and seen.count(step) == 2, (bad, seen)
+        assert run.step == 6 and run._state.pending is None
+        if ckpt is not None:
+            run.close()
+            again, restored = train(Data(), steps=6, fused=True, nonfinite_verdict="late",
+                                    checkpoint=resilient.CheckpointConfig(dir=tmp_path / f"c{bad}"))
+            assert restored.restored_from is not None and all(torch.equal(a, b) for a, b in zip(clean, again))
+
+
+def test_a_late_verdict_is_not_read_in_its_own_step():
+    """What makes it cheap: the step's own update reads nothing of its flag (on CUDA, no wait for the device);
+    the next step's update reads it from the host copy."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    run = resilient.Run(model=model, optimizer=opt, agent=None, nonfinite_verdict="late")
+    for step in run.steps(2):
+        with run.attempt():
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            pending = run._state.pending
+            assert pending is not None and pending.step == step and pending.bad is None, "read in its own step"
+            assert not hasattr(opt, "found_inf"), "a later step without the check would inherit the flag"
+    assert run._state.pending is None, "the last step's verdict is read at the end of the loop"
+
+
+def test_a_late_verdict_names_a_persistent_nan_from_the_retry_checked_at_once():
+    data = Data(bad=5, times=100)
+    with pytest.raises(PersistentNonFiniteError) as err:
+        train(data, fused=True, nonfinite_verdict="late")
+    text = str(err.value)
+    assert "were not finite in 3 tries of the same batch" in text and "0.weight" in text, text
+    assert data.reads == 3
+
+
+def test_a_late_verdict_needs_a_fused_optimizer_and_no_scaler():
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ConfigError, match="fused=True"):
+        resilient.Run(model=model, optimizer=torch.optim.Adam(model.parameters()), agent=None,
+                      nonfinite_verdict="late")
+    fused = torch.optim.Adam(model.parameters(), fused=True)
+    with pytest.raises(ConfigError, match="GradScaler"):
+        resilient.Run(model=model, optimizer=fused, agent=None, scaler=torch.amp.GradScaler("cpu"),
+                      nonfinite_verdict="late")
+    with pytest.raises(ConfigError, match="nonfinite_verdict='soon'"):
+        resilient.Run(model=model, optimizer=fused, agent=None, nonfinite_verdict="soon")
+    run = resilient.Run(model=model, optimizer=fused, agent=None)
+    assert run._state.nonfinite_verdict == "now", "auto: late only on CUDA, where the sync costs"
+

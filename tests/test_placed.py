@@ -18,7 +18,7 @@ from resilient.checkpoint.placed import read_placed, walk_indices
 from resilient.checkpoint.shard import parse_header, plan_layout
 from resilient.checkpoint.storage import LocalStorage, RangeReader
 from resilient.checkpoint.tree import flatten
-from resilient.errors import CheckpointCorruptError
+from resilient.core.errors import CheckpointCorruptError
 
 from .tiny import params, same, tiny_run, train
 

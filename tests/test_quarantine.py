@@ -15,9 +15,9 @@ import pytest
 from resilient.agent.quarantine_gate import QuarantineGate
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.quarantine import FleetQuarantine, QuarantineConfig, decide_expiry
-from resilient.errors import ConfigError
-from resilient.events import Event
-from resilient.exitcodes import EXIT_PREEMPTED_AGENT
+from resilient.core.errors import ConfigError
+from resilient.core.events import Event
+from resilient.core.exitcodes import EXIT_PREEMPTED_AGENT
 from resilient.watchdog.burnin import MEASURES, judge
 
 from .agent_helpers import agent_env

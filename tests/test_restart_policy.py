@@ -24,8 +24,8 @@ from resilient.agent.policy import (
 )
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.store import EtcdControlStore
-from resilient.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, StorageError
-from resilient.exitcodes import (
+from resilient.core.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, StorageError
+from resilient.core.exitcodes import (
     EXIT_CONFIG,
     EXIT_PREEMPTED_AGENT,
     EXIT_STOPPED,

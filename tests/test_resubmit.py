@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from resilient.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED
+from resilient.core.exitcodes import EXIT_PREEMPTED_AGENT, EXIT_STOPPED
 
 from .agent_helpers import events, explain, node_status, run_agent, start_agent, wait_for
 from .helpers import assert_same_run, read_trace

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.run.audit import checked_every, compare, fingerprints
 
 

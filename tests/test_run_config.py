@@ -13,7 +13,7 @@ import pytest
 from resilient.cli.main import _subcommand, build_parser, main
 from resilient.cli.run_cmd import build_config
 from resilient.cli.run_config import expand
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 from .agent_helpers import agent_env
 

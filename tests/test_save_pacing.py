@@ -23,7 +23,7 @@ from resilient.checkpoint import CheckpointConfig, CheckpointManager, LocalStora
 from resilient.checkpoint.coordinator import Coordinator
 from resilient.checkpoint.inspect import verify_checkpoint
 from resilient.checkpoint.pacing import Busy, Pending, decide_save, local_busy, second_buffer_fits
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 
 from .helpers import assert_same_run, read_trace, run_worker
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.watchdog.sections import (
     RankView,
     SectionStats,

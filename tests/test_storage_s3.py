@@ -19,8 +19,8 @@ from resilient.checkpoint.manifest import SCHEMA_BLOCKS, FileEntry, Manifest, ch
 from resilient.checkpoint.s3 import S3Storage
 from resilient.checkpoint.storage import Staging, StoreRetry
 from resilient.checkpoint.store_retries import RetryReports
-from resilient.errors import CommitConflictError, StorageError
-from resilient.events import EventLog
+from resilient.core.errors import CommitConflictError, StorageError
+from resilient.core.events import EventLog
 
 CHUNK = BlockSpec(block_bytes=1 << 20)
 MiB = 1 << 20

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.watchdog.cusum import Cusum, CusumRule, advance, noise
 from resilient.watchdog.settings import apply, flatten, parse_value
 from resilient.watchdog.slowdown import SlowdownConfig, SlowdownDetector

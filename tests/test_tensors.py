@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy
 import torch
 
-from resilient.tensors import tensor_bytes
+from resilient.core.tensors import tensor_bytes
 
 
 def test_tensor_bytes_are_the_elements_in_row_major_order_for_every_dtype():

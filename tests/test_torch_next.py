@@ -4,7 +4,7 @@
 package from ``.venv``.  A subset of the suite runs there in a pytest of its own: the compatibility probes,
 the step-position rules, in-process recovery under the Run (DDP and HSDP) and a sharded resume.  The floor in
 pyproject.toml is the torch ``.venv`` has (2.13); between the two, the private APIs resilient uses are the
-ones ``resilient.compat`` probes.
+ones ``resilient.core.compat`` probes.
 """
 
 from __future__ import annotations

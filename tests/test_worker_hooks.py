@@ -23,7 +23,7 @@ import torch
 
 import resilient
 from resilient.agent.heartbeat import HeartbeatReceiver
-from resilient.errors import ConfigError
+from resilient.core.errors import ConfigError
 from resilient.worker.env import WorkerEnv, launched_distributed
 from resilient.worker.hooks import StopRequest, WorkerHooks, read_stop_request
 from resilient.worker.protocol import Heartbeat
@@ -411,7 +411,7 @@ def test_config_error_writes_the_error_file_and_exits_78(tmp_path, agent):
     assert proc.returncode == 78, err
     assert "setting xyz is invalid" in err  # the traceback is still printed for the rank's log
     record = json.loads(Path(agent.env.error_file).read_text())
-    assert record["exc_type"] == "resilient.errors.ConfigError" and record["exit_code"] == 78
+    assert record["exc_type"] == "resilient.core.errors.ConfigError" and record["exit_code"] == 78
     assert record["message"] == "setting xyz is invalid at step 2" and "in validate" in record["traceback"]
     assert record["section"] == "validate" and record["step"] == 2  # where it was raised, not where it surfaced
     assert record["rank"] == 0 and record["pid"] == proc.pid

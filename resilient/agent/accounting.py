@@ -17,8 +17,8 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
-from ..events import OutcomeKind
-from ..fsutil import read_json, write_json_atomic
+from ..core.events import OutcomeKind
+from ..core.fsutil import read_json, write_json_atomic
 from ..metrics.ledger import Ledger, LedgerConfig
 
 

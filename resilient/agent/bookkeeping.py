@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from .incidents import Incident, stuck_incident
 from .sweep import GIVE_UP_AFTER_S, NodeProcesses, Stuck
 

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..coord import claims
 from ..coord.store import ControlStoreError
+from ..core.events import EventKind, OutcomeKind
 from ..elastic.grow import GrowAction, decide_grow
 from ..elastic.observe import FaultKind, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments
-from ..events import EventKind, OutcomeKind
 from .cluster import ClusterState, Involvement, collectors
 from .cluster_decide import decide, membership_of
 from .cluster_watch import Snapshot

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..coord.store import ControlStoreError, Entry
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from .cluster import ClusterState, ClusterStore, GenerationView, PoolEntry
 
 if TYPE_CHECKING:

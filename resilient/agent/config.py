@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ..coord.launch import check_launch_id
 from ..coord.quarantine import QuarantineConfig
+from ..core.errors import ConfigError
 from ..elastic.evict import EvictConfig
-from ..errors import ConfigError
 from ..watchdog.sections import SectionTimeouts
 from ..watchdog.slowdown import SlowdownConfig
 from ..watchdog.straggler import StragglerConfig

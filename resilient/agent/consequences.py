@@ -7,7 +7,7 @@ functions here decide it from what the agent already has, the exits it
 stamped and each rank's error file (written by the ``sys.excepthook`` its
 ``Run`` installs):
 
-* :func:`~resilient.collective.is_collective_error`: the error is of the kind a lost peer causes
+* :func:`~resilient.core.collective.is_collective_error`: the error is of the kind a lost peer causes
   (a connection reset or closed by the peer, an aborted communicator, a
   collective that timed out), so :func:`~resilient.agent.policy.first_failure`
   never names it while another failure is at hand;
@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..exitcodes import describe_exit
+from ..core.exitcodes import describe_exit
 from .policy import Failure
 
 _SOURCE = re.compile(r"^\[([^\]\s]*/)?([^\]\s/]*)\.(cc|cpp|h|hpp):\d+\]\s*")

@@ -32,9 +32,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import EventKind
 from ..elastic.decide import Action, RecoveryDecision
 from ..elastic.observe import FaultKind, RestartOutlook
-from ..events import EventKind
 from .inproc import ACTING
 from .inproc_grow import carry_out_grow, consider_grow
 from .inproc_state import Recovering

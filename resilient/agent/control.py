@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, ResilientError
+from ..core.errors import ConfigError, ResilientError
 from .sockets import bind_private
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..coord.launch import begin_launch
 from ..coord.proof import SignedStore
 from ..coord.store import ControlStoreError
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from .config import AgentConfig
 from .policy import FailureMark, History
 from .rendezvous import EtcdRendezvous, OneNodeRendezvous, etcd_rendezvous

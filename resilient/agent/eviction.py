@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..coord.store import ControlStoreError
+from ..core.events import EventKind, OutcomeKind
 from ..elastic.decide import Action
 from ..elastic.evict import StragglerCase, decide_eviction
 from ..elastic.observe import FaultKind
-from ..events import EventKind, OutcomeKind
 from .cluster_decide import preview
 from .incidents import Incident
 from .launcher import WorkerGroup

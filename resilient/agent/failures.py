@@ -15,10 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..collective import is_collective_error
+from ..core.collective import is_collective_error
+from ..core.events import EventKind, OutcomeKind
 from ..elastic.decide import RecoveryDecision
 from ..elastic.observe import FaultKind
-from ..events import EventKind, OutcomeKind
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
 from .consequences import describe_others

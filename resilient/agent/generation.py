@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ..events import Emit, EventKind, OutcomeKind
-from ..fsutil import write_json_atomic
+from ..core.events import Emit, EventKind, OutcomeKind
+from ..core.fsutil import write_json_atomic
 from ..watchdog.sections import SectionTimeouts, for_storage
 from . import machine
 from .continuation import start_spares

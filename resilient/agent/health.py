@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import ConfigError, ResilientError
+from ..core.errors import ConfigError, ResilientError
 
 GiB = 1024**3
 T = TypeVar("T")

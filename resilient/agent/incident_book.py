@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..coord.store import ControlStore
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from . import generation as gen_mod
 from .incidents import Incident, publish_incident
 from .restores import RestoreSummary

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..collective import is_collective_error
-from ..events import Emit, EventKind, FailureKind
-from ..exitcodes import describe_exit
-from ..fsutil import write_json_atomic
+from ..core.collective import is_collective_error
+from ..core.events import Emit, EventKind, FailureKind
+from ..core.exitcodes import describe_exit
+from ..core.fsutil import write_json_atomic
 from ..watchdog.stacks import StackCapture
 from .consequences import short_error
 

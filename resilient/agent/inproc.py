@@ -31,12 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import Emit, EventKind
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.costs import RecoveryCosts
 from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
 from ..elastic.reform import Member, abort_key, plan_assignments, publish_assignments
-from ..events import Emit, EventKind
 from .inproc_state import Recovering, Reports, SpareState, clean_position
 from .launcher import why_not_renice
 

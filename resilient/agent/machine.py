@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from ..events import OutcomeKind
+from ..core.events import OutcomeKind
 from ..watchdog.sections import HangDecision, RankView, SectionStats, SectionTimeouts, decide_hang
 from .health import HealthConfig, HealthObservation, assess
 from .outcome import Hold, Outcome

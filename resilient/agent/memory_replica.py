@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import memory as mem
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from .memory_peers import (
     COPY_SLOTS,
     OWN,

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import memory as mem
-from ..errors import ConfigError
-from ..events import Emit, EventKind
+from ..core.errors import ConfigError
+from ..core.events import Emit, EventKind
 from .memory_replica import MemoryReplication
 
 PREFIX = "resilient-memory-"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.events import OutcomeKind
 from ..elastic.observe import FaultKind
-from ..events import OutcomeKind
 from .incidents import Incident
 from .policy import Failure
 

@@ -5,7 +5,7 @@ inputs (the restart count lives in the store, so the budget is global, not
 per agent, and covers one launch or, if asked, the whole run) and carries out the decision.  Checks, in order:
 
 1. exit-code contract: a rank that exited with a code in
-   :data:`~resilient.exitcodes.NO_RESTART_CODES` said restarting cannot help;
+   :data:`~resilient.core.exitcodes.NO_RESTART_CODES` said restarting cannot help;
 2. crash-loop breaker: ``crash_loop_restarts`` restarts in a row without a
    newly committed checkpoint, each attempt failing *the same way* as this
    one (:func:`same_way`: at the same step, or with the same error in the
@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from ..errors import ConfigError
-from ..events import FAILURE_KINDS, FailureKind
-from ..exitcodes import NO_RESTART_CODES, describe_exit, signal_name
+from ..core.errors import ConfigError
+from ..core.events import FAILURE_KINDS, FailureKind
+from ..core.exitcodes import NO_RESTART_CODES, describe_exit, signal_name
 
 Verdict = Literal["budget_exhausted", "crash_loop", "do_not_restart"]
 

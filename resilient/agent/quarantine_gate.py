@@ -35,8 +35,8 @@ from typing import Any
 
 from ..coord.quarantine import FleetQuarantine, Standing
 from ..coord.store import ControlStoreError
-from ..events import Emit, EventKind
-from ..exitcodes import EXIT_PREEMPTED_AGENT
+from ..core.events import Emit, EventKind
+from ..core.exitcodes import EXIT_PREEMPTED_AGENT
 from ..watchdog.burnin import BurnInVerdict, judge
 
 Ending = tuple[int, str, str]

@@ -38,7 +38,7 @@ from ..coord.rounds import (
 )
 from ..coord.store import ControlStore, ControlStoreError, Entry, run_prefix
 from ..coord.watch import PrefixWatch, View
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 @dataclass(frozen=True)

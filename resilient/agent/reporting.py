@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from .accounting import NodeAccounting
 from .config import AgentConfig
 from .coordination import Coordination

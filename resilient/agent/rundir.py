@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .sockets import SOCKET_PATH_LIMIT
 
 

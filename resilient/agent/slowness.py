@@ -53,8 +53,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..events import Emit, EventKind
+from ..core.errors import ConfigError
+from ..core.events import Emit, EventKind
 from ..watchdog.settings import Configs, flatten
 from ..watchdog.settings import apply as apply_settings
 from ..watchdog.slowdown import SlowdownChange, SlowdownConfig, SlowdownDetector

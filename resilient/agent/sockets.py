@@ -6,7 +6,7 @@ import os
 import socket
 import stat
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 SOCKET_PATH_LIMIT = 107
 """Longest unix socket path (bytes) the kernel accepts."""

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..events import Emit, EventKind
-from ..fsutil import write_json_atomic
+from ..core.events import Emit, EventKind
+from ..core.fsutil import write_json_atomic
 from ..watchdog.sections import calibration_summary
 
 if TYPE_CHECKING:

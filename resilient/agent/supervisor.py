@@ -31,9 +31,9 @@ from dataclasses import dataclass, replace
 from typing import IO, Any
 
 from ..coord.store import ControlStoreError
+from ..core.events import EventKind, EventLog, OutcomeKind
+from ..core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..elastic.observe import RestartOutlook
-from ..events import EventKind, EventLog, OutcomeKind
-from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
 from ..metrics.ledger import LedgerConfig
 from . import cluster_watch, severance
 from . import generation as gen_mod

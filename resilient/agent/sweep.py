@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ResilientError
-from ..fsutil import read_json, write_json_atomic
+from ..core.errors import ResilientError
+from ..core.fsutil import read_json, write_json_atomic
 from ..watchdog.procfs import ProcStat, read_stat
 
 KILL_WAIT_S = 10.0

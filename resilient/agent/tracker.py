@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from ..events import Emit, EventKind
+from ..core.events import Emit, EventKind
 from ..watchdog.sections import RankView, SectionStats, observe
 from .heartbeat import Heartbeat
 

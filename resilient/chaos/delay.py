@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..fsutil import write_text_atomic
+from ..core.fsutil import write_text_atomic
 
 SO_ORIGINAL_DST = 80
 CHUNK = 65536

@@ -44,7 +44,7 @@ from typing import Any
 
 import tomllib
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..faults.plan import FAULT_KINDS, Fault, FaultPlan, FaultPlanError, parse_faults
 from .gameday import GameDay
 from .host_faults import NETWORK_FAULTS, STORAGE_FAULTS, HostFault, HostFaultError, parse_host_faults

@@ -112,7 +112,6 @@ class HostInjector:
                  store: Any = None, s3: Any = None, network: Any = None, resubmit: Any = None) -> None:
         self.faults = faults
         self.scene = Scene(run_out, ckpt_dir, label, store=store, s3=s3, network=network, resubmit=resubmit)
-        self.run_out, self.ckpt_dir = run_out, ckpt_dir
         self.log = run_out / "host_faults.jsonl"
         self.started = time.monotonic()
         self._fired: set[int] = set()
@@ -128,26 +127,26 @@ class HostInjector:
         sizes = [f.size_mb for f in self.faults if f.kind == "fill_disk"]
         if not sizes:
             return
-        self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if any(self.ckpt_dir.iterdir()):
-            raise RuntimeError(f"{self.ckpt_dir} is not empty: a tmpfs mounted over it would hide a checkpoint")
+        self.scene.ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if any(self.scene.ckpt_dir.iterdir()):
+            raise RuntimeError(f"{self.scene.ckpt_dir} is not empty: a tmpfs mounted over it would hide a checkpoint")
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={max(sizes)}m,mode=0755", "tmpfs",
-                               str(self.ckpt_dir)], capture_output=True, text=True, check=False)
+                               str(self.scene.ckpt_dir)], capture_output=True, text=True, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"could not mount a tmpfs at {self.ckpt_dir}: {done.stderr.strip()}")
+            raise RuntimeError(f"could not mount a tmpfs at {self.scene.ckpt_dir}: {done.stderr.strip()}")
         self._mounted = True
 
     def unmount(self) -> list[str]:
         """Unmount what :meth:`prepare` mounted (after the run's processes are gone); returns what is still mounted."""
         if self._mounted:
-            subprocess.run(["umount", str(self.ckpt_dir)], capture_output=True, check=False)
+            subprocess.run(["umount", str(self.scene.ckpt_dir)], capture_output=True, check=False)
         return self.mounts()
 
     def mounts(self) -> list[str]:
         """This injector's mounts still in the mount table."""
         if not self._mounted:
             return []
-        target = str(self.ckpt_dir.resolve())
+        target = str(self.scene.ckpt_dir.resolve())
         try:
             table = Path("/proc/self/mounts").read_text().splitlines()
         except OSError:
@@ -156,7 +155,7 @@ class HostInjector:
 
     # ------------------------------------------------------------ progress
     def _read_trace(self) -> None:
-        path = self.run_out / "trace.jsonl"
+        path = self.scene.run_out / "trace.jsonl"
         try:
             with open(path, "rb") as f:
                 f.seek(self._trace_at)

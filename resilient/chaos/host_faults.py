@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 HOST_FAULT_KINDS = ("kill", "freeze", "cpu_quota", "corrupt_checkpoint", "truncate_checkpoint", "fill_disk",
                     "kill_node", "store_outage", "s3_errors", "s3_drop", "s3_slow", "partition", "packet_loss",

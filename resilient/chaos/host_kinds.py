@@ -9,6 +9,7 @@ injections that last on a stack and undoes them in reverse order.
 
 from __future__ import annotations
 
+import abc
 import errno
 import json
 import os
@@ -106,8 +107,8 @@ def _write(path: Path, value: str) -> None:
         f.write(value)
 
 
-class Kind:
-    """A kind of host fault."""
+class Kind(abc.ABC):
+    """A kind of host fault: each subclass injects one (and says how to undo it)."""
 
     names: tuple[str, ...] = ()
 
@@ -115,8 +116,9 @@ class Kind:
         """Whether a fault triggered by a step fires now; ``progressed``: its rank has completed that step."""
         return progressed
 
+    @abc.abstractmethod
     def inject(self, fault: HostFault, scene: Scene) -> Injection | None:
-        raise NotImplementedError
+        """Inject ``fault`` now: what to undo and record, or None when its target is not there yet (try later)."""
 
 
 class KillRank(Kind):

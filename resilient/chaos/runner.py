@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..faults.plan import FaultPlan
 from . import cluster, monitor, netns, s3proxy
 from .drill import Drill

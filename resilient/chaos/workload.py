@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..tensors import tensor_bytes
+from ..core.tensors import tensor_bytes
 
 
 class Synthetic:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_getattr
+from ..core.lazy import lazy_getattr
 
 _EXPORTS = {
     "CheckpointConfig": "resilient.checkpoint.config",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CommitConflictError, FencedError, ResilientError
+from ..core.errors import CommitConflictError, FencedError, ResilientError
 from .digest import BlockSpec
 from .fence import Fence
 from .manifest import SCHEMA_BLOCKS, FileEntry, Manifest

@@ -6,7 +6,7 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .digest import CHOICES, DEFAULT_CHUNK_BYTES, BlockSpec, algorithm_named
 from .pacing import WHEN_BUSY, WhenBusy
 

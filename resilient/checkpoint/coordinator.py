@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .. import errors
+from ..core import errors
 
 _OK, _FAILED = b"\x00", b"\x01"
 _REBUILT: dict[str, type[errors.ResilientError]] = {
@@ -123,7 +123,7 @@ class Coordinator:
 
         If ``work`` raises (anything), every rank raises the same error
         (:func:`rebuild_error`): same type for resilient's own errors, a
-        :class:`~resilient.errors.CheckpointError` naming the original type otherwise.
+        :class:`~resilient.core.errors.CheckpointError` naming the original type otherwise.
         """
         payload = None
         failure: BaseException | None = None
@@ -151,7 +151,7 @@ class Coordinator:
     def agree_max(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """The element-wise maximum of ``values`` over all ranks, on the loop group (training thread only).
 
-        Raises :class:`~resilient.errors.CheckpointError` when this
+        Raises :class:`~resilient.core.errors.CheckpointError` when this
         coordinator was made without a loop group on more than one rank.
         """
         if self.world_size == 1:

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FencedError, StorageError
-from ..fsutil import write_json_atomic
+from ..core.errors import FencedError, StorageError
+from ..core.fsutil import write_json_atomic
 
 FENCE_FILE = ".fence.json"
 LOCK_FILE = ".fence.lock"

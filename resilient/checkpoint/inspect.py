@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..core.errors import CheckpointCorruptError, CheckpointMismatchError
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest, step_of
 from .retention import decide_retention
 from .storage import Storage

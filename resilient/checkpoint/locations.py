@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from .storage import LocalStorage, Storage
 
 

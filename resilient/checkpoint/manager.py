@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointError, FencedError, ResilientError
-from ..events import EventKind, EventLog
+from ..core.errors import CheckpointError, FencedError, ResilientError
+from ..core.events import EventKind, EventLog
 from .cadence import Cadence, FailureRate, Interval, SaveCost
 from .commit import decide_commit
 from .config import CheckpointConfig

@@ -26,7 +26,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
-from ..errors import CheckpointCorruptError, CheckpointMismatchError
+from ..core.errors import CheckpointCorruptError, CheckpointMismatchError
 from .digest import ALGORITHM, HEX_LENGTH, BlockSpec
 
 SCHEMA_BLOCKS = "resilient.checkpoint/4"

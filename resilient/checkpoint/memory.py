@@ -54,8 +54,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError
-from ..events import EventKind, EventLog
+from ..core.errors import CheckpointCorruptError
+from ..core.events import EventKind, EventLog
 from .coordinator import Coordinator
 from .digest import DEFAULT, DEFAULT_CHUNK_BYTES, HEX_LENGTH, SHA256, ChunkedHasher, hash_pool
 from .shard import decode, plan_layout

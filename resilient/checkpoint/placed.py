@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import torch
 
-from ..errors import CheckpointCorruptError, StorageError
+from ..core.errors import CheckpointCorruptError, StorageError
 from .digest import hash_pool, hash_views
 from .manifest import FileEntry, Manifest
 from .shard import DTYPES, Header, TensorEntry, header_end, parse_header

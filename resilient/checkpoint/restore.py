@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ..errors import (
+from ..core.errors import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     NoValidCheckpointError,
     StorageError,
 )
-from ..events import EventKind, EventLog
+from ..core.events import EventKind, EventLog
 from . import sharded
 from .coordinator import Coordinator
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest

@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-from ..errors import CommitConflictError, StorageError
+from ..core.errors import CommitConflictError, StorageError
 from .digest import BlockSpec, ChunkedHasher, FileDigest, hash_pool
 from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of

@@ -10,7 +10,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 from .s3_support import import_boto, parse_url
 from .storage import StoreRetry
 

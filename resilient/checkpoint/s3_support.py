@@ -11,7 +11,7 @@ from bisect import bisect_right
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..errors import StorageError
+from ..core.errors import StorageError
 
 MIN_BOTOCORE = (1, 36)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointMismatchError, ConfigError
+from ..core.errors import CheckpointMismatchError, ConfigError
 from .shard import DTYPE_NAMES, DTYPES
 
 SHARDS = "shards"

@@ -29,8 +29,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import CommitConflictError, StorageError
-from ..fsutil import fsync_dir
+from ..core.errors import CommitConflictError, StorageError
+from ..core.fsutil import fsync_dir
 from .digest import BlockSpec, ChunkedHasher, FileDigest, hash_pool
 from .fence import Fence, LocalFence
 from .manifest import MANIFEST_FILE, step_of

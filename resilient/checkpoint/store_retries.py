@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..events import EventKind, EventLog
+from ..core.events import EventKind, EventLog
 from .storage import StoreRetry
 
 EVERY_S = 10.0

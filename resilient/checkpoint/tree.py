@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SerializationError
+from ..core.errors import SerializationError
 
 MAX_DEPTH = 240
 """Deepest JSON nesting a skeleton may have.  Saving refuses deeper state and

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointCorruptError, StorageError
+from ..core.errors import CheckpointCorruptError, StorageError
 from .digest import FileDigest
 from .manifest import FileEntry, Manifest
 from .shard import decode

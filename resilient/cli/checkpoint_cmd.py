@@ -18,7 +18,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointCorruptError, CheckpointError, ConfigError
+from ..core.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from ..checkpoint.inspect import GcReport, VerifyReport

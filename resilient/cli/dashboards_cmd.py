@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..metrics.assets import assets_dir
 
 TOKEN_ENV = "GRAFANA_TOKEN"

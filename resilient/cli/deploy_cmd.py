@@ -28,9 +28,9 @@ def add_parser(commands: Any) -> None:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from ..core.errors import ConfigError
     from ..deploy.render import render
     from ..deploy.topology import load_topology
-    from ..errors import ConfigError
     from ..metrics.assets import assets_dir
 
     topology = load_topology(args.topology)

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def add_parser(commands: Any) -> None:

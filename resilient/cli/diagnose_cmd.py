@@ -25,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def add_parser(commands: Any) -> None:

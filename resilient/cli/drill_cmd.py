@@ -39,7 +39,7 @@ def add_parser(commands: Any) -> None:
 
 
 def drill_files(paths: list[Path]) -> list[Path]:
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
 
     files: list[Path] = []
     for p in paths:
@@ -66,7 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     names = [d.name for d in drills]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
 
         raise ConfigError(f"two drills are named {dup!r}: each needs a name of its own (its results directory)")
     last = [0.0]
@@ -96,7 +96,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    from ..errors import ConfigError
+    from ..core.errors import ConfigError
 
     try:
         raw = json.loads(path.read_text())

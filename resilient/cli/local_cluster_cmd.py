@@ -85,8 +85,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from ..chaos import monitor
+    from ..core.errors import ConfigError
     from ..deploy.local import alive, read_state
-    from ..errors import ConfigError
 
     state = read_state(args.dir)
     if state is None:

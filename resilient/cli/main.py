@@ -15,7 +15,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..errors import ResilientError
+from ..core.errors import ResilientError
 from . import (
     checkpoint_cmd,
     dashboards_cmd,

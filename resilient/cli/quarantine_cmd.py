@@ -18,7 +18,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def add_parser(commands: Any) -> None:

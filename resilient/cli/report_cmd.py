@@ -25,7 +25,7 @@ def add_parser(commands: Any) -> None:
 def cmd_goodput(args: argparse.Namespace) -> int:
     from ..agent.incidents import load_incidents
     from ..checkpoint.cadence import priced_alternatives
-    from ..events import EventKind
+    from ..core.events import EventKind
     from ..metrics.report import write_report
     from .status_cmd import read_events
 

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import tomllib
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 CONFIG_FLAG = "--config"
 

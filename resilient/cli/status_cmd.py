@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .checkpoint_cmd import age, format_table
 
 
@@ -37,7 +37,7 @@ def add_parser(commands: Any) -> None:
 
 def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
     from ..agent.incidents import load_incidents
-    from ..fsutil import read_json
+    from ..core.fsutil import read_json
 
     if not run_dir.is_dir():
         raise ConfigError(f"no run directory at {run_dir}: pass the --run-dir that `resilient run` printed")
@@ -255,7 +255,7 @@ def only_run_dir(runs: Path) -> Path:
 
 def summarise_run_dir(run_dir: Path) -> dict[str, Any]:
     """Path, run id, last update (wall clock) and state of a run directory, from its files only."""
-    from ..fsutil import read_json
+    from ..core.fsutil import read_json
 
     nodes = [s for p in sorted(run_dir.glob("nodes/*/status.json")) if isinstance(s := read_json(p), dict)]
     events = run_dir / "events.jsonl"

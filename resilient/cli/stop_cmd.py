@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def add_parser(commands: Any) -> None:
@@ -57,7 +57,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def live_agents(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
     """The run's token and the status of every agent of ``run_dir`` still running (ConfigError if none)."""
     from ..agent.rundir import read_token
-    from ..fsutil import read_json
+    from ..core.fsutil import read_json
 
     token_file = run_dir / "token"
     if not token_file.exists():

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ResilientError
+from ..core.errors import ResilientError
 from .etcd import EtcdClient
 from .store import ControlStore, EtcdControlStore
 

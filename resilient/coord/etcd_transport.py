@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .store import StoreAuthError, StoreRequestError, StoreUnavailableError
 
 OutageCallback = Callable[[str, str], None]

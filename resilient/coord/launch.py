@@ -33,7 +33,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .proof import SignedStore
 
 LAUNCH_KEY = "launch"

@@ -25,7 +25,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .txn import Txn
 
 if TYPE_CHECKING:

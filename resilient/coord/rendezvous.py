@@ -171,7 +171,7 @@ def create_etcd_rendezvous_handler(
     from .etcd_store import make_etcd_c10d_store
 
     if not 1 <= min_nodes <= max_nodes:
-        from ..errors import ConfigError
+        from ..core.errors import ConfigError
 
         raise ConfigError(f"nodes {min_nodes}:{max_nodes} are invalid: need 1 <= min_nodes <= max_nodes")
     if client is None:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, ResilientError
+from ..core.errors import ConfigError, ResilientError
 
 if TYPE_CHECKING:
     from .etcd import EtcdClient

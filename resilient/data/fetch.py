@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 from torch.utils.data import Dataset, Sampler, get_worker_info
 
-from ..errors import DataFetchError
+from ..core.errors import DataFetchError
 from .plan import Layout, StreamPlan
 
 

@@ -32,8 +32,8 @@ from typing import Any, Protocol, Self
 
 from torch.utils.data import default_collate
 
+from ..core.errors import CheckpointMismatchError, ConfigError
 from ..elastic.batch import BatchPlan, BatchRule, as_rule, plan_batch
-from ..errors import CheckpointMismatchError, ConfigError
 from .fetch import fetch_in_process
 from .plan import Layout, StreamPlan
 from .workers import LoaderOptions, WorkerPipeline

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .fetch import Batch, CarryingCollate, CursorBatchSampler, Failure, PositionedDataset
 from .plan import Layout, StreamPlan
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..exitcodes import EXIT_CONFIG, EXIT_STOPPED, EXIT_UNRECOVERABLE
+from ..core.errors import ConfigError
+from ..core.exitcodes import EXIT_CONFIG, EXIT_STOPPED, EXIT_UNRECOVERABLE
 from .topology import Topology
 
 NO_RESTART = (EXIT_STOPPED, EXIT_CONFIG, EXIT_UNRECOVERABLE)

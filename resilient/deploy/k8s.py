@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNRECOVERABLE
+from ..core.errors import ConfigError
+from ..core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNRECOVERABLE
 from .common import ETCD_IMAGE, NO_RESTART, agent_args, alert_groups, environment, fixed_port, store_url, to_yaml
 from .taints import TAINT_KEY
 from .topology import Topology

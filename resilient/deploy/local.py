@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY, EXIT_UNRECOVERABLE
+from ..core.errors import ConfigError
+from ..core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY, EXIT_UNRECOVERABLE
 from ..watchdog.procfs import read_stat
 from .topology import Topology, load_topology
 

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..coord.quarantine import Standing
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 TAINT_KEY = "resilient.dev/quarantine"
 UNTIL = "resilient.dev/quarantine-until"

@@ -43,7 +43,7 @@ from typing import Any
 
 import tomllib
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 """What a run id must look like: it names Kubernetes objects, Slurm jobs and systemd units (DNS-1123, short)."""

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 _LISTED = 4096
 """An infeasible plan's error lists the feasible world sizes up to this many ranks."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def _seconds(name: str, value: float) -> None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ..errors import ConfigError
-from ..exitcodes import NO_RESTART_CODES
+from ..core.errors import ConfigError
+from ..core.exitcodes import NO_RESTART_CODES
 from .costs import RecoveryCosts, shrink_or_wait
 from .observe import FaultKind, Observation, pick_spares, ranks_text
 

@@ -33,7 +33,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .costs import RecoveryCosts
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import compat
+from ..core import compat
 
 
 def registered() -> list[Any]:

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from .. import compat
-from ..errors import ResilientError
+from ..core import compat
+from ..core.errors import ResilientError
 
 _GROUP_FIELDS = ("shard_process_group", "replicate_process_group")
 

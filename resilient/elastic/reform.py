@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ResilientError
+from ..core.errors import ResilientError
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -303,6 +303,15 @@ def wait_for_assignment(
             return assignment
         generation += 1
 
+
+
+def wait_until_assigned(store: Store, worker: str, generation: int, timeout_s: float) -> Assignment:
+    """A spare's wait for its assignment: no bound of its own (the agent ends a spare it no longer needs)."""
+    while True:
+        try:
+            return wait_for_assignment(store, worker, generation, timeout_s)
+        except AssignmentTimeoutError:
+            continue
 
 def _timed_out(worker_id: str, generation: int, key: str, timeout_s: float, detail: str) -> AssignmentTimeoutError:
     return AssignmentTimeoutError(

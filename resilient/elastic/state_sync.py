@@ -41,9 +41,9 @@ import torch.distributed as dist
 
 from ..checkpoint.shard import DTYPE_NAMES, DTYPES
 from ..checkpoint.tree import flatten, unflatten
-from ..errors import ResilientError
-from ..state import unwrap
-from ..tensors import tensor_bytes
+from ..core.errors import ResilientError
+from ..core.state import unwrap
+from ..core.tensors import tensor_bytes
 from .observe import ranks_text
 
 DIRECT_BYTES = 1 << 20

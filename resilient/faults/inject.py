@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from ..events import EventKind
+from ..core.events import EventKind
 from .plan import Fault, FaultPlan
 
 if TYPE_CHECKING:
-    from ..events import EventLog
+    from ..core.events import EventLog
 
 
 class InjectedFault(RuntimeError):

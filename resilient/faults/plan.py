@@ -45,8 +45,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import ConfigError
-from ..fsutil import write_text_atomic
+from ..core.errors import ConfigError
+from ..core.fsutil import write_text_atomic
 
 PLAN_VERSION = 1
 FAULT_KINDS = ("kill", "exit", "raise", "hang", "deadlock", "sigstop", "slow", "nan")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .._lazy import lazy_getattr
+from ..core.lazy import lazy_getattr
 
 _EXPORTS = {
     "Account": "resilient.metrics.ledger_state",

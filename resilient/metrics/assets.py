@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 
 def assets_dir(package_dir: Path | None = None) -> Path:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..events import FAILURE_KINDS, OutcomeKind
+from ..core.events import FAILURE_KINDS, OutcomeKind
 
 CATEGORIES = (
     "productive",

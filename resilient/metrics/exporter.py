@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .catalogue import BADPUT_CATEGORIES, BY_NAME, INCIDENT_KINDS, RECOVERY_RUNGS, RESTART_REASONS, STEP_BUCKETS
 
 

@@ -62,7 +62,7 @@ import bisect
 from collections import deque
 from typing import Any
 
-from ..events import OutcomeKind
+from ..core.events import OutcomeKind
 from .catalogue import STEP_BUCKETS
 from .ideal import measured_ideal, split_new_step_time
 from .ledger_account import build_account
@@ -231,7 +231,7 @@ class Ledger:
     def generation_ended(self, t: float, outcome: OutcomeKind | str) -> None:
         """All workers of the generation stopped (``succeeded``, ``failed``, ``membership``, ...).
 
-        Raises ValueError for a string that names no :class:`~resilient.events.OutcomeKind`.
+        Raises ValueError for a string that names no :class:`~resilient.core.events.OutcomeKind`.
         """
         kind = OutcomeKind(outcome)
         t = self._begin(t)

@@ -13,7 +13,7 @@ from dataclasses import asdict, fields
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ResilientError
+from ..core.errors import ResilientError
 from .catalogue import CATEGORIES
 from .ledger_state import LedgerConfig
 from .timeline import Timeline

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .timeline import Bucket
 
 __all__ = ["Account", "Bucket", "IncidentCost", "LedgerConfig", "WindowAccount"]

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
 _DTYPE_ALIASES = {

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .catalogue import CATEGORIES
 
 _COLORS = {
@@ -34,7 +34,7 @@ class NodeReport:
 
 def load(run_dir: Path) -> list[NodeReport]:
     """Every node's account, as of the last event its ledger recorded."""
-    from ..fsutil import read_json
+    from ..core.fsutil import read_json
     from .ledger import Ledger
 
     paths = sorted((run_dir / "nodes").glob("*/ledger.json"))

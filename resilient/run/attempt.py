@@ -57,10 +57,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..collective import is_collective_error  # torch-free: the agent classifies peer failures the same way
-from ..errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError, ResilientError
-from ..events import EventKind
-from ..state import unwrap
+from ..core.collective import is_collective_error  # torch-free: the agent classifies peer failures the same way
+from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError, ResilientError
+from ..core.events import EventKind
+from ..core.state import unwrap
 from . import nonfinite
 from .state import StepPosition
 
@@ -221,11 +221,35 @@ def rewind_current(state: RunState) -> None:
     rewind(state, state.attempt_start)
 
 
+def late_verdict_at_boundary(state: RunState, *, needed: bool) -> bool:
+    """At a step boundary, the previous step's verdict where it is ready, or ``needed`` (something at this
+    boundary keeps or sends the state).  True: that step was not finite and the Run went back to it (the loop
+    runs it again); raises when it cannot be retried."""
+    bad = nonfinite.settle(state, wait=needed)
+    if bad is None:
+        return False
+    error = nonfinite.late_error(state, bad, "at the next step boundary")
+    if bad.start is None or not nonfinite.retry(state, error, since=bad.start):
+        raise error
+    go_back(state, bad)
+    return True
+
+
+def go_back(state: RunState, pending: nonfinite.Pending) -> None:
+    """Back to the start of ``pending``'s step (its update was skipped: parameters and optimizer state are that
+    step's start already), to be retried and checked at once."""
+    assert pending.start is not None
+    state.close_micro_batches()
+    state.step = pending.step
+    rewind(state, pending.start)
+    state.recheck_step, state.pending = pending.step, None
+
+
 def is_recoverable(exc: BaseException) -> bool:
     """Whether ``exc`` is a peer or collective failure that re-forming the group can survive.
 
     The same classification the agent uses for consequences
-    (:func:`resilient.collective.is_collective_error`): gloo's
+    (:func:`resilient.core.collective.is_collective_error`): gloo's
     "Connection closed/reset by peer", an aborted NCCL communicator, a
     ``DistBackendError`` and its kin, a collective timeout, anywhere in the
     exception's chain.  Interrupts, exits and resilient's own errors are not.
@@ -332,6 +356,14 @@ class Attempt:
         state = self._state
         try:
             state.close_micro_batches()  # leaves DDP's no_sync if the body failed between micro-batches
+            if isinstance(exc, nonfinite.LateNonFiniteError) and state.pending is not None:
+                # An earlier step's verdict, read in this one's update: back to that step, on its batch.
+                pending = state.pending
+                if pending.start is None or not nonfinite.retry(state, exc, since=pending.start):
+                    return False
+                go_back(state, pending)
+                state.retry = True
+                return True
             if isinstance(exc, NonFiniteGradientsError) and not isinstance(exc, PersistentNonFiniteError):
                 if not nonfinite.retry(state, exc):  # raises once the same batch failed every try
                     return False

@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConfigError
-from ..events import EventKind
-from ..state import unwrap
+from ..core.errors import ConfigError
+from ..core.events import EventKind
+from ..core.state import unwrap
 from .attempt import is_recoverable
+from .saving import settled
 
 if TYPE_CHECKING:
     from .state import RunState
@@ -104,6 +105,7 @@ def at_boundary(state: RunState) -> None:
     """The replica audit at this boundary.  A peer lost during its collective, with in-process recovery on, is
     left to this step's attempt: its first collective meets the same broken group and the attempt recovers it
     (this rank is clean, no update begun).  Anything else propagates."""
+    settled(state, "before the replica audit")
     try:
         audit(state, state.step)
     except Exception as exc:

@@ -24,16 +24,16 @@ from typing import Any, Generic, Self, TypeVar, overload
 
 import torch
 
-from .. import __version__, compat
+from .. import __version__
 from ..checkpoint import sharded
 from ..checkpoint.config import CheckpointConfig
 from ..checkpoint.manager import CheckpointManager, SaveResult
+from ..core import compat
+from ..core.errors import ConfigError
+from ..core.events import EventKind, EventLog, ForwardingLog
+from ..core.state import Stateful, check_stateful, model_fingerprint, unwrap
 from ..data.loader import ElasticLoader
 from ..elastic import groups as _groups
-from ..errors import ConfigError
-from ..events import EventKind, EventLog, ForwardingLog
-from .mesh import take_joined, worker_hooks
-from ..state import Stateful, check_stateful, model_fingerprint, unwrap
 from ..worker.env import WorkerEnv
 from ..worker.heartbeat import HeartbeatCounts
 from . import attempt as _attempt
@@ -42,6 +42,7 @@ from . import ddp as _ddp
 from . import nonfinite as _nonfinite
 from . import saving
 from .memory import open_memory
+from .mesh import take_joined, worker_hooks
 from .payloads import check_sharding, digest_config, open_checkpoints, shard_layout
 from .recovery import InProcessRecovery
 from .sections import AFTER_STEPS, BETWEEN, Section
@@ -122,6 +123,7 @@ class Run:
         seed: int = 0,
         audit_every: int = 100,
         nonfinite: str = "retry",
+        nonfinite_verdict: str = "auto",
         reseed: bool = False,
         groups: Callable[[], Any] | None = None,
     ) -> None:
@@ -135,7 +137,9 @@ class Run:
         replicated parameters across ranks every this many steps, 0 never (:mod:`.audit`).
         ``nonfinite``: a gradient with NaN or Inf is never applied; "retry" (the default) retries the step on
         the same batch inside :meth:`attempt`, "raise" only raises, "off" does not check
-        (:mod:`.nonfinite`).  ``reseed``: also seed Python's ``random`` and numpy's global
+        (:mod:`.nonfinite`).  ``nonfinite_verdict``: "late" reads the check's result a step later, with no host
+        sync (the update skipped on the device meanwhile; needs a fused optimizer), "now" in the update it
+        guards, "auto" (the default) late on CUDA where the optimizer allows it.  ``reseed``: also seed Python's ``random`` and numpy's global
         generator from ``(seed, step, rank)`` at each attempt's entry, so a replacement rank draws what the rank
         it replaces would have (otherwise they continue from the process's own history).  ``groups``: a
         function that makes the script's own process groups (``dist.new_group`` calls) and returns them; the Run
@@ -177,7 +181,8 @@ class Run:
         st.seed, st.reseed = _checked_seed(seed, reseed)
         st.audit_every = _audit.checked_every(audit_every)
         st.nonfinite_mode = _nonfinite.checked_mode(nonfinite)
-        optimizer_hooks += [_nonfinite.install(st, optimizer, st.nonfinite_mode),
+        st.nonfinite_verdict = _nonfinite.checked_verdict(nonfinite_verdict, st.nonfinite_mode, optimizer, scaler)
+        optimizer_hooks += [*_nonfinite.install(st, optimizer, st.nonfinite_mode),
                             *_attempt.track_position(st, optimizer)]  # the latter last
         _attempt.hooked(optimizer, optimizer_hooks)
         # A sharded model whose layout cannot be moved to a new group recovers by restart only.
@@ -247,7 +252,25 @@ class Run:
         if timer is not None:
             timer.total = total
             timer.begin()
+        while True:
+            yield from self._steps(total)
+            # The last update's verdict (nonfinite_verdict="late") before the save on finish and whatever the
+            # script does after the loop: a step found non-finite now is run again.
+            if st.pending is None or not _attempt.late_verdict_at_boundary(st, needed=True):
+                break
+        saving.at_finish(st)
+        if hooks is not None:
+            st.enter(AFTER_STEPS)
+
+    def _steps(self, total: int) -> Iterator[int]:
+        st = self._state
+        hooks, timer = st.hooks, st.timer
         while st.step < total:
+            saving.measure(st)
+            if st.pending is not None and _attempt.late_verdict_at_boundary(st, needed=_keeps_state(st)):
+                if timer is not None:
+                    timer.begin()
+                continue  # the step before was not finite (read late): back to it, on the same batch
             if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):
                 saving.stop_at_boundary(st, hooks)
             if st.inproc is not None:
@@ -273,9 +296,6 @@ class Run:
             # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
             # its way out, or the agent would see the next step start before it does.
             st.current_section = BETWEEN
-        saving.at_finish(st)
-        if hooks is not None:
-            st.enter(AFTER_STEPS)
 
     def report(self, *, loss: Any = None, tokens: int = 0, samples: int | None = None) -> None:
         """Count this rank's progress for the current update."""
@@ -368,6 +388,15 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _keeps_state(st: RunState) -> bool:
+    """Whether this boundary keeps or sends the state (a save, the memory tier, the audit, a stop, a growth): a
+    late non-finite verdict is read here even if the device is not done with it."""
+    hooks = st.hooks
+    return (hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None)) \
+        or (st.inproc is not None and st.inproc.may_grow()) or _audit.due(st) or saving.due(st) \
+        or (st.memory is not None and st.memory.due(st.step))
 
 
 def _check_components(model: object, optimizer: object, scheduler: object, scaler: object,

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import compat
-from ..errors import ConfigError
-from ..state import unwrap
+from ..core import compat
+from ..core.errors import ConfigError
+from ..core.state import unwrap
 from .timing import COMM_HOOK, COMM_STATE
 
 if TYPE_CHECKING:

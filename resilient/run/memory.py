@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 from ..checkpoint import memory as mem
 from ..checkpoint.manifest import Manifest, checkpoint_name
 from ..checkpoint.restore import Restored, agree
-from ..events import EventKind
-from ..state import unwrap
+from ..core.events import EventKind
+from ..core.state import unwrap
 from .attempt import is_recoverable
 from .payloads import capture_payloads, sharded_targets
+from .saving import settled
 
 if TYPE_CHECKING:
     from ..checkpoint.coordinator import Coordinator
@@ -117,6 +118,14 @@ class RunMemory:
                                       rank_state.get(sharded.LAYOUT))
 
     # ------------------------------------------------------------ saving
+    def due(self, step: int) -> bool:
+        """Whether the boundary before ``step`` may save (or choose the interval, which may make it save)."""
+        if step == 0 or self.tier.off is not None or step == self._saved:
+            return False
+        pin = self.env.memory_pin_every
+        return step % self.every == 0 or bool(pin and step % pin == 0) or \
+            (self.fixed is None and (step == DECIDE_FIRST or step % DECIDE_EVERY == 0))
+
     def at_boundary(self) -> None:
         """At a step boundary: choose the interval where due, and save when the step falls on it."""
         state = self.state
@@ -132,6 +141,7 @@ class RunMemory:
         pinned = self.env.memory_pin_every and step % self.env.memory_pin_every == 0  # the agent copies it to a peer
         if (step % self.every and not pinned) or step == self._saved:  # the same boundary again: an in-process retry
             return
+        settled(state, "before a memory-tier save")
         self._saved = step
         if self._rank is not None and self._rank != state.rank:  # an in-process regroup renumbered this rank
             self.tier.forget(self._rank)
@@ -139,8 +149,8 @@ class RunMemory:
         if state.inproc is not None:
             self.tier.generation = state.inproc.generation
         with state.section("checkpoint"):
-            self.tier.save(step, capture_payloads(state, replicated=self.keeps_replicated, local_shards=True), rank=state.rank,
-                           world_size=state.world_size, fingerprint=self.fingerprint,
+            self.tier.save(step, capture_payloads(state, replicated=self.keeps_replicated, local_shards=True),
+                           rank=state.rank, world_size=state.world_size, fingerprint=self.fingerprint,
                            counters={"step": step, "samples": state.samples, "tokens": state.tokens}, pin=bool(pinned))
 
     def _decide(self, step: int) -> None:

@@ -30,15 +30,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from ..worker.env import WorkerEnv
 
 if TYPE_CHECKING:
     from torch.distributed import Store
     from torch.distributed.device_mesh import DeviceMesh
 
+    from ..core.events import EventLog
     from ..elastic.reform import Assignment
-    from ..events import EventLog
     from ..worker.hooks import WorkerHooks
 
 
@@ -99,7 +99,7 @@ def worker_hooks(env: WorkerEnv | None, events: EventLog, joined: Joined | None)
 
 
 def _join_as_spare(env: WorkerEnv) -> Joined:
-    from ..elastic.reform import AssignmentTimeoutError, abort_key, connect_store, reform, wait_for_assignment
+    from ..elastic.reform import abort_key, connect_store, reform, wait_until_assigned
     from ..worker.hooks import WorkerHooks
 
     assert env.recovery_store is not None and env.worker_id is not None
@@ -110,12 +110,7 @@ def _join_as_spare(env: WorkerEnv) -> Joined:
     try:
         host, port = env.recovery_store
         store = connect_store(host, port, env.recovery_timeout_s)
-        while True:
-            try:
-                assignment = wait_for_assignment(store, env.worker_id, env.generation, env.recovery_timeout_s)
-                break
-            except AssignmentTimeoutError:
-                continue  # no bound of its own: the agent ends a spare it no longer needs
+        assignment = wait_until_assigned(store, env.worker_id, env.generation, env.recovery_timeout_s)
         started = time.monotonic()
         group_store: Any = store
         if (assignment.store_host, assignment.store_port) != env.recovery_store:

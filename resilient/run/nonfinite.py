@@ -12,14 +12,14 @@ gradient, so every rank sees the same verdict without a collective; with
 sharded parameters (DTensor) each rank checks its own shards and the
 verdict is all-reduced (MAX) so that no rank steps while another does not.
 
-A non-finite gradient raises :class:`~resilient.errors.NonFiniteGradientsError`
+A non-finite gradient raises :class:`~resilient.core.errors.NonFiniteGradientsError`
 from ``optimizer.step()``: the update is not applied.  Inside
 ``with run.attempt():`` the step is rewound (cursor, counters, gradients,
 random streams: :func:`resilient.run.attempt.rewind`) and retried on the
 same batch, up to :data:`RETRIES` times; an intermittent fault is gone on the
 retry and the run goes on as if it never happened.  When every try of the
 step is non-finite the batch or the model is the cause, not chance:
-:class:`~resilient.errors.PersistentNonFiniteError` names the step, the
+:class:`~resilient.core.errors.PersistentNonFiniteError` names the step, the
 samples' stream positions and the parameters, and the worker exits with
 the unrecoverable code (the agent does not restart a replay of the same).
 Outside an attempt the error propagates: the worker fails before the
@@ -28,23 +28,47 @@ commit.  Each detection is a ``nonfinite_gradients`` event, also in the
 agent's run-level log.
 
 ``nonfinite="raise"`` checks without retrying; ``"off"`` registers nothing.
+
+**The verdict without a host sync** (``nonfinite_verdict``).  Reading the
+check's result on the host waits for the device to finish the step's
+backward: on a GPU, a stall every step.  With ``"late"`` (``"auto"`` picks
+it on CUDA) the check never reads it there.  One fused kernel
+(``torch._amp_foreach_non_finite_check_and_unscale_``, the one AMP's scaler
+uses) sets a flag on the device, and the optimizer's fused step skips the
+whole update on the device when the flag is set (the ``found_inf`` protocol
+of the fused Adam, AdamW and SGD): a non-finite update is still never
+applied.  The flag is copied to the host asynchronously and read when the
+device is long past it: at the next step's update, or at the boundary
+before anything that keeps or sends the state (a checkpoint, the memory
+tier, the replica audit, a stop, a re-formation, the end of the loop).  A
+step found non-finite then is retried as in ``"now"``: the Run goes back to
+that step's start (cursor, counters, scheduler, ``state=`` objects, random
+streams; parameters and optimizer state never moved) and runs it again on
+the same batch, checked at once this time, so that a persistent fault is
+named with its parameters.  It needs a fused optimizer
+(``fused=True``) and no ``GradScaler`` (which sets ``found_inf`` itself).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import compat
-from ..errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
-from ..events import EventKind
-from ..state import unwrap
+from ..core import compat
+from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
+from ..core.events import EventKind
+from ..core.state import unwrap
 
 if TYPE_CHECKING:
+    from .attempt import AttemptStart
     from .state import RunState
 
 MODES = ("retry", "raise", "off")
+VERDICTS = ("auto", "now", "late")
+"""When the check's result is read: "now" in the update it guards; "late" a step later, with no host sync
+(the update skipped on the device meanwhile); "auto" late on CUDA where the optimizer allows it."""
 RETRIES = 2
 """Retries of a step whose gradients were not finite, on the same batch, before it is called persistent."""
 NAMED = 3
@@ -57,11 +81,127 @@ def checked_mode(mode: Any) -> str:
     return str(mode)
 
 
-def install(state: RunState, optimizer: torch.optim.Optimizer | None, mode: str) -> Any:
-    """Register the check on ``optimizer`` (None when there is nothing to check); returns the hook's handle."""
+def checked_verdict(verdict: Any, mode: str, optimizer: torch.optim.Optimizer | None, scaler: Any) -> str:
+    """``Run(nonfinite_verdict=...)`` resolved to "now" or "late"; ConfigError for "late" where it cannot be."""
+    if verdict not in VERDICTS:
+        raise ConfigError(f"Run(nonfinite_verdict={verdict!r}): use one of {', '.join(map(repr, VERDICTS))}")
+    if mode == "off" or optimizer is None:
+        return "now"
+    why = _late_unavailable(optimizer, scaler)
+    if verdict == "late" and why is not None:
+        raise ConfigError(f"Run(nonfinite_verdict='late'): {why}")
+    if verdict == "auto":
+        on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
+        return "late" if why is None and on_cuda else "now"
+    return str(verdict)
+
+
+def _late_unavailable(optimizer: torch.optim.Optimizer, scaler: Any) -> str | None:
+    """Why the verdict cannot be read late for this optimizer (None: it can)."""
+    if scaler is not None:
+        return ("a GradScaler skips non-finite steps itself, through the optimizer's found_inf; leave "
+                "nonfinite_verdict at 'auto' or 'now'")
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return (f"{type(optimizer).__name__} cannot skip an update on the device; create it with fused=True "
+                "(Adam, AdamW and SGD have a fused step), or pass nonfinite_verdict='now'")
+    devices = {p.device for g in optimizer.param_groups for p in g["params"]}
+    if len(devices) > 1:
+        return f"the optimizer's parameters are on {len(devices)} devices; the late check needs them on one"
+    return compat.missing("late_nonfinite")
+
+
+def install(state: RunState, optimizer: torch.optim.Optimizer | None, mode: str) -> list[Any]:
+    """Register the check on ``optimizer`` (nothing when there is nothing to check); returns the hooks' handles."""
     if optimizer is None or mode == "off":
+        return []
+    if state.nonfinite_verdict == "now":
+        return [optimizer.register_step_pre_hook(lambda opt, args, kwargs: check(state, opt))]
+    return [optimizer.register_step_pre_hook(lambda opt, args, kwargs: check_late(state, opt)),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: _stepped(opt))]
+
+
+@dataclass
+class Pending:
+    """A step's verdict, set on the device and not read yet."""
+
+    step: int
+    host: torch.Tensor
+    """The flag's copy on the host (1.0: not finite), filled asynchronously on CUDA."""
+    ready: Any
+    """The CUDA event recorded after that copy (None where the copy is synchronous)."""
+    start: AttemptStart | None
+    """The step's attempt start, to go back to (None: the update was outside ``run.attempt()``)."""
+    bad: bool | None = None
+
+
+class LateNonFiniteError(NonFiniteGradientsError):
+    """An earlier step's gradients were not finite, found when its verdict was read; its update was skipped."""
+
+
+def check_late(state: RunState, optimizer: torch.optim.Optimizer) -> None:
+    """The step's check, set on the device: the fused step skips the update when it finds NaN or Inf.
+
+    First reads the previous step's verdict (its kernels ran while this step computed) and raises
+    :class:`LateNonFiniteError` for it when it was not finite: this step's update is not applied either.
+    """
+    bad = settle(state, wait=True)
+    if bad is not None:
+        raise late_error(state, bad, "at the next step's update")
+    if state.recheck_step == state.step:  # retried after a late verdict: checked at once, its parameters named
+        check(state, optimizer)
+        return
+    grads, sharded = _grads(optimizer)
+    if not grads and not sharded:
+        return
+    device = grads[0].device if grads else next(p.device for g in optimizer.param_groups for p in g["params"])
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    if grads:  # one fused kernel: found becomes 1 where any element is NaN or Inf (multiplied by 1: unchanged)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones((), device=device))
+    if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)  # enqueued: no host sync
+    optimizer.found_inf = found  # type: ignore[attr-defined]  # the fused step skips its update when set
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    if device.type == "cuda":
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(found, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    else:
+        host, ready = found, None
+    state.pending = Pending(state.step, host, ready, state.attempt_start)
+
+
+def _stepped(optimizer: torch.optim.Optimizer) -> None:
+    for name in ("found_inf", "grad_scale"):  # a later step without the check must not inherit them
+        if hasattr(optimizer, name):
+            delattr(optimizer, name)
+
+
+def settle(state: RunState, *, wait: bool) -> Pending | None:
+    """Read the pending verdict where it is ready (or ``wait`` for it); the pending step when it was not finite.
+
+    A finite verdict is dropped; a non-finite one stays pending until the Run goes back to its step.
+    """
+    pending = state.pending
+    if pending is None:
         return None
-    return optimizer.register_step_pre_hook(lambda opt, args, kwargs: check(state, opt))
+    if pending.bad is None:
+        if pending.ready is not None and not pending.ready.query():
+            if not wait:
+                return None
+            pending.ready.synchronize()
+        pending.bad = bool(pending.host.item())  # a host tensor: no device sync
+    if not pending.bad:
+        state.pending = None
+        return None
+    return pending
+
+
+def late_error(state: RunState, pending: Pending, when: str) -> LateNonFiniteError:
+    return LateNonFiniteError(
+        f"step {pending.step}: a gradient was not finite (NaN or Inf) on rank {state.rank}; the update was skipped "
+        f"on the device and the verdict read {when} (nonfinite_verdict='late': the parameters are named when the "
+        "step is checked again)", step=pending.step, rank=state.rank)
 
 
 def _local(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -69,8 +209,8 @@ def _local(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (to_local(), True) if callable(to_local) else (grad, False)
 
 
-def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
-    """Raise :class:`NonFiniteGradientsError` when a gradient ``optimizer`` is about to apply is not finite."""
+def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool]:
+    """The gradients ``optimizer`` is about to apply (this rank's local parts), and whether any is sharded."""
     grads, sharded = [], False
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -79,6 +219,12 @@ def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
                 sharded |= is_dtensor
                 if local.numel():
                     grads.append(local)
+    return grads, sharded
+
+
+def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
+    """Raise :class:`NonFiniteGradientsError` when a gradient ``optimizer`` is about to apply is not finite."""
+    grads, sharded = _grads(optimizer)
     if not grads and not sharded:
         return
     if grads:
@@ -117,25 +263,29 @@ def _bad_params(state: RunState, optimizer: torch.optim.Optimizer) -> tuple[str,
     return tuple(found)
 
 
-def retry(state: RunState, exc: NonFiniteGradientsError) -> bool:
-    """From ``run.attempt()``'s exit: whether to retry the step on the same batch (the attempt rewinds it), or
-    raise the persistent error once every try was non-finite."""
-    tries = state.nonfinite_tries.get(state.step, 0) + 1
-    state.nonfinite_tries = {state.step: tries}  # only the current step's count is kept
-    start = state.attempt_start
-    positions = None if start is None or start.consumed is None else (start.consumed, state.data.consumed
-                                                                      if state.data is not None else None)
+def retry(state: RunState, exc: NonFiniteGradientsError, *, since: AttemptStart | None = None) -> bool:
+    """Whether to retry ``exc.step`` on the same batch (the caller goes back to its start), or raise the persistent
+    error once every try was non-finite.  ``since``: that step's start, where it is not the current attempt's
+    (a late verdict)."""
+    step = exc.step
+    tries = state.nonfinite_tries.get(step, 0) + 1
+    state.nonfinite_tries = {step: tries}  # only the current step's count is kept
+    start = since if since is not None else state.attempt_start
+    first = start.consumed if start is not None else None
+    end = state.data.consumed if state.data is not None else None
+    if since is not None and state.attempt_start is not None:
+        end = state.attempt_start.consumed  # read in the next step's update: the late step's batch ends there
     retried = state.nonfinite_mode == "retry" and tries <= RETRIES
-    state.events.emit(EventKind.NONFINITE_GRADIENTS, step=state.step, rank=state.rank, params=list(exc.params),
-                    tries=tries, retried=retried, error=str(exc)[:500])
+    state.events.emit(EventKind.NONFINITE_GRADIENTS, step=step, rank=state.rank, params=list(exc.params),
+                      tries=tries, retried=retried, late=isinstance(exc, LateNonFiniteError), error=str(exc)[:500])
     if state.nonfinite_mode != "retry":
         return False
     if not retried:
-        span = "" if positions is None or positions[1] is None else \
-            f" (this rank's samples at stream positions {positions[0]} to {positions[1] - 1})"
+        span = "" if first is None or end is None else \
+            f" (this rank's samples at stream positions {first} to {end - 1})"
         raise PersistentNonFiniteError(
-            f"step {state.step}: the gradients were not finite in {tries} tries of the same batch{span}: the data or "
+            f"step {step}: the gradients were not finite in {tries} tries of the same batch{span}: the data or "
             "the model diverges, not an intermittent fault, and a restart would replay the same. Look at those "
-            f"samples and at the learning rate and loss scaling; {exc}", step=state.step, rank=state.rank,
+            f"samples and at the learning rate and loss scaling; {exc}", step=step, rank=state.rank,
             params=exc.params) from exc
     return True

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import compat
 from ..checkpoint import sharded
 from ..checkpoint.cadence import FailureRate
 from ..checkpoint.config import CheckpointConfig
@@ -29,9 +28,10 @@ from ..checkpoint.coordinator import Coordinator
 from ..checkpoint.fence import Fence
 from ..checkpoint.manager import CheckpointManager
 from ..checkpoint.restore import RANK, REPLICATED, Restored
-from ..errors import CheckpointMismatchError, ConfigError
-from ..events import EventKind
-from ..state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
+from ..core import compat
+from ..core.errors import CheckpointMismatchError, ConfigError
+from ..core.events import EventKind
+from ..core.state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
 
 if TYPE_CHECKING:
     from ..elastic.mesh_rebind import ShardLayout

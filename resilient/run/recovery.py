@@ -61,12 +61,13 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.constants import default_pg_timeout
 
 from ..checkpoint.coordinator import Coordinator
+from ..core.events import EventKind
+from ..core.state import unwrap
 from ..elastic import groups, mesh_rebind
 from ..elastic.observe import ranks_text
 from ..elastic.reform import (
     Assignment,
     AssignmentError,
-    AssignmentTimeoutError,
     ReformError,
     abandon,
     abort_key,
@@ -76,11 +77,11 @@ from ..elastic.reform import (
     reach_store,
     reform,
     wait_for_assignment,
+    wait_until_assigned,
 )
 from ..elastic.shard_sync import sync_sharded
 from ..elastic.state_sync import StateSyncError, agree_step, sync_from
-from ..events import EventKind
-from ..state import unwrap
+from . import nonfinite
 from .attempt import rewind_current
 from .ddp import ddp_layout, regroup, wrap_ddp
 from .state import StepPosition
@@ -89,9 +90,9 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
     from ..elastic.mesh_rebind import ShardLayout
-    from .mesh import Joined
     from ..worker.env import WorkerEnv
     from ..worker.hooks import WorkerHooks
+    from .mesh import Joined
     from .state import RunState
 
 
@@ -174,6 +175,10 @@ class InProcessRecovery:
         failed_at = time.monotonic()
         state = self.state
         step, position = state.step, state.position
+        if nonfinite.settle(state, wait=True) is not None:
+            # The update before this step was skipped as non-finite (read late): this rank's state is not the
+            # step's start, so it is never a source; it takes a peer's (with none, the newest commit).
+            position, state.pending = StepPosition.AFTER, None
         clean = position is StepPosition.BEFORE
         try:
             layout = ddp_layout(state.model)
@@ -229,6 +234,12 @@ class InProcessRecovery:
         return isinstance(err, ReformError) or is_peer_failure(err)
 
     # ------------------------------------------------------------------- growing
+    def may_grow(self) -> bool:
+        """Whether this world is below its full size, so that a boundary may grow it (and send the state)."""
+        data = self.state.data
+        return self.declined is None and data is not None and bool(data.global_batch) and \
+            self.state.world_size * data.batch_size < data.global_batch
+
     def at_boundary(self) -> None:
         """Before each step: join the larger generation the agent scheduled at this boundary, if any.
 
@@ -236,10 +247,8 @@ class InProcessRecovery:
         the agent's store asked (one small request per step).  Every member polls at every boundary and the
         agent schedules the boundary a few steps ahead of the furthest rank, so all of them leave together.
         """
-        state, data = self.state, self.state.data
-        if self.declined is not None or data is None or not data.global_batch:
-            return
-        if state.world_size * data.batch_size >= data.global_batch:
+        state = self.state
+        if not self.may_grow():
             return
         store = self._connect()
         key = grow_key(self.generation)
@@ -302,12 +311,7 @@ class InProcessRecovery:
         self._report(self._ready("spare"))
         try:
             store = self._connect()
-            while True:
-                try:
-                    assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
-                    break
-                except AssignmentTimeoutError:
-                    continue  # no bound of its own: the agent ends a spare it no longer needs
+            assignment = wait_until_assigned(store, self.worker_id, self.generation, self.timeout_s)
             for attempt in range(MAX_REFORMATIONS):
                 try:
                     self._join(assignment, None, True, self._extra(None, None), failed_at=None, abandon_s=0.0,

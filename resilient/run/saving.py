@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..events import EventKind
+from ..core.errors import ConfigError
+from ..core.events import EventKind
+from . import nonfinite
 from .payloads import capture_payloads
 
 if TYPE_CHECKING:
@@ -25,19 +26,38 @@ def payloads(state: RunState) -> dict[str, Any]:
     return capture_payloads(state)
 
 
-def at_boundary(state: RunState) -> None:
-    """Save if the cadence says this boundary is due (or a deferred save is pending)."""
+def _scheduled(state: RunState) -> bool:
+    ckpt = state.checkpoints
+    every = ckpt.every if ckpt is not None else None  # from the save's cost and the failure rate where given
+    return every is not None and state.step % every == 0 and state.last_saved_step != state.step
+
+
+def due(state: RunState) -> bool:
+    """Whether this boundary may save: a scheduled save, or a deferred one pending."""
+    ckpt = state.checkpoints
+    return ckpt is not None and state.step != 0 and (_scheduled(state) or ckpt.pending is not None)
+
+
+def measure(state: RunState) -> None:
+    """At a boundary, before anything else: the step's time to the cadence (which may change the interval), and
+    the save's size once, after the first update (when the optimizer state exists)."""
     ckpt = state.checkpoints
     if ckpt is None or state.step == 0:
         return
     if not state.prepared:
-        # After the first update the optimizer state exists, so the size is known.
         state.prepared = True
         ckpt.prepare(payloads(state))
     ckpt.step_done(state.last_step_s)
-    every = ckpt.every  # computed from the save's cost and the failure rate where one is given
-    due = every is not None and state.step % every == 0 and state.last_saved_step != state.step
+
+
+def at_boundary(state: RunState) -> None:
+    """Save if the cadence says this boundary is due (or a deferred save is pending); :func:`measure` first."""
+    ckpt = state.checkpoints
+    if ckpt is None or state.step == 0:
+        return
+    due = _scheduled(state)
     if due or ckpt.pending is not None:  # paced by config.when_busy: see resilient/checkpoint/pacing.py
+        settled(state, "before a checkpoint")
         with state.section("checkpoint"):
             decision = ckpt.save_due(state.step, due=due, payloads=lambda: payloads(state),
                                      fingerprint=state.fingerprint,
@@ -46,9 +66,19 @@ def at_boundary(state: RunState) -> None:
             state.last_saved_step = state.step
 
 
+def settled(state: RunState, when: str) -> None:
+    """Raise when the newest update was found non-finite (``nonfinite_verdict="late"``): what follows would keep
+    or send a state whose last update was skipped.  The loop reads the verdict before such a boundary already;
+    this is the guarantee, not the way (a raise here is a restart from the newest commit, not a retry)."""
+    bad = nonfinite.settle(state, wait=True)
+    if bad is not None:
+        raise nonfinite.late_error(state, bad, when)
+
+
 def save(state: RunState, *, wait: bool) -> SaveResult | None:
     """Save the state after ``state.step`` updates (``wait``: until committed)."""
     assert state.checkpoints is not None
+    settled(state, "before a checkpoint")
     state.last_saved_step = state.step
     with state.section("checkpoint"):
         return state.checkpoints.save(
@@ -64,6 +94,7 @@ def commit(state: RunState) -> SaveResult:
     """``run.save()``: commit the state after ``step`` updates, unless that state is committed already."""
     if state.checkpoints is None:
         raise ConfigError("Run.save() needs checkpoint=CheckpointConfig(...) when the Run is created")
+    settled(state, "before run.save()")  # inside run.attempt() the step before is retried; else it restarts
     with state.section("checkpoint"):
         state.checkpoints.wait()
         results = state.checkpoints.results

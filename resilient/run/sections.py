@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 if TYPE_CHECKING:
     from .state import RunState

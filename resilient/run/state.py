@@ -26,12 +26,13 @@ if TYPE_CHECKING:
     import torch
 
     from ..checkpoint.manager import CheckpointManager, SaveResult
+    from ..core.events import EventLog
     from ..data.loader import ElasticLoader
     from ..elastic.batch import BatchPlan
-    from ..events import EventLog
     from ..worker.hooks import WorkerHooks
     from .attempt import AttemptStart
     from .memory import RunMemory
+    from .nonfinite import Pending
     from .recovery import InProcessRecovery
     from .timing import StepTimer
 
@@ -71,6 +72,8 @@ class RunState:
     ddp_options: dict[str, Any] | None = None
     """DistributedDataParallel's keyword arguments when the Run wraps the model (``ddp=True``); None: it does not."""
     nonfinite_mode: str = "retry"
+    nonfinite_verdict: str = "now"
+    """When the non-finite check is read: "now" (in the update it guards) or "late" (a step later, no host sync)."""
     audit_every: int = 0
     sharded: bool = False
     """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
@@ -103,6 +106,10 @@ class RunState:
     announced_plan: BatchPlan | None = None
     """The batch plan last announced in a ``batch_planned`` event."""
     nonfinite_tries: dict[int, int] = field(default_factory=dict)
+    pending: Pending | None = None
+    """A step's non-finite verdict on the device, not read yet (``nonfinite_verdict="late"``)."""
+    recheck_step: int | None = None
+    """A step retried after a late verdict: its update is checked at once."""
     last_saved_step: int | None = None
     prepared: bool = False
     """The checkpoint manager was told the size of a save (after the first update)."""

@@ -331,7 +331,7 @@ def time_fsdp(model: Any, timer: StepTimer | None) -> str | None:
     """Time the all-gathers and reduce-scatters of every FSDP2 module in ``model`` as communication, so that the
     ranks waiting for a slow peer (inside those collectives) are told from it.  Returns why it cannot, or None.
     HSDP's all-reduce across replicas is not timed (FSDP issues it itself)."""
-    from .. import compat
+    from ..core import compat
 
     if timer is None:
         return None

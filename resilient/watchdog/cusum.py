@@ -31,7 +31,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 MAD_TO_SIGMA = 1.4826
 """MAD x this estimates the standard deviation of normal noise."""

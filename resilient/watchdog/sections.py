@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Literal, NamedTuple
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 Source = Literal["explicit", "calibrated", "initial"]
 

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .slowdown import SlowdownConfig
 from .straggler import StragglerConfig
 

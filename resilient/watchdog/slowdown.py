@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .cusum import Cusum, CusumRule, advance, noise
 from .timing import CHECKPOINT, COMM, COMPUTE, DATA, OPTIMIZER, RankWindow
 

@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 from .cusum import Cusum, CusumRule, advance, noise
 from .timing import CHECKPOINT, CPU_WAIT, NOT_A_CULPRIT, RankWindow
 

@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
-from ..fsutil import write_json_atomic
+from ..core.errors import ConfigError
+from ..core.fsutil import write_json_atomic
 
 if TYPE_CHECKING:
     from ..data.loader import ElasticLoader

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..errors import ConfigError
+from ..core.errors import ConfigError
 
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 ROLES = ("worker", "spare")

@@ -14,7 +14,7 @@
   the rest of that worker's output out of its console and shows the error
   under the incident, as the first failure or as one line of consequence);
   exceptions under the exit-code contract
-  (:func:`resilient.exitcodes.exit_code_for`) end the process with their
+  (:func:`resilient.core.exitcodes.exit_code_for`) end the process with their
   code so the agent does not restart a run that cannot succeed;
 - graceful stop: ``RESILIENT_STOP_SIGNAL`` only sets a flag; the Run reads
   the control file at its next step boundary (:meth:`take_stop_request`);
@@ -45,8 +45,8 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import IO, TYPE_CHECKING, Any
 
-from ..events import EventKind
-from ..fsutil import write_json_atomic
+from ..core.events import EventKind
+from ..core.fsutil import write_json_atomic
 from .diagnose import DiagnoseSpec, InputDiagnosis
 from .env import WorkerEnv
 from .heartbeat import BatchingSender, HeartbeatSender
@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from contextlib import AbstractContextManager
 
+    from ..core.events import EventLog
     from ..data.loader import ElasticLoader
-    from ..events import EventLog
     from ..faults.inject import FaultInjector
 
 UNCAUGHT_PREFIX = "resilient: uncaught "
@@ -162,7 +162,7 @@ class WorkerHooks:
 
     def _fault_record(self) -> EventLog | None:
         """The agent's event log, where a fault's ``fault_injected`` event also goes (None without an agent)."""
-        from ..events import EventLog
+        from ..core.events import EventLog
 
         if self.env.run_dir is None:
             return None
@@ -296,7 +296,7 @@ class WorkerHooks:
         raised_at = (time.time(), time.monotonic())
         code = None
         try:
-            from ..exitcodes import exit_code_for
+            from ..core.exitcodes import exit_code_for
 
             code = exit_code_for(exc)
         except Exception as e:  # noqa: BLE001  the hook must still print the original error

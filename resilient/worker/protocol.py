@@ -79,7 +79,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import ResilientError
+from ..core.errors import ResilientError
 
 PROTOCOL_VERSION = 2
 """2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""

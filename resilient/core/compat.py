@@ -40,6 +40,8 @@ FEATURES: Mapping[str, str] = {
                         "slow peer is told from the straggler)",
     "dtensor_chunks": "sharded (DTensor) checkpoints: each rank's chunk of a tensor",
     "fused_norm": "the non-finite gradient check in one fused pass (without it: one pass per tensor)",
+    "late_nonfinite": "the non-finite gradient check without a host sync per step (nonfinite_verdict='late': "
+                      "the update skipped on the device, the verdict read a step later)",
 }
 """Every feature that rests on a private torch API, and what it does for the user."""
 
@@ -135,6 +137,26 @@ def _fused_norm() -> list[str | None]:
     return [_callable(torch, "torch", "_foreach_norm")]
 
 
+def _late_nonfinite() -> list[str | None]:
+    found_api = _callable(torch, "torch", "_amp_foreach_non_finite_check_and_unscale_")
+    if found_api is not None:
+        return [found_api]
+    try:  # by behaviour: a fused step told found_inf=1 must leave its parameter alone
+        p = torch.nn.Parameter(torch.ones(1))
+        opt = torch.optim.SGD([p], lr=1.0, fused=True)
+        p.grad = torch.full((1,), float("nan"))
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_([p.grad], found, torch.ones(()))
+        opt.found_inf = found  # type: ignore[attr-defined]
+        opt.grad_scale = None  # type: ignore[attr-defined]
+        opt.step()
+    except Exception as e:  # noqa: BLE001 - whatever the changed API raises turns the feature off
+        return [f"a fused optimizer step with found_inf failed ({type(e).__qualname__}: {e})"]
+    if found.item() != 1.0 or not torch.equal(p.detach(), torch.ones(1)):
+        return ["a fused optimizer step applied an update its found_inf flag said to skip"]
+    return []
+
+
 _PROBES: Mapping[str, Callable[[], list[str | None]]] = {
     "ddp_bucket_layout": _ddp_bucket_layout,
     "group_timeout": _group_timeout,
@@ -143,6 +165,7 @@ _PROBES: Mapping[str, Callable[[], list[str | None]]] = {
     "fsdp_comm_timing": _fsdp_comm_timing,
     "dtensor_chunks": _dtensor_chunks,
     "fused_norm": _fused_norm,
+    "late_nonfinite": _late_nonfinite,
 }
 assert set(_PROBES) == set(FEATURES)
 
@@ -173,7 +196,7 @@ STATUS: dict[str, str | None] = {}
 def missing(feature: str) -> str | None:
     """Why ``feature`` is off under this torch (None: available); probed the first time it is asked."""
     if feature not in FEATURES:
-        raise KeyError(f"no feature {feature!r} in resilient.compat.FEATURES")
+        raise KeyError(f"no feature {feature!r} in resilient.core.compat.FEATURES")
     if feature not in STATUS:
         STATUS[feature] = probe(feature)
     return STATUS[feature]
