@@ -417,6 +417,13 @@ def test_config_error_writes_the_error_file_and_exits_78(tmp_path, agent):
     assert record["rank"] == 0 and record["pid"] == proc.pid
     assert before <= record["time"] <= after and before_mono <= record["monotonic"] <= after_mono, record
     assert traced_steps(tmp_path) == [0, 1]
+    # Where the run was in its data: step 2 begins at stream position 8 (two batches of 4 read), and its
+    # samples are the loader's at 8..11, for an incident to name and a replay to check.
+    loader = resilient.ElasticLoader(list(range(32)), batch_size=4, seed=1)
+    loader.bind(0, 1)
+    position = record["position"]
+    assert (position["step"], position["step_start"], position["global_batch"], position["seed"]) == (2, 8, 4, 0)
+    assert position["indices"] == position["rank_indices"] == loader.indices_at(8, 4) and not position["cut"]
 
 
 def test_plan_driven_exit_fault_exits_with_its_code_at_its_step(tmp_path, agent):

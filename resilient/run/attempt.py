@@ -299,6 +299,33 @@ def _micro_batches(state: RunState, plan: BatchPlan, items: Iterator[Any],
             yield item
 
 
+MAX_INDICES = 4096
+"""Sample indices a position names at most (a larger step's are cut, and say so)."""
+
+
+def data_position(state: RunState) -> dict[str, Any]:
+    """Where the run is in its data at this step: the step's first stream position, the global batch's dataset
+    indices and this rank's share of them, the seed, the world.  Written into a worker's error file, so that an
+    incident names the samples of the failing step, and a replay can check it feeds the same."""
+    found: dict[str, Any] = {"step": state.step, "rank": state.rank, "world_size": state.world_size,
+                             "seed": state.seed, "last_loss": state.last_loss}
+    data = state.data
+    if data is None:
+        return found
+    start = state.attempt_start.consumed if state.attempt_start is not None else state.step_cursor
+    if start is None:
+        start = data.consumed
+    if state.announced_plan is not None:  # run.micro_batches(): this rank's slots of the global batch
+        batch, slots = data.global_batch, state.announced_plan.slots(state.rank)
+    else:  # next(loader): each rank its batch_size in rank order
+        batch, slots = data.global_batch_size, ((state.rank * data.batch_size, data.batch_size),)
+    mine = [offset for off, size in slots for offset in range(off, off + size)]
+    indices = data.indices_at(start, min(batch, MAX_INDICES))
+    found.update({"step_start": start, "global_batch": batch, "indices": indices, "cut": batch > MAX_INDICES,
+                  "rank_indices": [indices[o] for o in mine if o < len(indices)]})
+    return found
+
+
 def poisoned(batch: Any) -> Any:
     """``batch`` with its first floating-point tensor copied and its first element set to NaN (the loader's own
     tensors, and so the retry's batch, stay clean)."""

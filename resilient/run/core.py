@@ -157,6 +157,7 @@ class Run:
             st.events = ForwardingLog(st.events, agent_log,
                                       lambda: {"rank": hooks.rank, "node": node, "source": "worker"})
         if hooks is not None:
+            hooks.position = lambda: _attempt.data_position(st)  # in the error file: the failing step's samples
             hooks.hello(os.fspath(checkpoint.dir) if checkpoint is not None else None)
             for note in hooks.notes:
                 st.events.emit(EventKind.AGENT_HOOK_MISSING, note=note)
@@ -281,6 +282,7 @@ class Run:
             if st.memory is not None:
                 st.memory.at_boundary()
             st.step_started = time.perf_counter()
+            st.step_cursor = st.data.consumed if st.data is not None else None
             if hooks is not None:
                 st.enter("step")
             yield st.step

@@ -88,6 +88,8 @@ class RunState:
     last_loss: float | None = None
     last_step_s: float | None = None
     step_started: float | None = None
+    step_cursor: int | None = None
+    """The loader's cursor when the step began (its first stream position)."""
     rank: int = 0
     world_size: int = 1
     restored_from: str | None = None

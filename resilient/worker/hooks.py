@@ -43,6 +43,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from types import FrameType, TracebackType
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from ..core.events import EventKind
@@ -108,6 +109,9 @@ class WorkerHooks:
         self.injector: FaultInjector | None = None
         self.notes: list[str] = []
         """What could not be installed, and why."""
+        self.position: Callable[[], dict[str, Any] | None] | None = None
+        """Where the Run is in its data (the step's stream positions and sample indices, the seed): set by the
+        Run, written into the error file so that an incident names the samples and can be replayed."""
         self._raised_in: tuple[BaseException, str] | None = None
         self._stack_file: IO[str] | None = None
         self._prev_excepthook: Any = None
@@ -342,5 +346,14 @@ class WorkerHooks:
             "section": section,
             "step": self.step,
             "exit_code": exit_code,
+            "position": self._position(),
         }
         write_json_atomic(path, record)
+
+    def _position(self) -> dict[str, Any] | None:
+        if self.position is None:
+            return None
+        try:
+            return self.position()
+        except Exception as e:  # noqa: BLE001 - the error file is written whatever the position cannot say
+            return {"error": f"{type(e).__qualname__}: {e}"}
