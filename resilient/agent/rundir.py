@@ -10,6 +10,7 @@ share a filesystem)::
     <run_dir>/nodes/<node>/ledger.json   the node's goodput ledger, saved each second
     <run_dir>/nodes/<node>/agent.lock    held (flock) by the node's running agent
     <run_dir>/nodes/<node>/pids.json     the agent's and its workers' pids, for the next agent's sweep
+    <run_dir>/nodes/<node>/launch.json   the agent's command line, settings and versions (no secret)
     <run_dir>/nodes/<node>/g<G>/rank<R>.log         worker stdout and stderr
     <run_dir>/nodes/<node>/g<G>/rank<R>.error.json  worker's uncaught exception
     <run_dir>/nodes/<node>/g<G>/rank<R>.stacks.txt  faulthandler dumps

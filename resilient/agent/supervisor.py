@@ -51,6 +51,7 @@ from .heartbeat import HeartbeatReceiver
 from .incident_book import IncidentBook
 from .incidents import Incident, load_incidents, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
+from .launch_record import write_launch_record
 from .launcher import parent_death_signal
 from .memory_replica import PUBLISHED_AS
 from .memory_tier import NodeMemory
@@ -90,6 +91,7 @@ class Agent:
         created = self.run_dir.create()
         self.token = read_token(config.token_file) if config.token_file is not None else created
         self.events = EventLog(self.run_dir.events)
+        write_launch_record(self.run_dir, config)  # for an incident's bundle: the command, settings, versions
         # Before anything else touches the node directory: refuse if an earlier agent still runs there,
         # and kill what an earlier (SIGKILLed) agent left behind.
         self.bookkeeping = ProcessBookkeeping(self.run_dir.node_dir, config.node_id, emit=self.emit,

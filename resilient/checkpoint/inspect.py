@@ -289,7 +289,8 @@ def collect(
             failed=tuple(failed),
             reason=f"none of the {len(committed)} checkpoints passed verification; deleting nothing",
         )
-    decision = decide_retention(committed, keep=keep, permanent_every=permanent_every, newest_verified=newest_verified)
+    decision = decide_retention(committed, keep=keep, permanent_every=permanent_every, newest_verified=newest_verified,
+                                pinned=storage.list_pins())
     assert newest_verified is None or newest_verified in decision.keep
     garbage: list[str] = []
     if not dry_run:

@@ -382,6 +382,7 @@ class CheckpointManager:
                 keep=self.config.keep,
                 permanent_every=self.config.permanent_every,
                 newest_verified=newest,
+                pinned=self.storage.list_pins(),  # unreadable pins: nothing is deleted (the error is an event)
             )
             deleted = []
             try:

@@ -52,7 +52,7 @@ from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
 from .s3_client import ABSENT, CONFLICT, S3Bucket
 from .s3_support import ViewsReader, group_views
-from .storage import RangeReader, Staging, Storage, pieces
+from .storage import PINS_DIR, RangeReader, Staging, Storage, pieces
 
 MULTIPART_THRESHOLD = 16 << 20  # larger objects go up as parallel multipart parts
 PART_BYTES = 8 << 20  # smallest part we build; S3's minimum is 5 MiB (except the last)
@@ -335,3 +335,26 @@ class S3Storage(S3Bucket, Storage):
 
     def list_quarantined(self) -> list[str]:
         return sorted(self._ls(f"{self._root}{QUARANTINE_DIR}/")[1])
+
+    def _pin_key(self, name: str, holder: str) -> str:
+        return f"{self._root}{PINS_DIR}/{name}/{holder}.json"
+
+    def pin(self, name: str, holder: str, record: bytes) -> None:
+        key = self._pin_key(name, holder)
+        self._call("put_object", key, Key=key, Body=record, ContentType="application/json")
+
+    def unpin(self, name: str, holder: str) -> bool:
+        key = self._pin_key(name, holder)
+        if self._call("head_object", key, absent=ABSENT, Key=key) is None:
+            return False
+        self._call("delete_object", key, Key=key)
+        return True
+
+    def list_pins(self) -> dict[str, list[str]]:
+        prefix = f"{self._root}{PINS_DIR}/"
+        pins: dict[str, list[str]] = {}
+        for key, _ in self._objects(prefix):
+            name, _, holder = key[len(prefix):].partition("/")
+            if holder.endswith(".json"):
+                pins.setdefault(name, []).append(holder[:-len(".json")])
+        return {name: sorted(holders) for name, holders in pins.items()}

@@ -19,6 +19,7 @@ still holds the writer's claim.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -30,12 +31,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..core.errors import CommitConflictError, StorageError
-from ..core.fsutil import fsync_dir
+from ..core.fsutil import fsync_dir, write_text_atomic
 from .digest import BlockSpec, ChunkedHasher, FileDigest, hash_pool
 from .fence import Fence, LocalFence
 from .manifest import MANIFEST_FILE, step_of
 
 WRITE_PIECE = 16 << 20
+PINS_DIR = ".pins"
+"""Where pins live in a location (``.pins/<checkpoint>/<holder>.json``): outside the committed set."""
 
 ReadBuffer = bytearray | mmap.mmap
 """A file's content: writable, so tensors can be decoded from it without a copy."""
@@ -207,6 +210,18 @@ class Storage(ABC):
     @abstractmethod
     def list_quarantined(self) -> list[str]:
         """Entries in quarantine, oldest first."""
+
+    @abstractmethod
+    def pin(self, name: str, holder: str, record: bytes) -> None:
+        """Keep checkpoint ``name`` from retention until ``holder`` (an incident's id) lets go of it."""
+
+    @abstractmethod
+    def unpin(self, name: str, holder: str) -> bool:
+        """``holder`` lets go of ``name``; False when it held no pin on it."""
+
+    @abstractmethod
+    def list_pins(self) -> dict[str, list[str]]:
+        """Pinned checkpoints and their holders."""
 
 
 def pieces(segments: Sequence[memoryview], size: int = WRITE_PIECE) -> list[memoryview]:
@@ -439,4 +454,36 @@ class LocalStorage(Storage):
             return sorted(os.listdir(self._quarantine_root))
         except FileNotFoundError:
             return []
+
+    def pin(self, name: str, holder: str, record: bytes) -> None:
+        path = os.path.join(self.root, PINS_DIR, name, f"{holder}.json")
+        self._mkdirs(os.path.dirname(path))
+        try:
+            write_text_atomic(path, record.decode())
+        except OSError as e:
+            raise _storage_error("pin", name, e) from e
+
+    def unpin(self, name: str, holder: str) -> bool:
+        path = os.path.join(self.root, PINS_DIR, name, f"{holder}.json")
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise _storage_error("unpin", name, e) from e
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))  # the last holder's: the checkpoint is no longer pinned
+        return True
+
+    def list_pins(self) -> dict[str, list[str]]:
+        root = os.path.join(self.root, PINS_DIR)
+        try:
+            names = os.listdir(root)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise _storage_error("list the pins of", self.root, e) from e
+        pins = {n: sorted(h[:-len(".json")] for h in os.listdir(os.path.join(root, n)) if h.endswith(".json"))
+                for n in names if os.path.isdir(os.path.join(root, n))}
+        return {n: holders for n, holders in pins.items() if holders}
 

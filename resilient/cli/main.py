@@ -23,6 +23,7 @@ from . import (
     detectors_cmd,
     diagnose_cmd,
     drill_cmd,
+    incident_cmd,
     local_cluster_cmd,
     quarantine_cmd,
     report_cmd,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     diagnose_cmd.add_parser(commands)
     drill_cmd.add_parser(commands)
     report_cmd.add_parser(commands)
+    incident_cmd.add_parser(commands)
     checkpoint_cmd.add_parser(commands)
     dashboards_cmd.add_parser(commands)
     deploy_cmd.add_parser(commands)

@@ -1,0 +1,157 @@
+"""``resilient incident ls|show|bundle|release`` on a real run: one sample of the dataset raises when read.
+
+The agent writes the incident (with the worker's error file, which carries where the run was in its data);
+the CLI lists it with its id first and shows it whole, naming the failing step's samples, the bad one among
+them; bundles it (logs, launch record, script and hash, position, the checkpoint before the failing step,
+pinned, never the token); retention keeps the pinned checkpoint until the incident is released.  Unknown and
+ambiguous ids are refused with the ids that exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from resilient.agent.incident_view import find, lines
+from resilient.core.errors import ConfigError
+
+from .agent_helpers import agent_env, run_agent
+
+SCRIPT = '''
+import sys
+import torch
+import resilient
+
+BAD = int(sys.argv[1])
+STEPS = int(sys.argv[2])
+
+
+class Samples:
+    """32 samples; reading sample BAD raises (bad data, not an intermittent fault)."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        if i == BAD:
+            raise ValueError(f"sample {i} cannot be decoded")
+        return torch.full((4,), float(i) / 32)
+
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = resilient.ElasticLoader(Samples(), batch_size=4, seed=7)
+ckpt = resilient.CheckpointConfig(dir=sys.argv[3], every_steps=2, keep=1, when_busy="wait")
+with resilient.Run(model=model, optimizer=opt, data=data, checkpoint=ckpt) as run:
+    for step in run.steps(STEPS):
+        loss = model(next(run.data)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        run.report(loss=loss)
+'''
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resilient", "incident", *args], capture_output=True, text=True,
+                          timeout=60, env=agent_env(), check=False)
+
+
+def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tmp_path: Path) -> None:
+    loader_order = __import__("resilient").ElasticLoader(list(range(32)), batch_size=4, seed=7)
+    loader_order.bind(0, 1)
+    bad = loader_order.indices_at(12, 1)[0]  # the first sample of step 3: steps 0-2 succeed
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run_dir = tmp_path / "run"
+    ckpt = tmp_path / "ckpt"
+    done = run_agent(run_dir, "--max-restarts", "0", script=script, script_args=(str(bad), "8", str(ckpt)))
+    assert done.returncode != 0, done.stderr[-2000:]
+
+    listed = cli("ls", str(run_dir))
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split()[:4] == ["ID", "TIME", "KIND", "STEP"] and len(rows) == 1, listed.stdout
+    [record] = json.loads(cli("ls", str(run_dir), "--json").stdout)
+    fields = rows[0].split()
+    assert fields[0] == record["id"] and fields[2] == "exit" and fields[3] == "3", rows[0]
+    # The loader names the sample and its stream position, with the dataset's own error.
+    assert f"DataFetchError: ElasticLoader: dataset[{bad}] at stream position 12" in rows[0], rows[0]
+    assert f"ValueError: sample {bad} cannot be decoded" in rows[0], rows[0]
+
+    shown = cli("show", str(run_dir), record["id"][:5])  # a prefix only it has
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    assert f"first failure: resilient.core.errors.DataFetchError: ElasticLoader: dataset[{bad}]" in text, text
+    assert "traceback:" in text and "__getitem__" in text
+    step_samples = loader_order.indices_at(12, 4)
+    assert "data at step 3: stream positions 12 to 15 (global batch 4, seed 0)" in text, text
+    assert f"read samples {', '.join(map(str, step_samples))}" in text and bad in step_samples
+    assert json.loads(cli("show", str(run_dir), record["id"], "--json").stdout) == record
+
+    missing = cli("show", str(run_dir), "nope")
+    assert missing.returncode == 2 and "no incident 'nope'" in missing.stderr and record["id"] in missing.stderr
+    assert cli("ls", str(tmp_path / "elsewhere")).returncode == 2
+
+    # The bundle: everything to investigate it elsewhere, and the checkpoint before step 3 (step 2), pinned.
+    out = tmp_path / "b" / "incident.tar.gz"
+    bundled = cli("bundle", str(run_dir), record["id"], "--out", str(out))
+    assert bundled.returncode == 0, bundled.stderr
+    assert f"into {out} (" in bundled.stdout and "checkpoint step_0000000002" in bundled.stdout, bundled.stdout
+    with tarfile.open(out) as tar:
+        files = {m.name.split("/", 1)[1]: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    for name in ("incident.json", "bundle.json", "events.jsonl", "launch.json", "script/train.py",
+                 "ranks/" + record["node"] + "/rank0.log", "ranks/" + record["node"] + "/rank0.error.json",
+                 "checkpoint/step_0000000002/manifest.json"):
+        assert name in files, (name, sorted(files))
+    index = json.loads(files["bundle.json"])
+    assert index["script"]["sha256"] == hashlib.sha256(SCRIPT.encode()).hexdigest()
+    assert index["position"]["indices"] == step_samples and index["step"] == 3
+    assert index["checkpoint"]["name"] == "step_0000000002" and index["checkpoint"]["copied"] is True
+    launch = json.loads(files["launch.json"])
+    assert launch["versions"]["resilient"] and launch["versions"]["torch"] and launch["entrypoint"][-3:] == [
+        str(bad), "8", str(ckpt)] and launch["settings"]["restart"]["max_restarts"] == 0
+    token = (run_dir / "token").read_text().strip()
+    assert not any(token.encode() in data for data in files.values()), "the run token is in the bundle"
+
+    # Over the limit: referenced, not copied (and pinned all the same).
+    ref = cli("bundle", str(run_dir), record["id"], "--out", str(tmp_path / "ref.tar.gz"), "--max-checkpoint-bytes", "10")
+    assert ref.returncode == 0 and "referenced, not copied" in ref.stdout, ref.stdout
+    with tarfile.open(tmp_path / "ref.tar.gz") as tar:
+        assert not [m.name for m in tar.getmembers() if "/checkpoint/" in m.name]
+
+    # Pinned: the same location trained on (a sample that reads fine) keeps only its newest commit and the pin.
+    again = run_agent(tmp_path / "run2", "--max-restarts", "0", script=script, script_args=("-1", "8", str(ckpt)))
+    assert again.returncode == 0, again.stderr[-2000:]
+    kept = sorted(d.name for d in ckpt.iterdir() if d.name.startswith("step_"))
+    assert kept == ["step_0000000002", "step_0000000008"], kept
+    released = cli("release", str(run_dir), record["id"])
+    assert released.returncode == 0 and "released step_0000000002" in released.stdout, released
+    gc = subprocess.run([sys.executable, "-m", "resilient", "checkpoint", "gc", str(ckpt), "--keep", "1"],
+                        capture_output=True, text=True, timeout=120, env=agent_env(), check=False)
+    assert gc.returncode == 0, gc.stderr
+    assert sorted(d.name for d in ckpt.iterdir() if d.name.startswith("step_")) == ["step_0000000008"]
+
+    # Released and gone: a bundle now says there is no checkpoint to start from.
+    none = cli("bundle", str(run_dir), record["id"], "--out", str(tmp_path / "none.tar.gz"))
+    assert none.returncode == 0 and "no committed checkpoint at or before step 3" in none.stdout, none.stdout
+
+
+def test_an_id_prefix_names_one_incident_or_is_refused_naming_them() -> None:
+    records = [{"id": "g0001-n1-rank0-exit", "kind": "exit", "step": 3, "summary": "s", "wall_time": 0.0},
+               {"id": "g0001-n1-rank1-exit", "kind": "exit", "step": 3, "summary": "t", "wall_time": 1.0},
+               {"id": "g0002-n1-lost", "kind": "node_lost", "step": None, "summary": "node n1 was lost",
+                "wall_time": 2.0}]
+    assert find(records, "g0002", Path("r"))["id"] == "g0002-n1-lost"
+    assert find(records, "g0001-n1-rank1-exit", Path("r"))["summary"] == "t"
+    with pytest.raises(ConfigError, match="names 2 incidents"):
+        find(records, "g0001", Path("r"))
+    out = lines(records, width=60)
+    assert all(len(line) <= 60 for line in out) and out[3].startswith("g0002-n1-lost") and " - " in out[3]
