@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -24,22 +25,24 @@ from resilient.core.errors import ConfigError
 from .agent_helpers import agent_env, run_agent
 
 SCRIPT = '''
+import os
 import sys
 import torch
 import resilient
 
 BAD = int(sys.argv[1])
 STEPS = int(sys.argv[2])
+MARKER = sys.argv[4]
 
 
 class Samples:
-    """32 samples; reading sample BAD raises (bad data, not an intermittent fault)."""
+    """32 samples; reading sample BAD raises while the file MARKER exists (the data is bad there)."""
 
     def __len__(self):
         return 32
 
     def __getitem__(self, i):
-        if i == BAD:
+        if i == BAD and os.path.exists(MARKER):
             raise ValueError(f"sample {i} cannot be decoded")
         return torch.full((4,), float(i) / 32)
 
@@ -71,8 +74,10 @@ def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tm
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     run_dir = tmp_path / "run"
-    ckpt = tmp_path / "ckpt"
-    done = run_agent(run_dir, "--max-restarts", "0", script=script, script_args=(str(bad), "8", str(ckpt)))
+    ckpt, marker = tmp_path / "ckpt", tmp_path / "bad-data"
+    marker.touch()
+    done = run_agent(run_dir, "--max-restarts", "0", script=script,
+                     script_args=(str(bad), "8", str(ckpt), str(marker)))
     assert done.returncode != 0, done.stderr[-2000:]
 
     listed = cli("ls", str(run_dir))
@@ -116,8 +121,8 @@ def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tm
     assert index["position"]["indices"] == step_samples and index["step"] == 3
     assert index["checkpoint"]["name"] == "step_0000000002" and index["checkpoint"]["copied"] is True
     launch = json.loads(files["launch.json"])
-    assert launch["versions"]["resilient"] and launch["versions"]["torch"] and launch["entrypoint"][-3:] == [
-        str(bad), "8", str(ckpt)] and launch["settings"]["restart"]["max_restarts"] == 0
+    assert launch["versions"]["resilient"] and launch["versions"]["torch"] and launch["entrypoint"][-4:] == [
+        str(bad), "8", str(ckpt), str(marker)] and launch["settings"]["restart"]["max_restarts"] == 0
     token = (run_dir / "token").read_text().strip()
     assert not any(token.encode() in data for data in files.values()), "the run token is in the bundle"
 
@@ -128,7 +133,8 @@ def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tm
         assert not [m.name for m in tar.getmembers() if "/checkpoint/" in m.name]
 
     # Pinned: the same location trained on (a sample that reads fine) keeps only its newest commit and the pin.
-    again = run_agent(tmp_path / "run2", "--max-restarts", "0", script=script, script_args=("-1", "8", str(ckpt)))
+    again = run_agent(tmp_path / "run2", "--max-restarts", "0", script=script,
+                      script_args=("-1", "8", str(ckpt), str(marker)))
     assert again.returncode == 0, again.stderr[-2000:]
     kept = sorted(d.name for d in ckpt.iterdir() if d.name.startswith("step_"))
     assert kept == ["step_0000000002", "step_0000000008"], kept
@@ -143,6 +149,23 @@ def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tm
     none = cli("bundle", str(run_dir), record["id"], "--out", str(tmp_path / "none.tar.gz"))
     assert none.returncode == 0 and "no committed checkpoint at or before step 3" in none.stdout, none.stdout
 
+    # Replayed from the bundle alone, from another directory: the run directory and every checkpoint gone.
+    shutil.rmtree(run_dir)
+    shutil.rmtree(ckpt)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    replayed = replay(out, "--workdir", str(tmp_path / "w1"), cwd=elsewhere)
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    text = replayed.stdout
+    assert "from step_0000000002 (copied in the bundle)" in text, text
+    assert f"reproduced: rank 0 raised resilient.core.errors.DataFetchError: ElasticLoader: dataset[{bad}]" in text
+    assert "at step 3" in text and f"samples of step 3 on rank 0: {step_samples} (the same as the run's)" in text
+    # The data fixed (the marker gone): the step goes through, and the replay says so with exit 1.
+    marker.unlink()
+    fixed = replay(out, "--workdir", str(tmp_path / "w2"), cwd=elsewhere)
+    assert fixed.returncode == 1 and "not reproduced: every rank ran through step 3 without it" in fixed.stdout, \
+        fixed.stdout + fixed.stderr
+
 
 def test_an_id_prefix_names_one_incident_or_is_refused_naming_them() -> None:
     records = [{"id": "g0001-n1-rank0-exit", "kind": "exit", "step": 3, "summary": "s", "wall_time": 0.0},
@@ -155,3 +178,71 @@ def test_an_id_prefix_names_one_incident_or_is_refused_naming_them() -> None:
         find(records, "g0001", Path("r"))
     out = lines(records, width=60)
     assert all(len(line) <= 60 for line in out) and out[3].startswith("g0002-n1-lost") and " - " in out[3]
+
+
+def replay(bundle: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resilient", "incident", "replay", str(bundle), *args],
+                          capture_output=True, text=True, timeout=300, env=agent_env(), cwd=cwd, check=False)
+
+
+
+NAN_SCRIPT = '''
+import sys
+import torch
+import resilient
+
+BAD = int(sys.argv[1])
+
+
+class Samples:
+    """32 samples; sample BAD is NaN on every read (bad data: every try of its step is non-finite)."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.full((4,), float("nan") if i == BAD else float(i) / 32)
+
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = resilient.ElasticLoader(Samples(), batch_size=2, seed=7)
+ckpt = resilient.CheckpointConfig(dir=sys.argv[2], every_steps=2, when_busy="wait")
+with resilient.Run(model=model, optimizer=opt, data=data, checkpoint=ckpt, ddp=True) as run:
+    for step in run.steps(8):
+        with run.attempt():
+            for x in run.micro_batches():
+                loss = run.model(x).pow(2).mean()
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.report(loss=loss)
+'''
+
+
+def test_a_persistent_nan_on_two_ranks_is_bundled_and_replayed_on_two_ranks(tmp_path: Path) -> None:
+    """The issue's other case: a poisoned sample, NaN on every read, under DDP on two ranks: the run stops with
+    exit 79 at step 3; the bundle, replayed with the run directory and checkpoints gone, fails the same way at
+    the same step on the same samples."""
+    order = __import__("resilient").ElasticLoader(list(range(32)), batch_size=2, seed=7)
+    order.bind(0, 2)
+    bad = order.indices_at(12, 1)[0]  # step 3's first sample (a global batch of 4): rank 0's
+    script = tmp_path / "train.py"
+    script.write_text(NAN_SCRIPT)
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    done = run_agent(run_dir, "--nproc-per-node", "2", "--max-restarts", "0", script=script,
+                     script_args=(str(bad), str(ckpt)))
+    assert done.returncode == 79, done.stderr[-3000:]
+    [record] = json.loads(cli("ls", str(run_dir), "--json").stdout)
+    assert record["step"] == 3 and record["error"]["exc_type"].endswith("PersistentNonFiniteError"), record
+    out = tmp_path / "nan.tar.gz"
+    assert cli("bundle", str(run_dir), record["id"], "--out", str(out)).returncode == 0
+    shutil.rmtree(run_dir)
+    shutil.rmtree(ckpt)
+    replayed = replay(out, "--workdir", str(tmp_path / "w"), cwd=tmp_path)
+    text = replayed.stdout
+    assert replayed.returncode == 0, text + replayed.stderr
+    assert "on 2 rank(s) from step_0000000002 (copied in the bundle)" in text, text
+    assert "PersistentNonFiniteError: step 3: the gradients were not finite in 3 tries" in text and "at step 3" in text
+    assert f"samples of step 3 on rank {record['rank']}:" in text and "(the same as the run's)" in text, text

@@ -65,8 +65,6 @@ def _script(launch: Mapping[str, Any] | None) -> Path | None:
 def _checkpoint(location: str, step: int | None, holder: str, run_dir: Path, copy: bool | None,
                 limit: int, members: dict[str, bytes], endpoint_url: str | None) -> dict[str, Any] | None:
     """Pin the newest commit at or before ``step`` and copy it (verified) when ``copy`` or small enough."""
-    from ..checkpoint.verify import check_file
-
     storage = open_storage(location, endpoint_url=endpoint_url)
     names = [n for n in storage.list_committed() if step is None or (step_of(n) or 0) <= step]
     if not names:
@@ -82,15 +80,26 @@ def _checkpoint(location: str, step: int | None, holder: str, run_dir: Path, cop
         record["note"] = (f"{manifest.total_bytes} bytes, over the bundle's limit of {limit}: referenced, not copied "
                           "(kept by its pin until `resilient incident release`; --with-checkpoint copies it)")
         return record
-    members[f"checkpoint/{name}/manifest.json"] = raw
+    for relpath, data in copy_checkpoint(storage, name):
+        members[f"checkpoint/{name}/{relpath}"] = data
+    record["copied"] = True
+    return record
+
+
+def copy_checkpoint(storage: Any, name: str) -> list[tuple[str, bytes]]:
+    """Checkpoint ``name``'s manifest and files, each verified as it is read: (path in the checkpoint, bytes)."""
+    from ..checkpoint.verify import check_file
+
+    raw = storage.read_manifest(name)
+    manifest = parse_manifest(raw, name)
+    found = [("manifest.json", raw)]
     for entry in manifest.files:
         checked = check_file(storage, manifest, entry)
         if not checked.check.ok:
-            raise ConfigError(f"checkpoint {name} in {location} is damaged ({entry.path}: {checked.check.problem}); "
-                              "it cannot be bundled: verify it with `resilient checkpoint verify`")
-        members[f"checkpoint/{name}/{entry.path}"] = bytes(checked.buf)
-    record["copied"] = True
-    return record
+            raise ConfigError(f"checkpoint {name} in {storage.url} is damaged ({entry.path}: {checked.check.problem})"
+                              ": verify it with `resilient checkpoint verify`")
+        found.append((entry.path, bytes(checked.buf)))
+    return found
 
 
 def make_bundle(run_dir: Path, wanted: str, out: Path | None = None, *, with_checkpoint: bool | None = None,

@@ -1,4 +1,4 @@
-"""``resilient incident ls|show|bundle|release``: a run's incidents, one line each, one whole, or bundled.
+"""``resilient incident ls|show|bundle|release|replay``: a run's incidents, listed, shown, bundled, replayed.
 
 The work is in :mod:`resilient.agent.incident_view` and
 :mod:`resilient.agent.incident_bundle`; the records are the agents'
@@ -56,6 +56,18 @@ def add_parser(commands: Any) -> None:
     rel.add_argument("id", metavar="ID", help="the incident's id, or its prefix")
     rel.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $RESILIENT_S3_ENDPOINT_URL, else AWS)")
     rel.set_defaults(handler=cmd_release)
+    rep = verbs.add_parser(
+        "replay", help="run a bundled incident's failing step again; exit 0 when the failure came back",
+        description="Unpack the bundle, restore its checkpoint, run the bundled script with the run's arguments "
+                    "on --ranks processes (the run's world size by default) up to and through the failing step, and "
+                    "say whether the same exception came back at the same step, with the samples each read. "
+                    "Exit 0: reproduced; 1: not.")
+    rep.add_argument("bundle", type=Path, metavar="BUNDLE", help="the tarball `resilient incident bundle` wrote")
+    rep.add_argument("--ranks", type=int, metavar="N", help="processes to replay on (default: the run's world size)")
+    rep.add_argument("--workdir", type=Path, metavar="DIR", help="where to unpack and run (default: a new temp dir)")
+    rep.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (600)")
+    rep.add_argument("--endpoint-url", help="S3-compatible endpoint of a referenced s3:// checkpoint")
+    rep.set_defaults(handler=cmd_replay)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -106,4 +118,18 @@ def cmd_release(args: argparse.Namespace) -> int:
     names = ", ".join(done["released"]) or "nothing (no pin of it)"
     print(f"incident {done['incident']}: released {names} in {done['location']}")
     return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from ..agent.incident_replay import replay
+    from ..core.errors import ConfigError
+    from .checkpoint_cmd import resolve_endpoint
+
+    if args.ranks is not None and args.ranks < 1:
+        raise ConfigError(f"--ranks {args.ranks}: replay on at least one process")
+    report = replay(args.bundle, ranks=args.ranks, workdir=args.workdir, timeout_s=args.timeout,
+                    endpoint_url=resolve_endpoint(args.endpoint_url, os.environ))
+    print("\n".join(report.lines))
+    print(f"work directory: {report.workdir}")
+    return 0 if report.reproduced else 1
 

@@ -34,12 +34,13 @@ from ..core.events import EventKind, EventLog, ForwardingLog
 from ..core.state import Stateful, check_stateful, model_fingerprint, unwrap
 from ..data.loader import ElasticLoader
 from ..elastic import groups as _groups
-from ..worker.env import WorkerEnv
+from ..worker.env import WorkerEnv, replay_plan
 from ..worker.heartbeat import HeartbeatCounts
 from . import attempt as _attempt
 from . import audit as _audit
 from . import ddp as _ddp
 from . import nonfinite as _nonfinite
+from . import replay as _replay
 from . import saving
 from .memory import open_memory
 from .mesh import take_joined, worker_hooks
@@ -148,6 +149,9 @@ class Run:
         script that makes groups elsewhere recovers by restart only.
         """
         env = WorkerEnv.from_environ(os.environ) if agent is _FROM_ENVIRONMENT else agent
+        replaying = replay_plan(os.environ) if agent is _FROM_ENVIRONMENT else None  # resilient incident replay
+        if replaying is not None:
+            checkpoint = _replay.checkpoint_config(replaying, checkpoint)
         spare = env is not None and env.role == "spare"
         joined = take_joined() if spare else None  # a sharded spare promoted in resilient.device_mesh()
         st = self._state = RunState(model=model, events=events if events is not None else EventLog())
@@ -193,6 +197,7 @@ class Run:
             raise ConfigError(f"Run(groups={groups!r}) must be a function that makes the script's process groups")
         st.make_groups = groups
         _ddp.regroup(st)  # rank and world size of the process group (if any), the loader's share of it
+        st.replay = _replay.Replay(replaying, st) if replaying is not None else None
         if st.inproc is not None and (restart_only := _groups.restart_only(model)) is not None:
             st.inproc.decline(restart_only)  # said at the start, so the agent starts no spare for nothing
         if data is not None and hooks is not None:
@@ -267,6 +272,9 @@ class Run:
         st = self._state
         hooks, timer = st.hooks, st.timer
         while st.step < total:
+            st.step_cursor = st.data.consumed if st.data is not None else None  # the step's first sample
+            if st.replay is not None and st.replay.at_boundary():
+                return  # a replay: the failing step is behind
             saving.measure(st)
             if st.pending is not None and _attempt.late_verdict_at_boundary(st, needed=_keeps_state(st)):
                 if timer is not None:
@@ -282,7 +290,6 @@ class Run:
             if st.memory is not None:
                 st.memory.at_boundary()
             st.step_started = time.perf_counter()
-            st.step_cursor = st.data.consumed if st.data is not None else None
             if hooks is not None:
                 st.enter("step")
             yield st.step

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from .memory import RunMemory
     from .nonfinite import Pending
     from .recovery import InProcessRecovery
+    from .replay import Replay
     from .timing import StepTimer
 
 
@@ -129,6 +130,8 @@ class RunState:
     """The agent's in-process recovery: the survivor's side, the spare's, growing back."""
     recovery: Callable[[BaseException], bool] | None = None
     """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
+    replay: Replay | None = None
+    """``resilient incident replay``: ends the loop once the failing step is behind, writes what happened."""
 
     def section(self, name: str) -> Section:
         """Enter section ``name`` for a ``with`` block; the enclosing one is re-entered on the way out."""

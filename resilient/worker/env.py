@@ -292,3 +292,33 @@ def _address(environ: Mapping[str, str], var: str) -> tuple[str, int] | None:
     if not sep or not host or not 0 < number < 65536:
         raise ConfigError(f"{var}={value!r} is not host:port (e.g. 127.0.0.1:29400): the agent's recovery store")
     return host, number
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What ``resilient incident replay`` asks of each rank (``RESILIENT_REPLAY``, a JSON file)."""
+
+    checkpoint: str
+    """The directory to restore from: the replay's own copy of the bundled checkpoint (an empty one when the
+    run had none before the failing step)."""
+    step: int
+    """The failing step: the loop ends once it is behind."""
+    results: str
+    """The directory each rank writes ``rank<R>.json`` into."""
+
+
+def replay_plan(environ: Mapping[str, str] = os.environ) -> ReplayPlan | None:
+    """The replay this process is part of, or None (a run, not a replay)."""
+    path = _str(environ, "RESILIENT_REPLAY")
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    try:
+        body = json.loads(Path(path).read_text(encoding="utf-8"))
+        return ReplayPlan(checkpoint=str(body["checkpoint"]), step=int(body["step"]), results=str(body["results"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"RESILIENT_REPLAY={path}: not a replay plan ({e}); it is written by "
+                          "`resilient incident replay`") from None
+

@@ -1,0 +1,208 @@
+"""``resilient incident replay BUNDLE``: run an incident's failing step again, on one machine, from any directory.
+
+The bundle (:mod:`.incident_bundle`) is unpacked into a work directory; its
+checkpoint (the bundle's copy, or the pinned original copied here first, so
+that the replay never writes where the run keeps its checkpoints) is what
+the ranks restore; the bundled script runs with the run's arguments, as
+``--ranks`` processes (the recorded world size by default) in a process
+group on loopback, each told by ``RESILIENT_REPLAY`` to restore that
+checkpoint, save nothing, and stop once the failing step is behind
+(:mod:`resilient.run.replay`).  Then the ranks' outcomes are compared with
+the incident: the same exception at the same step is a reproduction, and
+the samples each read at that step are compared with the run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checkpoint.locations import open_storage
+from ..core.errors import ConfigError
+from .incident_bundle import copy_checkpoint
+
+GRACE_S = 20.0
+"""How long the other ranks get to end once one has failed (they may wait in a collective for it)."""
+
+
+@dataclass
+class ReplayReport:
+    reproduced: bool
+    lines: list[str] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
+    workdir: Path | None = None
+
+
+def _unpack(bundle: Path, work: Path) -> Path:
+    if not bundle.is_file():
+        raise ConfigError(f"{bundle} is not a file: give the tarball `resilient incident bundle` wrote")
+    try:
+        with tarfile.open(bundle) as tar:
+            tops = {m.name.split("/", 1)[0] for m in tar.getmembers()}
+            if len(tops) != 1:
+                raise ConfigError(f"{bundle} is not an incident bundle (it has {len(tops)} top-level entries)")
+            tar.extractall(work, filter="data")
+    except tarfile.TarError as e:
+        raise ConfigError(f"{bundle} is not an incident bundle: {e}") from None
+    root = work / tops.pop()
+    if not (root / "bundle.json").is_file():
+        raise ConfigError(f"{bundle} is not an incident bundle (no bundle.json in it)")
+    return root
+
+
+def _json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"the bundle's {what} cannot be read ({path.name}: {e}); bundle the incident again") from None
+    if not isinstance(found, dict):
+        raise ConfigError(f"the bundle's {what} ({path.name}) is not a JSON object")
+    return found
+
+
+def _command(root: Path, index: Mapping[str, Any], launch: Mapping[str, Any]) -> list[str]:
+    """The worker command with the bundled script, under this Python."""
+    script = index.get("script") or {}
+    body = root / "script" / str(script.get("name", ""))
+    if not script or not body.is_file():
+        raise ConfigError("the bundle holds no training script (the run's entrypoint was not a .py file); a replay "
+                          "needs one")
+    entry = [str(a) for a in launch.get("entrypoint") or ()]
+    at = next((i for i, a in enumerate(entry) if a.endswith(".py")), None)
+    args = entry[at + 1:] if at is not None else []
+    return [sys.executable, "-u", str(body), *args]
+
+
+def _checkpoint(root: Path, work: Path, index: Mapping[str, Any], endpoint_url: str | None) -> tuple[Path, str]:
+    """The directory the ranks restore from, and how it came to be."""
+    record = index.get("checkpoint") or {}
+    if record.get("copied"):
+        return root / "checkpoint", f"{record['name']} (copied in the bundle)"
+    target = work / "checkpoint"
+    target.mkdir(parents=True, exist_ok=True)
+    if not record.get("name"):
+        return target, "no checkpoint (the run had committed none before the failing step): the script's start"
+    storage = open_storage(str(record["location"]), endpoint_url=endpoint_url)
+    for relpath, data in copy_checkpoint(storage, str(record["name"])):
+        path = target / str(record["name"]) / relpath
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return target, f"{record['name']} (copied from {record['location']}, where its pin keeps it)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(cmd: Sequence[str], world: int, plan: Path, work: Path, cwd: Path, timeout_s: float) -> list[int | None]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("RESILIENT_", "TORCHELASTIC_"))}
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+               "RESILIENT_REPLAY": str(plan)}
+        log = open(work / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process has ended
+        procs.append((subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    deadline, failed_at = time.monotonic() + timeout_s, None
+    try:
+        while any(p.poll() is None for p, _ in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p, _ in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+                break
+            time.sleep(0.05)
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    return [p.returncode for p, _ in procs]
+
+
+def replay(bundle: Path, *, ranks: int | None = None, workdir: Path | None = None, timeout_s: float = 600.0,
+           endpoint_url: str | None = None) -> ReplayReport:
+    """Replay ``bundle``'s failing step; the report says whether the failure came back and what differed."""
+    work = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="resilient-replay-"))
+    work.mkdir(parents=True, exist_ok=True)
+    root = _unpack(bundle, work)
+    index, incident = _json(root / "bundle.json", "index"), _json(root / "incident.json", "incident record")
+    if not (root / "launch.json").is_file():
+        raise ConfigError("the bundle has no launch record (the agent that ran it wrote none): the command to "
+                          "replay is unknown")
+    launch = _json(root / "launch.json", "launch record")
+    step, error = incident.get("step"), incident.get("error") or {}
+    if step is None:
+        raise ConfigError(f"incident {incident.get('id')} names no step ({incident.get('kind')}): there is no step "
+                          "to replay")
+    position = index.get("position") or error.get("position") or {}
+    world = ranks or int(position.get("world_size") or 1)
+    cmd = _command(root, index, launch)
+    source, how = _checkpoint(root, work, index, endpoint_url)
+    results = work / "results"
+    results.mkdir(exist_ok=True)
+    plan = work / "replay.json"
+    plan.write_text(json.dumps({"checkpoint": str(source), "step": step, "results": str(results)}))
+    cwd = Path(str(launch.get("cwd") or ""))
+    codes = _run(cmd, world, plan, work, cwd if cwd.is_dir() else root, timeout_s)
+    found = []
+    for path in sorted(results.glob("rank*.json")):
+        found.append(json.loads(path.read_text()))
+    return _compare(incident, position, world, how, found, codes, work)
+
+
+def _compare(incident: Mapping[str, Any], position: Mapping[str, Any], world: int, how: str,
+             found: list[dict[str, Any]], codes: list[int | None], work: Path) -> ReplayReport:
+    step, error = incident["step"], incident.get("error") or {}
+    expected = error.get("exc_type")
+    report = ReplayReport(False, results=found, workdir=work)
+    lines = report.lines
+    lines.append(f"replayed incident {incident.get('id')} on {world} rank(s) from {how}")
+    recorded = int(position.get("world_size") or world)
+    if world != recorded:
+        lines.append(f"note: the run had {recorded} ranks; on {world} the loader splits the same global batch "
+                     "differently, so a failure that depends on one rank's share, or on the reduction order, may "
+                     "not come back")
+    run_said = f"{expected}: {error.get('message')}" if expected else incident.get("summary")
+    lines.append(f"the run: step {step}, rank {incident.get('rank')}: {run_said}")
+    raised = [r for r in found if r.get("raised")]
+    same = [r for r in raised if r["raised"]["exc_type"] == expected and r.get("step") == step]
+    if same:
+        report.reproduced = True
+        r = same[0]
+        lines.append(f"reproduced: rank {r['rank']} raised {r['raised']['exc_type']}: {r['raised']['message']} at "
+                     f"step {r['step']}")
+    elif raised:
+        r = raised[0]
+        lines.append(f"not reproduced: rank {r['rank']} raised {r['raised']['exc_type']}: {r['raised']['message']} "
+                     f"at step {r['step']} instead")
+    elif found and all(r.get("through") for r in found):
+        lines.append(f"not reproduced: every rank ran through step {step} without it")
+    else:
+        logs = ", ".join(str(work / f"rank{i}.log") for i in range(len(codes)))
+        lines.append(f"not reproduced: the ranks ended with exit codes {codes} and wrote no outcome (see {logs})")
+    mine = next((r for r in found if r.get("rank") == position.get("rank")), found[0] if found else None)
+    if mine is not None and position.get("rank_indices") is not None:
+        got = (mine.get("position") or {}).get("rank_indices")
+        verdict = "the same as the run's" if got == position["rank_indices"] else \
+            f"the run's were {position['rank_indices']}"
+        lines.append(f"samples of step {step} on rank {mine.get('rank')}: {got} ({verdict})")
+        if mine.get("loss") is not None:
+            lines.append(f"loss before it: {mine['loss']}")
+    lines.append("on CPU a replay computes what the run computed, bit for bit; on a GPU, kernels that are not "
+                 "deterministic (atomics, some cuDNN and NCCL reductions) can differ in the last bits")
+    return report
