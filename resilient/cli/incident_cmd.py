@@ -26,8 +26,7 @@ def add_parser(commands: Any) -> None:
     ls.set_defaults(handler=cmd_ls)
     show = verbs.add_parser("show", help="one incident: its failure, traceback, samples, stacks, decision",
                             description="Show one incident whole (ID, or a prefix only it has).")
-    show.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --run-dir of `resilient run`")
-    show.add_argument("id", metavar="ID", help="the incident's id (from `resilient incident ls`), or its prefix")
+    _names_an_incident(show)
     show.add_argument("--json", action="store_true", help="the record as the agent wrote it")
     show.set_defaults(handler=cmd_show)
     bundle = verbs.add_parser(
@@ -37,8 +36,7 @@ def add_parser(commands: Any) -> None:
                     "script and its hash, the failing step's samples, and the newest committed checkpoint at or "
                     "before the failing step, pinned until `resilient incident release` (copied when small "
                     "enough, else referenced). The run token is never in it.")
-    bundle.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --run-dir of `resilient run`")
-    bundle.add_argument("id", metavar="ID", help="the incident's id, or its prefix")
+    _names_an_incident(bundle)
     bundle.add_argument("--out", type=Path, metavar="FILE", help="the tarball (default ./incident-ID.tar.gz)")
     copy = bundle.add_mutually_exclusive_group()
     copy.add_argument("--with-checkpoint", dest="with_checkpoint", action="store_const", const=True,
@@ -52,8 +50,7 @@ def add_parser(commands: Any) -> None:
     bundle.set_defaults(handler=cmd_bundle, with_checkpoint=None)
     rel = verbs.add_parser("release", help="let retention delete the checkpoint an incident's bundle pinned",
                            description="Release the pins an incident's bundle put on its run's checkpoints.")
-    rel.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --run-dir of `resilient run`")
-    rel.add_argument("id", metavar="ID", help="the incident's id, or its prefix")
+    _names_an_incident(rel)
     rel.add_argument("--endpoint-url", help="S3-compatible endpoint (default: $RESILIENT_S3_ENDPOINT_URL, else AWS)")
     rel.set_defaults(handler=cmd_release)
     rep = verbs.add_parser(
@@ -68,6 +65,12 @@ def add_parser(commands: Any) -> None:
     rep.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (600)")
     rep.add_argument("--endpoint-url", help="S3-compatible endpoint of a referenced s3:// checkpoint")
     rep.set_defaults(handler=cmd_replay)
+
+
+def _names_an_incident(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the --run-dir of `resilient run`")
+    parser.add_argument("id", metavar="ID", help="the incident's id (from `resilient incident ls`), or a prefix "
+                        "only it has")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
