@@ -227,3 +227,11 @@ def test_the_runs_parts_take_its_state_never_the_run() -> None:
                 wrong.append(f"{name} reads another object's _state (line {node.lineno})")
     assert not wrong, "\n".join(wrong)
 
+
+def test_every_folder_of_the_package_is_a_regular_package() -> None:
+    """A folder of modules without ``__init__.py`` imports from a checkout (a namespace package) but is left out of
+    the wheel (``find_packages``): the installed package would miss it."""
+    bare = sorted(str(d.relative_to(REPO)) for d in (REPO / "resilient").rglob("*")
+                  if d.is_dir() and any(d.glob("*.py")) and not (d / "__init__.py").exists())
+    assert not bare, f"folders of modules with no __init__.py (missing from an installed wheel): {bare}"
+
