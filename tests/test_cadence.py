@@ -241,15 +241,22 @@ def test_agent_with_a_given_mtbf_computes_the_interval_and_the_goodput_report_pr
                      script_args=("--steps", "50", "--every", str(BOUND), "--step-sleep", "0.02", "--keep", "100",
                                   "--dir", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "trace")))
     assert proc.returncode == 0, explain(proc)
-    changes = sorted(events(run_dir, "checkpoint_cadence"), key=lambda e: e["rank"])
-    assert [(e["rank"], e["step"], e["every"]) for e in changes] == [(r, 2 * BOUND, changes[0]["every"])
-                                                                    for r in (0, 1)], changes
-    change = changes[0]
-    assert change["mtbf_s"] == MTBF and change["mtbf_source"] == "--mtbf" and 1 <= change["every"] < BOUND, change
+    # The first change comes at the first agreement after the bound's second save (step 2 x BOUND); the interval
+    # is computed from measured times (a save's stall and write against the step), so it may change again later.
+    # Every change is the ranks' agreement: both ranks make it, at the same step, to the same interval.
+    changes = events(run_dir, "checkpoint_cadence")
+    steps = sorted({e["step"] for e in changes})
+    assert steps and steps[0] == 2 * BOUND, changes
+    for step in steps:
+        agreed = sorted((e["rank"], e["every"]) for e in changes if e["step"] == step)
+        assert agreed == [(0, agreed[0][1]), (1, agreed[0][1])], (step, changes)
+    change = changes[-1]  # the interval in force at the end, which the report prices
+    assert all(e["mtbf_s"] == MTBF and e["mtbf_source"] == "--mtbf" and 1 <= e["every"] < BOUND for e in changes)
     report = subprocess.run([sys.executable, "-m", "resilient", "report", "goodput", str(run_dir), "--no-png"],
                             capture_output=True, text=True, timeout=120, check=False)
     assert report.returncode == 0, report.stderr
-    assert f"checkpoint cadence: every {change['every']} steps since step {2 * BOUND}" in report.stdout, report.stdout
+    assert f"checkpoint cadence: every {change['every']} steps since step {change['step']}" in report.stdout, \
+        report.stdout
     assert f"{change['every']} (chosen)" in report.stdout and f"{BOUND} (every_steps)" in report.stdout
     saved = json.loads((run_dir / "goodput.json").read_text())["checkpoint_cadence"]
     assert saved["event"]["every"] == change["every"]

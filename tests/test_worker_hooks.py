@@ -278,6 +278,28 @@ def train(run: resilient.Run, steps: int) -> None:
         run.optimizer.zero_grad()
 
 
+def test_a_closing_run_sends_its_heartbeats_before_a_collection_holds_the_gil(tmp_path, agent, monkeypatch):
+    """Run.close() collects garbage (the DDP wrapper it made sits in reference cycles), which holds the GIL
+    throughout: seconds on a CPU-starved rank, when the heartbeat thread cannot send.  Seen in the cpu-quota drill
+    as a hang "in section 'checkpoint'" of a rank that had left it: 'after_steps' was still queued.  Everything
+    queued is sent before the collection."""
+    import gc
+
+    run = tiny(tmp_path, agent.env, ddp=True)  # no process group: the module stays plain, the Run owns the wrapping
+    queued: list[int] = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: queued.append(len(run._state.hooks.sender._pending)) or collect(*a))
+    try:
+        train(run, 3)
+        time.sleep(0.05)  # a quiet spell: close's first heartbeat goes out at once, the next one is queued
+        run.close()
+        wait_for(lambda: agent.sections()[-1][0] == "bye", what="bye")
+    finally:
+        run._state.hooks.uninstall()
+    assert queued == [0], "heartbeats were still queued when the collection began"
+    assert agent.sections()[-2:] == [("section", "after_steps", 3), ("bye", "after_steps", 3)], agent.sections()
+
+
 def test_run_reports_its_sections(tmp_path, agent):
     run = tiny(tmp_path, agent.env)
     try:

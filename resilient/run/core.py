@@ -370,6 +370,10 @@ class Run:
             st.data.close()  # stop its worker processes now, not whenever the loader is collected
         if st.ddp_options is not None:  # the wrapper Run made must not outlive the group (docs/architecture.md)
             st.model = unwrap(st.model)
+            if st.hooks is not None:
+                # A collection holds the GIL throughout (seconds on a CPU-starved rank): the heartbeats queued
+                # since the last datagram go first, or the agent keeps timing the section this rank has left.
+                st.hooks.sender.flush()
             gc.collect()  # it sits in reference cycles: freed now, not while Python exits (an abort there)
         st.events.emit(EventKind.RUN_CLOSED, step=st.step)
         if st.hooks is not None:
