@@ -181,3 +181,17 @@ def test_a_late_verdict_needs_a_fused_optimizer_and_no_scaler():
     run = resilient.Run(model=model, optimizer=fused, agent=None)
     assert run._state.nonfinite_verdict == "now", "auto: late only on CUDA, where the sync costs"
 
+
+def test_a_run_on_the_cpu_never_pays_for_the_late_verdicts_probe(monkeypatch):
+    """Its probe runs a fused optimizer step (about half a second in a fresh process): only a Run that would read
+    its verdict late probes it, not every Run's start."""
+    from resilient.core import compat
+
+    monkeypatch.setattr(compat, "STATUS", {})
+    model = torch.nn.Linear(2, 1)
+    resilient.Run(model=model, optimizer=torch.optim.Adam(model.parameters(), fused=True), agent=None)
+    assert "late_nonfinite" not in compat.STATUS and "fused_norm" in compat.STATUS
+    resilient.Run(model=model, optimizer=torch.optim.Adam(model.parameters(), fused=True), agent=None,
+                  nonfinite_verdict="late")
+    assert compat.STATUS["late_nonfinite"] is None
+

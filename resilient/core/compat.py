@@ -189,6 +189,10 @@ def probe_all() -> dict[str, str | None]:
 SHARDED = frozenset({"fsdp_rebind", "fsdp_comm_timing", "dtensor_chunks"})
 """The features only a sharded (FSDP2 / DTensor) model uses."""
 
+ON_DEMAND = frozenset({"late_nonfinite"})
+"""Features probed only where a Run would use them: their probe runs a fused optimizer step (about half a second
+in a fresh process), too much for every Run's start."""
+
 STATUS: dict[str, str | None] = {}
 """Each probed feature: None when available, else the reason it is off (filled on first use)."""
 
@@ -202,9 +206,11 @@ def missing(feature: str) -> str | None:
     return STATUS[feature]
 
 
-def off(*, sharded: bool = True) -> dict[str, str]:
-    """The features that are off, with their reasons (``sharded=False``: leave out those only sharded models use)."""
-    found = {feature: missing(feature) for feature in FEATURES if sharded or feature not in SHARDED}
+def off(*, sharded: bool = True, on_demand: bool = False) -> dict[str, str]:
+    """The features that are off, with their reasons (``sharded=False``: leave out those only sharded models use;
+    those probed on demand only with ``on_demand``)."""
+    found = {feature: missing(feature) for feature in FEATURES
+             if (sharded or feature not in SHARDED) and (on_demand or feature not in ON_DEMAND)}
     return {feature: reason for feature, reason in found.items() if reason is not None}
 
 

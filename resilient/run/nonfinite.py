@@ -85,15 +85,15 @@ def checked_verdict(verdict: Any, mode: str, optimizer: torch.optim.Optimizer | 
     """``Run(nonfinite_verdict=...)`` resolved to "now" or "late"; ConfigError for "late" where it cannot be."""
     if verdict not in VERDICTS:
         raise ConfigError(f"Run(nonfinite_verdict={verdict!r}): use one of {', '.join(map(repr, VERDICTS))}")
-    if mode == "off" or optimizer is None:
+    if mode == "off" or optimizer is None or verdict == "now":
         return "now"
-    why = _late_unavailable(optimizer, scaler)
-    if verdict == "late" and why is not None:
-        raise ConfigError(f"Run(nonfinite_verdict='late'): {why}")
-    if verdict == "auto":
+    if verdict == "auto":  # late only on CUDA, where a host read waits for the device (and only then probed)
         on_cuda = any(p.device.type == "cuda" for g in optimizer.param_groups for p in g["params"])
-        return "late" if why is None and on_cuda else "now"
-    return str(verdict)
+        return "late" if on_cuda and _late_unavailable(optimizer, scaler) is None else "now"
+    why = _late_unavailable(optimizer, scaler)
+    if why is not None:
+        raise ConfigError(f"Run(nonfinite_verdict='late'): {why}")
+    return "late"
 
 
 def _late_unavailable(optimizer: torch.optim.Optimizer, scaler: Any) -> str | None:
