@@ -129,9 +129,8 @@ def make_bundle(run_dir: Path, wanted: str, out: Path | None = None, *, with_che
         members[f"script/{script.name}"] = body
         script_record = {"path": str(script), "name": script.name, "sha256": hashlib.sha256(body).hexdigest()}
     position = (record.get("error") or {}).get("position")
-    status = read_json(run_dir / "nodes" / node / "status.json") or {}
-    location = status.get("checkpoint") if isinstance(status, dict) else None
-    checkpoint = _checkpoint(str(location), step, ident, run_dir, with_checkpoint, limit, members,
+    location = checkpoint_location(run_dir, node)
+    checkpoint = _checkpoint(location, step, ident, run_dir, with_checkpoint, limit, members,
                              endpoint_url) if location else None
     index = {"incident": ident, "created": time.time(), "run_dir": str(run_dir.resolve()), "node": node,
              "generation": generation, "step": step, "summary": record.get("summary"), "position": position,
@@ -174,15 +173,21 @@ def _redact(members: dict[str, bytes], run_dir: Path) -> None:
             members[name] = data.replace(secret, b"<run token>")
 
 
+def checkpoint_location(run_dir: Path, node: str) -> str | None:
+    """Where the run's workers said their checkpoints go (``nodes/<node>/status.json``); None: nowhere."""
+    status = read_json(run_dir / "nodes" / node / "status.json")
+    location = status.get("checkpoint") if isinstance(status, dict) else None
+    return str(location) if location else None
+
+
 def release(run_dir: Path, wanted: str, endpoint_url: str | None = None) -> dict[str, Any]:
     """Let go of incident ``wanted``'s pins in its run's checkpoint location; what was released."""
     record = find(incidents_of(run_dir), wanted, run_dir)
-    status = read_json(run_dir / "nodes" / str(record["node"]) / "status.json") or {}
-    location = status.get("checkpoint") if isinstance(status, dict) else None
+    location = checkpoint_location(run_dir, str(record["node"]))
     if not location:
         raise ConfigError(f"the run at {run_dir} names no checkpoint location (nodes/{record['node']}/status.json): "
                           "nothing was pinned")
-    storage = open_storage(str(location), endpoint_url=endpoint_url)
+    storage = open_storage(location, endpoint_url=endpoint_url)
     released = [name for name, holders in storage.list_pins().items() if record["id"] in holders
                 and storage.unpin(name, str(record["id"]))]
     return {"incident": record["id"], "location": location, "released": released}
