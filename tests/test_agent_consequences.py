@@ -10,7 +10,7 @@ from resilient.agent.consequences import describe_other, describe_others, short_
 from resilient.agent.incidents import Incident, format_incident
 from resilient.agent.policy import Failure, first_failure
 from resilient.agent.restores import summarise_restores
-from resilient.core.collective import is_collective_error
+from resilient.core.collective import caused_by_peer, is_collective_error
 
 GLOO_RESET = {
     "exc_type": "RuntimeError",
@@ -39,6 +39,14 @@ def exited(rank: int, t: float, code: int = 1, **kw) -> Failure:
 ])
 def test_collective_errors_are_told_from_a_rank_s_own(error, expected):
     assert is_collective_error(error) is expected
+
+
+def test_non_finite_gradients_this_rank_did_not_make_are_caused_by_a_peer():
+    nan = {"exc_type": "resilient.core.errors.PersistentNonFiniteError", "message": "step 3: ..."}
+    assert caused_by_peer({**nan, "own_nonfinite": False})  # they came in the all-reduce
+    assert not caused_by_peer({**nan, "own_nonfinite": True})  # its own samples made them
+    assert not caused_by_peer(nan)  # not looked at (one rank, or the first try): its own
+    assert caused_by_peer(GLOO_RESET) and not caused_by_peer(None)
 
 
 def test_a_gloo_message_is_shortened_to_its_library_and_first_sentence():

@@ -223,11 +223,12 @@ with resilient.Run(model=model, optimizer=opt, data=data, checkpoint=ckpt, ddp=T
 
 def test_a_persistent_nan_on_two_ranks_is_bundled_and_replayed_on_two_ranks(tmp_path: Path) -> None:
     """The issue's other case: a poisoned sample, NaN on every read, under DDP on two ranks: the run stops with
-    exit 79 at step 3; the bundle, replayed with the run directory and checkpoints gone, fails the same way at
-    the same step on the same samples."""
+    exit 79 at step 3.  After the all-reduce both ranks hold the NaN and both raise; the incident names rank 1,
+    whose own backward made it (its sample), and calls rank 0's error a consequence.  The bundle, replayed with
+    the run directory and checkpoints gone, fails the same way at the same step on the same samples."""
     order = __import__("resilient").ElasticLoader(list(range(32)), batch_size=2, seed=7)
     order.bind(0, 2)
-    bad = order.indices_at(12, 1)[0]  # step 3's first sample (a global batch of 4): rank 0's
+    bad = order.indices_at(14, 1)[0]  # step 3's third sample (a global batch of 4): rank 1's first
     script = tmp_path / "train.py"
     script.write_text(NAN_SCRIPT)
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
@@ -236,6 +237,11 @@ def test_a_persistent_nan_on_two_ranks_is_bundled_and_replayed_on_two_ranks(tmp_
     assert done.returncode == 79, done.stderr[-3000:]
     [record] = json.loads(cli("ls", str(run_dir), "--json").stdout)
     assert record["step"] == 3 and record["error"]["exc_type"].endswith("PersistentNonFiniteError"), record
+    # The rank whose samples made the NaN, though the lower rank raised the same error at the same moment.
+    assert record["rank"] == 1 and record["error"]["own_nonfinite"] is True, record
+    assert "This rank's own backward made them not finite" in record["error"]["message"], record
+    [other] = record["other_failures"]
+    assert other.startswith("rank 0 on ") and ": consequence: PersistentNonFiniteError" in other, other
     out = tmp_path / "nan.tar.gz"
     assert cli("bundle", str(run_dir), record["id"], "--out", str(out)).returncode == 0
     shutil.rmtree(run_dir)

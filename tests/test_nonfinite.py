@@ -195,3 +195,30 @@ def test_a_run_on_the_cpu_never_pays_for_the_late_verdicts_probe(monkeypatch):
                   nonfinite_verdict="late")
     assert compat.STATUS["late_nonfinite"] is None
 
+
+
+def test_a_rank_s_own_gradients_are_watched_before_they_are_averaged_only_on_a_retry_of_a_non_finite_step():
+    """What tells the rank whose samples made a NaN from the ranks the all-reduce brought it to: hooks that see
+    each gradient as its backward makes it, installed only while a step found non-finite is retried."""
+    from resilient.run.nonfinite import OwnGradients, watch_own
+    from resilient.run.state import RunState
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    watch = OwnGradients(model)
+    model(torch.ones(2, 4)).sum().backward()
+    assert watch.verdict() is False
+    model(torch.tensor([[1.0, float("nan"), 0.0, 0.0]])).sum().backward()
+    assert watch.verdict() is True  # the flags of one attempt's backward passes, micro-batches included
+    watch.remove()
+    assert watch.verdict() is None
+    model(torch.tensor([[float("nan")] * 4])).sum().backward()
+    assert watch.verdict() is None  # removed: the hooks see nothing more
+
+    state = RunState(model=model, events=resilient.EventLog(None), world_size=2, step=5)
+    assert watch_own(state) is None  # a healthy step is not watched
+    state.nonfinite_tries = {5: 1}
+    watching = watch_own(state)
+    assert isinstance(watching, OwnGradients)
+    watching.remove()
+    state.world_size = 1
+    assert watch_own(state) is None  # one rank: its gradients are its own anyway

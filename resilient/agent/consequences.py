@@ -7,9 +7,11 @@ functions here decide it from what the agent already has, the exits it
 stamped and each rank's error file (written by the ``sys.excepthook`` its
 ``Run`` installs):
 
-* :func:`~resilient.core.collective.is_collective_error`: the error is of the kind a lost peer causes
+* :func:`~resilient.core.collective.caused_by_peer`: the error is of the kind a lost peer causes
   (a connection reset or closed by the peer, an aborted communicator, a
-  collective that timed out), so :func:`~resilient.agent.policy.first_failure`
+  collective that timed out), or non-finite gradients the rank's own
+  backward did not make (another rank's samples made them, and the
+  all-reduce brought them), so :func:`~resilient.agent.policy.first_failure`
   never names it while another failure is at hand;
 * :func:`describe_others`: every failure but the first, a consequence when
   its error is a collective one or was raised after the first failure was

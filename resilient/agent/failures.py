@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.collective import is_collective_error
+from ..core.collective import caused_by_peer
 from ..core.events import EventKind, OutcomeKind
 from ..elastic.decide import RecoveryDecision
 from ..elastic.observe import FaultKind
@@ -86,7 +86,7 @@ def _exit_incident(ctx: GenerationContext, group: WorkerGroup, a: Assignment, ra
     """The incident of members' non-zero exits (``stop_started``: when the agent began stopping the rest)."""
     errors = {e.rank: read_error_file(error_file(group, e)) for e in exits}
     failures = [_as_failure(ctx, e, ranks, caused_by_agent=stop_started is not None and e.at >= stop_started,
-                            consequence=is_collective_error(errors[e.rank])) for e in exits]
+                            consequence=caused_by_peer(errors[e.rank])) for e in exits]
     first = first_failure(failures)
     assert first.rank is not None
     info = ranks.get(first.rank)
@@ -116,7 +116,7 @@ def recovery_failed(ctx: GenerationContext, group: WorkerGroup, a: Assignment, p
         id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind="hang", rank=None, pid=None, section="recovery", step=None, summary=summary,
         other_failures=describe_others([_as_failure(ctx, e, ranks, caused_by_agent=True,
-                                                    consequence=is_collective_error(errors[e.rank])) for e in exits],
+                                                    consequence=caused_by_peer(errors[e.rank])) for e in exits],
                                        errors, failure),
     )
     ctx.emit(EventKind.WORKER_FAILED, generation=a.generation, rank=None, summary=summary)
@@ -140,7 +140,7 @@ def _casualties(ctx: GenerationContext, group: WorkerGroup, gdir: Path, ranks: d
     exits = [e for e in group.exits() if e.returncode != 0 and e.rank != first.rank]
     errors = {e.rank: read_error_file(error_file(group, e)) for e in exits}
     return describe_others([_as_failure(ctx, e, ranks, caused_by_agent=True,
-                                        consequence=is_collective_error(errors[e.rank])) for e in exits],
+                                        consequence=caused_by_peer(errors[e.rank])) for e in exits],
                            errors, first)
 
 

@@ -183,7 +183,7 @@ def _compare(incident: Mapping[str, Any], position: Mapping[str, Any], world: in
     same = [r for r in raised if r["raised"]["exc_type"] == expected and r.get("step") == step]
     if same:
         report.reproduced = True
-        r = same[0]
+        r = next((r for r in same if r.get("rank") == incident.get("rank")), same[0])  # the incident's rank first
         lines.append(f"reproduced: rank {r['rank']} raised {r['raised']['exc_type']}: {r['raised']['message']} at "
                      f"step {r['step']}")
     elif raised:

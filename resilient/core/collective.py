@@ -27,3 +27,9 @@ def is_collective_error(error: Mapping[str, Any] | None) -> bool:
     kind = str(error.get("exc_type") or "").rsplit(".", 1)[-1]
     text = str(error.get("message") or "").lower()
     return kind in COLLECTIVE_ERROR_TYPES or any(p in text for p in COLLECTIVE_ERROR_TEXT)
+
+
+def caused_by_peer(error: Mapping[str, Any] | None) -> bool:
+    """Whether ``error`` (an error file's record) is what another rank made this one raise: a collective error,
+    or non-finite gradients that this rank's own backward did not make (they came in the all-reduce)."""
+    return is_collective_error(error) or bool(error and error.get("own_nonfinite") is False)

@@ -80,11 +80,15 @@ class DataFetchError(ResilientError):
 class NonFiniteGradientsError(ResilientError):
     """A gradient held NaN or Inf when the optimizer was about to apply it; the update was not applied."""
 
-    def __init__(self, message: str, *, step: int, rank: int, params: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, *, step: int, rank: int, params: tuple[str, ...] = (),
+                 own_nonfinite: bool | None = None) -> None:
         self.step = step
         self.rank = rank
         self.params = params
         """Names of (the first few) parameters whose gradient was not finite on this rank."""
+        self.own_nonfinite = own_nonfinite
+        """Whether this rank's own backward made a non-finite gradient, before the ranks' gradients were
+        averaged (True: its samples are the cause; False: another rank's are); None when not looked at."""
         super().__init__(message)
 
 

@@ -378,6 +378,7 @@ class Attempt:
         if entered is not None:
             entered()
         state.attempt_start = begin(state)
+        state.own_grads = nonfinite.watch_own(state)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         state = self._state
@@ -407,3 +408,6 @@ class Attempt:
             return True
         finally:
             state.attempt_start = None
+            if state.own_grads is not None:
+                state.own_grads.remove()
+                state.own_grads = None

@@ -244,9 +244,53 @@ def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         return
     names = _bad_params(state, optimizer)
     where = f" (on this rank: {', '.join(names)})" if names else " (on another rank's shards)"
+    own = state.own_grads.verdict() if state.own_grads is not None else None
+    whose = "" if own is None else \
+        (". This rank's own backward made them not finite, before the ranks' gradients were averaged: the cause "
+         "is in this rank's samples") if own else \
+        (". This rank's own gradients were finite before the ranks' gradients were averaged: the cause is in "
+         "another rank's samples")
     raise NonFiniteGradientsError(
         f"step {state.step}: a gradient is not finite (NaN or Inf) on rank {state.rank} before the optimizer's update"
-        f"{where}; the update was not applied", step=state.step, rank=state.rank, params=names)
+        f"{where}; the update was not applied{whose}", step=state.step, rank=state.rank, params=names,
+        own_nonfinite=own)
+
+
+class OwnGradients:
+    """Whether this rank's own backward makes a non-finite gradient, before data parallelism averages the ranks'
+    gradients (after it, every rank holds the same NaN, whichever rank's samples made it).
+
+    A hook on each (unsharded) parameter sees the gradient its backward computed, before it is accumulated
+    and all-reduced, and keeps a flag on the device; the host reads the flags only when a verdict is given.
+    The Run watches only the retries of a step found non-finite, so it costs the healthy steps nothing.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._flags: list[torch.Tensor] = []
+        self._handles = [p.register_hook(self._seen) for p in unwrap(model).parameters()
+                         if p.requires_grad and not callable(getattr(p, "to_local", None))]
+
+    def _seen(self, grad: torch.Tensor) -> None:
+        self._flags.append(torch.logical_not(grad.detach().isfinite().all()))
+
+    def verdict(self) -> bool | None:
+        """True: a gradient this rank's backward made was not finite; False: none was; None: nothing watched."""
+        if not self._flags:
+            return None
+        return bool(torch.stack(self._flags).any().item())
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._flags = [], []
+
+
+def watch_own(state: RunState) -> OwnGradients | None:
+    """At an attempt's entry: watch this rank's own gradients when the attempt retries a step found non-finite
+    and the ranks average their gradients (so that the error can say whose samples made them)."""
+    if state.world_size <= 1 or not state.nonfinite_tries.get(state.step) or state.model is None:
+        return None
+    return OwnGradients(state.model)
 
 
 def _bad_params(state: RunState, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -287,5 +331,5 @@ def retry(state: RunState, exc: NonFiniteGradientsError, *, since: AttemptStart 
             f"step {step}: the gradients were not finite in {tries} tries of the same batch{span}: the data or "
             "the model diverges, not an intermittent fault, and a restart would replay the same. Look at those "
             f"samples and at the learning rate and loss scaling; {exc}", step=step, rank=state.rank,
-            params=exc.params) from exc
+            params=exc.params, own_nonfinite=exc.own_nonfinite) from exc
     return True

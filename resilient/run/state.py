@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..worker.hooks import WorkerHooks
     from .attempt import AttemptStart
     from .memory import RunMemory
-    from .nonfinite import Pending
+    from .nonfinite import OwnGradients, Pending
     from .recovery import InProcessRecovery
     from .replay import Replay
     from .timing import StepTimer
@@ -109,6 +109,8 @@ class RunState:
     announced_plan: BatchPlan | None = None
     """The batch plan last announced in a ``batch_planned`` event."""
     nonfinite_tries: dict[int, int] = field(default_factory=dict)
+    own_grads: OwnGradients | None = None
+    """On a retry of a step found non-finite: whether this rank's own backward made the non-finite gradients."""
     pending: Pending | None = None
     """A step's non-finite verdict on the device, not read yet (``nonfinite_verdict="late"``)."""
     recheck_step: int | None = None

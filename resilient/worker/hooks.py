@@ -348,6 +348,9 @@ class WorkerHooks:
             "exit_code": exit_code,
             "position": self._position(),
         }
+        own = getattr(exc, "own_nonfinite", None)
+        if isinstance(own, bool):  # non-finite gradients: whether this rank's own backward made them
+            record["own_nonfinite"] = own
         write_json_atomic(path, record)
 
     def _position(self) -> dict[str, Any] | None:
