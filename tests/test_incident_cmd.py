@@ -158,7 +158,7 @@ def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tm
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     text = replayed.stdout
     assert "from step_0000000002 (copied in the bundle)" in text, text
-    assert f"reproduced: rank 0 raised resilient.core.errors.DataFetchError: ElasticLoader: dataset[{bad}]" in text
+    assert f"reproduced: rank 0 raised DataFetchError: ElasticLoader: dataset[{bad}]" in text
     assert "at step 3" in text and f"samples of step 3 on rank 0: {step_samples} (the same as the run's)" in text
     # The data fixed (the marker gone): the step goes through, and the replay says so with exit 1.
     marker.unlink()
@@ -240,8 +240,9 @@ def test_a_persistent_nan_on_two_ranks_is_bundled_and_replayed_on_two_ranks(tmp_
     # The rank whose samples made the NaN, though the lower rank raised the same error at the same moment.
     assert record["rank"] == 1 and record["error"]["own_nonfinite"] is True, record
     assert "This rank's own backward made them not finite" in record["error"]["message"], record
-    [other] = record["other_failures"]
-    assert other.startswith("rank 0 on ") and ": consequence: PersistentNonFiniteError" in other, other
+    [other] = record["other_failures"]  # rank 0 raised the same (its own gradients were finite), or was stopped
+    assert other.startswith("rank 0 on ") and (": consequence: PersistentNonFiniteError" in other
+                                               or ": stopped by the agent" in other), other
     out = tmp_path / "nan.tar.gz"
     assert cli("bundle", str(run_dir), record["id"], "--out", str(out)).returncode == 0
     shutil.rmtree(run_dir)

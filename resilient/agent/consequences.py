@@ -90,6 +90,12 @@ def raised_after(error: Mapping[str, Any] | None, t: float) -> bool:
     return isinstance(raised, int | float) and not isinstance(raised, bool) and raised >= t
 
 
+def raised_before(error: Mapping[str, Any] | None, t: float) -> bool:
+    """Whether ``error`` (an error file's record) was raised before ``t`` on this host's monotonic clock."""
+    raised = error.get("monotonic") if error else None
+    return isinstance(raised, int | float) and not isinstance(raised, bool) and raised < t
+
+
 def describe_others(failures: Sequence[Failure], errors: Mapping[int, Mapping[str, Any] | None],
                     first: Failure) -> tuple[str, ...]:
     """One line for each failure but ``first`` (``errors``: rank -> error file record or None)."""

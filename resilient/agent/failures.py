@@ -21,7 +21,7 @@ from ..elastic.decide import RecoveryDecision
 from ..elastic.observe import FaultKind
 from ..watchdog.attribution import Suspect, attribute_hang
 from ..watchdog.stacks import StackCapture, capture, find_py_spy
-from .consequences import describe_others
+from .consequences import describe_others, raised_before
 from .incidents import (
     Incident,
     describe_failure,
@@ -68,6 +68,7 @@ def end_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
 def stop_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, ranks: dict[int, Any],
                     ladder: RecoveryDecision | None) -> Outcome:
     """Stop the group after members failed; the generation ends (``ladder``: why it was not recovered in process)."""
+    _await_the_rank_that_made_a_nan(ctx, group)
     stop_started = ctx.clock()
     group.stop(ctx.config.stop_grace_s)
     exits = [e for e in group.exits() if e.returncode != 0]
@@ -81,11 +82,30 @@ def stop_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, r
                    last_progress_at=last_progress)
 
 
+PEER_VERDICT_WAIT_S = 2.0
+"""How long the agent leaves the rest of a group running when every rank that failed so far raised non-finite
+gradients its own backward did not make: the rank whose samples made them reaches the same verdict in the same
+step, and stopping it first would leave the incident without its cause."""
+
+
+def _await_the_rank_that_made_a_nan(ctx: GenerationContext, group: WorkerGroup) -> None:
+    deadline = ctx.clock() + PEER_VERDICT_WAIT_S
+    while group.running() and ctx.clock() < deadline:
+        exits = [e for e in group.exits() if e.returncode != 0]
+        if not exits or not all((read_error_file(error_file(group, e)) or {}).get("own_nonfinite") is False
+                                for e in exits):
+            return
+        group.pause(0.05)
+
+
 def _exit_incident(ctx: GenerationContext, group: WorkerGroup, a: Assignment, ranks: dict[int, Any],
                    exits: list[Exit], *, stop_started: float | None) -> tuple[Incident, Failure]:
     """The incident of members' non-zero exits (``stop_started``: when the agent began stopping the rest)."""
     errors = {e.rank: read_error_file(error_file(group, e)) for e in exits}
-    failures = [_as_failure(ctx, e, ranks, caused_by_agent=stop_started is not None and e.at >= stop_started,
+    # A rank that exited once the agent was stopping the group is its casualty, unless it had raised an error
+    # of its own before that (two ranks raising at once: the one reaped second had failed as early).
+    failures = [_as_failure(ctx, e, ranks, caused_by_agent=stop_started is not None and e.at >= stop_started
+                            and not raised_before(errors[e.rank], stop_started),
                             consequence=caused_by_peer(errors[e.rank])) for e in exits]
     first = first_failure(failures)
     assert first.rank is not None

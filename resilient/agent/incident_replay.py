@@ -29,6 +29,7 @@ from typing import Any
 
 from ..checkpoint.locations import open_storage
 from ..core.errors import ConfigError
+from .consequences import short_error
 from .incident_bundle import copy_checkpoint
 
 GRACE_S = 20.0
@@ -177,19 +178,21 @@ def _compare(incident: Mapping[str, Any], position: Mapping[str, Any], world: in
         lines.append(f"note: the run had {recorded} ranks; on {world} the loader splits the same global batch "
                      "differently, so a failure that depends on one rank's share, or on the reduction order, may "
                      "not come back")
-    run_said = f"{expected}: {error.get('message')}" if expected else incident.get("summary")
+    run_said = short_error(error) if expected else incident.get("summary")
     lines.append(f"the run: step {step}, rank {incident.get('rank')}: {run_said}")
     raised = [r for r in found if r.get("raised")]
     same = [r for r in raised if r["raised"]["exc_type"] == expected and r.get("step") == step]
     if same:
         report.reproduced = True
         r = next((r for r in same if r.get("rank") == incident.get("rank")), same[0])  # the incident's rank first
-        lines.append(f"reproduced: rank {r['rank']} raised {r['raised']['exc_type']}: {r['raised']['message']} at "
-                     f"step {r['step']}")
+        full = work / "results" / f"rank{r['rank']}.json"
+        lines.append(f"reproduced: rank {r['rank']} raised {short_error(r['raised'])} at step {r['step']} "
+                     f"(in full: {full})")
     elif raised:
         r = raised[0]
-        lines.append(f"not reproduced: rank {r['rank']} raised {r['raised']['exc_type']}: {r['raised']['message']} "
-                     f"at step {r['step']} instead")
+        full = work / "results" / f"rank{r['rank']}.json"
+        lines.append(f"not reproduced: rank {r['rank']} raised {short_error(r['raised'])} at step {r['step']} "
+                     f"instead (in full: {full})")
     elif found and all(r.get("through") for r in found):
         lines.append(f"not reproduced: every rank ran through step {step} without it")
     else:

@@ -326,7 +326,7 @@ def retry(state: RunState, exc: NonFiniteGradientsError, *, since: AttemptStart 
         return False
     if not retried:
         span = "" if first is None or end is None else \
-            f" (this rank's samples at stream positions {first} to {end - 1})"
+            f" (the step's global batch: stream positions {first} to {end - 1})"
         raise PersistentNonFiniteError(
             f"step {step}: the gradients were not finite in {tries} tries of the same batch{span}: the data or "
             "the model diverges, not an intermittent fault, and a restart would replay the same. Look at those "
