@@ -17,13 +17,23 @@ Kill it at any point and run the same command again: it restores the newest
 committed checkpoint and continues as if nothing happened.  The text is
 generated deterministically inside this script, so nothing is downloaded.
 
+Under ``resilient run --spares 1`` a warm spare takes a lost rank's place in
+process and nothing is trained again: the step is written the way in-process
+recovery needs (``Run(ddp=True)`` makes the process group and the DDP
+wrapper, the body under ``with run.attempt():``, ``run.micro_batches()``).
+Under torchrun and plain restarts the same script recovers by restoring.
+
 ``--crash-at-step S --crash-rank R`` makes rank R SIGKILL itself at the top
-of step S, on a fresh start only (a run that restored a checkpoint never
+of step S, once: in the rank's first process (not in a spare promoted into
+its place) and on a fresh start only (a run that restored a checkpoint never
 crashes), so that relaunching the same command resumes and finishes.
+``--poison-sample I`` masks every target of dataset window I, as a
+fine-tuning sample whose completion came out empty: its loss is 0/0 and
+every gradient NaN, on every read (a persistent NaN, exit 79 under the Run).
 ``--trace PATH`` appends one JSON line per step and rank (step, lr, loss,
-sample indices) and, on rank 0 at the end, the digests of the final model
-parameters and optimizer state; ``examples/resume_demo.py`` compares two
-such traces.
+sample indices, the wall-clock start of the step's last attempt and its
+end) and, on rank 0 at the end, the digests of the final model parameters
+and optimizer state; ``examples/recovery_demo.py`` compares such traces.
 """
 
 from __future__ import annotations
@@ -86,14 +96,21 @@ def make_text(n_chars: int, seed: int = 0) -> str:
 
 
 class CharWindows(torch.utils.data.Dataset):
-    """Item ``i``: the ``block_size + 1`` token ids starting at character ``i * stride``."""
+    """Item ``i``: the ``block_size`` token ids starting at character ``i * stride`` and their targets (the
+    same window moved one character on).
 
-    def __init__(self, text: str, block_size: int, stride: int = 1) -> None:
+    ``poison``: the indices of windows whose targets are all masked (``IGNORE``), as a fine-tuning sample
+    whose completion came out empty.  Its loss, averaged over its own targets, is 0/0, and its gradient
+    (the mask's zeros times 1/0) is NaN: every read of it makes every parameter's gradient NaN.
+    """
+
+    def __init__(self, text: str, block_size: int, stride: int = 1, poison: frozenset[int] = frozenset()) -> None:
         self.chars = sorted(set(text))
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         self.ids = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
         self.block_size = block_size
         self.stride = stride
+        self.poison = poison
         self._len = (len(self.ids) - (block_size + 1)) // stride + 1
 
     @property
@@ -103,11 +120,16 @@ class CharWindows(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < self._len:
             raise IndexError(i)
         start = i * self.stride
-        return self.ids[start : start + self.block_size + 1].clone()
+        window = self.ids[start : start + self.block_size + 1]
+        targets = torch.full((self.block_size,), IGNORE) if i in self.poison else window[1:].clone()
+        return window[:-1].clone(), targets
+
+
+IGNORE = -100  # a target that does not count (cross_entropy's ignore_index)
 
 
 # -------------------------------------------------------------------- model
@@ -163,7 +185,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        # Each sequence weighs the same: its loss is the mean over its own targets that count.
+        counts = targets != IGNORE
+        per_token = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.clamp(min=0).reshape(-1),
+                                    reduction="none").view(targets.shape)
+        return ((per_token * counts).sum(dim=1) / counts.sum(dim=1)).mean()
 
 
 def warmup_cosine(warmup: int, total: int, floor: float = 0.1):
@@ -246,6 +272,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="SIGKILL --crash-rank at the top of this step, on a fresh start only (never after a restore)",
     )
     p.add_argument("--crash-rank", type=int, default=0)
+    p.add_argument(
+        "--poison-sample",
+        type=int,
+        action="append",
+        default=[],
+        metavar="I",
+        help="dataset window I has every target masked: its loss is NaN on every read (repeatable)",
+    )
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of wrapping it in DDP")
     p.add_argument("--trace", default=None, help="append per-step JSON lines here")
     p.add_argument("--log-every", type=int, default=50)
@@ -257,21 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world_size > 1
     if distributed:
+        torch.set_num_threads(1)
+    if distributed and args.fsdp:
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank = int(os.environ.get("RANK", "0")) if distributed else 0
     torch.use_deterministic_algorithms(True)
 
     text = make_text(args.text_chars, seed=args.seed)
-    dataset = CharWindows(text, args.block_size)
+    dataset = CharWindows(text, args.block_size, poison=frozenset(args.poison_sample))
     data = resilient.ElasticLoader(dataset, batch_size=args.batch_size, seed=args.seed)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     gpt = GPT(dataset.vocab_size, args.block_size, args.d_model, args.layers, args.heads, dropout=0.1)
-    torch.manual_seed(args.seed + 1 + rank)  # distinct dropout streams per rank
-    model: nn.Module = gpt
     if distributed and args.fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -280,10 +312,6 @@ def main(argv: list[str] | None = None) -> int:
         for block in gpt.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(gpt, mesh=mesh)  # parameters are now DTensors, each rank holding its shard
-    elif distributed:
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(gpt)
 
     decay = [p for n, p in gpt.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in gpt.named_parameters() if p.dim() < 2]
@@ -294,11 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.warmup, args.steps))
 
+    # Without --fsdp the Run creates the process group and wraps the model in DDP itself (ddp=True), so that
+    # it can form the group again around a spare that takes a lost rank's place.
     run = resilient.Run(
-        model=model,
+        model=gpt,
         optimizer=optimizer,
         scheduler=scheduler,
         data=data,
+        ddp=not args.fsdp,
+        seed=args.seed,
         checkpoint=resilient.CheckpointConfig(dir=args.ckpt_dir, every_steps=args.every, keep=args.keep),
         config={
             k: v
@@ -306,43 +338,61 @@ def main(argv: list[str] | None = None) -> int:
             if k not in ("crash_at_step", "crash_rank", "trace", "ckpt_dir", "log_every", "keep", "every")
         },
     )
+    rank = run.rank
     trace = Trace(args.trace)
     trace.write(
         {
             "kind": "start",
             "rank": rank,
-            "world_size": world_size,
+            "world_size": run.world_size,
             "step": run.step,
             "restored_from": run.restored_from,
             "pid": os.getpid(),
+            "t": time.time(),
         }
     )
     if rank == 0:
         n_params = sum(p.numel() for p in gpt.parameters())
         where = f"restored {run.restored_from} (step {run.step})" if run.restored_from else "fresh start"
         print(
-            f"[train_gpt] world_size={world_size} params={n_params} vocab={dataset.vocab_size} "
+            f"[train_gpt] world_size={run.world_size} params={n_params} vocab={dataset.vocab_size} "
             f"windows={len(dataset)} {where}",
             flush=True,
         )
 
-    crash_armed = args.crash_at_step is not None and rank == args.crash_rank and run.restored_from is None
-    model.train()
+    # The crash happens once: in the rank's first process (a spare promoted into its place has another
+    # RESILIENT_WORKER_ID), and never after a restore.
+    first_process = os.environ.get("RESILIENT_WORKER_ID") in (None, f"w{args.crash_rank}")
+    crash_armed = (
+        args.crash_at_step is not None and rank == args.crash_rank and run.restored_from is None and first_process
+    )
+    gpt.train()
     t0, s0 = time.perf_counter(), run.step
     t_last, s_last = t0, run.step
     for step in run.steps(args.steps):
-        if crash_armed and step == args.crash_at_step:
-            print(f"[train_gpt] rank {rank}: simulated crash, SIGKILL at the top of step {step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        batch = next(data)  # the same object as run.data
-        lr = optimizer.param_groups[0]["lr"]
-        loss = model(batch[:, :-1], batch[:, 1:])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.report(loss=loss, tokens=batch[:, 1:].numel())
+        done = False
+        with run.attempt():  # a peer lost in here is survived in process where the launcher can; else a restart
+            started = time.time()  # the start of the step's last attempt
+            if crash_armed and step == args.crash_at_step:
+                print(f"[train_gpt] rank {rank}: simulated crash, SIGKILL at the top of step {step}", flush=True)
+                trace.write({"kind": "crash", "rank": rank, "step": step, "t": time.time()})
+                os.kill(os.getpid(), signal.SIGKILL)
+            lr = optimizer.param_groups[0]["lr"]
+            indices: list[int] = []
+            tokens = 0
+            for inputs, targets in run.micro_batches():  # one micro-batch, unless the run shrank
+                loss = run.model(inputs, targets)
+                (loss / run.accumulation).backward()
+                indices += data.last_indices
+                tokens += targets.numel()
+            torch.nn.utils.clip_grad_norm_(gpt.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.report(loss=loss, tokens=tokens)
+            done = True
+        if not done:  # the attempt failed and was recovered: run.steps() gives the same step again
+            continue
         trace.write(
             {
                 "kind": "step",
@@ -350,18 +400,20 @@ def main(argv: list[str] | None = None) -> int:
                 "step": step,
                 "lr": lr,
                 "loss": run.last_loss,
-                "indices": list(data.last_indices),
+                "indices": indices,
+                "t0": started,
+                "t": time.time(),
             }
         )
-        done = step + 1
-        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+        if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             now = time.perf_counter()
-            rate = (done - s_last) / max(now - t_last, 1e-9)
+            rate = (step + 1 - s_last) / max(now - t_last, 1e-9)
             print(
-                f"[train_gpt] step {done:5d}/{args.steps}  loss {run.last_loss:.4f}  lr {lr:.2e}  {rate:.1f} steps/s",
+                f"[train_gpt] step {step + 1:5d}/{args.steps}  loss {run.last_loss:.4f}  lr {lr:.2e}  "
+                f"{rate:.1f} steps/s",
                 flush=True,
             )
-            t_last, s_last = now, done
+            t_last, s_last = now, step + 1
     elapsed = time.perf_counter() - t0
     result = run.close()
 
@@ -377,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 "optimizer_sha256": o_digest,
                 "last_checkpoint": result.name if result is not None else None,
                 "steps_per_s": (run.step - s0) / max(elapsed, 1e-9),
+                "t": time.time(),
             }
         )
         print(
@@ -387,13 +440,11 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     trace.close()
-    if distributed:
+    if distributed and args.fsdp:
         import torch.distributed as dist
 
-        # Drop the DDP wrapper before the group: a gloo group whose last reference is in DDP's reducer is
-        # destroyed by the reducer's destructor, which can hang or abort the process at exit.  The wrapper (or
-        # the sharded model's groups) sits in reference cycles: collect them now, not while Python exits.
-        model = gpt = run = optimizer = scheduler = None
+        # The sharded model's groups sit in reference cycles: collect them now, not while Python exits.
+        gpt = run = optimizer = scheduler = None
         gc.collect()
         dist.destroy_process_group()
     return 0

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up what the main job needs (Python packages in .venv; nothing system-wide beyond python3-venv when Python
-# lacks it), then run it: a two-rank training run that loses a rank mid-run, resumes from its newest committed
-# checkpoint, and proves the resumed run equals an uninterrupted one.
+# lacks it), then run it: one two-rank GPT training script that loses a rank mid-run, recovered by torchrun, by
+# `resilient run` and by `resilient run --spares 1`, each compared with the run that never stopped, with their
+# recovery, re-done steps and goodput side by side; then a NaN incident bundled and replayed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --for demo
-exec .venv/bin/python examples/resume_demo.py "$@"
+exec .venv/bin/python examples/recovery_demo.py "$@"

@@ -1,4 +1,4 @@
-"""The examples run: train_gpt.py on one process, and the crash/recover demo end to end under `resilient run`."""
+"""The examples run: train_gpt.py on one process, and the main job (examples/recovery_demo.py) end to end."""
 
 from __future__ import annotations
 
@@ -67,66 +67,66 @@ def test_train_gpt_single_process(tmp_path: Path) -> None:
     assert "restored_from=step_0000000030 final_step=30" in proc.stdout
 
 
-@pytest.mark.timeout(240)
-def test_resume_demo_matches(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(EXAMPLES / "resume_demo.py"),
-        "--steps",
-        "60",
-        "--every",
-        "20",
-        "--crash-at",
-        "45",
-        "--workdir",
-        str(tmp_path / "demo"),
-        "--timeout",
-        "150",
-        "--memory-every",
-        "1",
-        "--",
-        *SMALL_MODEL,
-    ]
-    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=230)
+def _demo(tmp_path: Path, *args: str, timeout: int) -> tuple[str, dict]:
+    workdir = tmp_path / "demo"
+    cmd = [sys.executable, str(EXAMPLES / "recovery_demo.py"), "--workdir", str(workdir), "--timeout", "150", *args]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "verdict: MATCH" in out, out[-6000:]
-    # The kill lands at the top of step 45: the agent places rank 1 there or, having lost the heartbeats not yet
-    # sent (less than one batch interval of them: test_heartbeat.py's
-    # test_a_section_entry_an_interval_after_the_last_send_sends_the_queue_so_it_never_spans_an_interval), before.
-    found = re.search(r"rank 1 on \S+: killed by SIGKILL in section '\w+' at step (\d+)", out)
-    assert found and int(found.group(1)) <= 45, out[-6000:]
-    assert "decision: restart" in out
-    assert "incident g0001-" in out and "to detect" in out and "replayed" in out  # the goodput report
-    # The restart resumed from the node's memory tier, newer than the durable commit of step 40.  The tier saves
-    # every step here (`--memory-every 1`: left to choose, its interval follows its measured cost, which a loaded
-    # machine raised past the 5 steps from 40 to the cut): at the boundary of the cut step (45, saved before its
-    # body ran and killed itself), or at 44 when rank 1's copy of 45 was still being hashed as the kill came (a
-    # save first waits for the previous one's manifest, so 44 is whole on every rank).  The steps from there to
-    # the failure were trained again.
-    resumed = re.search(r"(memory:)?step_(\d+) \(resumed at step (\d+)\)", out)
-    assert resumed and resumed.group(1) == "memory:", out[-6000:]
-    assert int(resumed.group(2)) == int(resumed.group(3)) and 44 <= int(resumed.group(3)) <= 45, out[-6000:]
-    at = int(resumed.group(3))
-    if at == 45:  # nothing to train again
-        assert re.search(r"^\s*steps replayed\s+-\s+0\s*$", out, re.MULTILINE), out[-6000:]
-    else:
-        assert f"{45 - at} (steps {at}..44)" in out, out[-6000:]
+    assert proc.returncode == 0, out[-8000:]
+    return out, json.loads((workdir / "summary.json").read_text())
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(300)
+def test_the_main_job_recovers_one_crash_three_ways_and_replays_a_nan_incident(tmp_path: Path) -> None:
+    """The README's main job, smaller: torchrun, `resilient run` and `resilient run --spares 1` each recover
+    rank 1's SIGKILL at the top of step 100 into the run that never stopped; then a poisoned sample stops a run
+    with exit 79, and its bundle, replayed elsewhere, fails at the same step naming that sample."""
+    out, summary = _demo(tmp_path, "--steps", "120", "--every", "40", "--crash-at", "100", "--nan-at", "60",
+                         "--memory-every", "1", "--", *SMALL_MODEL, timeout=290)
+    rows = {row["mode"]: row for row in summary["rows"]}
+    assert list(rows) == ["torchrun", "restart", "spare", "uninterrupted"]
+    for mode in ("torchrun", "restart", "spare"):
+        row = rows[mode]
+        assert row["verdict"] == "MATCH", row
+        assert row["compared"] == 2 * (120 + row["redone"]), row  # every step of both ranks, each redone one twice
+        assert row["recovery_s"] > 0 and 0 < row["goodput"] < 1, row
+    # torchrun's ranks restore the commit of step 80 and train 80..99 again, within their recovery.
+    assert rows["torchrun"]["redone"] == 20 and rows["torchrun"]["resumed_at"] == 80, rows["torchrun"]
+    assert rows["torchrun"]["recovery_s"] > rows["torchrun"]["redone_s"] > 0, rows["torchrun"]
+    # The agent's restart restores its memory tier, saved every step here: at the boundary of the cut step, or
+    # at 99 when rank 1's copy of 100 was still being hashed as the kill came.
+    assert rows["restart"]["redone"] <= 1 and rows["restart"]["resumed_at"] in (99, 100), rows["restart"]
+    # The spare takes rank 1's place in process and rank 0 never stops: step 100 is retried, nothing re-done.
+    assert rows["spare"]["redone"] == 0 and rows["spare"]["resumed_at"] == 100, rows["spare"]
+    [recovered] = [e for e in _events(tmp_path / "demo" / "spare" / "run") if e["kind"] == "recovered_in_process"]
+    assert recovered["rung"] == "promote_spare", recovered
+    assert "promote" not in json.dumps(_events(tmp_path / "demo" / "restart" / "run"))
+    # One table line and one timeline per launch; the crashed ones mark the crash.
+    for row in summary["rows"]:
+        assert re.search(rf"^{re.escape(row['label'])}\s+.*(MATCH|the reference)", out, re.MULTILINE), out[-6000:]
+        [line] = [ln for ln in out.splitlines() if ln.startswith(row["label"]) and set(ln.split()[-1]) <= set("#r.-!")]
+        assert ("!" in line) == (row["mode"] != "uninterrupted"), line
+    incident = summary["incident"]
+    assert incident["reproduced"] and incident["step"] == 60, incident
+    found = re.search(r"samples of step 60 on rank 1: \[([\d, ]+)\] \(the same as the run's\)", out)
+    assert found and incident["sample"] in [int(i) for i in found.group(1).split(",")], out[-6000:]
+    assert "This rank's own backward made them not finite" in out
+    assert re.search(r"verdict: torchrun, restart: MATCH, resilient run, restart: MATCH, resilient run --spares 1: "
+                     r"MATCH; the incident reproduced on replay", out), out[-3000:]
 
 
 @pytest.mark.timeout(240)
-def test_resume_demo_matches_with_fsdp(tmp_path: Path) -> None:
-    """The same demo with the model sharded by FSDP2: the crashed and resumed run equals the one that never
-    stopped (parameters and optimizer state gathered whole)."""
-    cmd = [sys.executable, str(EXAMPLES / "resume_demo.py"), "--steps", "40", "--every", "20", "--crash-at", "30",
-           "--workdir", str(tmp_path / "demo"), "--timeout", "150", "--memory-every", "1", "--", *SMALL_MODEL,
-           "--fsdp"]
-    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=230)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert "verdict: MATCH" in out, out[-6000:]
-    # Each rank's shards came back from the node's memory tier, newer than the commit of step 20: the boundary of
-    # the cut step 30, or 29 when rank 1's copy of 30 was still being hashed (as for the unsharded demo above).
-    resumed = re.search(r"(memory:)?step_(\d+) \(resumed at step (\d+)\)", out)
-    assert resumed and resumed.group(1) == "memory:", out[-6000:]
-    assert int(resumed.group(2)) == int(resumed.group(3)) and 29 <= int(resumed.group(3)) <= 30, out[-6000:]
+def test_the_main_job_with_fsdp_restarts_into_the_same_run(tmp_path: Path) -> None:
+    """The model sharded by FSDP2 (a shard exists once: recovery is a restart): the crashed run resumes from
+    the node's memory tier into the one that never stopped (parameters and optimizer state gathered whole)."""
+    out, summary = _demo(tmp_path, "--steps", "40", "--every", "20", "--crash-at", "30", "--modes", "restart",
+                         "--no-incident", "--memory-every", "1", "--", *SMALL_MODEL, "--fsdp", timeout=230)
+    [row, _] = summary["rows"]
+    assert row["verdict"] == "MATCH" and row["resumed_at"] in (29, 30), row
+    restored = [e for e in _events(tmp_path / "demo" / "restart" / "run") if e["kind"] == "restored"]
+    assert [e["generation"] for e in restored] == [1, 2] and restored[0]["checkpoint"] is None, restored
+    assert restored[1]["checkpoint"] == f"memory:step_{row['resumed_at']:010d}", restored

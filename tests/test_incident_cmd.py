@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -253,3 +254,13 @@ def test_a_persistent_nan_on_two_ranks_is_bundled_and_replayed_on_two_ranks(tmp_
     assert "on 2 rank(s) from step_0000000002 (copied in the bundle)" in text, text
     assert "PersistentNonFiniteError: step 3: the gradients were not finite in 3 tries" in text and "at step 3" in text
     assert f"samples of step 3 on rank {record['rank']}:" in text and "(the same as the run's)" in text, text
+    # On one rank the loader splits the same global batch into micro-batches: that rank reads the poisoned sample
+    # with the rest, the same error comes back at the same step, and the replay says what one rank cannot show.
+    alone = replay(out, "--ranks", "1", "--workdir", str(tmp_path / "w1"), cwd=tmp_path)
+    text = alone.stdout
+    assert alone.returncode == 0, text + alone.stderr
+    assert "on 1 rank(s) from step_0000000002" in text and "note: the run had 2 ranks; on 1" in text, text
+    assert "reproduced: rank 0 raised PersistentNonFiniteError: step 3" in text, text
+    found = re.search(r"samples of step 3 on rank 0: \[([\d, ]+)\] \(the run's rank 1 read \[([\d, ]+)\]\)", text)
+    assert found and bad in [int(i) for i in found.group(1).split(",")], text
+    assert [int(i) for i in found.group(2).split(",")] == order.indices_at(14, 2), text

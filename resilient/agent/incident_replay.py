@@ -202,7 +202,8 @@ def _compare(incident: Mapping[str, Any], position: Mapping[str, Any], world: in
     if mine is not None and position.get("rank_indices") is not None:
         got = (mine.get("position") or {}).get("rank_indices")
         verdict = "the same as the run's" if got == position["rank_indices"] else \
-            f"the run's were {position['rank_indices']}"
+            f"the run's were {position['rank_indices']}" if mine.get("rank") == position.get("rank") else \
+            f"the run's rank {position.get('rank')} read {position['rank_indices']}"
         lines.append(f"samples of step {step} on rank {mine.get('rank')}: {got} ({verdict})")
         if mine.get("loss") is not None:
             lines.append(f"loss before it: {mine['loss']}")
