@@ -123,7 +123,7 @@ def test_the_main_job_recovers_one_crash_three_ways_and_replays_a_nan_incident(t
 def test_the_main_job_with_fsdp_restarts_into_the_same_run(tmp_path: Path) -> None:
     """The model sharded by FSDP2 (a shard exists once: recovery is a restart): the crashed run resumes from
     the node's memory tier into the one that never stopped (parameters and optimizer state gathered whole)."""
-    out, summary = _demo(tmp_path, "--steps", "40", "--every", "20", "--crash-at", "30", "--modes", "restart",
+    _, summary = _demo(tmp_path, "--steps", "40", "--every", "20", "--crash-at", "30", "--modes", "restart",
                          "--no-incident", "--memory-every", "1", "--", *SMALL_MODEL, "--fsdp", timeout=230)
     [row, _] = summary["rows"]
     assert row["verdict"] == "MATCH" and row["resumed_at"] in (29, 30), row
