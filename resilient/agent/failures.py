@@ -49,6 +49,7 @@ def error_file(group: WorkerGroup, e: Exit) -> Path:
 def end_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
                    now: float) -> Outcome | Assignment | Hold:
     """Members exited non-zero: recover in process if the ladder can, else stop the group and end the generation."""
+    _await_the_rank_that_made_a_nan(ctx, group)
     ranks = ctx.tracker.ranks()
     ladder = None
     if ctx.inproc is not None:
@@ -68,7 +69,6 @@ def end_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
 def stop_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, ranks: dict[int, Any],
                     ladder: RecoveryDecision | None) -> Outcome:
     """Stop the group after members failed; the generation ends (``ladder``: why it was not recovered in process)."""
-    _await_the_rank_that_made_a_nan(ctx, group)
     stop_started = ctx.clock()
     group.stop(ctx.config.stop_grace_s)
     exits = [e for e in group.exits() if e.returncode != 0]
