@@ -246,10 +246,10 @@ def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
     where = f" (on this rank: {', '.join(names)})" if names else " (on another rank's shards)"
     own = state.own_grads.verdict() if state.own_grads is not None else None
     whose = "" if own is None else \
-        (". This rank's own backward made them not finite, before the ranks' gradients were averaged: the cause "
-         "is in this rank's samples") if own else \
-        (". This rank's own gradients were finite before the ranks' gradients were averaged: the cause is in "
-         "another rank's samples")
+        (". This rank's own backward made them not finite, before the ranks' gradients were averaged: look at "
+         "this rank's samples first") if own else \
+        (". This rank's own gradients were finite before the ranks' gradients were averaged: another rank's "
+         "samples made them")
     raise NonFiniteGradientsError(
         f"step {state.step}: a gradient is not finite (NaN or Inf) on rank {state.rank} before the optimizer's update"
         f"{where}; the update was not applied{whose}", step=state.step, rank=state.rank, params=names,
