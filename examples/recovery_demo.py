@@ -106,11 +106,9 @@ class DemoFailed(Exception):
     """A launch did not behave as the demo expects (exit 2)."""
 
 
-AGENT_ARGS: list[str] = []  # for every `resilient run` (--memory-every)
-
-
-def train_cmd(launcher: list[str], folder: str, train_args: list[str]) -> list[str]:
-    agent = ["--run-dir", os.path.join(folder, "run"), *AGENT_ARGS] if "resilient" in launcher else []
+def train_cmd(launcher: list[str], folder: str, train_args: list[str], args: argparse.Namespace) -> list[str]:
+    memory = [] if args.memory_every is None else [f"--memory-every={args.memory_every}"]
+    agent = ["--run-dir", os.path.join(folder, "run"), *memory] if "resilient" in launcher else []
     return [sys.executable, *launcher, *agent, TRAIN, *train_args,
             "--ckpt-dir", os.path.join(folder, "ckpt"), "--trace", os.path.join(folder, "trace.jsonl")]
 
@@ -133,7 +131,7 @@ def run_modes(args: argparse.Namespace, extra: list[str]) -> tuple[list[dict[str
     common = ["--steps", str(args.steps), "--every", str(args.every), "--seed", str(args.seed),
               "--log-every", str(args.log_every), *extra]
     folder = os.path.join(args.workdir, "uninterrupted")
-    rc, t0, t1, _ = launch("uninterrupted", train_cmd(MODES["restart"][1], folder, common), args.timeout)
+    rc, t0, t1, _ = launch("uninterrupted", train_cmd(MODES["restart"][1], folder, common, args), args.timeout)
     if rc != 0:
         raise DemoFailed(f"the uninterrupted run exited with {rc}")
     reference = Trace(os.path.join(folder, "trace.jsonl"))
@@ -144,7 +142,7 @@ def run_modes(args: argparse.Namespace, extra: list[str]) -> tuple[list[dict[str
         label, launcher = MODES[mode]
         folder = os.path.join(args.workdir, mode)
         env = TORCHRUN_ENV if mode == "torchrun" else None
-        rc, s0, s1, _ = launch(label, train_cmd(launcher, folder, [*common, *crash]), args.timeout, env)
+        rc, s0, s1, _ = launch(label, train_cmd(launcher, folder, [*common, *crash], args), args.timeout, env)
         if rc != 0:
             raise DemoFailed(f"{label}: the crashed run did not recover: exit code {rc}")
         trace = Trace(os.path.join(folder, "trace.jsonl"))
@@ -203,7 +201,7 @@ def nan_incident(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
              "--log-every", str(args.log_every), "--poison-sample", str(sample), *extra]
     print(f"\n>>> a poisoned sample: dataset window {sample}, read by rank {CRASH_RANK} at step {step}, has every "
           f"target masked (its loss is 0/0)", flush=True)
-    rc, _, _, _ = launch("NaN", train_cmd(MODES["restart"][1], folder, train), args.timeout)
+    rc, _, _, _ = launch("NaN", train_cmd(MODES["restart"][1], folder, train, args), args.timeout)
     if rc != EXIT_UNRECOVERABLE:
         raise DemoFailed(f"the poisoned run exited with {rc}, not {EXIT_UNRECOVERABLE}")
     run_dir = os.path.join(folder, "run")
@@ -259,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-every", type=int, default=None, metavar="N",
                    help="`resilient run`'s memory tier saves every N steps (default: the agent chooses from its cost)")
     args = p.parse_args(argv)
-    if args.memory_every is not None:
-        AGENT_ARGS.append(f"--memory-every={args.memory_every}")
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or not args.modes:
