@@ -28,6 +28,7 @@ _EXPORTS = {
     "DataFetchError": "resilient.core.errors",
     "NoValidCheckpointError": "resilient.core.errors",
     "ResilientError": "resilient.core.errors",
+    "ResumeDivergedError": "resilient.core.errors",
     "StorageError": "resilient.core.errors",
     "device_mesh": "resilient.run.mesh",
 }
@@ -43,6 +44,7 @@ __all__ = [
     "EventLog",
     "NoValidCheckpointError",
     "ResilientError",
+    "ResumeDivergedError",
     "Run",
     "Stateful",
     "StorageError",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
         DataFetchError,
         NoValidCheckpointError,
         ResilientError,
+        ResumeDivergedError,
         StorageError,
     )
     from .core.events import EventLog

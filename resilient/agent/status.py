@@ -89,6 +89,8 @@ class StatusPublisher:
         """Across machines: this node's quarantine record, offences and newest burn-in (set by the agent)."""
         self.memory: Callable[[], dict[str, Any]] | None = None
         """The node's memory tier: directory, limit, bytes held, steps held per rank (set by the agent)."""
+        self.notices: Callable[[], dict[str, Any]] | None = None
+        """What the workers' Runs told the agent (config changes, diverged resumes, the integration) by kind."""
         self._latest: dict[str, Any] | None = None
         self._store_published_at: float | None = None
         self._done = threading.Event()
@@ -157,6 +159,7 @@ class StatusPublisher:
             "slowness": self.slowness() if self.slowness is not None else None,
             "quarantine": self.quarantine() if self.quarantine is not None else None,
             "memory": self.memory() if self.memory is not None else None,
+            "notices": self.notices() if self.notices is not None else None,
             "store_published_at": self._store_published_at,
         }
 

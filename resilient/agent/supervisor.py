@@ -55,6 +55,7 @@ from .launch_record import write_launch_record
 from .launcher import parent_death_signal
 from .memory_replica import PUBLISHED_AS
 from .memory_tier import NodeMemory
+from .notices import Notices
 from .outcome import Outcome
 from .policy import Action, Failure, FailureMark, decide_restart
 from .rendezvous import Assignment, RendezvousClosedError
@@ -132,6 +133,9 @@ class Agent:
         """How the previous generation ended; None before the first."""
         self.reporting = NodeReporting(config, self.run_dir, tracker=self.tracker, accounting=self.accounting,
                                        coordination=self.coordination, emit=self.emit, clock=clock)
+        self.notices = Notices(self.emit, lambda step: self.accounting.apply("resume_accepted", step))
+        """What the workers' Runs asked the agent to say (a config change, a diverged resume, the integration)."""
+        self.reporting.status.notices = self.notices.view
         self.incidents = IncidentBook(self.run_dir, self.coordination.control, self.emit,
                                       counted=self.accounting.incident_recorded,
                                       restore_shown=lambda record: setattr(self.reporting.status, "restore", record))
@@ -236,7 +240,8 @@ class Agent:
                   nnodes=[c.min_nodes, c.max_nodes], store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
         # One socket per local rank: a unix datagram queue holds only a few messages (10 here), or heartbeats are lost.
         intake = HeartbeatIntake(self.tracker, self.accounting, on_report=self.slowness.take,
-                                 on_recovery=self.inproc.on_message if self.inproc is not None else None)
+                                 on_recovery=self.inproc.on_message if self.inproc is not None else None,
+                                 on_notice=lambda hb: self.notices.take(hb.rank, hb.generation, hb.notice or {}))
         # Spares have sockets of their own (slots after the ranks'); a replacement takes a dead process's slot.
         slots = c.nproc_per_node + (c.spares if self.inproc is not None else 0)
         self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, slot), intake, clock=self.clock)

@@ -173,7 +173,8 @@ class HeartbeatIntake:
 
     def __init__(self, tracker: RankTracker, accounting: NodeAccounting,
                  on_recovery: Callable[[Heartbeat, float], None] | None = None,
-                 on_report: Callable[[Heartbeat], None] | None = None) -> None:
+                 on_report: Callable[[Heartbeat], None] | None = None,
+                 on_notice: Callable[[Heartbeat], None] | None = None) -> None:
         self.tracker = tracker
         self.accounting = accounting
         self.on_recovery = on_recovery
@@ -181,11 +182,17 @@ class HeartbeatIntake:
         self.on_report = on_report
         """Takes the current workers' ``timing`` (step time by section) and ``audit`` (replica audit) reports;
         not section entries either."""
+        self.on_notice = on_notice
+        """Takes the current workers' ``notice`` messages (what the agent says on its console and in status)."""
 
     def __call__(self, hb: Heartbeat, received_at: float) -> None:
         if hb.kind == "recovery":  # from a spare (no rank yet) as much as from a member: not a section entry
             if self.on_recovery is not None:
                 self.on_recovery(hb, received_at)
+            return
+        if hb.kind == "notice":
+            if self.on_notice is not None and self.tracker.is_current(hb):
+                self.on_notice(hb)
             return
         if hb.kind in ("timing", "audit"):
             if not self.tracker.is_current(hb):

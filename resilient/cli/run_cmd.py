@@ -197,6 +197,10 @@ def add_parser(commands: Any) -> None:
                    help="the run's mean time between failures: the workers then save durable checkpoints at the "
                         "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
                         "estimated from the run's incident history before each generation (default: every_steps)")
+    p.add_argument("--resume-check", choices=("stop", "accept"), default=None,
+                   help="when a restarted worker's first step is not where the run that saved was (random numbers "
+                        "drawn or data read between its restore and that step): stop with a verdict (default), or "
+                        "accept it and go on, recorded in the ledger; Run(resume_check=...) in the script wins")
     p.add_argument("--config", metavar="FILE.toml",
                    help="flags from a TOML file, a key per flag (nproc-per-node = 2, quiet = true, section-timeout "
                         "= {step = 30}); flags on the command line override it")
@@ -357,7 +361,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         signalled_together_s=args.signalled_together,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
-        worker_env=dict(environ), fork_server=args.fork_server, memory_tier=args.memory_tier,
+        worker_env={**environ, **({"RESILIENT_RESUME_CHECK": args.resume_check} if args.resume_check else {})},
+        fork_server=args.fork_server, memory_tier=args.memory_tier,
         memory_root=args.memory_root.absolute(), memory_limit=parse_size(args.memory_limit, "--memory-limit"),
         memory_every=None if args.memory_every == "auto" else parse_count(args.memory_every, "--memory-every"),
         memory_replicas=args.memory_replicas, memory_pin_every=args.memory_pin_every,

@@ -185,6 +185,7 @@ def render(status: dict[str, Any], max_incidents: int) -> str:
             cost = recovery.get("restart_cost")
             if isinstance(cost, dict):
                 out.append(f"  a restart costs: {cost.get('seconds')} s ({cost.get('from')})")
+        out.extend(notice_lines(n.get("notices")))
         out.extend(slowness_lines(n.get("slowness")))
         out.extend(quarantine_lines(n.get("quarantine")))
         timeouts = ", ".join(f"{t['section']} {t['timeout_s']:g}s ({t['source']})" for t in n.get("timeouts", [])
@@ -298,6 +299,26 @@ def quarantine_lines(quarantine: Any) -> list[str]:
     burn_in = quarantine.get("burn_in")
     if isinstance(burn_in, dict):
         out.append(f"  burn-in: {burn_in.get('reason')}")
+    return out
+
+
+def notice_lines(notices: Any) -> list[str]:
+    """What the workers told the agent: the integration's rungs, resumes under another config or not where the
+    saving run was (the newest of each, one line each)."""
+    from ..agent.notices import say
+
+    if not isinstance(notices, dict):
+        return []
+    out = []
+    for entry in (notices.get("integration") or [])[-1:]:
+        out.append(f"  integration: {entry.get('line')}")
+    for entry in (notices.get("config_changed") or [])[-1:]:
+        out.append(f"  config: {say('config_changed', entry)}")
+    for entry in (notices.get("resume_diverged") or [])[-1:]:
+        what = say("resume_diverged", entry) or (f"rank {entry.get('rank')} resumed from {entry.get('checkpoint')} "
+                                                  f"at step {entry.get('step')} elsewhere than the saving run was: "
+                                                  f"{', '.join(entry.get('moved') or [])} moved; the run stopped")
+        out.append(f"  resume: {what}")
     return out
 
 

@@ -95,3 +95,14 @@ class NonFiniteGradientsError(ResilientError):
 class PersistentNonFiniteError(NonFiniteGradientsError):
     """Every try of the same step, on the same batch, gave non-finite gradients: the data or the model diverges,
     and a restart would replay the same (an exit code the agent does not restart)."""
+
+
+class ResumeDivergedError(ResilientError):
+    """The first step after a restore found the random streams or the data position elsewhere than the run that
+    saved had them there: continuing would be another run (an exit code the agent does not restart)."""
+
+    def __init__(self, message: str, *, step: int, moved: tuple[str, ...]) -> None:
+        self.step = step
+        self.moved = moved
+        """What differs: ``torch``, ``cuda``, ``python``, ``numpy``, ``generator NAME``, ``data``."""
+        super().__init__(message)

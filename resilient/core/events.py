@@ -33,6 +33,7 @@ class EventKind(str, Enum):
     RUN_CLOSED = "run_closed"  # Run.close(): the script finished with the run
     AGENT_HOOK_MISSING = "agent_hook_missing"  # under an agent, but a worker hook could not be installed
     CONFIG_CHANGED = "config_changed"  # the restored checkpoint was written under another config
+    RESUME_DIVERGED = "resume_diverged"  # the first step after a restore is not where the saving run was (and what moved)
     STOP_REQUESTED = "stop_requested"  # a graceful stop was asked for, at a step (agent: asked; worker: received)
     GRACEFUL_STOP = "graceful_stop"  # the worker reached the stop step, committed and stops
     FAULT_INJECTED = "fault_injected"  # a planned chaos fault fires in this worker
@@ -253,12 +254,13 @@ FORWARDED = frozenset({
     EventKind.CHECKPOINT_QUARANTINE_FAILED,
     EventKind.CHECKPOINT_RETENTION_FAILED, EventKind.NONFINITE_GRADIENTS, EventKind.CHECKPOINT_STORE_RETRYING,
     EventKind.UNREPRODUCIBLE_RANDOM_STREAMS, EventKind.IN_PROCESS_DECLINED, EventKind.TORCH_FEATURES_OFF,
-    EventKind.COMM_NOT_TIMED,
+    EventKind.COMM_NOT_TIMED, EventKind.CONFIG_CHANGED, EventKind.RESUME_DIVERGED,
 })
 """What a worker's Run also writes into its agent's run-level event log: checkpoints gone wrong, gradients
-that were not finite, and what its recovery cannot do (random streams a replacement cannot reproduce, in-process
-recovery declined, torch features off, communication it cannot time), which whoever reads the run's events (an operator, a drill's score) must
-see without opening every rank's log."""
+that were not finite, a resume under another config or not where the saving run was, and what its recovery
+cannot do (random streams a replacement cannot reproduce, in-process recovery declined, torch features off,
+communication it cannot time), which whoever reads the run's events (an operator, a drill's score) must see
+without opening every rank's log."""
 
 
 class ForwardingLog(EventLog):

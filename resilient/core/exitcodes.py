@@ -17,14 +17,21 @@ from __future__ import annotations
 
 import signal
 
-from .errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, PersistentNonFiniteError
+from .errors import (
+    CheckpointMismatchError,
+    ConfigError,
+    NoValidCheckpointError,
+    PersistentNonFiniteError,
+    ResumeDivergedError,
+)
 
 EXIT_OK = 0
 """Finished (or preempted after committing a checkpoint)."""
 EXIT_CONFIG = 78
 """Bad configuration (sysexits' EX_CONFIG): restarting cannot help."""
 EXIT_UNRECOVERABLE = 79
-"""Unrecoverable state (no valid checkpoint, checkpoint does not fit the job, a step that diverges on every try)."""
+"""Unrecoverable state (no valid checkpoint, checkpoint does not fit the job, a step that diverges on every try, a
+resume that is not where the saving run was)."""
 
 # The agent's own exit status (what ``resilient run`` returns to a scheduler).
 EXIT_PREEMPTED_AGENT = 75
@@ -54,7 +61,7 @@ def exit_code_for(exc: BaseException) -> int | None:
     """The contract's exit code for an uncaught ``exc``, or None for an ordinary (restartable) failure."""
     if isinstance(exc, ConfigError):
         return EXIT_CONFIG
-    if isinstance(exc, (NoValidCheckpointError, CheckpointMismatchError, PersistentNonFiniteError)):
+    if isinstance(exc, (NoValidCheckpointError, CheckpointMismatchError, PersistentNonFiniteError, ResumeDivergedError)):
         return EXIT_UNRECOVERABLE
     return None
 

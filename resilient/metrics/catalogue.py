@@ -107,6 +107,8 @@ METRICS: tuple[Metric, ...] = (
            "Scheduled saves not taken at their step because the previous save was still being written", _NODE),
     Metric("resilient_checkpoint_deferred_steps_total", "counter",
            "Steps by which deferred saves were taken late, summed (extra steps at risk)", _NODE),
+    Metric("resilient_resumes_diverged_total", "counter",
+           "Resumes that were not where the saving run was and went on, accepted (--resume-check accept)", _NODE),
     Metric("resilient_world_size", "gauge", "Ranks in the current generation", _NODE),
     Metric("resilient_full_world_size", "gauge", "Ranks the run has with every node present", _NODE),
     Metric("resilient_generation", "gauge", "Current generation (rendezvous round) number", _NODE),

@@ -147,6 +147,7 @@ def families(view: NodeView) -> Iterator[Any]:
     yield one("resilient_checkpoint_failures_total", view.checkpoint_failures)
     yield one("resilient_checkpoint_saves_deferred_total", a.saves_deferred)
     yield one("resilient_checkpoint_deferred_steps_total", a.deferred_steps)
+    yield one("resilient_resumes_diverged_total", a.resumes_diverged)
     yield one("resilient_world_size", view.world_size)
     yield one("resilient_full_world_size", view.full_world_size)
     yield one("resilient_generation", view.generation)

@@ -42,6 +42,10 @@ Attribution (node level; exactly one category at a time):
 - ``save_deferred``: a scheduled save was taken late (the writer was busy);
   it moves no time, only the counts of deferred saves and of steps they
   were late by (the extra steps a failure then could cost).
+- ``resume_accepted``: a resume that was not where the saving run was went
+  on because the run accepts it (``--resume-check accept``); it moves no
+  time, only counts such resumes and keeps the earliest step from which the
+  run differs from the one that saved.
 - The lead rank (lowest rank seen in the generation) drives the timeline;
   every rank feeds its own step histogram; tokens are summed over ranks.
 
@@ -113,6 +117,8 @@ class Ledger:
         self.last_commit_t: float | None = None
         self.last_progress_t: float | None = None
         self.saves_deferred = self.deferred_steps = 0
+        self.resumes_diverged = 0
+        self.diverged_from_step: int | None = None
         self.tokens_at: dict[int, dict[int, tuple[int, int]]] = {}
         self.reservoir: deque[float] = deque(maxlen=config.reservoir)
         self.measured: float | None = None
@@ -208,6 +214,13 @@ class Ledger:
         self._begin(t)
         self.saves_deferred += max(1, slots)
         self.deferred_steps += max(0, step - due_step)
+
+    def resume_accepted(self, t: float, step: int) -> None:
+        """A rank resumed at ``step`` elsewhere than the saving run was there, and the run accepted it."""
+        self._begin(t)
+        self.resumes_diverged += 1
+        if self.diverged_from_step is None or step < self.diverged_from_step:
+            self.diverged_from_step = step
 
     def failure(self, t: float, last_progress_t: float, incident_id: str, kind: str) -> None:
         """A failure detected at ``t``; the failing rank last made progress at ``last_progress_t``."""

@@ -135,4 +135,6 @@ def build_account(ledger: Ledger, now: float) -> Account:
         clamped_events=ledger.clamped_events,
         saves_deferred=ledger.saves_deferred,
         deferred_steps=ledger.deferred_steps,
+        resumes_diverged=ledger.resumes_diverged,
+        diverged_from_step=ledger.diverged_from_step,
     )

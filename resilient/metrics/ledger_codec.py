@@ -87,7 +87,8 @@ _SCALARS = ("start_t", "last_t", "clamped_events", "hold", "generation", "world_
             "high_water", "replay_mark", "attempted_steps", "replayed_steps", "attempted_tokens",
             "replayed_tokens", "committed_step", "committed_tokens", "committed_samples", "last_commit_t",
             "last_progress_t", "measured", "floor")
-_ADDED = {"saves_deferred": 0, "deferred_steps": 0, "ideal_frozen": 0}
+_ADDED = {"saves_deferred": 0, "deferred_steps": 0, "ideal_frozen": 0, "resumes_diverged": 0,
+          "diverged_from_step": None}
 """Scalars added since format 1 was first written, with the value a ledger saved before them had."""
 
 
@@ -119,7 +120,8 @@ def ledger_from_dict(cls: type[Ledger], d: dict[str, Any], config: LedgerConfig 
         for name in _SCALARS:
             setattr(ledger, name, d[name])
         for name, default in _ADDED.items():
-            setattr(ledger, name, int(d.get(name, default)))
+            value = d.get(name, default)
+            setattr(ledger, name, None if value is None else int(value))
         ledger.phase = Phase(d["phase"])
         ledger.seconds = [float(x) for x in d["seconds"]]
         ledger.ranks = {int(r[0]): _Rank(*r[1:]) for r in d["ranks"]}

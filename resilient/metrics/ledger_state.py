@@ -125,3 +125,7 @@ class Account:
     """Scheduled saves not taken at their step because the writer was busy (taken later)."""
     deferred_steps: int = 0
     """Steps by which deferred saves were taken late, summed: extra steps a failure could have cost."""
+    resumes_diverged: int = 0
+    """Resumes that were not where the saving run was and went on, accepted (``--resume-check accept``)."""
+    diverged_from_step: int | None = None
+    """The earliest step such a resume began at: from there the run is not the one that never stopped."""

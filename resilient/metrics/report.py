@@ -120,6 +120,9 @@ def render(reports: Sequence[NodeReport], incidents: Sequence[dict[str, Any]],
         if a.saves_deferred:
             out.append(f"  checkpoints: {a.saves_deferred} scheduled saves deferred (writer busy), taken "
                        f"{a.deferred_steps} steps late in all: extra steps at risk")
+        if a.resumes_diverged:
+            out.append(f"  not the same run from step {a.diverged_from_step}: {a.resumes_diverged} resume(s) were "
+                       "not where the saving run was and went on, accepted (--resume-check accept)")
         for cost in a.incidents:
             out.append(f"  incident {cost.id} ({cost.kind}) cost {_fmt_s(cost.total_s)}: "
                        f"{_fmt_s(cost.detection_s)} to detect, {_fmt_s(cost.recovery_s)} to restart, "

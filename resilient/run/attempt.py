@@ -62,6 +62,7 @@ from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFin
 from ..core.events import EventKind
 from ..core.state import unwrap
 from . import nonfinite
+from .resume import generator_states, set_generator_states
 from .state import StepPosition
 
 if TYPE_CHECKING:
@@ -144,6 +145,10 @@ class AttemptStart:
     hyper: list[dict[str, Any]]
     """The optimizer's hyperparameters (every param group's entries but its parameters): a scheduler or the
     script may set them inside the step."""
+    generators: dict[str, Any]
+    """The states of ``Run(generators=...)`` at the step's start."""
+    fetched: Any = None
+    """The newest ``run.prefetch`` record at the attempt's start: another one at its end fetched ahead inside it."""
     retryable: bool = True
     """False: nothing can retry this attempt (no in-process recovery, ``nonfinite`` not "retry"), so the copies
     above were not taken."""
@@ -168,7 +173,8 @@ def begin(state: RunState) -> AttemptStart:
         scaler=snapshot_state("scaler", state.scaler) if retryable and state.scaler is not None else None,
         hyper=[{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         if retryable and optimizer is not None else [],
-        retryable=retryable,
+        generators=generator_states(state.generators) if retryable and state.generators else {},
+        fetched=state.fetched, retryable=retryable,
     )
     state.position = StepPosition.BEFORE
     torch.manual_seed(step_seed(state.seed, state.step, state.rank))
@@ -207,6 +213,8 @@ def rewind(state: RunState, start: AttemptStart) -> None:
     if state.optimizer is not None:
         for group, hyper in zip(state.optimizer.param_groups, start.hyper, strict=True):
             group.update(copy.deepcopy(hyper))
+    if start.generators:
+        set_generator_states(state.generators, start.generators, "the attempt's start")
     random.setstate(start.python_rng)
     numpy = sys.modules.get("numpy")
     if numpy is not None and start.numpy_rng is not None:
@@ -393,6 +401,12 @@ class Attempt:
                 state.retry = True
                 return True
             if isinstance(exc, NonFiniteGradientsError) and not isinstance(exc, PersistentNonFiniteError):
+                start = state.attempt_start
+                if start is not None and state.fetched is not start.fetched:
+                    raise NonFiniteGradientsError(
+                        f"{exc}; this step fetched its next batch ahead (run.prefetch) inside run.attempt(), so it "
+                        "is not retried in place (its batch is gone): a restart gives the prefetched batch back",
+                        step=exc.step, rank=exc.rank, params=exc.params, own_nonfinite=exc.own_nonfinite) from exc
                 if not nonfinite.retry(state, exc):  # raises once the same batch failed every try
                     return False
                 rewind_current(state)  # the same step on the same batch; every rank saw the same verdict

@@ -41,6 +41,7 @@ from . import audit as _audit
 from . import ddp as _ddp
 from . import nonfinite as _nonfinite
 from . import replay as _replay
+from . import resume as _resume
 from . import saving
 from .memory import open_memory
 from .mesh import take_joined, worker_hooks
@@ -127,6 +128,8 @@ class Run:
         nonfinite_verdict: str = "auto",
         reseed: bool = False,
         groups: Callable[[], Any] | None = None,
+        generators: Mapping[str, Any] | None = None,
+        resume_check: str | None = None,
     ) -> None:
         """``agent``: the agent contract; read from the environment unless given (None: no agent).
 
@@ -146,7 +149,12 @@ class Run:
         function that makes the script's own process groups (``dist.new_group`` calls) and returns them; the Run
         calls it once its own groups exist and again after every in-process re-formation, and ``run.groups``
         holds what it returned (use it each time: the groups of an earlier generation are destroyed).  A
-        script that makes groups elsewhere recovers by restart only.
+        script that makes groups elsewhere recovers by restart only.  ``generators``: the script's own random
+        generators by name (``torch.Generator``, ``random.Random``, numpy's), saved and restored per rank like the
+        global ones, put back when a step is retried, and checked at the first step after a restore.
+        ``resume_check``: what happens when that first step is not where the run that saved was (:mod:`.resume`):
+        "stop" (the default: exit 79 with what moved and why) or "accept" (go on, recorded); unset: the agent's
+        ``--resume-check``, else "stop".
         """
         env = WorkerEnv.from_environ(os.environ) if agent is _FROM_ENVIRONMENT else agent
         replaying = replay_plan(os.environ) if agent is _FROM_ENVIRONMENT else None  # resilient incident replay
@@ -184,6 +192,9 @@ class Run:
             st.events.emit(EventKind.COMM_NOT_TIMED, reason=untimed)
         _ddp.init_default_group(st.ddp_options is not None)  # torchrun or the agent, and the script made no group
         st.seed, st.reseed = _checked_seed(seed, reseed)
+        st.generators = _resume.check_generators(generators)
+        st.resume_check = _resume.checked_mode(resume_check if resume_check is not None else
+                                               env.resume_check if env is not None and env.resume_check else "stop")
         st.audit_every = _audit.checked_every(audit_every)
         st.nonfinite_mode = _nonfinite.checked_mode(nonfinite)
         st.nonfinite_verdict = _nonfinite.checked_verdict(nonfinite_verdict, st.nonfinite_mode, optimizer, scaler)
@@ -272,6 +283,8 @@ class Run:
         st = self._state
         hooks, timer = st.hooks, st.timer
         while st.step < total:
+            if st.resume is not None:  # the first boundary after a restore: is the run where the saving run was?
+                _resume.verify(st)
             st.step_cursor = st.data.consumed if st.data is not None else None  # the step's first sample
             if st.replay is not None and st.replay.at_boundary():
                 return  # a replay: the failing step is behind
@@ -292,7 +305,9 @@ class Run:
             st.step_started = time.perf_counter()
             if hooks is not None:
                 st.enter("step")
+            st.in_body = True
             yield st.step
+            st.in_body = False
             if st.retry:  # the attempt failed and was recovered in-process: the same step again
                 st.retry = False
                 if timer is not None:
@@ -317,6 +332,23 @@ class Run:
             st.micro_samples = None
         st.samples += int(samples)
         st.tokens += int(tokens)
+
+    def prefetch(self, fetch: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """Fetch a batch ahead of the step that uses it: ``X, Y = run.prefetch(get_batch, "train")``.
+
+        Returns ``fetch(*args, **kwargs)``.  A script that fetches the next
+        step's batch inside the current one (to overlap it with the backward
+        pass) draws random numbers, or reads the loader, for a step that no
+        checkpoint holds yet.  Through this call the Run notes the streams
+        before and after the fetch, and a checkpoint taken before that batch
+        is used gives the *before* back: the resumed script's fetch before its
+        loop then draws the same batch, and the run continues as if it had not
+        stopped.  Fetch through it both before the loop and in the step.  A
+        step that fetched ahead inside ``run.attempt()`` cannot be retried in
+        place (the batch is the script's own), so such a run recovers by
+        restart, and says so (:mod:`.resume`).
+        """
+        return _resume.prefetch(self._state, fetch, args, kwargs)
 
     def attempt(self) -> _attempt.Attempt:
         """``with run.attempt():`` around the step body: a peer failure inside is survived and the step retried.

@@ -32,6 +32,7 @@ from ..core import compat
 from ..core.errors import CheckpointMismatchError, ConfigError
 from ..core.events import EventKind
 from ..core.state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
+from . import resume
 
 if TYPE_CHECKING:
     from ..elastic.mesh_rebind import ShardLayout
@@ -89,6 +90,8 @@ def capture_payloads(state: RunState, *, replicated: bool | None = None, local_s
     payloads: dict[str, Any] = {
         RANK: {
             "rng": capture_rng(),
+            "generators": resume.generator_states(state.generators),
+            resume.PREFETCH: resume.saved_prefetch(state),
             "data": state.data.state_dict() if state.data is not None else None,
             "user": {name: obj.state_dict() for name, obj in state.user_state.items()},
             "counters": {"step": state.step, "samples": state.samples, "tokens": state.tokens},
@@ -190,7 +193,11 @@ def apply_restored(state: RunState, restored: Restored) -> None:
         state.data.load_state_dict(mine["data"])
     counters = mine["counters"]
     state.step, state.samples, state.tokens = counters["step"], counters["samples"], counters["tokens"]
+    if state.generators:
+        resume.set_generator_states(state.generators, mine.get("generators") or {}, f"checkpoint {name}")
     restore_rng(mine["rng"])  # last: loading above must not consume random numbers after it
+    if restored.manifest.world_size == state.world_size:  # this rank's own streams: checked at the first step
+        resume.restore(state, state.step, name, mine)
     saved_config = restored.manifest.fingerprint.get("config")
     if saved_config != state.fingerprint["config"]:
         state.events.emit(EventKind.CONFIG_CHANGED, checkpoint=name, saved=saved_config,

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .nonfinite import OwnGradients, Pending
     from .recovery import InProcessRecovery
     from .replay import Replay
+    from .resume import Expected, Fetched
     from .timing import StepTimer
 
 
@@ -68,6 +69,10 @@ class RunState:
     config: dict[str, Any] | None = None
     seed: int = 0
     reseed: bool = False
+    generators: dict[str, Any] = field(default_factory=dict)
+    """``Run(generators=...)``: the script's own generators, saved, restored and checked per rank."""
+    resume_check: str = "stop"
+    """What a resume that is not where the saving run was does: "stop" (exit 79) or "accept" (recorded)."""
     make_groups: Callable[[], Any] | None = None
     """``Run(groups=fn)``'s ``fn``: makes the script's own process groups, again after every re-formation."""
     ddp_options: dict[str, Any] | None = None
@@ -94,6 +99,12 @@ class RunState:
     rank: int = 0
     world_size: int = 1
     restored_from: str | None = None
+    resume: Expected | None = None
+    """What the first step after a restore must find (:mod:`.resume`); None once checked, or without a restore."""
+    fetched: Fetched | None = None
+    """The newest batch fetched ahead through ``run.prefetch`` (:mod:`.resume`)."""
+    in_body: bool = False
+    """Inside the loop body of ``state.step`` (between ``run.steps()`` yielding it and the step's completion)."""
     groups: Any = None
     """What ``make_groups`` returned in the current generation (None before it ran)."""
     current_section: str = "init"

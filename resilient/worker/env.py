@@ -111,6 +111,9 @@ class WorkerEnv:
     (unset): every ``CheckpointConfig.every_steps`` steps."""
     mtbf_source: str | None = None
     """RESILIENT_MTBF_SOURCE: where the agent took ``mtbf_s`` from, for the interval's reason."""
+    resume_check: str | None = None
+    """RESILIENT_RESUME_CHECK: ``stop`` or ``accept``, what a resume that is not where the saving run was does
+    (``resilient run --resume-check``; ``Run(resume_check=...)`` wins); None: the Run's default."""
 
     def __post_init__(self) -> None:
         if not self.agent_socket:
@@ -157,6 +160,8 @@ class WorkerEnv:
             raise ConfigError(f"RESILIENT_MEMORY_EVERY={self.memory_every} must be a number of steps >= 1, or auto")
         if self.mtbf_s is not None and not self.mtbf_s >= 0:  # also refuses NaN
             raise ConfigError(f"RESILIENT_MTBF={self.mtbf_s!r} must be a number of seconds >= 0 (0: none known yet)")
+        if self.resume_check not in (None, "stop", "accept"):
+            raise ConfigError(f"RESILIENT_RESUME_CHECK={self.resume_check!r} must be stop or accept")
         if self.stack_signal == self.stop_signal:
             raise ConfigError(
                 f"RESILIENT_STACK_SIGNAL and RESILIENT_STOP_SIGNAL are both {self.stop_signal}; they must differ"
@@ -213,6 +218,7 @@ class WorkerEnv:
             "memory_pin_every": _int(environ, "RESILIENT_MEMORY_PIN_EVERY"),
             "mtbf_s": _float(environ, "RESILIENT_MTBF"),
             "mtbf_source": _str(environ, "RESILIENT_MTBF_SOURCE"),
+            "resume_check": _str(environ, "RESILIENT_RESUME_CHECK"),
         }
         return cls(**{k: v for k, v in values.items() if v is not None})
 
@@ -244,7 +250,7 @@ _VARS = {
     "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE", "memory_dir": "RESILIENT_MEMORY_DIR",
     "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY",
     "memory_pin_every": "RESILIENT_MEMORY_PIN_EVERY", "mtbf_s": "RESILIENT_MTBF",
-    "mtbf_source": "RESILIENT_MTBF_SOURCE",
+    "mtbf_source": "RESILIENT_MTBF_SOURCE", "resume_check": "RESILIENT_RESUME_CHECK",
 }
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import PROTOCOL_VERSION, ROWS_PER_DATAGRAM
+from .protocol import PROTOCOL_VERSION, REPORTS, ROWS_PER_DATAGRAM
 
 RECONNECT_INTERVAL_S = 0.05
 """After a failed connect, drop heartbeats for this long before trying again (a failing connect costs ~20 us)."""
@@ -79,9 +79,9 @@ class HeartbeatSender:
     def format(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
                checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
                save: dict[str, Any] | None = None, t: float | None = None,
-               restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None,
-               timing: dict[str, Any] | None = None, audit: dict[str, Any] | None = None) -> str:
-        """One heartbeat as a JSON line (takes the next sequence number)."""
+               **reports: dict[str, Any] | None) -> str:
+        """One heartbeat as a JSON line (takes the next sequence number); ``reports``: the object of a kind that
+        carries one (``restored=``, ``recovery=``, ``timing=``, ``audit=``, ``notice=``)."""
         self.seq += 1
         quoted = self._sections.get(section)
         if quoted is None:
@@ -90,24 +90,21 @@ class HeartbeatSender:
         committed = "null" if committed_step is None else int(committed_step)
         saved = "" if save is None else f',"save":{json.dumps(save)}'
         when = "" if t is None else f',"t":{t!r}'
-        report = "" if restored is None else f',"restored":{json.dumps(restored)}'
-        report += "" if recovery is None else f',"recovery":{json.dumps(recovery)}'
-        report += "" if timing is None else f',"timing":{json.dumps(timing)}'
-        report += "" if audit is None else f',"audit":{json.dumps(audit)}'
+        report = ""
+        for name, value in reports.items():
+            assert name in REPORTS, f"a heartbeat carries no {name!r}"
+            report += "" if value is None else f',"{name}":{json.dumps(value)}'
         return (f'{self._head}"section":{quoted},"step":{int(step)},"seq":{self.seq},"kind":"{kind}",'
                 f'"checkpoint":{where},"committed_step":{committed},"tokens":{int(tokens)},'
                 f'"samples":{int(samples)}{saved}{when}{report}}}')
 
     def send(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
              checkpoint: str | None = None, tokens: int = 0, samples: int = 0,
-             save: dict[str, Any] | None = None, restored: dict[str, Any] | None = None,
-             recovery: dict[str, Any] | None = None, timing: dict[str, Any] | None = None,
-             audit: dict[str, Any] | None = None) -> bool:
+             save: dict[str, Any] | None = None, **reports: dict[str, Any] | None) -> bool:
         """Send one heartbeat; True when the agent's socket took it."""
         try:
             text = self.format(kind, section, step, committed_step=committed_step, checkpoint=checkpoint,
-                               tokens=tokens, samples=samples, save=save, restored=restored, recovery=recovery,
-                               timing=timing, audit=audit)
+                               tokens=tokens, samples=samples, save=save, **reports)
         except Exception as e:  # noqa: BLE001  e.g. a save report that is not JSON: drop, never raise
             self.dropped += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -209,10 +206,9 @@ class BatchingSender:
         return True
 
     def send_single(self, kind: str, section: str, step: int, *, committed_step: int | None = None,
-                    restored: dict[str, Any] | None = None, recovery: dict[str, Any] | None = None,
-                    timing: dict[str, Any] | None = None, audit: dict[str, Any] | None = None) -> bool:
+                    **reports: dict[str, Any] | None) -> bool:
         """Send what is queued, then one heartbeat in a datagram of its own (``restored``, ``recovery``, ``timing``,
-        ``audit``); never raises.
+        ``audit``, ``notice``); never raises.
 
         A report that older agents do not know travels alone, so an older
         agent drops that datagram only, never a batch of heartbeats with it.
@@ -224,8 +220,7 @@ class BatchingSender:
         with self._lock:
             self._flush_locked()
             self._last_flush = self._clock()
-            return self.sender.send(kind, section, step, committed_step=committed_step, restored=restored,
-                                    recovery=recovery, timing=timing, audit=audit)
+            return self.sender.send(kind, section, step, committed_step=committed_step, **reports)
 
     def _loop(self) -> None:
         while not self._closed.wait(self.interval_s):

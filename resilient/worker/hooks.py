@@ -240,6 +240,12 @@ class WorkerHooks:
             return
         self.sender.send_single("audit", self.section, self.step, committed_step=self.committed_step, audit=report)
 
+    def notice(self, notice: dict[str, Any]) -> None:
+        """Tell the agent something it says on its console and in ``resilient status`` (``{"kind": ...}``)."""
+        if self._said_bye or self.standby:
+            return
+        self.sender.send_single("notice", self.section, self.step, committed_step=self.committed_step, notice=notice)
+
     def recovery(self, report: dict[str, Any]) -> None:
         """Send an in-process recovery report (``{"event": ...}``) in a datagram of its own, standby or not."""
         self.sender.send_single("recovery", self.section, self.step, committed_step=self.committed_step,

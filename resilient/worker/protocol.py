@@ -68,6 +68,13 @@ seconds per step}}`` (see :mod:`resilient.watchdog.timing`).  It is sent
 once per window (every few steps), not per step.  ``audit`` (alone too)
 carries ``audit``: the replica audit's finding when parameters differ across
 data-parallel ranks (:mod:`resilient.run.audit`), sent by the lowest rank.
+``notice`` (alone too) carries ``notice``: something the Run found that the
+agent says on its console, in ``resilient status`` and in its ledger, an
+object whose string ``kind`` is an event kind: ``config_changed`` (the
+restored checkpoint was written under another config), ``resume_diverged``
+(the first step after a restore is not where the saving run was, and
+whether the run accepted it) or ``integration`` (what this rank's script
+lets each rung of recovery do, sent once, at its first completed step).
 
 The sender lives in :mod:`resilient.worker.heartbeat`, the receiver in
 :mod:`resilient.agent.heartbeat`.
@@ -84,7 +91,9 @@ from ..core.errors import ResilientError
 PROTOCOL_VERSION = 2
 """2 added the generation ``g`` to the header; version 1 (no generation) still decodes."""
 VERSIONS = (1, 2)
-KINDS = ("hello", "section", "restored", "bye", "recovery", "timing", "audit")
+KINDS = ("hello", "section", "restored", "bye", "recovery", "timing", "audit", "notice")
+REPORTS = ("restored", "recovery", "timing", "audit", "notice")
+"""The kinds that carry an object of their own, in a field of the same name (each always sent alone)."""
 RECOVERY_EVENTS = ("ready", "waiting", "rejoined", "gave_up")
 """The ``event`` of a ``recovery`` message this version sends (a receiver should tolerate others)."""
 MAX_DATAGRAM = 65536
@@ -129,6 +138,8 @@ class Heartbeat:
     """``timing`` only: one window of step time by section (see the module docstring)."""
     audit: dict[str, Any] | None = None
     """``audit`` only: which ranks and tensors differ from the other replicas."""
+    notice: dict[str, Any] | None = None
+    """``notice`` only: ``{"kind": an event kind, ...}`` (see the module docstring)."""
     v: int = PROTOCOL_VERSION
 
 
@@ -237,12 +248,18 @@ def _validate(obj: Any) -> Heartbeat:
             raise HeartbeatError(f"kind 'audit' needs an object 'audit' with a list 'ranks', got {audit!r:.80}")
     elif audit is not None:
         raise HeartbeatError(f"field 'audit' belongs to kind 'audit' only, got it with {obj['kind']!r}")
+    notice = obj.get("notice")
+    if obj["kind"] == "notice":
+        if not (isinstance(notice, dict) and isinstance(notice.get("kind"), str) and notice["kind"]):
+            raise HeartbeatError(f"kind 'notice' needs an object 'notice' with a string 'kind', got {notice!r:.80}")
+    elif notice is not None:
+        raise HeartbeatError(f"field 'notice' belongs to kind 'notice' only, got it with {obj['kind']!r}")
     return Heartbeat(
         rank=obj["rank"], local_rank=obj["local_rank"], pid=obj["pid"], section=section, step=obj["step"],
         seq=obj["seq"], kind=obj["kind"], checkpoint=checkpoint, committed_step=committed,
         tokens=obj.get("tokens", 0), samples=obj.get("samples", 0), save=save,
         t=float(t) if t is not None else None, generation=generation if version >= 2 else None, v=version,
-        restored=restored, recovery=recovery, timing=timing, audit=audit,
+        restored=restored, recovery=recovery, timing=timing, audit=audit, notice=notice,
     )
 
 
