@@ -26,7 +26,6 @@ import math
 import os
 import signal
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +70,7 @@ config = {k: v for k, v in globals().items() if k in ("batch_size", "block_size"
                                                      "learning_rate", "max_iters", "gradient_accumulation_steps")}
 
 # ----------------------------------------------------------------------------- DDP, as such scripts set it up
-ddp = int(os.environ.get("RANK", -1)) != -1
+ddp = int(os.environ.get("RANK", "-1")) != -1
 if ddp:
     init_process_group(backend="gloo")
     ddp_rank = int(os.environ["RANK"])
@@ -83,6 +82,8 @@ if ddp:
     gradient_accumulation_steps //= ddp_world_size
 else:
     ddp_rank, master_process, seed_offset, ddp_world_size = 0, True, 0, 1
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
 torch.manual_seed(1337 + seed_offset)
 torch.set_num_threads(1)
 
@@ -228,7 +229,7 @@ def train_step(iter_num: int) -> torch.Tensor:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    write({"iter": iter_num, "rank": ddp_rank, "loss": float(loss).hex(), "batch": digest(batches)})
+    write({"iter": iter_num, "rank": ddp_rank, "loss": float(loss.detach()).hex(), "batch": digest(batches)})
     return loss
 
 

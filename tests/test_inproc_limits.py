@@ -49,7 +49,8 @@ def test_a_group_the_script_made_itself_declines_in_process_recovery_and_the_run
     assert len(declined) == 1, declined
     assert "the script made process groups of its own (group '" in declined[0]["reason"]
     assert "create them in Run(groups=fn)" in declined[0]["reason"]
-    assert "recovery for this run is by restart (the spares are stopped and no more are started)" in proc.stderr
+    assert "not in process: the script made process groups of its own (group '" in proc.stderr
+    assert "the 1 spare(s) kept for it are stopped" in proc.stderr
     assert len(events(run, "restart")) == 1 and not events(run, "recovered_in_process")
     # The spare was stopped once the run declined, and none was started after (the restart included).
     started = events(run, "spare_started")

@@ -134,7 +134,7 @@ def test_each_stream_and_the_data_position_is_named(tmp_path, draw, moved):
         optimizer.step()
         optimizer.zero_grad()
     run.close()
-    run, model, optimizer, events = loader_run()
+    run, model, optimizer, _ = loader_run()
     draw(run)
     with pytest.raises(ResumeDivergedError) as caught:
         for _ in run.steps(12):
@@ -159,7 +159,7 @@ def test_a_prefetched_batch_not_fetched_again_is_caught(tmp_path):
     ckpt = tmp_path / "ckpt"
     run, model, optimizer, _ = make_run(ckpt)
     train(run, model, optimizer, 12, fetch=lambda: run.prefetch(get_batch), batches=[])
-    run, model, optimizer, events = make_run(ckpt)
+    run, model, optimizer, _ = make_run(ckpt)
     with pytest.raises(ResumeDivergedError) as caught:
         for _ in run.steps(17):  # the loop without the fetch before it
             model(run.prefetch(get_batch)).pow(2).mean().backward()
@@ -182,7 +182,7 @@ def test_a_prefetch_fetched_again_with_other_arguments_is_caught(tmp_path):
 def test_generators_given_to_the_run_are_saved_restored_and_checked(tmp_path):
     def gen_run() -> tuple[resilient.Run, torch.Generator, random.Random]:
         g, r = torch.Generator().manual_seed(5), random.Random(9)
-        run, model, optimizer, _ = make_run(tmp_path / "ckpt", generators={"noise": g, "mixer": r})
+        run = make_run(tmp_path / "ckpt", generators={"noise": g, "mixer": r})[0]
         return run, g, r
 
     run, g, r = gen_run()

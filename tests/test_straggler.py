@@ -29,6 +29,10 @@ def windows(index: int, compute: dict[int, float], *, data: float = 0.002, comm:
     return out
 
 
+RULE_ALONE = StragglerConfig(min_evidence_s=0.0)
+"""The CUSUM rule's windows alone: these tests pin its latency in windows (the evidence floor has its own test)."""
+
+
 def noisy(rng: random.Random, ranks: int = 3, base: float = 0.015, sd: float = 0.03) -> dict[int, float]:
     return {r: base * math.exp(rng.gauss(0.0, sd)) for r in range(ranks)}
 
@@ -79,7 +83,7 @@ def test_cusum_rule_refuses_bad_values(field, value):
 
 def test_a_slow_rank_is_flagged_in_compute_with_its_numbers_and_cleared_when_it_recovers():
     rng = random.Random(3)
-    det = StragglerDetector()
+    det = StragglerDetector(RULE_ALONE)
     changes = []
     for w in range(120):
         compute = noisy(rng)
@@ -99,7 +103,7 @@ def test_the_committing_rank_is_not_compared_in_checkpoint_and_the_others_are():
     """Seen in every S3 drill: rank 0 commits (manifest, fence, retention), 2.5x its peers' checkpoint time."""
     for slow, flagged in ((0, []), (1, [("flagged", 1, "checkpoint")])):
         rng = random.Random(5)
-        det = StragglerDetector()
+        det = StragglerDetector(RULE_ALONE)
         changes = []
         for w in range(60):
             ws = windows(w, noisy(rng), checkpoint=0.004)
@@ -126,7 +130,7 @@ def test_a_rank_slower_only_by_waiting_for_a_cpu_is_flagged_only_when_that_persi
     """Seen live: 3 ranks and the agent on 2 cores, rank 0's optimizer 2.4x its peers' for 15 steps.  The wait
     for a CPU explains the extra time, so 3 windows do not flag it; 12 windows in a row do, saying why."""
     def run(waited: float, slow: range) -> list[tuple[int, object]]:
-        rng, det, found = random.Random(11), StragglerDetector(), []
+        rng, det, found = random.Random(11), StragglerDetector(RULE_ALONE), []
         for w in range(60):
             found += [(w, c) for c in det.observe(contended(w, rng, extra=0.0045 if w in slow else 0.0,
                                                             waited=waited if w in slow else 0.0))]
@@ -171,7 +175,7 @@ def test_a_rank_a_cpu_quota_throttles_is_flagged_by_its_wait_for_a_cpu_whatever_
     """Seen in the cpu-quota-rank drill: the compute series of the throttled rank is slow in every other window,
     so no section's flag persisted for 12 windows in a row; its wait for a CPU did, and names it."""
     for seed in range(5):
-        rng, det, found = random.Random(seed), StragglerDetector(), []
+        rng, det, found = random.Random(seed), StragglerDetector(RULE_ALONE), []
         for w in range(80):
             found += [(w, c) for c in det.observe(throttled(w, rng, quota=w >= 20))]
         flags = [(w, c) for w, c in found if c.kind == "flagged"]
@@ -181,10 +185,10 @@ def test_a_rank_a_cpu_quota_throttles_is_flagged_by_its_wait_for_a_cpu_whatever_
         assert "rank 1 (node n0) is a straggler waiting for a CPU (cpu_wait)" in flag.reason
         assert "a CPU quota throttles it" in flag.reason and flag.ratio > 5
     # A healthy run whose ranks take turns waiting for a CPU: never flagged, over 2,000 windows.
-    rng, det = random.Random(99), StragglerDetector()
+    rng, det = random.Random(99), StragglerDetector(RULE_ALONE)
     assert [c for w in range(2000) for c in det.observe(throttled(w, rng, quota=False))] == []
     # The wait is scored only where every rank measured it.
-    rng, det = random.Random(3), StragglerDetector()
+    rng, det = random.Random(3), StragglerDetector(RULE_ALONE)
     for w in range(40):
         ws = throttled(w, rng, quota=w >= 10)
         ws[0] = RankWindow(rank=0, window=w, steps=5, step_s=ws[0].step_s, sections=ws[0].sections, node="n0")
@@ -195,7 +199,7 @@ def test_a_rank_a_cpu_quota_throttles_is_flagged_by_its_wait_for_a_cpu_whatever_
 def test_waiting_in_communication_never_names_a_straggler():
     """The fast ranks wait for the slow one in comm: only the slow rank's compute is flagged, never their comm."""
     rng = random.Random(5)
-    det = StragglerDetector()
+    det = StragglerDetector(RULE_ALONE)
     seen = []
     for w in range(60):
         compute = noisy(rng)
@@ -206,7 +210,7 @@ def test_waiting_in_communication_never_names_a_straggler():
 
 def test_two_ranks_are_told_apart_by_leaving_each_rank_out_of_its_own_reference():
     rng = random.Random(7)
-    det = StragglerDetector()
+    det = StragglerDetector(RULE_ALONE)
     seen = []
     for w in range(50):
         compute = noisy(rng, ranks=2)
@@ -217,7 +221,7 @@ def test_two_ranks_are_told_apart_by_leaving_each_rank_out_of_its_own_reference(
 
 def test_a_rank_the_whole_job_waits_for_in_data_is_a_data_straggler():
     rng = random.Random(11)
-    det = StragglerDetector()
+    det = StragglerDetector(RULE_ALONE)
     seen = []
     for w in range(60):
         ws = windows(w, noisy(rng))
@@ -230,7 +234,7 @@ def test_a_rank_the_whole_job_waits_for_in_data_is_a_data_straggler():
 
 def test_turning_the_detector_off_clears_standing_flags_and_stops_scoring():
     rng = random.Random(13)
-    det = StragglerDetector()
+    det = StragglerDetector(RULE_ALONE)
     for w in range(40):
         compute = noisy(rng)
         compute[1] *= 1.4 if w >= 10 else 1.0
@@ -362,3 +366,28 @@ def test_a_slowdowns_ledger_cost_is_read_in_the_category_its_cause_lands_in():
     storage = ledger_cost(before, after, {"section": "checkpoint", "rank": None})
     assert storage["ledger_category"] == "checkpoint_stall" and storage["ledger_cost_s"] == 0.0
     assert ledger_cost(before, after, None)["ledger_category"] == "slowdown_excess"
+
+
+def test_a_slow_rank_is_flagged_only_once_its_slow_windows_span_the_evidence_floor():
+    """Seen live on 2 cores: a 12 ms step job, rank 1's compute +43% for 3 windows (0.2 s), a flag and an incident
+    from what was the host's noise.  By default a flag needs its slow windows to span 3 s of training: a brief
+    burst is watched, not flagged; a lasting one is flagged as soon as it has."""
+    def run(slow: range, config: StragglerConfig) -> list[tuple[int, str]]:
+        rng, det, found = random.Random(3), StragglerDetector(config), []
+        for w in range(200):
+            compute = noisy(rng)
+            if w in slow:
+                compute[1] *= 1.45
+            found += [(w, c.kind) for c in det.observe(windows(w, compute))]
+        return found
+
+    window_s = 5 * (0.015 * 1.45 + 0.005)  # 5 steps of the slow rank's compute and the rest, which all ranks wait
+    burst = range(40, 40 + 12)  # 1.5 s
+    assert run(burst, RULE_ALONE)[:1] == [(42, "flagged")]  # what the rule alone would have raised
+    assert run(burst, StragglerConfig()) == []
+    lasting = range(40, 200)
+    [(at, kind)] = run(lasting, StragglerConfig())
+    floor = StragglerConfig().min_evidence_s
+    assert kind == "flagged" and floor * 0.95 <= (at + 1 - 40) * window_s < floor + 2 * window_s, at
+    with pytest.raises(ConfigError, match="min_evidence_s"):
+        StragglerConfig(min_evidence_s=-1)

@@ -16,12 +16,14 @@ from pathlib import Path
 import pytest
 
 from resilient.watchdog.slowdown import SlowdownDetector
-from resilient.watchdog.straggler import StragglerDetector
+from resilient.watchdog.straggler import StragglerConfig, StragglerDetector
 from resilient.watchdog.traces import healthy, load_noise, replay, with_job_slowdown, with_straggler
 
 NOISE = load_noise(Path(__file__).parent / "data" / "step_noise.json")
 ONSET = 80  # windows of healthy history before each fault (400 steps: warm-up and the 200-step baseline first)
 SEEDS = range(8)
+RULE_ALONE = StragglerConfig(min_evidence_s=0.0)
+"""The CUSUM rule's latency on this noise, without the evidence floor (tested on its own below)."""
 
 
 @pytest.mark.parametrize("factor,median_steps,max_steps", [(1.50, 15, 15), (1.25, 20, 25), (1.10, 100, 200)])
@@ -34,7 +36,7 @@ def test_a_straggler_is_flagged_in_time_naming_the_rank_and_compute(factor, medi
     latencies = []
     for seed in SEEDS:
         trace = with_straggler(healthy(NOISE, ONSET + 60, seed=seed), 1, factor, start=ONSET)
-        seen = replay(trace, onset=ONSET, straggler=StragglerDetector())
+        seen = replay(trace, onset=ONSET, straggler=StragglerDetector(RULE_ALONE))
         flags = [s for s in seen if s.kind == "flagged"]
         assert flags, f"seed {seed}: a {factor - 1:.0%} straggler was never flagged"
         first = flags[0]
@@ -73,3 +75,22 @@ def test_no_false_flag_in_100000_healthy_steps():
         seen = replay(trace, straggler=StragglerDetector(), slowdown=SlowdownDetector())
         assert seen == [], f"seed {seed}: {seen[:3]}"
     assert windows * 5 == 100_000
+
+
+def test_with_the_evidence_floor_a_straggler_is_flagged_within_seconds_and_a_brief_burst_never():
+    """The default detector on the same noise: a 50% straggler is flagged once its slow windows span the 3 s floor
+    (plus at most a few windows), and the same straggler for 1.5 s only (a burst of the host's) is not."""
+    floor = StragglerConfig().min_evidence_s
+    for seed in SEEDS:
+        healthy_trace = healthy(NOISE, ONSET + 200, seed=seed)
+        lasting = with_straggler(healthy_trace, 1, 1.5, start=ONSET)
+        step_s = statistics.median(w.step_s for ws in lasting[ONSET:] for w in ws.values())
+        flags = [s for s in replay(lasting, onset=ONSET, straggler=StragglerDetector()) if s.kind == "flagged"]
+        assert flags and (flags[0].rank, flags[0].section) == (1, "compute"), f"seed {seed}: {flags}"
+        seconds = flags[0].steps_after_onset * step_s
+        assert floor <= seconds * 1.2 and seconds <= floor * 1.2 + 2.0, (seed, seconds)
+        burst_windows = int(1.5 / (5 * step_s))
+        burst = lasting[:ONSET + burst_windows] + healthy_trace[ONSET + burst_windows:]
+        assert [s for s in replay(burst, onset=ONSET, straggler=StragglerDetector(RULE_ALONE))
+                if s.kind == "flagged"], f"seed {seed}: the rule alone sees the burst"
+        assert not replay(burst, onset=ONSET, straggler=StragglerDetector()), f"seed {seed}"

@@ -315,6 +315,7 @@ def test_run_reports_its_sections(tmp_path, agent):
         ("hello", "init", 0), (S, "restore", 0), (S, "init", 0),  # restore re-enters init
         ("restored", "init", 0),  # what it restored: nothing yet
         (S, "step", 0), (S, "data", 0), (S, "step", 0),  # next(run.data) inside the step
+        ("notice", "step", 0),  # once, at the first step's end: what this script's integration allows
         (S, "step", 1), (S, "data", 1), (S, "step", 1),
         (S, "checkpoint", 2),  # the cadence checkpoint after 2 updates, at the boundary (between steps:
         (S, "step", 2), (S, "data", 2), (S, "step", 2),  # leaving it reports nothing until step 2 starts)

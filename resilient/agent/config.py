@@ -27,6 +27,9 @@ class AgentConfig:
 
     entrypoint: tuple[str, ...]
     """The worker command line, e.g. (sys.executable, "-u", "train.py", "--steps", "300")."""
+    restart_args: tuple[str, ...] = ()
+    """Arguments added after the entrypoint's whenever the workers resume (``--restart-args``): every start but
+    the run's very first, so that a script that resumes from its own checkpoint (``--resume``) does so."""
     run_id: str
     """Name shared by every node of the run."""
     node_id: str

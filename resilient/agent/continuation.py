@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.events import EventKind
 from ..elastic.decide import Action, RecoveryDecision
 from ..elastic.observe import FaultKind, RestartOutlook
+from ..worker import standby
 from .inproc import ACTING
 from .inproc_grow import carry_out_grow, consider_grow
 from .inproc_state import Recovering
@@ -55,15 +56,23 @@ SPARE_FAILURES_TO_GIVE_UP = 2
 
 def spare_spec(ctx: GenerationContext, a: Assignment, gdir: Path, slot: int, worker_id: str,
                attempt: int) -> WorkerSpec:
-    """A spare's process: the script with no rank (it waits in ``resilient.Run()``), on its own socket slot."""
+    """A spare's process on its own socket slot: it waits for its promotion before the script starts
+    (:mod:`resilient.worker.standby`), and the script then starts with the rank it was given.  Its ``LOCAL_RANK``
+    is its slot (the device it would use on this node)."""
     c = ctx.config
     assert ctx.inproc is not None
-    base = {k: v for k, v in base_env(c).items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env = {**base, **worker_env(c, ctx.run_dir, ctx.launch_id, a.generation, attempt, slot, gdir, worker_id),
+    base = {k: v for k, v in base_env(c).items() if k not in RANK_VARIABLES}
+    env = {**base, "LOCAL_RANK": str(slot), "LOCAL_WORLD_SIZE": str(c.nproc_per_node + c.spares),
+           **worker_env(c, ctx.run_dir, ctx.launch_id, a.generation, attempt, slot, gdir, worker_id),
            **ctx.inproc.worker_env(worker_id, "spare")}
-    return WorkerSpec(local_rank=0, rank=-1, argv=tuple(c.entrypoint), env=env, log_file=gdir / f"{worker_id}.log",
-                      echo=c.echo_output, worker_id=worker_id, slot=slot, nice=ctx.inproc.spare_nice)
+    return WorkerSpec(local_rank=slot, rank=-1, argv=standby.command(c.entrypoint), env=env,
+                      log_file=gdir / f"{worker_id}.log", echo=c.echo_output, worker_id=worker_id, slot=slot,
+                      nice=ctx.inproc.spare_nice)
+
+
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RESILIENT_PROMOTED")
+"""What names a process's place in the world: a spare inherits none of them from the agent's environment."""
 
 
 def start_spares(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path) -> None:

@@ -25,6 +25,7 @@ from .consequences import describe_others, raised_before
 from .incidents import (
     Incident,
     describe_failure,
+    error_from_output,
     read_error_file,
     stacks_record,
 )
@@ -44,6 +45,16 @@ def error_file(group: WorkerGroup, e: Exit) -> Path:
     """The error file of the process that made exit ``e`` (its own, whatever rank it holds now)."""
     worker = next(w for w in group.everyone() if w.pid == e.pid)
     return Path(worker.spec.env["RESILIENT_ERROR_FILE"])
+
+
+def worker_error(group: WorkerGroup, e: Exit) -> dict[str, Any] | None:
+    """What the process of exit ``e`` raised: its error file, else the last traceback in its output (a script
+    without ``resilient.Run`` writes no error file); None when it raised nothing (a signal, a plain exit code)."""
+    found = read_error_file(error_file(group, e))
+    if found is None and e.returncode > 0:
+        worker = next(w for w in group.everyone() if w.pid == e.pid)
+        found = error_from_output(worker.spec.log_file)
+    return found
 
 
 def end_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
@@ -101,7 +112,7 @@ def _await_the_rank_that_made_a_nan(ctx: GenerationContext, group: WorkerGroup) 
 def _exit_incident(ctx: GenerationContext, group: WorkerGroup, a: Assignment, ranks: dict[int, Any],
                    exits: list[Exit], *, stop_started: float | None) -> tuple[Incident, Failure]:
     """The incident of members' non-zero exits (``stop_started``: when the agent began stopping the rest)."""
-    errors = {e.rank: read_error_file(error_file(group, e)) for e in exits}
+    errors = {e.rank: worker_error(group, e) for e in exits}
     # A rank that exited once the agent was stopping the group is its casualty, unless it had raised an error
     # of its own before that (two ranks raising at once: the one reaped second had failed as early).
     failures = [_as_failure(ctx, e, ranks, caused_by_agent=stop_started is not None and e.at >= stop_started
@@ -113,6 +124,11 @@ def _exit_incident(ctx: GenerationContext, group: WorkerGroup, a: Assignment, ra
     returncode = first.exit_code if first.exit_code is not None else -(first.signal or 0)
     # Only collective errors failed here: the death that caused them was elsewhere (another node, the store).
     hint = "a collective error, as a lost peer causes: the cause is on another node" if first.consequence else ""
+    if info is None or not info.heartbeats:
+        error = errors[first.rank]
+        raised = f"{error['exc_type']}: {str(error['message'])[:200]}; " if error else ""
+        hint = f"{raised}no step was reported (no resilient.Run yet), so where in the script is not known" \
+            + (f"; {hint}" if hint else "")
     summary = describe_failure(first.kind, first.rank, ctx.config.node_id, returncode, first.section, first.step,
                                hint)
     incident = Incident(
@@ -131,7 +147,7 @@ def recovery_failed(ctx: GenerationContext, group: WorkerGroup, a: Assignment, p
     summary = f"node {ctx.config.node_id}: {problem}"
     failure = Failure(kind="hang", rank=None, node=ctx.config.node_id, time=now, detail=problem)
     exits = [e for e in group.exits() if e.returncode != 0]
-    errors = {e.rank: read_error_file(error_file(group, e)) for e in exits}
+    errors = {e.rank: worker_error(group, e) for e in exits}
     incident = Incident(
         id=f"g{a.generation:04d}-{ctx.config.node_id}", node=ctx.config.node_id, generation=a.generation,
         kind="hang", rank=None, pid=None, section="recovery", step=None, summary=summary,
@@ -146,10 +162,11 @@ def recovery_failed(ctx: GenerationContext, group: WorkerGroup, a: Assignment, p
 def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, caused_by_agent: bool,
                 consequence: bool) -> Failure:
     info = ranks.get(e.rank)
+    heard = info is not None and info.heartbeats > 0  # else its place is unknown, not 'init' at step 0
     return Failure(
         kind="signal" if e.signal else "exit", rank=e.rank, node=ctx.config.node_id,
         exit_code=None if e.signal else e.returncode, signal=e.signal,
-        section=info.section if info else None, step=info.step if info else None, time=e.at,
+        section=info.section if heard else None, step=info.step if heard else None, time=e.at,
         caused_by_agent=caused_by_agent, consequence=consequence,
     )
 
@@ -158,7 +175,7 @@ def _casualties(ctx: GenerationContext, group: WorkerGroup, gdir: Path, ranks: d
                 first: Failure) -> tuple[str, ...]:
     """One line for each other rank that ended non-zero once the agent stopped the group after ``first``."""
     exits = [e for e in group.exits() if e.returncode != 0 and e.rank != first.rank]
-    errors = {e.rank: read_error_file(error_file(group, e)) for e in exits}
+    errors = {e.rank: worker_error(group, e) for e in exits}
     return describe_others([_as_failure(ctx, e, ranks, caused_by_agent=True,
                                         consequence=caused_by_peer(errors[e.rank])) for e in exits],
                            errors, first)

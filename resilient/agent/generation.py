@@ -183,7 +183,9 @@ class PeerWatch:
 
 
 def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assignment, attempt: int,
-                 gdir: Path, inproc: InProcess | None = None) -> list[WorkerSpec]:
+                 gdir: Path, inproc: InProcess | None = None, *, resuming: bool = False) -> list[WorkerSpec]:
+    """This node's workers of generation ``a``; ``resuming``: not the run's first start (a restart, a later
+    launch): their command line ends with ``--restart-args`` and ``RESILIENT_RESUMING=1`` tells the script."""
     c = config
     if c.role == "spare":
         return []  # a spare node's processes are all spares (started by start_spares)
@@ -198,13 +200,14 @@ def worker_specs(config: AgentConfig, run_dir: RunDir, launch_id: str, a: Assign
             "LOCAL_WORLD_SIZE": str(c.nproc_per_node), "GROUP_RANK": str(a.node_rank),
             "GROUP_WORLD_SIZE": str(a.num_nodes), "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
             "ROLE_NAME": "default", "MASTER_ADDR": a.master_addr, "MASTER_PORT": str(a.master_port),
-            "TORCHELASTIC_MAX_RESTARTS": str(c.restart.max_restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(c.restart.max_restarts), "RESILIENT_RESUMING": "1" if resuming else "0",
             **worker_env(c, run_dir, launch_id, a.generation, attempt, local, gdir, f"rank{rank}"),
         }
         worker_id = inproc.new_worker_id("worker") if inproc is not None else f"r{rank}"
         if inproc is not None:
             env.update(inproc.worker_env(worker_id, "worker"))
-        specs.append(WorkerSpec(local_rank=local, rank=rank, argv=tuple(c.entrypoint), env=env,
+        argv = (*c.entrypoint, *c.restart_args) if resuming else tuple(c.entrypoint)
+        specs.append(WorkerSpec(local_rank=local, rank=rank, argv=argv, env=env,
                                 log_file=gdir / f"rank{rank}.log", echo=c.echo_output, worker_id=worker_id,
                                 slot=local))
     return specs
@@ -221,7 +224,9 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     """Start this node's workers of generation ``a`` and watch them to the end; ``restart``: after a failure."""
     gdir = ctx.run_dir.generation_dir(a.generation)
     gdir.mkdir(parents=True, exist_ok=True)
-    specs = worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir, ctx.inproc)
+    # Not the run's first start: a restart, or a later launch of the same run (its ledger was found).
+    resuming = restart or attempt > 0 or ctx.accounting.resumed
+    specs = worker_specs(ctx.config, ctx.run_dir, ctx.launch_id, a, attempt, gdir, ctx.inproc, resuming=resuming)
     group = WorkerGroup(specs, ctx.clock, ctx.echo_to, spawner=ctx.spawner)
     group.attempt = attempt
     pids = {rank: w.pid for rank, w in group.workers.items()}

@@ -14,6 +14,7 @@ failed check (or each stuck pid with its process state).
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -160,6 +161,33 @@ def read_error_file(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+OUTPUT_TAIL_BYTES = 65536
+"""How much of a worker's output is read back for the traceback it printed last."""
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+"""torch's own prefix on a distributed worker's uncaught traceback (``[rank0]: Traceback ...``)."""
+
+
+def error_from_output(log: Path) -> dict[str, Any] | None:
+    """The error record of a worker that wrote no error file (a script without ``resilient.Run``): the last Python
+    traceback in its output, its exception type and message; None when it printed none (a signal, ``exit(1)``)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - OUTPUT_TAIL_BYTES))
+            lines = [_RANK_PREFIX.sub("", line) for line in f.read().decode(errors="replace").splitlines()]
+    except OSError:
+        return None
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    if not starts:
+        return None
+    block = lines[starts[-1]:]
+    tail = next((i for i, line in enumerate(block[1:], 1) if line and not line.startswith(" ")), None)
+    if tail is None:
+        return None
+    exc_type, _, message = block[tail].partition(":")
+    return {"exc_type": exc_type.strip(), "message": message.strip(), "traceback": "\n".join(block[:tail + 1]) + "\n",
+            "source": f"the last traceback in {log.name} (the worker wrote no error file: no resilient.Run)"}
+
+
 def stacks_record(captures: Mapping[int, StackCapture]) -> dict[int, dict[str, Any]]:
     return {rank: asdict(c) for rank, c in sorted(captures.items())}
 
@@ -170,6 +198,10 @@ def write_incident(incidents_dir: Path, incident: Incident) -> Path:
     write_json_atomic(path, asdict(incident))
     return path
 
+
+FINDINGS = {"straggler": "slow rank", "slowdown": "the job slowed down"}
+"""Incidents that are performance findings, not failures: said in one line as what they are, unless the agent
+acted on one (a straggler replaced), which is told like any other incident."""
 
 TRACEBACK_LINES = 20
 """Lines of the first failure's traceback the console shows (the incident file keeps all of it)."""
@@ -182,6 +214,10 @@ def format_incident(incident: Incident, path: Path | None = None) -> str:
     :mod:`resilient.agent.launcher`), so this is where the first failure's
     shows, under its incident, and a survivor's shows only as its one line.
     """
+    finding = FINDINGS.get(incident.kind)
+    if finding is not None and not incident.decision:  # nothing failed and nothing was done: a measurement
+        where = f" (details: {path})" if path is not None else ""
+        return f"resilient: {finding} (the run goes on): {incident.summary}{where}"
     out = [f"resilient: incident {incident.id}: {incident.summary}"]
     error = incident.error or {}
     trace = str(error.get("traceback") or "").rstrip().splitlines()

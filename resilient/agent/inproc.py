@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import sys
 import threading
 import time
 from collections import Counter
@@ -133,7 +132,7 @@ class InProcess:
             spare = self.spares[worker_id] = SpareState(worker_id, self._clock())
             if worker_id in self._reports.ready:  # a forked spare can say ready before its start is recorded
                 spare.ready_at = self._reports.ready[worker_id][0]
-        self._emit(EventKind.SPARE_STARTED, worker=worker_id, pid=pid, generation=generation)
+        self._emit(EventKind.SPARE_STARTED, worker=worker_id, pid=pid, generation=generation, nice=self.spare_nice)
 
     def spare_gone(self, worker_id: str, returncode: int) -> None:
         """A spare exited before it was promoted: out of the pool (the caller starts another)."""
@@ -163,11 +162,8 @@ class InProcess:
             first_decline = event == "declined" and self.declined is None
             if first_decline:
                 self.declined = str(report.get("reason") or "a worker declined in-process recovery")
-        if first_decline:
+        if first_decline:  # the spares are stopped; the console says why in the run's integration line (notices)
             self._emit(EventKind.IN_PROCESS_DECLINED, worker=worker, reason=self.declined)
-            spares = " (the spares are stopped and no more are started)" if self.config.spares else ""
-            print(f"resilient: recovery for this run is by restart{spares}: {self.declined}", file=sys.stderr,
-                  flush=True)
         if self.changed is not None:
             self.changed.set()
         if event == "ready" and report.get("role") == "spare":

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ..core.events import Emit, EventKind
+from .integration import Offers, describe
 
 MAX_KEPT = 20
 """Notices of each kind kept for ``resilient status`` (the newest)."""
@@ -33,8 +34,11 @@ MAX_KEPT = 20
 class Notices:
     """The notices this node's workers sent: said once each, kept for status, the accepted divergences ledgered."""
 
-    def __init__(self, emit: Emit, resume_accepted: Callable[[int], None], *, console: IO[str] | None = None) -> None:
+    def __init__(self, emit: Emit, resume_accepted: Callable[[int], None], offers: Offers, *,
+                 console: IO[str] | None = None) -> None:
         self._emit = emit
+        self._offers = offers
+        """What this agent offers a run: the integration line weighs the script's facts against it."""
         self._resume_accepted = resume_accepted
         """Records an accepted diverged resume at a step in the node's ledger."""
         self._console = console
@@ -48,6 +52,8 @@ class Notices:
         """One notice from ``rank`` (receiver thread)."""
         kind = str(notice.get("kind"))
         entry = {**notice, "rank": rank, "generation": generation}
+        if kind == "integration":
+            entry["line"] = describe(notice, self._offers)
         with self._lock:
             kept = self._kept.setdefault(kind, [])
             kept.append(entry)

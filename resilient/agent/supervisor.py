@@ -51,6 +51,7 @@ from .heartbeat import HeartbeatReceiver
 from .incident_book import IncidentBook
 from .incidents import Incident, load_incidents, node_lost_incident, unhealthy_incident
 from .inproc import InProcess
+from .integration import Offers
 from .launch_record import write_launch_record
 from .launcher import parent_death_signal
 from .memory_replica import PUBLISHED_AS
@@ -133,7 +134,9 @@ class Agent:
         """How the previous generation ended; None before the first."""
         self.reporting = NodeReporting(config, self.run_dir, tracker=self.tracker, accounting=self.accounting,
                                        coordination=self.coordination, emit=self.emit, clock=clock)
-        self.notices = Notices(self.emit, lambda step: self.accounting.apply("resume_accepted", step))
+        self.notices = Notices(self.emit, lambda step: self.accounting.apply("resume_accepted", step),
+                               Offers(spares=config.spares, shrinkable=config.shrinkable or config.min_nodes < config.max_nodes,
+                                      in_process=config.in_process, restart_args=bool(config.restart_args)))
         """What the workers' Runs asked the agent to say (a config change, a diverged resume, the integration)."""
         self.reporting.status.notices = self.notices.view
         self.incidents = IncidentBook(self.run_dir, self.coordination.control, self.emit,
@@ -419,7 +422,7 @@ class Agent:
             records = load_incidents(self.run_dir.incidents)
             try:
                 records += [json.loads(e.value) for e in self.coordination.control.get_prefix("incidents/")]
-            except Exception as e:  # noqa: BLE001  the run directory's incidents still count
+            except Exception as e:
                 self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
         start = self.accounting.ledger.start_t
         env = failure_rate_env(mtbf_s=c.mtbf_s, from_history=c.mtbf_from_history, records=records,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import socket
 import sys
 import time
@@ -197,6 +198,10 @@ def add_parser(commands: Any) -> None:
                    help="the run's mean time between failures: the workers then save durable checkpoints at the "
                         "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
                         "estimated from the run's incident history before each generation (default: every_steps)")
+    p.add_argument("--restart-args", default="", metavar="'ARGS'",
+                   help="arguments added after SCRIPT's own whenever the workers resume (a restart, a resubmission), "
+                        "e.g. --restart-args='--init_from=resume' for a script that resumes from its own "
+                        "checkpoint; the script also finds RESILIENT_RESUMING=1 then")
     p.add_argument("--resume-check", choices=("stop", "accept"), default=None,
                    help="when a restarted worker's first step is not where the run that saved was (random numbers "
                         "drawn or data read between its restore and that step): stop with a verdict (default), or "
@@ -233,6 +238,15 @@ def rendezvous_store(args: argparse.Namespace, max_nodes: int) -> str | None:
     if args.standalone and (store is not None or max_nodes > 1):
         raise ConfigError("--standalone is one machine: drop it, or drop --store and --nnodes above 1")
     return store
+
+
+def restart_arguments(text: str) -> list[str]:
+    """``--restart-args``, split as a shell would."""
+    try:
+        return shlex.split(text)
+    except ValueError as e:
+        raise ConfigError(f"--restart-args {text!r}: {e}; quote it as a shell would, e.g. "
+                          "--restart-args='--init_from=resume'") from None
 
 
 def parse_nnodes(text: str, flag: str = "--nnodes") -> tuple[int, int]:
@@ -345,7 +359,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     if args.min_free_memory_gb is not None:
         health["min_free_memory_bytes"] = int(args.min_free_memory_gb * 2**30)
     return AgentConfig(
-        entrypoint=entry, run_id=run_id, node_id=node_id, launch_id=launch_id_from(args.launch_id, environ),
+        entrypoint=entry, restart_args=tuple(restart_arguments(args.restart_args)), run_id=run_id, node_id=node_id, launch_id=launch_id_from(args.launch_id, environ),
         token_file=args.token_file.absolute() if args.token_file else None,
         run_dir=(args.run_dir or Path("runs") / run_id).absolute(),
         nproc_per_node=nproc, min_nproc_per_node=min_nproc if min_nproc != nproc else None, spares=args.spares,

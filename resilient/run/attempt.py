@@ -386,6 +386,7 @@ class Attempt:
         if entered is not None:
             entered()
         state.attempt_start = begin(state)
+        state.attempted = True
         state.own_grads = nonfinite.watch_own(state)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:

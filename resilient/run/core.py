@@ -39,13 +39,14 @@ from ..worker.heartbeat import HeartbeatCounts
 from . import attempt as _attempt
 from . import audit as _audit
 from . import ddp as _ddp
+from . import integration as _integration
 from . import nonfinite as _nonfinite
 from . import replay as _replay
 from . import resume as _resume
 from . import saving
 from .memory import open_memory
 from .mesh import take_joined, worker_hooks
-from .payloads import check_sharding, digest_config, open_checkpoints, shard_layout
+from .payloads import check_sharding, config_values, digest_config, open_checkpoints, shard_layout
 from .recovery import InProcessRecovery
 from .sections import AFTER_STEPS, BETWEEN, Section
 from .state import RunState
@@ -190,7 +191,8 @@ class Run:
         untimed = untimed or (time_fsdp(model, st.timer) if st.sharded else None)
         if untimed is not None:
             st.events.emit(EventKind.COMM_NOT_TIMED, reason=untimed)
-        _ddp.init_default_group(st.ddp_options is not None)  # torchrun or the agent, and the script made no group
+        # torchrun or the agent, and the script made no group; a spare's group is the one it was promoted into
+        _ddp.init_default_group(st.ddp_options is not None and not spare)
         st.seed, st.reseed = _checked_seed(seed, reseed)
         st.generators = _resume.check_generators(generators)
         st.resume_check = _resume.checked_mode(resume_check if resume_check is not None else
@@ -216,6 +218,7 @@ class Run:
         st.fingerprint = {
             "model": model_fingerprint(model),
             "config": digest_config(st.config),
+            "config_values": config_values(st.config),  # a resume under another config names what changed
             "code": {"resilient": __version__, "torch": torch.__version__},
         }
         self._open_checkpoints(checkpoint, env, spare=spare, joined=joined)
@@ -243,8 +246,9 @@ class Run:
         st.memory = open_memory(st, env) if checkpoint is not None and not diagnosing else None
         if checkpoint is not None and not diagnosing:
             with st.section("restore"):
-                # A spare already in the group takes its state from the members, not from a checkpoint.
-                st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=joined is None)
+                # A promoted spare takes its state from the members, not from a checkpoint.
+                promoted = joined is not None or (env is not None and env.promoted is not None)
+                st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=not promoted)
         if st.hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             st.hooks.restored(st.restored_from, st.step if st.restored_from else None,
                               time.perf_counter() - restore_started)
@@ -317,6 +321,8 @@ class Run:
             if timer is not None:
                 timer.end_step(st.step)
             st.step += 1
+            if not st.integration_told:
+                _integration.after_first_step(st)
             # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
             # its way out, or the agent would see the next step start before it does.
             st.current_section = BETWEEN

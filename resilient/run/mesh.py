@@ -105,8 +105,9 @@ def _join_as_spare(env: WorkerEnv) -> Joined:
     assert env.recovery_store is not None and env.worker_id is not None
     hooks = WorkerHooks(env)
     hooks.install()  # the error file and stack dumps cover the wait too
-    hooks.recovery({"event": "ready", "worker": env.worker_id, "role": "spare", "step": 0, "world_size": None,
-                    "global_batch": None, "micro_batch": None, "batch_rule": None})
+    if env.promoted is None:  # a spare promoted before its script started said ready then
+        hooks.recovery({"event": "ready", "worker": env.worker_id, "role": "spare", "step": 0, "world_size": None,
+                        "global_batch": None, "micro_batch": None, "batch_rule": None})
     try:
         host, port = env.recovery_store
         store = connect_store(host, port, env.recovery_timeout_s)

@@ -200,10 +200,27 @@ def apply_restored(state: RunState, restored: Restored) -> None:
         resume.restore(state, state.step, name, mine)
     saved_config = restored.manifest.fingerprint.get("config")
     if saved_config != state.fingerprint["config"]:
+        changed = config_changes(restored.manifest.fingerprint.get("config_values"), state.fingerprint["config_values"])
         state.events.emit(EventKind.CONFIG_CHANGED, checkpoint=name, saved=saved_config,
-                          now=state.fingerprint["config"])
+                          now=state.fingerprint["config"], changed=changed)
+        if state.hooks is not None:  # said on the agent's console and in resilient status
+            state.hooks.notice({"kind": EventKind.CONFIG_CHANGED.value, "checkpoint": name, "step": state.step,
+                                "changed": changed})
     state.restored_from = name
     state.last_saved_step = state.step
+
+
+def config_values(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The config as JSON values (what is not JSON as its ``repr``), kept in every manifest."""
+    return None if config is None else json.loads(json.dumps(config, sort_keys=True, default=repr))
+
+
+def config_changes(saved: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> dict[str, list[Any]] | None:
+    """The keys whose values differ, ``{key: [saved, now]}`` (an absent key is None); None when the saved
+    checkpoint kept no values (written before they were kept) or either side has no config."""
+    if saved is None or now is None:
+        return None
+    return {k: [saved.get(k), now.get(k)] for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)}
 
 
 def digest_config(config: Mapping[str, Any] | None) -> str | None:

@@ -308,7 +308,8 @@ class InProcessRecovery:
                 self._give_up(err)
                 raise
             return
-        self._report(self._ready("spare"))
+        if self.env.promoted is None:  # a spare promoted before its script started said ready then
+            self._report(self._ready("spare"))
         try:
             store = self._connect()
             assignment = wait_until_assigned(store, self.worker_id, self.generation, self.timeout_s)

@@ -105,6 +105,10 @@ class RunState:
     """The newest batch fetched ahead through ``run.prefetch`` (:mod:`.resume`)."""
     in_body: bool = False
     """Inside the loop body of ``state.step`` (between ``run.steps()`` yielding it and the step's completion)."""
+    attempted: bool = False
+    """A step of this process ran under ``run.attempt()``."""
+    integration_told: bool = False
+    """The agent was told what this script's integration allows (:mod:`.integration`), at the first step's end."""
     groups: Any = None
     """What ``make_groups`` returned in the current generation (None before it ran)."""
     current_section: str = "init"

@@ -79,6 +79,11 @@ class StragglerConfig:
     min_share: float = 0.05
     """A rank is flagged only when its extra time in the section is at least this share of the job's step
     (0.05: 5%): a tiny section that is 40% slower costs the job nothing worth a page."""
+    min_evidence_s: float = 3.0
+    """Seconds of training a flag's slow windows must span at least (besides the rule's ``consecutive``): a busy
+    host makes one rank slower for a second or so at a time (another process, a collection, the page cache), and
+    with steps of a few milliseconds three windows last a fraction of that.  Steps of a second or more meet it
+    with the rule's windows alone."""
     contention_windows: int = 12
     """Windows in a row a flag needs when the rank's extra wait for a CPU over its peers' explains half or more of
     its extra time, or all but ``min_share`` of a step of it (a busy host's scheduler, unless it persists); and a
@@ -92,6 +97,9 @@ class StragglerConfig:
         if self.min_history < 3 or self.min_history > self.history:
             raise ConfigError(f"StragglerConfig.min_history={self.min_history} must be between 3 and "
                               f"history={self.history}: noise is estimated from at least 3 windows")
+        if not (isinstance(self.min_evidence_s, (int, float)) and math.isfinite(self.min_evidence_s)
+                and self.min_evidence_s >= 0):
+            raise ConfigError(f"StragglerConfig.min_evidence_s={self.min_evidence_s!r} must be a number of seconds >= 0")
         for name in ("noise_floor", "min_seconds", "min_share"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -218,8 +226,8 @@ class StragglerDetector:
                 ser = self._series[(rank, section)]
                 was = ser.cusum.flagged
                 ser.cusum = advance(ser.cusum, ser.x[-1], sigma, cfg.rule)
-                if ser.cusum.flagged and not was and not self._material(ser, step_s):
-                    ser.cusum = replace(ser.cusum, flagged=False)  # real but too small to matter: keep watching
+                if ser.cusum.flagged and not was and not (self._material(ser, step_s) and self._lasted(ser, step_s)):
+                    ser.cusum = replace(ser.cusum, flagged=False)  # too small, or too brief yet: keep watching
                 if ser.cusum.flagged and not was and self._contended(rank, section, step_s):
                     ser.held += 1
                     if ser.held < cfg.contention_windows or self._standing(rank, section):
@@ -254,6 +262,11 @@ class StragglerDetector:
     def _material(self, ser: _Series, step_s: float) -> bool:
         """Whether the rank's extra time over its peers, over the evidence windows, is worth flagging."""
         return self._extra(ser) >= self.config.min_share * step_s
+
+    def _lasted(self, ser: _Series, step_s: float) -> bool:
+        """Whether the series' windows in a row above the reference span ``min_evidence_s`` of training."""
+        run = min(ser.cusum.run, len(ser.steps))
+        return sum(list(ser.steps)[-run:]) * step_s >= self.config.min_evidence_s if run else False
 
     def _extra_wait(self, rank: int, section: str) -> float | None:
         """The rank's wait for a CPU per step over its peers' median, over the evidence windows; None if unmeasured."""

@@ -13,7 +13,8 @@ In-process recovery adds ``RESILIENT_RECOVERY_STORE`` (the agent's
 TCPStore that re-formed groups rendezvous on; unset: no in-process
 recovery), ``RESILIENT_WORKER_ID``, ``RESILIENT_ROLE`` (``worker`` or
 ``spare``) and ``RESILIENT_RECOVERY_TIMEOUT``.  A spare gets no ``RANK``,
-``WORLD_SIZE`` or ``MASTER_*``: it is rank 0 of a world of 1 until promoted.
+``WORLD_SIZE`` or ``MASTER_*`` while it waits (:mod:`resilient.worker.standby`, before its script starts);
+promoted, its script starts with the ``RANK`` and ``WORLD_SIZE`` of its assignment and ``RESILIENT_PROMOTED``.
 :func:`launched_distributed` tells whether torch's own variables ask for a
 process group (plain ``torchrun`` sets them without any agent).
 """
@@ -86,6 +87,9 @@ class WorkerEnv:
     """RESILIENT_WORKER_ID: this process's identity across generations (its assignments' key)."""
     role: str = "worker"
     """RESILIENT_ROLE: ``worker`` (a member) or ``spare`` (waits for an assignment before training)."""
+    promoted: int | None = None
+    """RESILIENT_PROMOTED: the generation a spare was promoted into before its script started (None: not yet, or
+    not a spare); its Run joins that generation and takes the survivors' state, restoring no checkpoint."""
     recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S
     """RESILIENT_RECOVERY_TIMEOUT: seconds a survivor waits for its assignment, and for the new group, before giving up."""
     resizable: int = 0
@@ -148,6 +152,8 @@ class WorkerEnv:
             if not self.worker_id:
                 raise ConfigError("RESILIENT_RECOVERY_STORE is set but RESILIENT_WORKER_ID is not: the agent names "
                                   "each worker (e.g. w0, s0) so that it can address its assignments")
+        if self.promoted is not None and self.role != "spare":
+            raise ConfigError("RESILIENT_PROMOTED is set but RESILIENT_ROLE is not spare: only a spare is promoted")
         if self.role == "spare" and self.recovery_store is None:
             raise ConfigError("RESILIENT_ROLE=spare needs RESILIENT_RECOVERY_STORE: a spare waits there for the "
                               "assignment that promotes it")
@@ -208,6 +214,7 @@ class WorkerEnv:
             "recovery_store": _address(environ, "RESILIENT_RECOVERY_STORE"),
             "worker_id": _str(environ, "RESILIENT_WORKER_ID"),
             "role": _str(environ, "RESILIENT_ROLE"),
+            "promoted": _int(environ, "RESILIENT_PROMOTED"),
             "recovery_timeout_s": _float(environ, "RESILIENT_RECOVERY_TIMEOUT"),
             "resizable": _int(environ, "RESILIENT_RESIZABLE"),
             "diagnose": _str(environ, "RESILIENT_DIAGNOSE"),
@@ -246,7 +253,7 @@ _VARS = {
     "stack_signal": "RESILIENT_STACK_SIGNAL", "error_file": "RESILIENT_ERROR_FILE",
     "control_file": "RESILIENT_CONTROL_FILE", "stop_signal": "RESILIENT_STOP_SIGNAL",
     "fault_plan": "RESILIENT_FAULT_PLAN", "recovery_store": "RESILIENT_RECOVERY_STORE",
-    "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
+    "worker_id": "RESILIENT_WORKER_ID", "role": "RESILIENT_ROLE", "promoted": "RESILIENT_PROMOTED", "recovery_timeout_s": "RESILIENT_RECOVERY_TIMEOUT",
     "resizable": "RESILIENT_RESIZABLE", "diagnose": "RESILIENT_DIAGNOSE", "memory_dir": "RESILIENT_MEMORY_DIR",
     "memory_limit": "RESILIENT_MEMORY_LIMIT", "memory_every": "RESILIENT_MEMORY_EVERY",
     "memory_pin_every": "RESILIENT_MEMORY_PIN_EVERY", "mtbf_s": "RESILIENT_MTBF",

@@ -36,7 +36,7 @@ import struct
 import sys
 import threading
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 HEADER = struct.Struct("!I")
 MAX_FDS = 3
@@ -198,6 +198,12 @@ def become_worker(request: dict[str, Any], fds: list[int], server: int, close: t
     sys.dont_write_bytecode = "-B" in options or bool(env.get("PYTHONDONTWRITEBYTECODE"))
     reopen_stdio(unbuffered)
     adopt_environment(env)
+    run_main(target_kind, target, args)
+
+
+def run_main(target_kind: str, target: str, args: list[str]) -> NoReturn:
+    """Run a script (or ``-m`` module) as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as Python sets them,
+    and end the process the way Python would: its exit code, or 1 with the traceback for an uncaught exception."""
     import runpy
 
     try:
@@ -219,10 +225,14 @@ def become_worker(request: dict[str, Any], fds: list[int], server: int, close: t
     raise SystemExit(0)
 
 
+_OURS = ("runpy.py", "forkserver.py", os.path.join("worker", "standby.py"))
+"""The frames above a script's own: runpy's, this server's, and a spare's wait for its promotion."""
+
+
 def script_frames(tb: TracebackType | None) -> TracebackType | None:
-    """The traceback from the script's first frame on, without this server's and runpy's frames above it."""
+    """The traceback from the script's first frame on, without the frames of what started it (see :data:`_OURS`)."""
     while tb is not None and (tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
-                              or tb.tb_frame.f_code.co_filename.endswith(("runpy.py", "forkserver.py"))):
+                              or tb.tb_frame.f_code.co_filename.endswith(_OURS)):
         tb = tb.tb_next
     return tb
 
