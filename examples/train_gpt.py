@@ -288,11 +288,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = world_size > 1
-    if distributed:
-        torch.set_num_threads(1)
-    if distributed and args.fsdp:
+    # This script's rank and world size are the Run's (run.rank, run.world_size), read after Run() and each time
+    # they are used: they follow an in-process re-formation (a shrink renumbers the ranks), which the launcher's
+    # variables do not.  Only the sharded model's mesh is made before the Run, from its shape.
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if args.fsdp else 1
+    if world_size > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     gpt = GPT(dataset.vocab_size, args.block_size, args.d_model, args.layers, args.heads, dropout=0.1)
-    if distributed and args.fsdp:
+    if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -338,12 +338,11 @@ def main(argv: list[str] | None = None) -> int:
             if k not in ("crash_at_step", "crash_rank", "trace", "ckpt_dir", "log_every", "keep", "every")
         },
     )
-    rank = run.rank
     trace = Trace(args.trace)
     trace.write(
         {
             "kind": "start",
-            "rank": rank,
+            "rank": run.rank,
             "world_size": run.world_size,
             "step": run.step,
             "restored_from": run.restored_from,
@@ -351,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             "t": time.time(),
         }
     )
-    if rank == 0:
+    if run.rank == 0:
         n_params = sum(p.numel() for p in gpt.parameters())
         where = f"restored {run.restored_from} (step {run.step})" if run.restored_from else "fresh start"
         print(
@@ -364,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     # RESILIENT_WORKER_ID), and never after a restore.
     first_process = os.environ.get("RESILIENT_WORKER_ID") in (None, f"w{args.crash_rank}")
     crash_armed = (
-        args.crash_at_step is not None and rank == args.crash_rank and run.restored_from is None and first_process
+        args.crash_at_step is not None and run.rank == args.crash_rank and run.restored_from is None and first_process
     )
     gpt.train()
     t0, s0 = time.perf_counter(), run.step
@@ -374,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         with run.attempt():  # a peer lost in here is survived in process where the launcher can; else a restart
             started = time.time()  # the start of the step's last attempt
             if crash_armed and step == args.crash_at_step:
-                print(f"[train_gpt] rank {rank}: simulated crash, SIGKILL at the top of step {step}", flush=True)
-                trace.write({"kind": "crash", "rank": rank, "step": step, "t": time.time()})
+                print(f"[train_gpt] rank {run.rank}: simulated crash, SIGKILL at the top of step {step}", flush=True)
+                trace.write({"kind": "crash", "rank": run.rank, "step": step, "t": time.time()})
                 os.kill(os.getpid(), signal.SIGKILL)
             lr = optimizer.param_groups[0]["lr"]
             indices: list[int] = []
@@ -396,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         trace.write(
             {
                 "kind": "step",
-                "rank": rank,
+                "rank": run.rank,
                 "step": step,
                 "lr": lr,
                 "loss": run.last_loss,
@@ -405,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 "t": time.time(),
             }
         )
-        if rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
+        if run.rank == 0 and ((step + 1) % args.log_every == 0 or step + 1 == args.steps):
             now = time.perf_counter()
             rate = (step + 1 - s_last) / max(now - t_last, 1e-9)
             print(
@@ -418,11 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     result = run.close()
 
     p_digest, o_digest = param_digest(gpt), optimizer_digest(optimizer)
-    if rank == 0:
+    if run.rank == 0:
         trace.write(
             {
                 "kind": "final",
-                "rank": rank,
+                "rank": run.rank,
                 "step": run.step,
                 "restored_from": run.restored_from,
                 "param_sha256": p_digest,
@@ -440,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     trace.close()
-    if distributed and args.fsdp:
+    if world_size > 1:
         import torch.distributed as dist
 
         # The sharded model's groups sit in reference cycles: collect them now, not while Python exits.

@@ -249,10 +249,10 @@ def test_status_and_ledger_keep_updating_while_etcd_is_down(tmp_path, etcd_outag
             if s is not None and s["updated_at"] > start["time"]:
                 status_writes.add(s["updated_at"])
             ledger_mtimes.add(ledger.stat().st_mtime_ns)
-            return len(status_writes) >= 4 and len(ledger_mtimes) >= 5
+            return len(status_writes) >= 4 and len(ledger_mtimes) >= 3  # the ledger every 5 s, status every second
 
         wait_for(written_during_the_outage, timeout=HANG_GUARD_S, interval=0.05,
-                 what="4 status.json and 4 ledger.json writes while etcd is down")
+                 what="4 status.json and 2 ledger.json writes while etcd is down")
         assert not events(run_dir, "store_outage_end"), "etcd is still down: the outage cannot have ended"
         etcd_outage_server.start()
         code = agent.wait(timeout=240)

@@ -30,7 +30,7 @@ BREAKS = {
                     (DeviceMesh, "_get_root_mesh")],
     "fsdp_comm_timing": [(FSDPModule, "set_custom_all_gather"), (FSDPModule, "set_custom_reduce_scatter")],
     "dtensor_chunks": [(DTensor, "__create_chunk_list__")],
-    "fused_norm": [(torch, "_foreach_norm")],
+    "fused_check": [(torch, "_amp_foreach_non_finite_check_and_unscale_")],
     "late_nonfinite": [(torch, "_amp_foreach_non_finite_check_and_unscale_")],
 }
 
@@ -55,8 +55,8 @@ def test_a_probe_fails_when_its_api_is_gone_and_names_it(monkeypatch, feature, o
 
 
 def test_a_probe_fails_when_an_api_changed_shape(monkeypatch) -> None:
-    monkeypatch.setattr(torch, "_foreach_norm", 3)
-    assert "torch._foreach_norm is no longer callable (int)" in compat.probe("fused_norm")
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", 3)
+    assert "torch._amp_foreach_non_finite_check_and_unscale_ is no longer callable (int)" in compat.probe("fused_check")
     monkeypatch.setattr(DTensor, "__slots__", ("_spec",))
     assert "DTensor has no _local_tensor slot" in compat.probe("dtensor_chunks")
 
@@ -107,12 +107,12 @@ def test_without_the_sharding_apis_fsdp_recovery_and_sharded_checkpoints_fail_cl
         check_sharding(torch.nn.Linear(2, 2), False, spare=False)
 
 
-def test_without_the_fused_norm_the_nonfinite_check_still_finds_a_nan(monkeypatch) -> None:
+def test_without_the_fused_check_the_nonfinite_check_still_finds_a_nan(monkeypatch) -> None:
     from resilient import Run
     from resilient.core.errors import NonFiniteGradientsError
 
-    monkeypatch.setitem(compat.STATUS, "fused_norm", "fused_norm is off for the test")
-    monkeypatch.delattr(torch, "_foreach_norm")  # the fallback must not touch it
+    monkeypatch.setitem(compat.STATUS, "fused_check", "fused_check is off for the test")
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")  # the fallback must not touch it
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     run = Run(model=model, optimizer=optimizer, agent=None, nonfinite="raise")
@@ -125,10 +125,10 @@ def test_without_the_fused_norm_the_nonfinite_check_still_finds_a_nan(monkeypatc
 def test_features_that_are_off_are_reported_once_when_a_run_starts(monkeypatch) -> None:
     from resilient import Run
 
-    monkeypatch.setitem(compat.STATUS, "fused_norm", "fused_norm is off for the test")
+    monkeypatch.setitem(compat.STATUS, "fused_check", "fused_check is off for the test")
     run = Run(model=torch.nn.Linear(2, 1), agent=None)
     [event] = run.events.of_kind("torch_features_off")
-    assert event.fields["features"] == {"fused_norm": "fused_norm is off for the test"}
+    assert event.fields["features"] == {"fused_check": "fused_check is off for the test"}
     run.close()
 
 

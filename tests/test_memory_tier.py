@@ -231,10 +231,10 @@ def test_the_interval_keeps_the_tier_within_its_budget_of_the_step():
     costs = [mem.SaveCost(s, 100 << 20, stall_s=0.02, hash_s=0.06) for s in range(5)]
     assert decide_interval([], 0.05, on_cpu=True).every == 1
     assert decide_interval(costs, None, on_cpu=True).every == 1
-    gpu = decide_interval(costs, 0.05, on_cpu=False)  # 20 ms against 5% of 50 ms = 2.5 ms
-    assert gpu.every == 8 and "20.0 ms" in gpu.reason
+    gpu = decide_interval(costs, 0.05, on_cpu=False)  # 20 ms against 1% of 50 ms = 0.5 ms
+    assert gpu.every == 40 and "20.0 ms" in gpu.reason and "within 1% of the step time" in gpu.reason
     cpu = decide_interval(costs, 0.05, on_cpu=True)  # the hashing takes cores from the step too
-    assert cpu.every == 32
+    assert cpu.every == 160
     assert decide_interval(costs, 0.05, on_cpu=True, bound=10).every == 10
     cheap = [mem.SaveCost(s, 1 << 10, stall_s=0.0001, hash_s=0.0001) for s in range(5)]
     assert decide_interval(cheap, 0.05, on_cpu=True).every == 1

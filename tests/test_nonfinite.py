@@ -190,7 +190,7 @@ def test_a_run_on_the_cpu_never_pays_for_the_late_verdicts_probe(monkeypatch):
     monkeypatch.setattr(compat, "STATUS", {})
     model = torch.nn.Linear(2, 1)
     resilient.Run(model=model, optimizer=torch.optim.Adam(model.parameters(), fused=True), agent=None)
-    assert "late_nonfinite" not in compat.STATUS and "fused_norm" in compat.STATUS
+    assert "late_nonfinite" not in compat.STATUS and "fused_check" in compat.STATUS
     resilient.Run(model=model, optimizer=torch.optim.Adam(model.parameters(), fused=True), agent=None,
                   nonfinite_verdict="late")
     assert compat.STATUS["late_nonfinite"] is None

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import statistics
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -69,6 +70,8 @@ if TYPE_CHECKING:
     from .supervisor import Agent
 
 HOST_SAMPLES = 64
+HOST_EVERY_S = 1.0
+"""The host's counters are read at most this often (a window of fast steps takes a few tens of milliseconds)."""
 """Host samples kept, one per scored window (a slowdown compares those around it with the baseline's)."""
 
 
@@ -91,6 +94,7 @@ class SlownessWatch:
         self._ledger = ledger_seconds
         self._freeze = freeze_ideal
         self._telemetry = telemetry
+        self._sampled: HostSample | None = None
         self._persistent = persistent
         self._persist_windows = persist_windows
         self._flagged_at: dict[tuple[int, str], tuple[int, dict[str, Any]]] = {}
@@ -198,13 +202,22 @@ class SlownessWatch:
                 self._straggler(change, generation)
             self._check_persistent(generation, windows)
         for windows in local_batches:
-            self._host.append(self._telemetry())
+            self._host.append(self._host_now())
             had_baseline = self.slowdowns.baseline_s is not None
             for slow in self.slowdowns.observe(windows):
                 self._slowdown(slow, generation)
             if not had_baseline and self.slowdowns.baseline_s is not None:  # the host while the baseline was set
                 first = max(0, len(self._host) - self.slowdowns.config.baseline_windows - 1)
                 self._baseline_host = (self._host[first], self._host[-1])
+
+    def _host_now(self) -> HostSample:
+        """The host's counters, read at most once per :data:`HOST_EVERY_S`: a window of fast steps lasts a few tens
+        of milliseconds, and reading them for each (psutil, the pressure files) took a percent of a core from
+        the workers of a busy node."""
+        sampled = self._sampled
+        if sampled is None or time.monotonic() - sampled.t >= HOST_EVERY_S:
+            sampled = self._sampled = self._telemetry()
+        return sampled
 
     def _own(self, changes: Iterable[StragglerChange]) -> list[StragglerChange]:
         """The changes of this node's ranks (a peer's agent reports its own)."""

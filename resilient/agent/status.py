@@ -8,15 +8,15 @@ seconds for humans; the agent never compares them across hosts.
 ``resilient status`` asks the running agent for a fresh :meth:`StatusPublisher.snapshot`
 through its control socket (no token needed) whenever it can reach it, so
 the rank rows it shows are as new as the newest heartbeat the agent has
-received: at most one heartbeat batch (20 ms) behind the worker.  The file
+received: at most one heartbeat batch (100 ms) behind the worker.  The file
 and the store copy, read when the socket cannot be reached (another host,
 an agent that ended), are at most one interval plus their write behind:
 1 s for the file, 5 s for the store copy (a put a second from each of a
 thousand agents would be most of what the store serves).
 
-Local first, network second: one thread saves ``ledger.json`` and writes
-``status.json`` every second and touches nothing but local files and
-memory; a second thread reads the restart count from the store (the
+Local first, network second: one thread writes ``status.json`` every
+second and saves ``ledger.json`` every five (a few hundred kilobytes of
+JSON) and touches nothing but local files and memory; a second thread reads the restart count from the store (the
 count shown is the last one read) and copies the newest snapshot to the
 store.  A store outage (the etcd client retries for up to its outage
 tolerance, 60 s by default) then only makes the store copy stale, which
@@ -60,7 +60,7 @@ class StatusPublisher:
                  refresh_restarts: Callable[[], object] | None, store_put: Callable[[str, bytes], None] | None,
                  emit: Emit, clock: Callable[[], float] = time.monotonic,
                  interval_s: float = 1.0, final_store_timeout_s: float = 10.0,
-                 store_interval_s: float = 5.0) -> None:
+                 store_interval_s: float = 5.0, ledger_interval_s: float = 5.0) -> None:
         self._config = config
         self._status_file = status_file
         self._control_socket = control_socket
@@ -73,6 +73,13 @@ class StatusPublisher:
         self._clock = clock
         self._interval = interval_s
         self._store_interval = store_interval_s
+        self._ledger_interval = ledger_interval_s
+        """Seconds between saves of the ledger (a few hundred kilobytes of JSON: tens of milliseconds of CPU a
+        save, which at every second would take a percent of a core from the workers of a busy node)."""
+        self._ledger_saved_at = float("-inf")
+        self._ledger_generation: int | None = None
+        """The generation the saved ledger holds: a new one is saved at once (an agent that starts on this run
+        directory continues the generation numbers from it)."""
         self._final_store_timeout = final_store_timeout_s
         self._group: WorkerGroup | None = None
         self._assignment: Assignment | None = None
@@ -119,7 +126,7 @@ class StatusPublisher:
         self._done.set()
         if self._threads:
             self._threads[0].join(timeout=10)
-        self.publish_local()  # the final phase
+        self.publish_local(final=True)  # the final phase, and the final ledger
         self._store_done.set()  # the store thread publishes that final snapshot, then ends
         if len(self._threads) > 1:
             self._threads[1].join(timeout=self._final_store_timeout)
@@ -163,8 +170,9 @@ class StatusPublisher:
             "store_published_at": self._store_published_at,
         }
 
-    def publish_local(self) -> dict[str, Any]:
-        """Write status.json, then save the ledger (local files only); return the snapshot.
+    def publish_local(self, *, final: bool = False) -> dict[str, Any]:
+        """Write status.json, then save the ledger when ``ledger_interval_s`` passed since its last save, a new
+        generation started, or ``final`` (local files only); return the snapshot.
 
         Status first: the snapshot is taken just before its own write, never
         behind the ledger's (larger) one.
@@ -175,10 +183,13 @@ class StatusPublisher:
         except OSError as e:
             self._emit(EventKind.STATUS_WRITE_FAILED, error=str(e))
         self._latest = snap
-        try:
-            self._accounting.save()
-        except OSError as e:
-            self._emit(EventKind.LEDGER_WRITE_FAILED, error=str(e))
+        now, generation = time.monotonic(), self._accounting.ledger.generation
+        if final or now - self._ledger_saved_at >= self._ledger_interval or generation != self._ledger_generation:
+            self._ledger_saved_at, self._ledger_generation = now, generation
+            try:
+                self._accounting.save()
+            except OSError as e:
+                self._emit(EventKind.LEDGER_WRITE_FAILED, error=str(e))
         return snap
 
     # ------------------------------------------------------------ store

@@ -47,7 +47,8 @@ def sample_host() -> HostSample:
         pass
     memory = swap = None
     try:
-        memory = 1.0 - psutil.virtual_memory().available / psutil.virtual_memory().total
+        virtual = psutil.virtual_memory()
+        memory = 1.0 - virtual.available / virtual.total
         swap = psutil.swap_memory().percent / 100.0
     except (OSError, ZeroDivisionError):
         pass

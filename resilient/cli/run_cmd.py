@@ -61,15 +61,15 @@ def add_parser(commands: Any) -> None:
                    help="worker processes on this node (default 1); MIN:MAX starts MAX and may continue on as "
                    "few as MIN after losing some, keeping the global batch (scripts that use run.attempt())")
     p.add_argument("--spares", type=int, default=0, metavar="N",
-                   help="extra workers kept warm (script run up to resilient.Run) to take a failed rank's "
-                   "place in process (default 0)")
+                   help="extra processes kept ready (torch imported; the script starts once one is promoted, with "
+                        "the rank it takes) to take a failed rank's place in process (default 0)")
     p.add_argument("--spare-nice", type=int, default=10, metavar="N",
                    help="niceness of a spare until it is promoted (default 10; 0: as the workers). Spares start "
                    "once the workers have restored, at this lower priority; needs CAP_SYS_NICE to undo, without "
                    "it spares start at 0")
     p.add_argument("--role", choices=("worker", "spare"), default="worker",
-                   help="spare: join the run's spare pool (needs --store) with --nproc-per-node warm workers that "
-                   "take a lost node's ranks, or grow a run shrunk below MAX of --nnodes, in process")
+                   help="spare: join the run's spare pool (needs --store) with --nproc-per-node spare processes "
+                   "that take a lost node's ranks, or grow a run shrunk below MAX of --nnodes, in process")
     p.add_argument("--no-in-process", dest="in_process", action="store_false",
                    help="recover by restarting the group only, even for scripts that use run.attempt()")
     p.add_argument("--grow-settle", type=float, default=5.0, metavar="S",
@@ -186,7 +186,7 @@ def add_parser(commands: Any) -> None:
                    help="bytes the node's memory tier may hold, all ranks together, e.g. 8G (default: half of "
                         "--memory-root); a rank without room keeps to the durable tier and says so")
     p.add_argument("--memory-every", default="auto", metavar="N|auto",
-                   help="steps between memory saves (default auto: chosen so that a save costs at most 5%% of the "
+                   help="steps between memory saves (default auto: chosen so that saves cost at most 1%% of the "
                         "step time, from what saves cost)")
     p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1), metavar="0|1",
                    help="1: keep a copy of each node's memory tier on the next node, so that a node lost with its "

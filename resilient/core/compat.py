@@ -39,7 +39,7 @@ FEATURES: Mapping[str, str] = {
     "fsdp_comm_timing": "FSDP2's all-gathers and reduce-scatters timed as communication (a rank waiting for a "
                         "slow peer is told from the straggler)",
     "dtensor_chunks": "sharded (DTensor) checkpoints: each rank's chunk of a tensor",
-    "fused_norm": "the non-finite gradient check in one fused pass (without it: one pass per tensor)",
+    "fused_check": "the non-finite gradient check in one fused kernel (without it: one pass per tensor)",
     "late_nonfinite": "the non-finite gradient check without a host sync per step (nonfinite_verdict='late': "
                       "the update skipped on the device, the verdict read a step later)",
 }
@@ -133,8 +133,19 @@ def _dtensor_chunks() -> list[str | None]:
     ]
 
 
-def _fused_norm() -> list[str | None]:
-    return [_callable(torch, "torch", "_foreach_norm")]
+def _fused_check() -> list[str | None]:
+    found_api = _callable(torch, "torch", "_amp_foreach_non_finite_check_and_unscale_")
+    if found_api is not None:
+        return [found_api]
+    try:  # by behaviour: it flags a NaN and leaves the values as they were (multiplied by one)
+        values = [torch.tensor([1.5, float("nan")]), torch.tensor([-0.0, 3.0])]
+        found = torch.zeros(())
+        torch._amp_foreach_non_finite_check_and_unscale_(values, found, torch.ones(()))
+    except Exception as e:  # noqa: BLE001 - whatever the changed API raises turns the feature off
+        return [f"torch._amp_foreach_non_finite_check_and_unscale_ failed ({type(e).__qualname__}: {e})"]
+    if found.item() != 1.0 or values[0][0].item() != 1.5 or values[1][1].item() != 3.0:
+        return ["torch._amp_foreach_non_finite_check_and_unscale_ no longer flags a NaN and keeps the values"]
+    return []
 
 
 def _late_nonfinite() -> list[str | None]:
@@ -164,7 +175,7 @@ _PROBES: Mapping[str, Callable[[], list[str | None]]] = {
     "fsdp_rebind": _fsdp_rebind,
     "fsdp_comm_timing": _fsdp_comm_timing,
     "dtensor_chunks": _dtensor_chunks,
-    "fused_norm": _fused_norm,
+    "fused_check": _fused_check,
     "late_nonfinite": _late_nonfinite,
 }
 assert set(_PROBES) == set(FEATURES)

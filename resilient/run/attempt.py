@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..core.collective import is_collective_error  # torch-free: the agent classifies peer failures the same way
 from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError, ResilientError
 from ..core.events import EventKind
-from ..core.state import unwrap
+from ..core.state import seed_torch, unwrap
 from . import nonfinite
 from .resume import generator_states, set_generator_states
 from .state import StepPosition
@@ -154,6 +154,10 @@ class AttemptStart:
     above were not taken."""
 
 
+_IMMUTABLE = (float, int, bool, str, type(None), tuple)
+"""Hyperparameter values kept as they are in an attempt's copy (a tensor learning rate, a list, is copied)."""
+
+
 def begin(state: RunState) -> AttemptStart:
     """Record the attempt's start, seed the torch RNG from ``(seed, step, rank)`` (and Python's and numpy's
     global generators too with ``Run(reseed=True)``)."""
@@ -171,13 +175,13 @@ def begin(state: RunState) -> AttemptStart:
         if retryable else {},
         scheduler=snapshot_state("scheduler", state.scheduler) if retryable and state.scheduler is not None else None,
         scaler=snapshot_state("scaler", state.scaler) if retryable and state.scaler is not None else None,
-        hyper=[{k: copy.copy(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        if retryable and optimizer is not None else [],
+        hyper=[{k: v if type(v) in _IMMUTABLE else copy.copy(v) for k, v in g.items() if k != "params"}
+               for g in optimizer.param_groups] if retryable and optimizer is not None else [],
         generators=generator_states(state.generators) if retryable and state.generators else {},
         fetched=state.fetched, retryable=retryable,
     )
     state.position = StepPosition.BEFORE
-    torch.manual_seed(step_seed(state.seed, state.step, state.rank))
+    seed_torch(step_seed(state.seed, state.step, state.rank))
     return start
 
 
@@ -219,7 +223,7 @@ def rewind(state: RunState, start: AttemptStart) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None and start.numpy_rng is not None:
         numpy.random.set_state(start.numpy_rng)
-    torch.manual_seed(step_seed(state.seed, state.step, state.rank))
+    seed_torch(step_seed(state.seed, state.step, state.rank))
 
 
 def rewind_current(state: RunState) -> None:
@@ -293,7 +297,7 @@ def _micro_batches(state: RunState, plan: BatchPlan, items: Iterator[Any],
     a = plan.accumulation
     samples = 0
     for k in range(a):
-        torch.manual_seed(step_seed(state.seed, state.step, state.rank * a + k))  # before reading: augmentations draw
+        seed_torch(step_seed(state.seed, state.step, state.rank * a + k))  # before reading: augmentations draw
         item = next(items)
         injector = state.hooks.injector if state.hooks is not None else None
         if k == 0 and injector is not None and injector.take_poison():

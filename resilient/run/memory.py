@@ -41,8 +41,10 @@ if TYPE_CHECKING:
 DECIDE_FIRST, DECIDE_EVERY = 4, 50
 """Steps at which the ranks agree on the interval: the first boundary after step DECIDE_FIRST's save, then every
 DECIDE_EVERY steps."""
-BUDGET = 0.05
-"""The share of a step's time the memory tier may cost when its interval is chosen."""
+BUDGET = 0.01
+"""The share of a step's time the memory tier may cost when its interval is chosen: a restart then re-does a
+few more steps (at 1%, a save that costs half a step is taken every 50 steps), which the run pays once per
+failure, while the budget is paid at every step."""
 @dataclass(frozen=True)
 class Cadence:
     """The memory tier's interval and why."""

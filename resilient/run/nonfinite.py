@@ -4,10 +4,10 @@ One NaN or Inf in a gradient (a bad value in a batch, an overflow, a
 flipped bit) poisons every parameter the optimizer touches with it, and
 every checkpoint after that.  ``Run(nonfinite="retry")`` (the default)
 registers a step pre-hook on the optimizer that checks the gradients it is
-about to apply: one fused 2-norm over them (``torch._foreach_norm``), which
-is finite when every element is; only when it is not are the elements
-looked at, since huge finite gradients overflow the squares (the max-norm
-is exact but several times slower on CPU).  With a data-parallel model every rank holds the same all-reduced
+about to apply: one fused kernel over them, GradScaler's check of NaN and
+Inf with a scale of one (the values stay as they are), and one host sync; a
+few tens of microseconds for a small model on the CPU, where a norm per
+tensor, or a fused 2-norm, cost several times that.  With a data-parallel model every rank holds the same all-reduced
 gradient, so every rank sees the same verdict without a collective; with
 sharded parameters (DTensor) each rank checks its own shards and the
 verdict is all-reduced (MAX) so that no rank steps while another does not.
@@ -51,6 +51,7 @@ named with its parameters.  It needs a fused optimizer
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -209,6 +210,38 @@ def _local(grad: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (to_local(), True) if callable(to_local) else (grad, False)
 
 
+@dataclass
+class _Plain:
+    """An optimizer whose parameters are all plain tensors on one device, of one dtype: what the check of its
+    gradients needs, found once (the check runs at every step, where a loop over the groups, a type test per
+    gradient and two allocations cost more than the check's kernel for a small model)."""
+
+    groups: int
+    """The id of the ``param_groups`` list the parameters were read from."""
+    params: list[torch.Tensor]
+    flag: torch.Tensor
+    one: torch.Tensor
+
+
+_PLAIN: weakref.WeakKeyDictionary[Any, _Plain] = weakref.WeakKeyDictionary()
+
+
+def _plain(optimizer: torch.optim.Optimizer) -> _Plain | None:
+    """``optimizer``'s :class:`_Plain`, when its parameters are plain tensors of one device and dtype."""
+    groups = optimizer.param_groups
+    known = _PLAIN.get(optimizer)
+    if known is not None and known.groups == id(groups) and sum(len(g["params"]) for g in groups) == len(known.params):
+        return known
+    params = [p for g in groups for p in g["params"]]
+    if not params or compat.missing("fused_check") or any(_local(p)[1] for p in params) or \
+            len({(p.device, p.dtype) for p in params}) != 1:
+        return None
+    device = params[0].device
+    found = _PLAIN[optimizer] = _Plain(id(groups), params, torch.zeros((), dtype=torch.float32, device=device),
+                                       torch.ones((), dtype=torch.float32, device=device))
+    return found
+
+
 def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool]:
     """The gradients ``optimizer`` is about to apply (this rank's local parts), and whether any is sharded."""
     grads, sharded = [], False
@@ -222,18 +255,43 @@ def _grads(optimizer: torch.optim.Optimizer) -> tuple[list[torch.Tensor], bool]:
     return grads, sharded
 
 
+def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
+    """Whether any element of ``grads`` is NaN or Inf: one fused kernel per device and dtype (the check GradScaler
+    makes, by a scale of one: the values stay as they are), one host sync; a pass per tensor without it."""
+    if compat.missing("fused_check"):
+        return not all(bool(g.isfinite().all()) for g in grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    found = []
+    for (device, _), tensors in groups.items():
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones((), device=device))
+        found.append(flag if device.type == "cpu" else flag.cpu())
+    return bool(found[0].item() if len(found) == 1 else torch.stack(found).sum().item())
+
+
 def check(state: RunState, optimizer: torch.optim.Optimizer) -> None:
     """Raise :class:`NonFiniteGradientsError` when a gradient ``optimizer`` is about to apply is not finite."""
+    plain = _plain(optimizer)
+    if plain is not None:  # the usual case, at every step: one kernel over the gradients, one host sync
+        grads = [p.grad for p in plain.params if p.grad is not None]
+        if not grads:
+            return
+        plain.flag.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, plain.flag, plain.one)
+        if not plain.flag.item():
+            return
+    _check_all(state, optimizer)
+
+
+def _check_all(state: RunState, optimizer: torch.optim.Optimizer) -> None:
+    """:func:`check` of any optimizer's gradients (sharded, on several devices or dtypes), naming the bad ones."""
     grads, sharded = _grads(optimizer)
     if not grads and not sharded:
         return
     if grads:
-        # One fused pass: finite exactly when no element is NaN or Inf ...
-        norms = torch._foreach_norm(grads) if not compat.missing("fused_norm") else \
-            [torch.linalg.vector_norm(g) for g in grads]
-        bad = torch.logical_not(torch.stack([n.float() for n in norms]).isfinite().all())
-        if bool(bad.item()):  # ... or when huge finite values overflowed the squares: look at the elements
-            bad = torch.tensor(not all(bool(g.isfinite().all()) for g in grads))
+        bad = torch.tensor(_any_nonfinite(grads))
     else:
         bad = torch.zeros((), dtype=torch.bool)
     if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
