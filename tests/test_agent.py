@@ -168,7 +168,9 @@ def test_crash_loop_stops_with_a_verdict(tmp_path):
     found = incidents(run_dir)
     assert len(found) == 3 and all(i["exit_code"] == 3 for i in found)
     assert found[-1]["decision"]["verdict"] == "crash_loop"
-    assert "each failing the same way (at step 0)" in found[-1]["decision"]["reason"], found[-1]
+    # The script reports no step (it has no Run): the same rank ending the same way, not "at step 0".
+    assert "each failing the same way (rank 0 by exit 3)" in found[-1]["decision"]["reason"], found[-1]
+    assert found[-1]["step"] is None and "no step was reported" in found[-1]["summary"]
     assert "crash_loop" in proc.stderr
 
 

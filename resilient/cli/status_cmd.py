@@ -4,7 +4,7 @@ Shows the run's nodes, their ranks and the section each is in, the
 generation and what its ranks restored, restarts used, the newest committed
 checkpoint and its age, the verdict if the run stopped, and recent incidents
 with their first failure.  A node whose agent runs on this host is read live
-through its control socket (rank rows at most one 20 ms heartbeat batch
+through its control socket (rank rows at most one 100 ms heartbeat batch
 behind the workers), else from its ``status.json`` (up to a second older).
 Without ``--run-dir`` it reads the only run directory under ``runs/``, and
 lists them newest first when there are several.
@@ -58,7 +58,7 @@ def live_status(saved: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]
     """The node's status from its running agent (``"read": "live"``), else ``saved``, its status.json (``"file"``).
 
     The agent answers with a snapshot taken as it answers, so its rank rows
-    are as new as the newest heartbeat it received (at most one 20 ms batch
+    are as new as the newest heartbeat it received (at most one 100 ms batch
     behind the worker); the file is up to a second older.  The control socket
     is reachable only on the agent's host; elsewhere, or once the agent
     ended, the file is what there is.

@@ -86,7 +86,7 @@ def capture_rng() -> dict[str, Any]:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         state["numpy"] = numpy.random.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # initialised implies available
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 

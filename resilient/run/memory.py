@@ -157,11 +157,13 @@ class RunMemory:
 
     def _decide(self, step: int) -> None:
         state = self.state
-        self.tier.wait()  # the newest save's hashing belongs to its cost
+        # The saves whose hashing is done (the newest one's may still run: the loop does not wait for it here;
+        # the median of the others decides).
+        costs = [c for c in self.tier.costs if c.hash_s > 0] or self.tier.costs
         times = sorted(self._step_times)
         step_s = times[len(times) // 2] if times else None
         on_cpu = all(p.device.type == "cpu" for p in unwrap(state.model).parameters())
-        cadence = decide_interval(self.tier.costs, step_s, on_cpu=on_cpu)
+        cadence = decide_interval(costs, step_s, on_cpu=on_cpu)
         proposed = cadence.every
         if state.checkpoints is not None:
             try:

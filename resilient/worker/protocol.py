@@ -39,8 +39,8 @@ each (the same load lost nothing).
 
 A worker under the agent sends through :class:`~resilient.worker.heartbeat.BatchingSender`: each
 heartbeat carries the monotonic time of its event; it is sent at once when
-the previous datagram left 20 ms ago or more, else queued, and a thread
-sends what is queued every 20 ms as one batch datagram
+the previous datagram left 100 ms ago or more, else queued, and a thread
+sends what is queued every 100 ms as one batch datagram
 (``{"v", "g", "rank", "local_rank", "pid", "rows": [[kind, section, step, seq,
 t, committed_step, tokens, samples, save, checkpoint], ...]}``), so a step
 pays about a microsecond per section instead of a system call and a
