@@ -286,7 +286,8 @@ def test_a_section_entry_an_interval_after_the_last_send_sends_the_queue_so_it_n
     inner = HeartbeatSender("/nonexistent/hb.sock", rank=0, local_rank=0, generation=1, pid=9)
     inner.send_raw = lambda text, count: datagrams.append(text.encode()) is None  # type: ignore[method-assign]
     now = [100.0]
-    sender = BatchingSender(inner, interval_s=10, clock=lambda: now[0])  # its timer never fires during the test
+    # Its timer never fires during the test, and no section is slow enough to go out on its own.
+    sender = BatchingSender(inner, interval_s=10, clock=lambda: now[0], slow_section_s=60)
 
     def sent() -> list[tuple[int, float | None]]:
         return [(hb.step, hb.t) for d in datagrams for hb in decode_datagram(d)]
@@ -303,6 +304,34 @@ def test_a_section_entry_an_interval_after_the_last_send_sends_the_queue_so_it_n
     assert len(datagrams) == 2  # queued again, 9.75 s after the last datagram
     sender.close()
     assert sent()[-1] == (4, 119.75) and len(datagrams) == 3
+
+
+def test_the_entry_that_ends_a_slow_section_goes_out_at_once_with_the_fast_ones_queued_before_it():
+    """On a made-up clock: fast sections are batched, and the entry after one of ``slow_section_s`` or more
+    is sent as it happens, so a rank stopped while it waits on a dead peer has reported the step it finished."""
+    from resilient.worker.heartbeat import BatchingSender
+
+    datagrams: list[bytes] = []
+    inner = HeartbeatSender("/nonexistent/hb.sock", rank=0, local_rank=0, generation=1, pid=9)
+    inner.send_raw = lambda text, count: datagrams.append(text.encode()) is None  # type: ignore[method-assign]
+    now = [100.0]
+    sender = BatchingSender(inner, interval_s=10, clock=lambda: now[0], slow_section_s=0.02)
+
+    def sent() -> list[int]:
+        return [hb.step for d in datagrams for hb in decode_datagram(d)]
+
+    sender.send("hello", "init", 0)
+    for step, now[0] in ((1, 100.001), (2, 100.011), (3, 100.0299)):  # sections of 1, 10 and 18.8 ms: queued
+        sender.send("section", "step", step)
+    assert sent() == [0]
+    now[0] = 100.0501  # step 3's section took 20.2 ms: its end goes out at once, with the queue
+    sender.send("section", "step", 4)
+    assert len(datagrams) == 2 and sent() == [0, 1, 2, 3, 4]
+    now[0] = 100.06
+    sender.send("section", "step", 5)  # 9.9 ms: queued again
+    assert len(datagrams) == 2
+    sender.close()
+    assert sent() == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_malformed_batch_is_counted_once(sock_path):

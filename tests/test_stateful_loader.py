@@ -28,12 +28,17 @@ def _parts(workers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Statef
     return model, optimizer, loader
 
 
-def _train(ckpt: Path, workers: int, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Train up to ``steps`` (resuming from ``ckpt`` if it holds a commit); the batches seen and final params."""
+def _train(ckpt: Path, workers: int, steps: int, fork: bool = True) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Train up to ``steps`` (resuming from ``ckpt`` if it holds a commit); the batches seen and final params.
+    ``fork``: the iterator is made inside ``torch.random.fork_rng()``, as the README says."""
     model, optimizer, loader = _parts(workers)
     run = resilient.Run(model=model, optimizer=optimizer, state={"loader": loader},
                         checkpoint=resilient.CheckpointConfig(dir=ckpt, every_steps=None))
-    batches = iter(loader)  # after the Run: StatefulDataLoader applies the restored state at iter()
+    if fork:
+        with torch.random.fork_rng():  # iter() draws seeds from torch's generator, which the Run restored
+            batches = iter(loader)  # after the Run: StatefulDataLoader applies the restored state at iter()
+    else:
+        batches = iter(loader)
     seen = []
     for _ in run.steps(steps):
         try:
@@ -42,7 +47,7 @@ def _train(ckpt: Path, workers: int, steps: int) -> tuple[list[torch.Tensor], li
             batches = iter(loader)
             batch = next(batches)
         seen.append(batch.clone())
-        model(batch).pow(2).mean().backward()
+        model(torch.nn.functional.dropout(batch, 0.3)).pow(2).mean().backward()  # a draw every step
         optimizer.step()
         optimizer.zero_grad()
     run.save()
@@ -59,3 +64,11 @@ def test_a_stateful_dataloader_in_state_resumes_the_exact_batch_sequence(tmp_pat
     for step, (got, want) in enumerate(zip(first + rest, reference, strict=True)):
         assert torch.equal(got, want), f"step {step}: the resumed run read another batch"
     assert all(torch.equal(a, b) for a, b in zip(resumed_final, final, strict=True))
+
+
+def test_an_iterator_made_outside_fork_rng_stops_the_resumed_run_naming_torchs_generator(tmp_path: Path) -> None:
+    """The natural way without fork_rng: iter() moves the restored stream, and the run says so, not ends other."""
+    _train(tmp_path, 0, STOP_AT, fork=False)
+    with pytest.raises(resilient.ResumeDivergedError, match="torch's generator moved") as caught:
+        _train(tmp_path, 0, STEPS, fork=False)
+    assert "fork_rng" in str(caught.value) and caught.value.moved == ("torch",)

@@ -296,8 +296,9 @@ def likely_cause(drift: list[str]) -> str:
     if streams:
         parts.append("random numbers were drawn between the restore (in Run()) and the first step: a batch "
                      "prefetched outside run.steps()? Fetch it through run.prefetch(fn, ...), whose checkpoint gives "
-                     "it back, or draw it inside the step. An evaluation before the loop, or a seed set again after "
-                     "Run(), moves them too")
+                     "it back, or draw it inside the step. A DataLoader's iter() draws its seeds from torch's generator: "
+                     "create the iterator inside `with torch.random.fork_rng():`. An evaluation before the loop, or "
+                     "a seed set again after Run(), moves them too")
     if "data" in drift:
         parts.append("the loader was read between the restore and the first step: a batch taken with next(run.data) "
                      "before the loop? Take it through run.prefetch(next, run.data), or inside the step")

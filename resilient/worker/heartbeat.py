@@ -141,6 +141,12 @@ BATCH_INTERVAL_S = 0.1
 thread (at 20 ms, 1.8% of a core per rank with 10 ms steps; at 100 ms, 0.9%), which a busy node's workers pay.
 A hang is seen at most this much later, against timeouts of seconds; every heartbeat carries its own time."""
 
+SLOW_SECTION_S = 0.02
+"""A section entry that ends a section of at least this long goes out at once: a loop whose sections take 20 ms
+or more sends as it goes (50 datagrams a second per rank at most), so a survivor stopped right after a peer's
+death has told the agent every step it completed, and the replayed steps and goodput are counted from what
+happened, not from what was still queued; only faster loops are batched."""
+
 
 class BatchingSender:
     """Queue heartbeats in the training loop; send them in one datagram every ``interval_s`` from a thread.
@@ -150,21 +156,24 @@ class BatchingSender:
     heartbeat carries the monotonic time of its event, so the agent's
     timing stays exact and hang detection is late by at most ``interval_s``.
     ``hello`` and ``bye`` are sent at once (with everything queued before
-    them).  A process killed between flushes loses at most ``interval_s``
-    of heartbeats, which only ever makes the agent see it in an older
-    section.
+    them), and so is a section entry after a section of ``slow_section_s``
+    or more.  A process killed between flushes loses at most ``interval_s``
+    of heartbeats of sections shorter than that, which only ever makes the
+    agent see it in an older section.
     """
 
     def __init__(self, sender: HeartbeatSender, interval_s: float = BATCH_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, slow_section_s: float = SLOW_SECTION_S) -> None:
         self.sender = sender
         self.interval_s = interval_s
+        self.slow_section_s = slow_section_s
         self._clock = clock
         self._pending: deque[tuple[Any, ...]] = deque()  # append and popleft are atomic: no lock in the loop
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_flush = float("-inf")
+        self._last_row = float("-inf")
         self._head = ""
         self._format_head()
 
@@ -193,10 +202,11 @@ class BatchingSender:
              save: dict[str, Any] | None = None) -> bool:
         """Queue one heartbeat; never raises.
 
-        It goes out at once when it is a ``hello`` or ``bye``, or when the
-        last datagram left at least ``interval_s`` ago: with steps longer
-        than the interval every section entry is sent as it happens, and
-        only faster loops are batched.
+        It goes out at once when it is a ``hello`` or ``bye``, when the
+        last datagram left at least ``interval_s`` ago, or when the section
+        it ends took ``slow_section_s`` or more: with sections that long
+        every entry is sent as it happens, and only faster loops are
+        batched.
         """
         if self._closed.is_set():  # after close (a bye): nothing sends any more, so count it as lost now
             self.sender.dropped += 1
@@ -204,7 +214,8 @@ class BatchingSender:
             return False
         now = self._clock()
         self._pending.append((kind, section, step, committed_step, checkpoint, tokens, samples, save, now))
-        if kind != "section" or now - self._last_flush >= self.interval_s:
+        previous, self._last_row = self._last_row, now
+        if kind != "section" or now - self._last_flush >= self.interval_s or now - previous >= self.slow_section_s:
             self.flush()
         elif self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="resilient-heartbeat-sender", daemon=True)
