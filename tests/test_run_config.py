@@ -116,3 +116,22 @@ def test_flags_meant_for_tests_work_but_stay_out_of_help(tmp_path, monkeypatch, 
     shown = capsys.readouterr().out
     assert "--config FILE.toml" in shown and "--standalone" in shown
     assert "--signalled-together" not in shown and "--burn-in-arg" not in shown
+
+
+def test_run_help_is_in_groups_of_at_most_15_flags_and_every_flag_is_in_one():
+    """``resilient run --help`` reads by topic: each group holds at most 15 flags, and only ``-h`` is outside
+    them (a flag added without a group would land in the catch-all ``options``)."""
+    import argparse
+
+    run = _subcommand(build_parser(), "run")
+    shown = {group.title: [a for a in group._group_actions if a.option_strings and a.help != argparse.SUPPRESS]
+             for group in run._action_groups}
+    catch_all = run._optionals.title
+    assert [a.option_strings for a in shown.pop(catch_all)] == [["-h", "--help"]]
+    assert [t for t in shown if t != "positional arguments"] == [
+        "launch", "recovery", "checkpoints in memory", "coordination", "watchdogs", "stragglers", "metrics"]
+    for title, flags in shown.items():
+        assert len(flags) <= 15, (title, [a.option_strings[0] for a in flags])
+    text = run.format_help()
+    for title in shown:
+        assert f"\n{title}:\n" in text

@@ -56,161 +56,169 @@ def add_parser(commands: Any) -> None:
         description="Start NPROC workers of SCRIPT on this node, restart them from the newest committed "
         "checkpoint when one fails or hangs, and stop with a verdict when restarting cannot help.",
     )
-    p.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes in the run (default 1)")
-    p.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|MIN:MAX",
+    g = p.add_argument_group("launch", "what runs, where, and under which names")
+    g.add_argument("--nnodes", default="1", metavar="N|MIN:MAX", help="nodes in the run (default 1)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|MIN:MAX",
                    help="worker processes on this node (default 1); MIN:MAX starts MAX and may continue on as "
                    "few as MIN after losing some, keeping the global batch (scripts that use run.attempt())")
-    p.add_argument("--spares", type=int, default=0, metavar="N",
-                   help="extra processes kept ready (torch imported; the script starts once one is promoted, with "
-                        "the rank it takes) to take a failed rank's place in process (default 0)")
-    p.add_argument("--spare-nice", type=int, default=10, metavar="N",
-                   help="niceness of a spare until it is promoted (default 10; 0: as the workers). Spares start "
-                   "once the workers have restored, at this lower priority; needs CAP_SYS_NICE to undo, without "
-                   "it spares start at 0")
-    p.add_argument("--role", choices=("worker", "spare"), default="worker",
+    g.add_argument("--role", choices=("worker", "spare"), default="worker",
                    help="spare: join the run's spare pool (needs --store) with --nproc-per-node spare processes "
                    "that take a lost node's ranks, or grow a run shrunk below MAX of --nnodes, in process")
-    p.add_argument("--no-in-process", dest="in_process", action="store_false",
-                   help="recover by restarting the group only, even for scripts that use run.attempt()")
-    p.add_argument("--grow-settle", type=float, default=5.0, metavar="S",
-                   help="a run shrunk below MAX of --nproc-per-node grows back onto a spare (or a replacement the "
-                   "agent starts) once it has been ready S seconds (default 5)")
-    p.add_argument("--recovery-timeout", type=float, default=60.0, metavar="S",
-                   help="seconds an in-process recovery may take before the agent restarts the group (default 60)")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
-                   help="restarts allowed per launch (see --restart-budget-scope), all nodes together (default 3)")
-    p.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID",
+    g.add_argument("--run-id", "--rdzv-id", "--rdzv_id", dest="run_id", metavar="ID",
                    help="name shared by every node (default: run-<date>-<time> on one node; required with --store)")
-    p.add_argument("--node-id", metavar="ID", help="this node's unique name (default: the host name)")
-    p.add_argument("--launch-id", metavar="ID",
+    g.add_argument("--node-id", metavar="ID", help="this node's unique name (default: the host name)")
+    g.add_argument("--launch-id", metavar="ID",
                    help="this submission's launch id, the same on every node (default: under Slurm "
                    "slurm-<job>-<restart count>, else agreed through the store: a resubmission after the run "
                    "was preempted, succeeded or got a verdict starts a new launch, other agents join it)")
-    p.add_argument("--token-file", type=Path, metavar="FILE",
-                   help="the run token (default <run dir>/token); every node of a run needs the same token")
-    p.add_argument("--restart-budget-scope", choices=["launch", "run"], default="launch",
-                   help="--max-restarts counts per launch (default) or for the run across resubmissions")
-    p.add_argument("--run-dir", type=Path, metavar="DIR", help="events, logs and incidents (default: runs/<run id>)")
-    p.add_argument("--store", metavar="URL", help="etcd://HOST:PORT[,HOST:PORT] or etcds:// (TLS); omit on one machine")
-    p.add_argument("--rdzv-backend", "--rdzv_backend", choices=["etcd", "etcd-v3", "c10d", "static"],
-                   help="as torchrun's: etcd (with --rdzv-endpoint) is --store etcd://HOST:PORT; c10d and static "
-                   "only on one machine (the nodes of a run meet through etcd)")
-    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
-                   help="with --rdzv-backend etcd: the etcd endpoint")
-    p.add_argument("--standalone", action="store_true",
-                   help="as torchrun's: one machine, nothing to meet through (the default without --store)")
-    p.add_argument("--etcd-user", metavar="USER", help=f"etcd user (password from ${PASSWORD_ENV})")
-    p.add_argument("--etcd-ca", metavar="FILE", help="CA bundle for etcds://")
-    p.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcds://")
-    p.add_argument("--etcd-key", metavar="FILE", help="client key for etcds://")
-    p.add_argument("--store-outage-tolerance", type=float, default=60.0, metavar="S",
-                   help="seconds an unreachable store is retried before giving up (default 60)")
-    p.add_argument("--local-addr", "--local_addr", metavar="ADDR",
+    g.add_argument("--run-dir", type=Path, metavar="DIR", help="events, logs and incidents (default: runs/<run id>)")
+    g.add_argument("--config", metavar="FILE.toml",
+                   help="flags from a TOML file, a key per flag (nproc-per-node = 2, quiet = true, section-timeout "
+                        "= {step = 30}); flags on the command line override it")
+    g.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
+    g.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
+    g.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
+    g.add_argument("--no-fork-server", dest="fork_server", action="store_false",
+                   help="start each worker as a new interpreter instead of forking it from a process that has "
+                        "imported torch")
+    g.add_argument("--preload", default="", metavar="MOD,...",
+                   help="modules the fork server imports before forking the workers, besides torch")
+    g.add_argument("--local-addr", "--local_addr", metavar="ADDR",
                    help="address peers reach this node at (default 127.0.0.1 alone, else the host name)")
-    p.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S",
-                   help="seconds between checks of the workers (default 0.1)")
-    p.add_argument("--section-timeout", action="append", default=[], metavar="SECTION=S",
-                   help="fixed hang timeout for a section (init, restore, data, step, checkpoint); repeatable")
-    p.add_argument("--timeout-factor", type=float, metavar="X", help="calibrated timeout = max seen x X (default 3)")
-    p.add_argument("--timeout-warmup", type=int, metavar="N", help="observations before calibrating (default 5)")
-    p.add_argument("--timeout-floor", type=float, metavar="S", help="lowest calibrated timeout (default 5)")
-    p.add_argument("--crash-loop-restarts", type=int, default=3, metavar="K",
+    g = p.add_argument_group("recovery", "what answers a failure: spares, in-process recovery, shrinking, restarts")
+    g.add_argument("--spares", type=int, default=0, metavar="N",
+                   help="extra processes kept ready (torch imported; the script starts once one is promoted, with "
+                        "the rank it takes) to take a failed rank's place in process (default 0)")
+    g.add_argument("--spare-nice", type=int, default=10, metavar="N",
+                   help="niceness of a spare until it is promoted (default 10; 0: as the workers). Spares start "
+                   "once the workers have restored, at this lower priority; needs CAP_SYS_NICE to undo, without "
+                   "it spares start at 0")
+    g.add_argument("--no-in-process", dest="in_process", action="store_false",
+                   help="recover by restarting the group only, even for scripts that use run.attempt()")
+    g.add_argument("--grow-settle", type=float, default=5.0, metavar="S",
+                   help="a run shrunk below MAX of --nproc-per-node grows back onto a spare (or a replacement the "
+                   "agent starts) once it has been ready S seconds (default 5)")
+    g.add_argument("--recovery-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds an in-process recovery may take before the agent restarts the group (default 60)")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=3, metavar="N",
+                   help="restarts allowed per launch (see --restart-budget-scope), all nodes together (default 3)")
+    g.add_argument("--restart-budget-scope", choices=["launch", "run"], default="launch",
+                   help="--max-restarts counts per launch (default) or for the run across resubmissions")
+    g.add_argument("--crash-loop-restarts", type=int, default=3, metavar="K",
                    help="stop after K restarts without a newly committed checkpoint that each failed the same way "
                    "(same step, or same exception in the same section; default 3)")
-    p.add_argument("--restart-backoff", type=float, default=0.0, metavar="S",
+    g.add_argument("--restart-backoff", type=float, default=0.0, metavar="S",
                    help="first restart delay, doubled per restart without progress (default 0)")
-    p.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
+    g.add_argument("--stop-grace", type=float, default=5.0, metavar="S",
                    help="after a failure, SIGTERM-to-SIGKILL grace for the other workers (default 5)")
-    p.add_argument("--preempt-grace", type=float, default=60.0, metavar="S",
+    g.add_argument("--preempt-grace", type=float, default=60.0, metavar="S",
                    help="on SIGTERM, seconds the workers get to checkpoint and exit (default 60)")
     # Seconds a worker killed by SIGTERM waits for this agent's own SIGTERM (a scheduler ending the job: a stop,
     # not a failure) before it counts as a failure (default 1).  For tests: not in --help.
-    p.add_argument("--signalled-together", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
-    p.add_argument("--health-path", action="append", default=[], metavar="DIR",
-                   help="directory whose free space is checked (e.g. the checkpoint dir); repeatable")
-    p.add_argument("--min-free-disk-gb", type=float, metavar="GB", help="step out below this free disk (default 1)")
-    p.add_argument("--min-free-memory-gb", type=float, metavar="GB",
-                   help="step out below this available memory (default 0.5)")
-    p.add_argument("--rdzv-last-call", type=float, default=1.0, metavar="S",
-                   help="wait this long for more nodes once the minimum joined (default 1)")
-    p.add_argument("--rdzv-join-timeout", type=float, default=600.0, metavar="S",
-                   help="give up if the minimum of nodes has not joined by then (default 600)")
-    p.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus /metrics on PORT (0: a free one, printed and logged); default: off")
-    p.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
-                   help="address of the metrics server (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
-    p.add_argument("--stall-alert-after", type=float, default=600.0, metavar="S",
-                   help="exported alert threshold: seconds without a new step = stalled (default 600)")
-    p.add_argument("--goodput-objective", type=float, default=0.9, metavar="R",
-                   help="exported alert threshold: goodput ratio the run should keep (default 0.9)")
-    p.add_argument("--ideal-step-time", type=float, metavar="S",
-                   help="ideal step time for goodput (default: measured, mean of steps <= median + 3 MAD)")
-    p.add_argument("--flops-per-step", type=float, metavar="F", help="model FLOPs of one step of the whole job (MFU)")
-    p.add_argument("--peak-tflops", type=float, metavar="T",
-                   help="peak TFLOP/s of one device (default: looked up by GPU name; needed on CPU for MFU)")
-    p.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
-                   help="a straggler/slowdown detector setting, e.g. straggler.rule.decision=12 or "
-                        "slowdown.enabled=false; repeatable (`resilient detectors` changes them while running)")
-    p.add_argument("--no-evict", dest="evict", action="store_false",
-                   help="never replace or drop a persistent straggler (it is still reported)")
-    p.add_argument("--evict-after-windows", type=int, default=6, metavar="N",
-                   help="weigh replacing a straggler once its flag stood N windows of 5 steps (default 6)")
-    p.add_argument("--evict-margin", type=float, default=2.0, metavar="X",
-                   help="replace or drop a straggler only when the time saved is X times the cost (default 2)")
-    p.add_argument("--fleet", default="default", metavar="NAME",
-                   help="across machines: the fleet whose node quarantine this node obeys (default 'default')")
-    p.add_argument("--quarantine-expiry", type=float, default=600.0, metavar="S",
-                   help="how long a node's first quarantine lasts; each later offence doubles it (default 600)")
-    p.add_argument("--quarantine-after-windows", type=int, default=60, metavar="N",
-                   help="quarantine this node when a straggler flag on it stands N windows of 5 steps (0: never; "
-                        "default 60)")
-    p.add_argument("--burn-in", action="store_true",
-                   help="burn in before the first rendezvous too (a returning node always burns in)")
-    p.add_argument("--burn-in-min-ratio", type=float, default=0.7, metavar="R",
-                   help="a burn-in passes at R of the fleet's median for every measure (default 0.7)")
-    # An argument for the burn-in process, e.g. --burn-in-arg=--disk-mib=8; repeatable.  For tests (a smaller
-    # burn-in): not in --help.
-    p.add_argument("--burn-in-arg", action="append", default=[], metavar="ARG", help=argparse.SUPPRESS)
-    p.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
-    p.add_argument("--quiet", action="store_true", help="do not copy worker output to this terminal")
-    p.add_argument("--no-fork-server", dest="fork_server", action="store_false",
-                   help="start each worker as a new interpreter instead of forking it from a process that has "
-                        "imported torch")
-    p.add_argument("--preload", default="", metavar="MOD,...",
-                   help="modules the fork server imports before forking the workers, besides torch")
-    p.add_argument("--no-memory-tier", dest="memory_tier", action="store_false",
-                   help="keep no state in shared memory: a restarted worker resumes from the newest durable commit")
-    p.add_argument("--memory-root", type=Path, default=Path("/dev/shm"), metavar="DIR",
-                   help="the shared-memory filesystem the memory tier lives in (default /dev/shm)")
-    p.add_argument("--memory-limit", default=None, metavar="SIZE",
-                   help="bytes the node's memory tier may hold, all ranks together, e.g. 8G (default: half of "
-                        "--memory-root); a rank without room keeps to the durable tier and says so")
-    p.add_argument("--memory-every", default="auto", metavar="N|auto",
-                   help="steps between memory saves (default auto: chosen so that saves cost at most 1%% of the "
-                        "step time, from what saves cost)")
-    p.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1), metavar="0|1",
-                   help="1: keep a copy of each node's memory tier on the next node, so that a node lost with its "
-                        "agent is restored from memory on its replacement, not from the durable tier (default 0)")
-    p.add_argument("--memory-pin-every", type=int, default=10, metavar="N",
-                   help="with --memory-replicas 1: every rank keeps the multiples of N steps in memory for the "
-                        "copy (default 10)")
-    p.add_argument("--mtbf", default=None, metavar="SECONDS|auto",
-                   help="the run's mean time between failures: the workers then save durable checkpoints at the "
-                        "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
-                        "estimated from the run's incident history before each generation (default: every_steps)")
-    p.add_argument("--restart-args", default="", metavar="'ARGS'",
+    g.add_argument("--signalled-together", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
+    g.add_argument("--restart-args", default="", metavar="'ARGS'",
                    help="arguments added after SCRIPT's own whenever the workers resume (a restart, a resubmission), "
                         "e.g. --restart-args='--init_from=resume' for a script that resumes from its own "
                         "checkpoint; the script also finds RESILIENT_RESUMING=1 then")
-    p.add_argument("--resume-check", choices=("stop", "accept"), default=None,
+    g.add_argument("--resume-check", choices=("stop", "accept"), default=None,
                    help="when a restarted worker's first step is not where the run that saved was (random numbers "
                         "drawn or data read between its restore and that step): stop with a verdict (default), or "
                         "accept it and go on, recorded in the ledger; Run(resume_check=...) in the script wins")
-    p.add_argument("--config", metavar="FILE.toml",
-                   help="flags from a TOML file, a key per flag (nproc-per-node = 2, quiet = true, section-timeout "
-                        "= {step = 30}); flags on the command line override it")
-    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
-    p.add_argument("--no-python", "--no_python", action="store_true", help="SCRIPT is an executable, not Python")
+    g = p.add_argument_group("checkpoints in memory",
+                             "the node's memory tier, which a restart restores from before the durable commits")
+    g.add_argument("--no-memory-tier", dest="memory_tier", action="store_false",
+                   help="keep no state in shared memory: a restarted worker resumes from the newest durable commit")
+    g.add_argument("--memory-root", type=Path, default=Path("/dev/shm"), metavar="DIR",
+                   help="the shared-memory filesystem the memory tier lives in (default /dev/shm)")
+    g.add_argument("--memory-limit", default=None, metavar="SIZE",
+                   help="bytes the node's memory tier may hold, all ranks together, e.g. 8G (default: half of "
+                        "--memory-root); a rank without room keeps to the durable tier and says so")
+    g.add_argument("--memory-every", default="auto", metavar="N|auto",
+                   help="steps between memory saves (default auto: chosen so that saves cost at most 1%% of the "
+                        "step time, from what saves cost)")
+    g.add_argument("--memory-replicas", type=int, default=0, choices=(0, 1), metavar="0|1",
+                   help="1: keep a copy of each node's memory tier on the next node, so that a node lost with its "
+                        "agent is restored from memory on its replacement, not from the durable tier (default 0)")
+    g.add_argument("--memory-pin-every", type=int, default=10, metavar="N",
+                   help="with --memory-replicas 1: every rank keeps the multiples of N steps in memory for the "
+                        "copy (default 10)")
+    g.add_argument("--mtbf", default=None, metavar="SECONDS|auto",
+                   help="the run's mean time between failures: the workers then save durable checkpoints at the "
+                        "Young/Daly interval for the measured save cost (every_steps the longest); auto: "
+                        "estimated from the run's incident history before each generation (default: every_steps)")
+    g = p.add_argument_group("coordination", "across machines: the store, its credentials, the rendezvous")
+    g.add_argument("--store", metavar="URL", help="etcd://HOST:PORT[,HOST:PORT] or etcds:// (TLS); omit on one machine")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", choices=["etcd", "etcd-v3", "c10d", "static"],
+                   help="as torchrun's: etcd (with --rdzv-endpoint) is --store etcd://HOST:PORT; c10d and static "
+                   "only on one machine (the nodes of a run meet through etcd)")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
+                   help="with --rdzv-backend etcd: the etcd endpoint")
+    g.add_argument("--standalone", action="store_true",
+                   help="as torchrun's: one machine, nothing to meet through (the default without --store)")
+    g.add_argument("--token-file", type=Path, metavar="FILE",
+                   help="the run token (default <run dir>/token); every node of a run needs the same token")
+    g.add_argument("--etcd-user", metavar="USER", help=f"etcd user (password from ${PASSWORD_ENV})")
+    g.add_argument("--etcd-ca", metavar="FILE", help="CA bundle for etcds://")
+    g.add_argument("--etcd-cert", metavar="FILE", help="client certificate for etcds://")
+    g.add_argument("--etcd-key", metavar="FILE", help="client key for etcds://")
+    g.add_argument("--store-outage-tolerance", type=float, default=60.0, metavar="S",
+                   help="seconds an unreachable store is retried before giving up (default 60)")
+    g.add_argument("--rdzv-last-call", type=float, default=1.0, metavar="S",
+                   help="wait this long for more nodes once the minimum joined (default 1)")
+    g.add_argument("--rdzv-join-timeout", type=float, default=600.0, metavar="S",
+                   help="give up if the minimum of nodes has not joined by then (default 600)")
+    g = p.add_argument_group("watchdogs", "hangs, the node's health, burn-in, drills")
+    g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.1, metavar="S",
+                   help="seconds between checks of the workers (default 0.1)")
+    g.add_argument("--section-timeout", action="append", default=[], metavar="SECTION=S",
+                   help="fixed hang timeout for a section (init, restore, data, step, checkpoint); repeatable")
+    g.add_argument("--timeout-factor", type=float, metavar="X", help="calibrated timeout = max seen x X (default 3)")
+    g.add_argument("--timeout-warmup", type=int, metavar="N", help="observations before calibrating (default 5)")
+    g.add_argument("--timeout-floor", type=float, metavar="S", help="lowest calibrated timeout (default 5)")
+    g.add_argument("--health-path", action="append", default=[], metavar="DIR",
+                   help="directory whose free space is checked (e.g. the checkpoint dir); repeatable")
+    g.add_argument("--min-free-disk-gb", type=float, metavar="GB", help="step out below this free disk (default 1)")
+    g.add_argument("--min-free-memory-gb", type=float, metavar="GB",
+                   help="step out below this available memory (default 0.5)")
+    g.add_argument("--burn-in", action="store_true",
+                   help="burn in before the first rendezvous too (a returning node always burns in)")
+    g.add_argument("--burn-in-min-ratio", type=float, default=0.7, metavar="R",
+                   help="a burn-in passes at R of the fleet's median for every measure (default 0.7)")
+    # An argument for the burn-in process, e.g. --burn-in-arg=--disk-mib=8; repeatable.  For tests (a smaller
+    # burn-in): not in --help.
+    g.add_argument("--burn-in-arg", action="append", default=[], metavar="ARG", help=argparse.SUPPRESS)
+    g.add_argument("--fault-plan", type=Path, metavar="FILE", help="chaos plan for the workers (drills and tests)")
+    g = p.add_argument_group("stragglers", "slow ranks: detection, replacement, the fleet's quarantine")
+    g.add_argument("--detector", action="append", default=[], metavar="KEY=VALUE",
+                   help="a straggler/slowdown detector setting, e.g. straggler.rule.decision=12 or "
+                        "slowdown.enabled=false; repeatable (`resilient detectors` changes them while running)")
+    g.add_argument("--no-evict", dest="evict", action="store_false",
+                   help="never replace or drop a persistent straggler (it is still reported)")
+    g.add_argument("--evict-after-windows", type=int, default=6, metavar="N",
+                   help="weigh replacing a straggler once its flag stood N windows of 5 steps (default 6)")
+    g.add_argument("--evict-margin", type=float, default=2.0, metavar="X",
+                   help="replace or drop a straggler only when the time saved is X times the cost (default 2)")
+    g.add_argument("--fleet", default="default", metavar="NAME",
+                   help="across machines: the fleet whose node quarantine this node obeys (default 'default')")
+    g.add_argument("--quarantine-expiry", type=float, default=600.0, metavar="S",
+                   help="how long a node's first quarantine lasts; each later offence doubles it (default 600)")
+    g.add_argument("--quarantine-after-windows", type=int, default=60, metavar="N",
+                   help="quarantine this node when a straggler flag on it stands N windows of 5 steps (0: never; "
+                        "default 60)")
+    g = p.add_argument_group("metrics", "/metrics, goodput and MFU")
+    g.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus /metrics on PORT (0: a free one, printed and logged); default: off")
+    g.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                   help="address of the metrics server (default 127.0.0.1; 0.0.0.0 for a remote Prometheus)")
+    g.add_argument("--stall-alert-after", type=float, default=600.0, metavar="S",
+                   help="exported alert threshold: seconds without a new step = stalled (default 600)")
+    g.add_argument("--goodput-objective", type=float, default=0.9, metavar="R",
+                   help="exported alert threshold: goodput ratio the run should keep (default 0.9)")
+    g.add_argument("--ideal-step-time", type=float, metavar="S",
+                   help="ideal step time for goodput (default: measured, mean of steps <= median + 3 MAD)")
+    g.add_argument("--flops-per-step", type=float, metavar="F", help="model FLOPs of one step of the whole job (MFU)")
+    g.add_argument("--peak-tflops", type=float, metavar="T",
+                   help="peak TFLOP/s of one device (default: looked up by GPU name; needed on CPU for MFU)")
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT")
     p.set_defaults(handler=cmd_run)
