@@ -19,9 +19,10 @@ number is above every step completed before that decision
 (``trace.jsonl``): the run's next new step.  With the drill's own score:
 the rung, the steps re-done and the equality to the uninterrupted run.
 
-Targets (issue: node loss in about a second): with a ready spare, 0 steps
-re-done and the next new step within 1.5 s of a SIGKILL, within 2 s of the
-traffic being cut.  The restart has no time target (it re-does the steps
+Targets: with a ready spare, 0 steps re-done and the next new step within
+1.5 s of a SIGKILL, and within 3 s of the traffic being cut (a silent node
+is judged after 2.5 s, ``--node-silence-timeout``'s default, which an agent
+stalled 2 s outlasts).  The restart has no time target (it re-does the steps
 since the newest commit); it must restart without waiting for the cut-off
 node and end bitwise.  There is no peer to take a ratio against: torchrun's
 agents restart every rank after a node loss, from the newest checkpoint.
@@ -43,7 +44,7 @@ from _provenance import load_now, run_line, run_record
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-TARGETS: dict[str, float | None] = {"kill-node": 1.5, "partition-node": 2.0, "partition-node-restart": None}
+TARGETS: dict[str, float | None] = {"kill-node": 1.5, "partition-node": 3.0, "partition-node-restart": None}
 """Seconds from the fault to the next new step (None: measured, no target)."""
 RUNG = {"kill-node": "promote_spare", "partition-node": "promote_spare", "partition-node-restart": "restart"}
 

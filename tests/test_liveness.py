@@ -29,7 +29,16 @@ import pytest
 
 from resilient.agent import severance
 from resilient.coord.etcd import EtcdClient, EtcdConfig
-from resilient.coord.liveness import Evidence, Prober, ProbeServer, judge, probers_of, ring_after
+from resilient.coord.liveness import (
+    INTERVAL_S,
+    SILENCE_S,
+    Evidence,
+    Prober,
+    ProbeServer,
+    judge,
+    probers_of,
+    ring_after,
+)
 from resilient.coord.presence import Presence
 from resilient.coord.watch import PrefixWatch
 
@@ -222,8 +231,8 @@ class Lost:
 
 
 @contextlib.contextmanager
-def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = True) -> Iterator[
-        tuple[dict[str, Presence], dict[str, Lost], EtcdClient]]:
+def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = True, silence_s: float = 0.4,
+               probe_interval_s: float = 0.05) -> Iterator[tuple[dict[str, Presence], dict[str, Lost], EtcdClient]]:
     """Presences of ``names`` in this process, each with its own watch (probing its peers unless ``probes`` is
     False); they leave and stop at the end."""
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
@@ -236,8 +245,8 @@ def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = Tru
             losts[name] = Lost()
             presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
                                        lambda e: None, watch=watch, ttl_s=30,
-                                       probe_host="127.0.0.1" if probes else None, probe_interval_s=0.05,
-                                       silence_s=0.4)
+                                       probe_host="127.0.0.1" if probes else None,
+                                       probe_interval_s=probe_interval_s, silence_s=silence_s)
         for presence in presences.values():
             presence.start()
         yield presences, losts, client
@@ -249,7 +258,8 @@ def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = Tru
 
 
 @contextlib.contextmanager
-def _agent_elsewhere(etcd_server, run_id: str, name: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def _agent_elsewhere(etcd_server, run_id: str, name: str, *, silence_s: float = 0.4,
+                     probe_interval_s: float = 0.05) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """Node ``name``'s presence in a process of its own (killed: a death), renewing its 30 s lease only every
     29 s; yields the process and its lease, and kills it at the end."""
     code = ("import sys, time\n"
@@ -259,8 +269,8 @@ def _agent_elsewhere(etcd_server, run_id: str, name: str) -> Iterator[tuple[subp
             f"w = PrefixWatch(EtcdClient(EtcdConfig.from_url({etcd_server.url!r})), '/resilient/{run_id}/launch')\n"
             "w.start()\n"
             f"p = Presence(w._client, '/resilient/{run_id}/launch/l1/', {name!r}, lambda n, y: None, print,\n"
-            "             watch=w, ttl_s=30, interval_s=29, probe_host='127.0.0.1', probe_interval_s=0.05,\n"
-            "             silence_s=0.4)\n"
+            "             watch=w, ttl_s=30, interval_s=29, probe_host='127.0.0.1',\n"
+            f"             probe_interval_s={probe_interval_s!r}, silence_s={silence_s!r})\n"
             "p.start(); print(p.lease, flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -295,6 +305,32 @@ def test_an_agent_that_stops_answering_is_lost_by_its_peers_accusations(etcd_ser
         entry = client.get(f"/resilient/{etcd_run_id}/launch/l1/nodes/b")
         assert entry is not None, "b's key still stands: the accusations, not the lease, found it lost"
         assert presences["a"].address_of("b") == "127.0.0.1"
+
+
+def test_an_agent_stalled_for_2_s_is_not_lost_and_one_silent_for_good_is_lost_after_the_default_silence(
+        etcd_server, etcd_run_id) -> None:
+    """With the defaults of ``resilient run`` (``--node-silence-timeout``): a 2 s stall of a node's agent (SIGSTOP:
+    a long pause, a loaded machine) is no loss; the same agent silent for good (its traffic gone, as in a
+    partition: the process is stopped, its kernel still holds the connections) is judged lost within 3 s."""
+    import signal
+
+    with _presences(etcd_server, etcd_run_id, ["a", "c"], silence_s=SILENCE_S, probe_interval_s=INTERVAL_S) as (
+            presences, losts, _), \
+            _agent_elsewhere(etcd_server, etcd_run_id, "b", silence_s=SILENCE_S, probe_interval_s=INTERVAL_S) as (b, _):
+        _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
+        time.sleep(3 * INTERVAL_S)  # every prober has heard b answer
+        b.send_signal(signal.SIGSTOP)
+        time.sleep(2.0)
+        b.send_signal(signal.SIGCONT)
+        time.sleep(SILENCE_S)  # an accusation made late would be in by now
+        assert not losts["a"].nodes and not losts["c"].nodes, (losts["a"].nodes, losts["c"].nodes)
+        assert all(p.live() == {"a", "b", "c"} for p in presences.values())
+        b.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        for name in ("a", "c"):
+            assert "does not answer probes from a, c" in _wait_lost(losts[name], "b"), losts[name].nodes
+        judged = time.monotonic() - stopped
+        assert SILENCE_S - INTERVAL_S <= judged <= 3.0, judged
 
 
 def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(etcd_server, etcd_run_id) -> None:

@@ -135,3 +135,13 @@ def test_run_help_is_in_groups_of_at_most_15_flags_and_every_flag_is_in_one():
     text = run.format_help()
     for title in shown:
         assert f"\n{title}:\n" in text
+
+
+def test_the_node_silence_is_set_from_the_command_line_and_refused_below_a_few_probe_intervals(tmp_path, monkeypatch):
+    from resilient.coord.liveness import SILENCE_S
+
+    monkeypatch.chdir(tmp_path)
+    assert config(tmp_path, SCRIPT).node_silence_s == SILENCE_S == 2.5
+    assert config(tmp_path, "--node-silence-timeout", "4", SCRIPT).node_silence_s == 4.0
+    with pytest.raises(ConfigError, match=r"--node-silence-timeout must be at least 0.5 s .* got 0.2"):
+        config(tmp_path, "--node-silence-timeout", "0.2", SCRIPT)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..coord.launch import check_launch_id
+from ..coord.liveness import MIN_SILENCE_S, SILENCE_S
 from ..coord.quarantine import QuarantineConfig
 from ..core.errors import ConfigError
 from ..elastic.evict import EvictConfig
@@ -98,6 +99,9 @@ class AgentConfig:
     """After a failure, seconds between SIGTERM and SIGKILL for the remaining workers."""
     preempt_grace_s: float = 60.0
     """On SIGTERM, seconds the workers get to commit a checkpoint and exit."""
+    node_silence_s: float = SILENCE_S
+    """Across machines: a node whose agent answers no probe for this long is accused by its probers (a quorum of
+    accusations makes it lost); a node whose agent died is judged at once, from its refused port."""
     signalled_together_s: float = 1.0
     """Seconds a worker's death by SIGTERM waits for this agent's own SIGTERM (a scheduler ending the whole job:
     a stop, not a failure) before it counts as a failure."""
@@ -193,6 +197,10 @@ class AgentConfig:
                      "signalled_together_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"AgentConfig.{name} must be > 0, got {getattr(self, name)}")
+        if not self.node_silence_s >= MIN_SILENCE_S:
+            raise ConfigError(f"--node-silence-timeout must be at least {MIN_SILENCE_S:g} s (several probe intervals: "
+                              f"shorter, a scheduling hiccup of a peer's agent judges its node lost), got "
+                              f"{self.node_silence_s:g}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a port; use 0 for a free one")
         if not 0 < self.goodput_objective <= 1:

@@ -121,7 +121,8 @@ class Coordination:
             assert self.launch_watch is not None
             self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
                                       self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
-                                      probe_host=c.local_addr, on_probe=self._probed, extra=self.presence_extra)
+                                      probe_host=c.local_addr, on_probe=self._probed, extra=self.presence_extra,
+                                      silence_s=c.node_silence_s)
             self._presence.start()
         return None
 

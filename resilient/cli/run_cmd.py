@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..coord.liveness import SILENCE_S
 from ..core.errors import ConfigError
 
 PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
@@ -163,6 +164,9 @@ def add_parser(commands: Any) -> None:
     g.add_argument("--etcd-key", metavar="FILE", help="client key for etcds://")
     g.add_argument("--store-outage-tolerance", type=float, default=60.0, metavar="S",
                    help="seconds an unreachable store is retried before giving up (default 60)")
+    g.add_argument("--node-silence-timeout", type=float, default=SILENCE_S, metavar="S",
+                   help=f"a node whose agent answers no probe for this long is judged lost (default {SILENCE_S:g}: "
+                        "an agent stalled 2 s is not; a node whose agent died is judged at once)")
     g.add_argument("--rdzv-last-call", type=float, default=1.0, metavar="S",
                    help="wait this long for more nodes once the minimum joined (default 1)")
     g.add_argument("--rdzv-join-timeout", type=float, default=600.0, metavar="S",
@@ -381,7 +385,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         evict=EvictConfig(enabled=args.evict, after_windows=args.evict_after_windows, margin=args.evict_margin), burn_in_argv=tuple(args.burn_in_arg),
         rendezvous=RendezvousTimeouts(join_s=args.rdzv_join_timeout, last_call_s=args.rdzv_last_call),
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
-        signalled_together_s=args.signalled_together,
+        signalled_together_s=args.signalled_together, node_silence_s=args.node_silence_timeout,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
         worker_env={**environ, **({"RESILIENT_RESUME_CHECK": args.resume_check} if args.resume_check else {})},
         fork_server=args.fork_server, memory_tier=args.memory_tier,

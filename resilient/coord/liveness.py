@@ -10,7 +10,7 @@ on a probe port and keeps a connection to a few peers (the next
 
 * a peer whose connection ends and whose port then refuses a new one (its
   agent died: the kernel answers for it at once), or that answers nothing
-  for :data:`SILENCE_S` seconds (powered off, or its traffic dropped), is
+  for the silence (:data:`SILENCE_S` by default; powered off, or its traffic dropped), is
   **accused**: the prober writes ``suspect/<node>/<prober>`` on its own
   lease, and deletes it when the peer answers again;
 * a peer that answers while its presence key is gone (its agent is cut off
@@ -40,9 +40,15 @@ from dataclasses import dataclass, field
 INTERVAL_S = 0.15
 """Seconds between two pings of one peer."""
 
-SILENCE_S = 1.0
-"""A peer that answers nothing (a ping, or a connection being made) for this long is accused: longer than a
-garbage collection or a scheduling stall of a loaded agent, shorter than what a lost node may cost."""
+SILENCE_S = 2.5
+"""A peer that answers nothing (a ping, or a connection being made) for this long is accused (the default of
+``resilient run --node-silence-timeout``): an agent stalled for 2 s (a long garbage collection, a loaded machine
+scheduling it late, a swap storm) answers before it, and a node cut off the network is judged lost within 3 s
+(the silence, a ping interval and the accusations' round trip through etcd).  A node whose agent died is judged
+at once, from its refused port, whatever this is."""
+
+MIN_SILENCE_S = 0.5
+"""The shortest silence a run may set: a few ping intervals, or every scheduling hiccup is an accusation."""
 
 PROBERS = 3
 """How many peers each agent probes: each node is probed by as many (fewer in a smaller launch)."""
