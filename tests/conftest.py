@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .etcd_server import etcd_auth_server, etcd_outage_server, etcd_run_id, etcd_server, etcd_tls_server  # noqa: F401
+from .etcd_server import etcd_auth_outage_server, etcd_auth_server, etcd_outage_server, etcd_run_id, etcd_server, etcd_tls_server  # noqa: F401
 from .invariants import check_event_logs
 from .prometheus_server import alertmanager, prometheus, webhook  # noqa: F401  (fixtures)
 from .s3_server import moto_server, s3_url  # noqa: F401  (fixtures)

@@ -6,6 +6,7 @@
   and starts (same ports, same data) to simulate an outage;
 * ``etcd_auth_server``: auth enabled, user ``root`` / ``ROOT_PASSWORD``,
   auth tokens that expire after 2 s (to exercise re-authentication);
+  ``etcd_auth_outage_server`` is one of the test's own, to stop and start;
 * ``etcd_tls_server``: https with client-certificate auth; the CA and
   certificates are made by the ``openssl`` CLI in the fixture.
 
@@ -189,11 +190,26 @@ def etcd_outage_server() -> Iterator[EtcdServer]:
 @pytest.fixture(scope="session")
 def etcd_auth_server() -> Iterator[EtcdServer]:
     """etcd with auth enabled: user ``root`` with password ``ROOT_PASSWORD``; tokens live 2 s."""
-    with _running(extra_args=("--auth-token=simple", "--auth-token-ttl=2")) as server:
-        server.gateway("/v3/auth/user/add", {"name": "root", "password": ROOT_PASSWORD})
-        server.gateway("/v3/auth/user/grant", {"user": "root", "role": "root"})
-        server.gateway("/v3/auth/enable", {})
+    with _running(extra_args=AUTH_ARGS) as server:
+        _enable_auth(server)
         yield server
+
+
+@pytest.fixture
+def etcd_auth_outage_server() -> Iterator[EtcdServer]:
+    """As ``etcd_auth_server``, of this test's own, to stop and start (a restart ends every token it gave)."""
+    with _running(extra_args=AUTH_ARGS) as server:
+        _enable_auth(server)
+        yield server
+
+
+AUTH_ARGS = ("--auth-token=simple", "--auth-token-ttl=2")
+
+
+def _enable_auth(server: EtcdServer) -> None:
+    server.gateway("/v3/auth/user/add", {"name": "root", "password": ROOT_PASSWORD})
+    server.gateway("/v3/auth/user/grant", {"user": "root", "role": "root"})
+    server.gateway("/v3/auth/enable", {})
 
 
 def _make_tls_files(root: Path) -> TlsFiles:

@@ -152,6 +152,73 @@ def test_an_outage_leaves_the_copy_stale_and_says_so_then_it_catches_up(etcd_out
         watch.close()
 
 
+def test_a_watch_with_auth_logs_in_again_after_an_outage_that_outlived_its_token(etcd_auth_outage_server) -> None:
+    """Auth on, etcd down longer than the token lives (and a restart ends every token anyway): the stream's new
+    login fails while etcd is away, which is an outage like any other, and the watch catches up once it is back."""
+    from .etcd_server import ROOT_PASSWORD
+
+    client = EtcdClient(EtcdConfig.from_url(etcd_auth_outage_server.url, username="root", password=ROOT_PASSWORD,
+                                            outage_tolerance_s=0.5))
+    errors: list[str] = []
+    changes = Changes()
+    watch = PrefixWatch(client, "/w/", on_change=changes, on_error=errors.append, idle_s=1.0)
+    changes.watch = watch
+    watch.start()
+    try:
+        client.put("/w/a", b"1")
+        changes.wait_for(lambda v: v == {"/w/a": b"1"})
+        etcd_auth_outage_server.stop()
+        # The token is gone as when etcd rejects it (its 2 s are over, a restart ends every token): the stream's
+        # next try logs in first, while etcd is away.
+        client._token = None
+        time.sleep(2.0)
+        assert watch.running, "the watch's thread ended during the outage"
+        assert watch.stale_since is not None and len(errors) == 1, errors
+        assert watch.crashes == 0, "a login that finds etcd away is an outage, not an unexpected error"
+        etcd_auth_outage_server.start()
+        client.put("/w/b", b"2")
+        changes.wait_for(lambda v: v == {"/w/a": b"1", "/w/b": b"2"})
+        assert watch.running and watch.crashes == 0
+    finally:
+        watch.close()
+
+
+def test_an_unexpected_error_on_the_watch_thread_is_reported_and_the_watch_reads_again_and_goes_on(
+        etcd_server, etcd_run_id) -> None:
+    """A listener that raises (a bug) does not end the watch: ``on_crash`` gets the error and its traceback, the
+    prefix is read again and every listener told, and later changes still arrive."""
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/"
+    crashes: list[tuple[str, str]] = []
+    changes = Changes()
+    calls = []
+
+    def buggy() -> None:
+        calls.append(dict(watch.view().entries))
+        if len(calls) == 1:
+            raise KeyError("a bug in a listener")
+
+    watch = PrefixWatch(client, base, on_change=changes, on_crash=lambda e, t: crashes.append((e, t)))
+    changes.watch = watch
+    watch.subscribe(buggy)
+    watch.start()
+    try:
+        client.put(base + "a", b"1")
+        deadline = time.monotonic() + 30
+        while len(calls) < 2:  # the crash, then the read again that tells every listener
+            assert time.monotonic() < deadline, (calls, crashes)
+            time.sleep(0.02)
+        assert base + "a" in calls[1]
+        client.put(base + "b", b"2")
+        changes.wait_for(lambda v: v == {base + "a": b"1", base + "b": b"2"})
+        assert watch.running and watch.crashes == 1
+        [(error, trace)] = crashes
+        assert "KeyError: 'a bug in a listener'" in error and base in error
+        assert "in buggy" in trace, trace
+    finally:
+        watch.close()
+
+
 @pytest.mark.timeout(60)
 def test_closing_ends_a_silent_stream_at_once(etcd_server, etcd_run_id) -> None:
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))

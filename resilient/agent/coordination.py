@@ -90,6 +90,10 @@ class Coordination:
     def _store_unreachable(self, error: str) -> None:
         self._emit(EventKind.STORE_UNREACHABLE, error=error)
 
+    def _watch_crashed(self, error: str, trace: str) -> None:
+        self._emit(EventKind.WATCH_RESTARTED, error=error, traceback=trace[-4000:],
+                   hint="the watch read its keys again and follows on; a bug in the agent: report it with this trace")
+
     # ------------------------------------------------------------ the launch
     def join_launch(self) -> str | None:
         """Check the token against the run's and agree on the launch; returns a problem, or None."""
@@ -108,7 +112,8 @@ class Coordination:
 
             # Every launch of the run and the run's launch record, followed for the agent's life: the shared
             # facts, the presence of the nodes and the recovery keys are read from it, not polled.
-            self.launch_watch = PrefixWatch(self._etcd_client, root + "launch", on_error=self._store_unreachable)
+            self.launch_watch = PrefixWatch(self._etcd_client, root + "launch", on_error=self._store_unreachable,
+                                            on_crash=self._watch_crashed)
             self.launch_watch.start()
         self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope,
                                   watch=self.launch_watch, root=root,
@@ -133,7 +138,7 @@ class Coordination:
         from ..coord.watch import PrefixWatch
 
         self.timing_watch = PrefixWatch(self._etcd_client, f"/resilient/{self._config.run_id}/timing/",
-                                        on_error=self._store_unreachable).start()
+                                        on_error=self._store_unreachable, on_crash=self._watch_crashed).start()
         return self.timing_watch
 
     def make_rendezvous(self) -> EtcdRendezvous | OneNodeRendezvous:
@@ -147,7 +152,8 @@ class Coordination:
             self.rendezvous = etcd_rendezvous(self._etcd_client, c.run_id, self.shared.launch_id, c.node_id,
                                               c.local_addr, min_nodes=c.min_nodes, max_nodes=c.max_nodes,
                                               timeouts=c.rendezvous, lease=lambda: presence.lease,
-                                              live=presence.live, on_error=self._store_unreachable)
+                                              live=presence.live, on_error=self._store_unreachable,
+                                              on_crash=self._watch_crashed)
         return self.rendezvous
 
     def leave_rendezvous(self) -> None:

@@ -166,7 +166,8 @@ def _as_failure(ctx: GenerationContext, e: Exit, ranks: dict[int, Any], *, cause
     return Failure(
         kind="signal" if e.signal else "exit", rank=e.rank, node=ctx.config.node_id,
         exit_code=None if e.signal else e.returncode, signal=e.signal,
-        section=info.section if heard else None, step=info.step if heard else None, time=e.at,
+        section=info.section if heard and info is not None else None,
+        step=info.step if heard and info is not None else None, time=e.at,
         caused_by_agent=caused_by_agent, consequence=consequence,
     )
 

@@ -110,6 +110,7 @@ class EtcdRendezvous:
     def __init__(self, client: Any, space: str, counter_key: str, node: str, local_addr: str, *, min_nodes: int,
                  max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
                  live: Callable[[], frozenset[str]], on_error: Callable[[str], None] = lambda _: None,
+                 on_crash: Callable[[str, str], None] = lambda _error, _trace: None,
                  clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = 2.0) -> None:
         if not 1 <= min_nodes <= max_nodes:
             raise ConfigError(f"nodes {min_nodes}:{max_nodes} are invalid: need 1 <= min_nodes <= max_nodes")
@@ -122,6 +123,7 @@ class EtcdRendezvous:
         self._lease = lease
         self._live = live
         self._on_error = on_error
+        self._on_crash = on_crash
         self._clock = clock
         self._poll = poll_s
         self._recheck = recheck_s
@@ -142,7 +144,7 @@ class EtcdRendezvous:
     def _watch_out(self) -> PrefixWatch:
         if self._out is None:
             self._out = PrefixWatch(self._client, self._store.keys.out, on_change=self._notify,
-                                    on_error=self._on_error).start()
+                                    on_error=self._on_error, on_crash=self._on_crash).start()
         return self._out
 
     def _sleep(self, seconds: float) -> None:
@@ -209,7 +211,7 @@ class EtcdRendezvous:
                     continue
                 if joins_watch is None:
                     joins_watch = PrefixWatch(self._client, keys.joins(n), on_change=self._notify,
-                                              on_error=self._on_error).start()
+                                              on_error=self._on_error, on_crash=self._on_crash).start()
                 entries = joins_watch.view().entries
                 self._announce(n, view, entries.keys())
                 joins = {RoundKeys.node_of(k): e for k, e in entries.items() if RoundKeys.node_of(k) in live}
@@ -304,8 +306,9 @@ def free_port(addr: str) -> int:
 
 def etcd_rendezvous(client: Any, run_id: str, launch_id: str, node: str, local_addr: str, *, min_nodes: int,
                     max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
-                    live: Callable[[], frozenset[str]], on_error: Callable[[str], None]) -> EtcdRendezvous:
+                    live: Callable[[], frozenset[str]], on_error: Callable[[str], None],
+                    on_crash: Callable[[str, str], None]) -> EtcdRendezvous:
     """Many machines: launch ``launch_id``'s rounds in its rendezvous space, numbered by the run's counter."""
     return EtcdRendezvous(client, rendezvous_space(run_id, launch_id), run_prefix(run_id) + "generation", node,
                           local_addr, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, lease=lease,
-                          live=live, on_error=on_error)
+                          live=live, on_error=on_error, on_crash=on_crash)

@@ -323,7 +323,10 @@ class EtcdTransport:
         shut it down to end the stream at once.
         """
         if self.config.username is not None and self._token is None:
-            self._authenticate()
+            try:
+                self._authenticate()
+            except _Unreachable as e:  # the login of a stream is tried once, as the stream: an outage like any other
+                raise StoreUnavailableError(f"no etcd endpoint answered the login of a stream: {e}") from None
         payload = json.dumps(body).encode()
         errors = []
         n = len(self.config.endpoints)

@@ -14,6 +14,13 @@ broken stream the watch resumes from its revision, so no change is missed;
 when etcd has compacted that revision away it reads the prefix again.
 While etcd cannot be reached the copy stays as it was, :attr:`stale_since`
 says since when, and ``on_error`` hears of it once per outage.
+
+The thread never ends before :meth:`close`: an error it does not expect (a
+bug in a listener, a malformed answer) is handed to ``on_crash`` with its
+traceback, and the watch reads the prefix again at a new revision, tells
+every listener (any key may have changed meanwhile) and follows on from
+there, pausing longer after each crash in a row (up to
+:data:`CRASH_BACKOFF_MAX_S`).
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
 from .etcd import Compacted, EtcdClient
 from .store import ControlStoreError, Entry
+
+CRASH_BACKOFF_MAX_S = 10.0
+"""The longest pause between two tries after unexpected errors in a row."""
 
 
 @dataclass(frozen=True)
@@ -42,12 +53,17 @@ class View:
 
 class PrefixWatch:
     def __init__(self, client: EtcdClient, prefix: str, *, on_change: Callable[[], None] = lambda: None,
-                 on_error: Callable[[str], None] = lambda _: None, idle_s: float = 5.0,
+                 on_error: Callable[[str], None] = lambda _: None,
+                 on_crash: Callable[[str, str], None] = lambda _error, _trace: None, idle_s: float = 5.0,
                  retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self.prefix = prefix
         self._listeners: list[tuple[Callable[[], None], tuple[str, ...] | None]] = [(on_change, None)]
         self._on_error = on_error
+        self._on_crash = on_crash
+        self.crashes = 0
+        """Unexpected errors the thread survived."""
+        self._crashes_in_a_row = 0
         self._idle = idle_s
         self._retry = retry_s
         self._clock = clock
@@ -108,24 +124,51 @@ class PrefixWatch:
             self._view = View(revision, MappingProxyType(dict(self._entries)))
 
     def _loop(self) -> None:
+        read_again = False
         while not self._done.is_set():
             try:
-                self.streams += 1
-                for batch in self._client.watch_prefix(self.prefix, self._revision + 1, self._idle, self._done,
-                                                       self._opened):
-                    self._apply(batch.events)
-                    if self.stale_since is not None:
-                        self.stale_since = None
-            except Compacted:
-                try:
-                    self._read()
-                except ControlStoreError as e:
-                    self._failed(e)
-                else:
-                    self._changed()
-                continue
-            except (ControlStoreError, OSError, ValueError) as e:
-                self._failed(e)
+                if read_again:  # until a read at a new revision told every listener
+                    read_again = not self._read_again()
+                    continue
+                self._follow()
+            except Exception as e:  # noqa: BLE001  the watch outlives what it did not expect, and says so
+                self._crashed(e)
+                read_again = True
+
+    def _follow(self) -> None:
+        try:
+            self.streams += 1
+            for batch in self._client.watch_prefix(self.prefix, self._revision + 1, self._idle, self._done,
+                                                   self._opened):
+                self._apply(batch.events)
+                self._crashes_in_a_row = 0
+                if self.stale_since is not None:
+                    self.stale_since = None
+        except Compacted:
+            self._read_again()
+        except (ControlStoreError, OSError, ValueError) as e:
+            self._failed(e)
+
+    def _read_again(self) -> bool:
+        """Read the prefix at a new revision and tell every listener (any key may have changed); False when etcd
+        could not be read."""
+        try:
+            self._read()
+        except ControlStoreError as e:
+            self._failed(e)
+            return False
+        self._changed()
+        return True
+
+    def _crashed(self, e: Exception) -> None:
+        self.crashes += 1
+        self._crashes_in_a_row += 1
+        trace = "".join(traceback.format_exception(e))
+        try:
+            self._on_crash(f"watch of {self.prefix}: {type(e).__name__}: {e}", trace)
+        except Exception:  # noqa: BLE001, S110  a failing report must not end the watch it reports on
+            pass
+        self._done.wait(min(CRASH_BACKOFF_MAX_S, self._retry * 2 ** min(self._crashes_in_a_row - 1, 16)))
 
     def _failed(self, e: Exception) -> None:
         if self.stale_since is None:

@@ -140,6 +140,7 @@ class EventKind(str, Enum):
 
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on
+    WATCH_RESTARTED = "watch_restarted"  # a store watch's thread hit an unexpected error: read again, it goes on
     STORE_OUTAGE_START = "store_outage_start"  # the etcd client started retrying an unreachable cluster
     STORE_OUTAGE_END = "store_outage_end"  # etcd answered again after an outage
     STORE_WRITE_REJECTED = "store_write_rejected"  # a store entry without a valid token proof was ignored

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from .protocol import PROTOCOL_VERSION, REPORTS, ROWS_PER_DATAGRAM
 
@@ -104,7 +104,7 @@ class HeartbeatSender:
         """Send one heartbeat; True when the agent's socket took it."""
         try:
             text = self.format(kind, section, step, committed_step=committed_step, checkpoint=checkpoint,
-                               tokens=tokens, samples=samples, save=save, **reports)
+                               tokens=tokens, samples=samples, save=save, **cast("dict[str, Any]", reports))
         except Exception as e:  # noqa: BLE001  e.g. a save report that is not JSON: drop, never raise
             self.dropped += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -237,7 +237,8 @@ class BatchingSender:
         with self._lock:
             self._flush_locked()
             self._last_flush = self._clock()
-            return self.sender.send(kind, section, step, committed_step=committed_step, **reports)
+            return self.sender.send(kind, section, step, committed_step=committed_step,
+                                    **cast("dict[str, Any]", reports))
 
     def _loop(self) -> None:
         while not self._closed.wait(self.interval_s):
