@@ -127,10 +127,7 @@ def test_a_compacted_revision_is_read_again(etcd_server, etcd_run_id) -> None:
 def test_an_outage_leaves_the_copy_stale_and_says_so_then_it_catches_up(etcd_outage_server) -> None:
     client = EtcdClient(EtcdConfig.from_url(etcd_outage_server.url, outage_tolerance_s=0.5))
     errors: list[str] = []
-    changes = Changes()
-    watch = PrefixWatch(client, "/w/", on_change=changes, on_error=errors.append, idle_s=1.0)
-    changes.watch = watch
-    watch.start()
+    watch, changes = _watch(client, "/w/", on_error=errors.append, idle_s=1.0)
     try:
         client.put("/w/a", b"1")
         changes.wait_for(lambda v: v == {"/w/a": b"1"})
@@ -160,10 +157,7 @@ def test_a_watch_with_auth_logs_in_again_after_an_outage_that_outlived_its_token
     client = EtcdClient(EtcdConfig.from_url(etcd_auth_outage_server.url, username="root", password=ROOT_PASSWORD,
                                             outage_tolerance_s=0.5))
     errors: list[str] = []
-    changes = Changes()
-    watch = PrefixWatch(client, "/w/", on_change=changes, on_error=errors.append, idle_s=1.0)
-    changes.watch = watch
-    watch.start()
+    watch, changes = _watch(client, "/w/", on_error=errors.append, idle_s=1.0)
     try:
         client.put("/w/a", b"1")
         changes.wait_for(lambda v: v == {"/w/a": b"1"})
@@ -190,7 +184,6 @@ def test_an_unexpected_error_on_the_watch_thread_is_reported_and_the_watch_reads
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     base = f"/resilient/{etcd_run_id}/"
     crashes: list[tuple[str, str]] = []
-    changes = Changes()
     calls = []
 
     def buggy() -> None:
@@ -198,10 +191,8 @@ def test_an_unexpected_error_on_the_watch_thread_is_reported_and_the_watch_reads
         if len(calls) == 1:
             raise KeyError("a bug in a listener")
 
-    watch = PrefixWatch(client, base, on_change=changes, on_crash=lambda e, t: crashes.append((e, t)))
-    changes.watch = watch
+    watch, changes = _watch(client, base, on_crash=lambda e, t: crashes.append((e, t)))
     watch.subscribe(buggy)
-    watch.start()
     try:
         client.put(base + "a", b"1")
         deadline = time.monotonic() + 30

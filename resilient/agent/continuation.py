@@ -104,10 +104,11 @@ def continue_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, 
     assert inp is not None and outlook_of is not None and next_generation is not None and record is not None
     # Members that died since the failure was read (ranks lost together, a moment apart) are lost with it: a dead
     # member is no survivor, whose last heartbeat would be taken for its step.
-    gone = {r: w for r, w in group.workers.items() if r not in lost and w.exit is not None and w.exit.returncode != 0}
+    gone = {r: (w.worker_id, w.exit.returncode) for r, w in group.workers.items()
+            if r not in lost and w.exit is not None and w.exit.returncode != 0}
     if gone:
-        lost = {**lost, **{r: w.worker_id for r, w in gone.items()}}
-        exit_codes = (*exit_codes, *(w.exit.returncode for w in gone.values() if w.exit and w.exit.returncode > 0))
+        lost = {**lost, **{r: worker for r, (worker, _) in gone.items()}}
+        exit_codes = (*exit_codes, *(code for _, code in gone.values() if code > 0))
     if not any(r not in lost for r in group.workers):
         return None
     if inp.recovering is not None:  # a failure while the previous recovery was under way: fold it into this one
