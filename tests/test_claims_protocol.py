@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from resilient.agent.cluster import POOL_TTL_S, ClusterStore
 from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient, EtcdConfig
-from resilient.coord.proof import SignedStore, verify
+from resilient.coord.proof import SignedStore, sign, verify
 from resilient.coord.store import ControlStoreError, EtcdControlStore
 from resilient.coord.txn import Compare, Delete, Put, Txn
 
@@ -67,7 +67,7 @@ class Decisions(RuleBasedStateMachine):
         super().__init__()
         self.clock = Clock()
         self.model = EtcdModel(self.clock)
-        self.model.put(ROOT + "generation", str(FIRST).encode())
+        self.model.put(ROOT + "generation", sign(TOKEN, "generation", {"generation": FIRST}))
         self.agents = {n: _agent(self.model, n) for n in DECIDERS}
         owner, _ = _agent(self.model, "s0")
         for i, worker in enumerate(SPARES):
@@ -88,7 +88,9 @@ class Decisions(RuleBasedStateMachine):
 
     def _counter(self) -> int:
         entry = self.model.get(ROOT + "generation")
-        return int(entry.value.decode())
+        value = verify(TOKEN, "generation", entry.value).value
+        assert value is not None, "the counter was written without the run token"
+        return int(value["generation"])
 
     # ------------------------------------------------------------ rules
     @rule(node=st.sampled_from(DECIDERS), ahead=st.sampled_from([0, 0, 0, 1]), fault=FAULTS)

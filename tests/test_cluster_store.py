@@ -17,7 +17,7 @@ import threading
 from resilient.agent.cluster import ClusterStore
 from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient, EtcdConfig
-from resilient.coord.proof import SignedStore
+from resilient.coord.proof import SignedStore, sign
 from resilient.coord.store import EtcdControlStore, StoreUnavailableError
 
 TOKEN = "t" * 64
@@ -31,7 +31,8 @@ def _store(url: str, run_id: str, node: str, token: str = TOKEN, client=None) ->
 
 
 def _counter(url: str, run_id: str, value: int) -> None:
-    EtcdClient(EtcdConfig.from_url(url)).put(f"/resilient/{run_id}/generation", str(value).encode())
+    EtcdClient(EtcdConfig.from_url(url)).put(f"/resilient/{run_id}/generation",
+                                             sign(TOKEN, "generation", {"generation": value}))
 
 
 def _promote(store: ClusterStore, generation: int, spares: list) -> dict:
@@ -244,12 +245,48 @@ def test_a_node_cut_off_from_the_store_has_no_turn_to_collect(etcd_server, etcd_
     n0 = _store(etcd_server.url, etcd_run_id, "n0")
 
     def presence(node: str, state: str) -> Entry:
-        return Entry(f"{LAUNCH}nodes/{node}", json.dumps({"state": state}).encode(), 1, 1)
+        return Entry(f"{LAUNCH}nodes/{node}", sign(TOKEN, f"{LAUNCH}nodes/{node}", {"state": state}), 1, 1)
 
     keys = [presence("n0", "running"), presence("n2", "running"), presence("n3", "left"),
-            Entry(f"{LAUNCH}suspect/n1/n0", b"{}", 1, 1)]
+            Entry(f"{LAUNCH}suspect/n1/n0", b"{}", 1, 1),
+            Entry(f"{LAUNCH}nodes/n4", json.dumps({"state": "running"}).encode(), 1, 1)]  # forged: nobody
     running = n0.running_of(keys)
     assert running == {"n0", "n2"}
     live = {"n0", "n1", "n2"}  # n1 is vouched for: alive, its presence key gone with its lease
     assert collectors("n1", running & live, "n2") == ["n0", "n2"]
     assert collectors("n1", live, "n2")[0] == "n1", "without the store's view n1 would keep its turn"
+
+
+def test_a_forged_decision_or_counter_blocks_no_recovery_and_is_reported(etcd_server, etcd_run_id) -> None:
+    """A writer without the run token puts a decision for the generation being recovered (today's agents would
+    take it for another decider's and wait for it forever) and a counter of its choosing.  The decider commits
+    over the forged decision, every reader sees only the real one, the forged counter reads as the launch's
+    current generation, and each forged key is reported."""
+    rejected: list[str] = []
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    signed = SignedStore(EtcdControlStore.for_run(client, etcd_run_id), TOKEN,
+                         on_rejected=lambda key, _why: rejected.append(key))
+    a = ClusterStore(signed, client, f"/resilient/{etcd_run_id}/", LAUNCH, "n0", TOKEN)
+    b = _store(etcd_server.url, etcd_run_id, "n1")
+    _counter(etcd_server.url, etcd_run_id, 3)
+    a.set_current(3)
+    root = f"/resilient/{etcd_run_id}/"
+    client.put(f"{root}{LAUNCH}rec/g3/decision", json.dumps({"action": "stop", "node": "evil"}).encode())
+    client.put(f"{root}generation", b"41")
+    assert a.view(3).decision is None and b.view(3).decision is None
+    assert a.counter()[0] == 3, "a forged counter reads as the launch's current generation"
+    held = a.claim(3, "recover")
+    assert held is not None
+    outcome = a.commit(held, 3, {"action": "shrink", "generation": 4}, counter_revision=a.counter()[1])
+    assert outcome is claims.Outcome.COMMITTED
+    decision = b.view(3).decision
+    assert decision is not None and decision["action"] == "shrink" and decision["generation"] == 4
+    assert b.counter()[0] == 4 and b.current() == 4
+    assert {f"{LAUNCH}rec/g3/decision", "generation"} <= set(rejected), rejected
+    # A decision copied from another generation does not verify under this one's key.
+    copied = client.get(f"{root}{LAUNCH}rec/g3/decision")
+    assert copied is not None
+    client.put(f"{root}{LAUNCH}rec/g4/decision", copied.value)
+    assert b.view(4).decision is None
+    a.close()
+    b.close()

@@ -40,6 +40,7 @@ from resilient.coord.liveness import (
     ring_after,
 )
 from resilient.coord.presence import Presence
+from resilient.coord.proof import Seal
 from resilient.coord.watch import PrefixWatch
 
 
@@ -230,11 +231,16 @@ class Lost:
             self.cond.notify_all()
 
 
+TOKEN = "liveness-test-token"
+
+
 @contextlib.contextmanager
 def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = True, silence_s: float = 0.4,
-               probe_interval_s: float = 0.05) -> Iterator[tuple[dict[str, Presence], dict[str, Lost], EtcdClient]]:
+               probe_interval_s: float = 0.05,
+               forged: list[tuple[str, str]] | None = None,
+               ) -> Iterator[tuple[dict[str, Presence], dict[str, Lost], EtcdClient]]:
     """Presences of ``names`` in this process, each with its own watch (probing its peers unless ``probes`` is
-    False); they leave and stop at the end."""
+    False); they leave and stop at the end.  ``forged`` collects (node, key) of each value a node rejected."""
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     presences, losts, watches = {}, {}, []
     try:
@@ -246,7 +252,10 @@ def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = Tru
             presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
                                        lambda e: None, watch=watch, ttl_s=30,
                                        probe_host="127.0.0.1" if probes else None,
-                                       probe_interval_s=probe_interval_s, silence_s=silence_s)
+                                       probe_interval_s=probe_interval_s, silence_s=silence_s,
+                                       seal=Seal(TOKEN, f"/resilient/{run_id}/", on_rejected=(
+                                           lambda key, _why, name=name: (forged if forged is not None else []
+                                                                         ).append((name, key)))))
         for presence in presences.values():
             presence.start()
         yield presences, losts, client
@@ -265,12 +274,14 @@ def _agent_elsewhere(etcd_server, run_id: str, name: str, *, silence_s: float = 
     code = ("import sys, time\n"
             "from resilient.coord.etcd import EtcdClient, EtcdConfig\n"
             "from resilient.coord.presence import Presence\n"
+            "from resilient.coord.proof import Seal\n"
             "from resilient.coord.watch import PrefixWatch\n"
             f"w = PrefixWatch(EtcdClient(EtcdConfig.from_url({etcd_server.url!r})), '/resilient/{run_id}/launch')\n"
             "w.start()\n"
             f"p = Presence(w._client, '/resilient/{run_id}/launch/l1/', {name!r}, lambda n, y: None, print,\n"
             "             watch=w, ttl_s=30, interval_s=29, probe_host='127.0.0.1',\n"
-            f"             probe_interval_s={probe_interval_s!r}, silence_s={silence_s!r})\n"
+            f"             probe_interval_s={probe_interval_s!r}, silence_s={silence_s!r},\n"
+            f"             seal=Seal({TOKEN!r}, '/resilient/{run_id}/'))\n"
             "p.start(); print(p.lease, flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -361,6 +372,35 @@ def test_without_probes_a_node_whose_lease_lapsed_is_lost_by_the_lease(etcd_serv
         for name in ("a", "c"):
             assert _wait_lost(losts[name], "b") == "its presence lease expired and no live node vouches for it"
             assert presences[name].live() == {"a", "c"}
+
+
+def test_forged_presence_accusations_and_vouches_judge_nobody_and_are_reported(etcd_server, etcd_run_id) -> None:
+    """A writer without the run token puts, with plain etcd puts: two accusations of a live node (a quorum of
+    its probers), a presence key of a node that does not exist pointing the probes elsewhere, and a vouch.  No
+    node is judged lost, the invented node is nobody, and every forged key is reported by the nodes that read
+    it.  The same accusations signed with the token do get b judged lost (the forgery is what fails)."""
+    base = f"/resilient/{etcd_run_id}/launch/l1/"
+    forged: list[tuple[str, str]] = []
+    with _presences(etcd_server, etcd_run_id, ["a", "b", "c"], forged=forged) as (presences, losts, client):
+        _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
+        planted = {base + "suspect/b/a": b'{"why": "forged", "at": 1}',
+                   base + "suspect/b/c": b'{"body": {"why": "forged", "at": 1}, "proof": "00"}',
+                   base + "nodes/ghost": b'{"state": "running", "probe": "127.0.0.1:9"}',
+                   base + "vouch/ghost/a": b'{"at": 1}'}
+        for key, value in planted.items():
+            client.put(key, value)
+        _wait(lambda: {k for _, k in forged} == set(planted), f"every forged key reported: {forged}")
+        time.sleep(1.0)  # twenty rounds of probes and judgements
+        assert losts["a"].nodes == {} and losts["b"].nodes == {} and losts["c"].nodes == {}
+        assert all(p.live() == {"a", "b", "c"} for p in presences.values())
+        assert presences["a"].address_of("ghost") is None
+        # Reported once per key and node, not once per judgement.
+        assert len(forged) == len(set(forged)), forged
+        # The control: the same two accusations with the token's proof make b lost at once.
+        seal = Seal(TOKEN, f"/resilient/{etcd_run_id}/")
+        for key in (base + "suspect/b/a", base + "suspect/b/c"):
+            client.put(key, seal.seal(key, {"why": "signed", "at": 1}))
+        assert "does not answer probes from a, c" in _wait_lost(losts["a"], "b")
 
 
 def test_an_agent_that_leaves_is_never_lost(etcd_server, etcd_run_id) -> None:

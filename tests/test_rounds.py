@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
 from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.proof import Seal
 from resilient.coord.rounds import (
     RendezvousClosedError,
     RendezvousTimeoutError,
@@ -40,6 +41,16 @@ from .etcd_server import EtcdServer
 
 SPACE = "/resilient/r/rdzv/L/"
 COUNTER = "/resilient/r/generation"
+TOKEN = "t" * 32
+SEAL = Seal(TOKEN, "/resilient/r/")
+
+
+def decoded(entry: Entry | None) -> dict[str, Any]:
+    """A stored value whose proof must hold."""
+    assert entry is not None
+    value = SEAL.open(entry)
+    assert value is not None, f"{entry.key} holds no signed value"
+    return value
 
 
 # ---------------------------------------------------------------- the pure parts
@@ -87,7 +98,9 @@ class CheckedModel(EtcdModel):
             ok = all(c.holds(self._data.get(c.key)) for c in txn.compare)
             for op in txn.success if ok else ():
                 if isinstance(op, Put) and op.key.startswith(keys.out + "r/"):
-                    formed = Round.decode(op.value)
+                    opened = SEAL.open(Entry(op.key, op.value, 0, 0))
+                    assert opened is not None, f"{op.key} was written unsigned"
+                    formed = Round.of(opened)
                     missing = [m for m in formed.members if keys.join(formed.number, m) not in self._data]
                     if missing:
                         self.violations.append(f"round {formed.number} formed with {missing} not joined")
@@ -105,7 +118,7 @@ class Rounds(RuleBasedStateMachine):
         self.now = 0.0
         self.model = CheckedModel(lambda: self.now)
         self.net = Flaky(self.model)
-        self.store = RoundStore(self.net, SPACE, COUNTER)  # type: ignore[arg-type]
+        self.store = RoundStore(self.net, SPACE, COUNTER, SEAL)  # type: ignore[arg-type]
         self.leases = {n: self.model.lease_grant(5) for n in NODES}
         self.joined: dict[str, int] = {}
         self.first_seen: dict[int, bytes] = {}
@@ -142,12 +155,12 @@ class Rounds(RuleBasedStateMachine):
         joins = {RoundKeys.node_of(e.key): e for e in self.model.get_prefix(self.store.keys.joins(n))
                  if RoundKeys.node_of(e.key) in live}
         previous = self.model.get(self.store.keys.result(n - 1))
-        before = Round.decode(previous.value).members if previous is not None else ()
+        before = Round.of(decoded(previous)).members if previous is not None else ()
         formed = self._try(lambda: self.store.form(n, joins, before, 3))
         if formed is not None:
             assert formed.number == n
             stored = self.model.get(self.store.keys.result(n))
-            assert stored is not None and Round.decode(stored.value) == formed
+            assert Round.of(decoded(stored)) == formed
             if node in formed.members:
                 self.taken[node] = n
 
@@ -166,8 +179,8 @@ class Rounds(RuleBasedStateMachine):
     def decision_in_process(self) -> None:
         """Another agent's in-process decision moves the run's generation counter."""
         entry = self.model.get(COUNTER)
-        issued = (int(entry.value) if entry is not None else 0) + 1
-        self.model.put(COUNTER, str(issued).encode())
+        issued = (decoded(entry)["generation"] if entry is not None else 0) + 1
+        self.model.put(COUNTER, SEAL.seal(COUNTER, {"generation": issued}))
         self.decided.add(issued)
 
     @invariant()
@@ -177,20 +190,20 @@ class Rounds(RuleBasedStateMachine):
         for n, e in results.items():
             assert self.first_seen.setdefault(n, e.value) == e.value, f"round {n}'s result was rewritten"
             assert e.version == 1
-            formed = Round.decode(e.value)
+            formed = Round.of(decoded(e))
             assert 1 <= len(formed.members) <= 3 and len(set(formed.members)) == len(formed.members)
             assert formed.master_addr == "h-" + formed.members[0]
-        rounds = sorted((Round.decode(e.value) for e in results.values()), key=lambda r: r.number)
+        rounds = sorted((Round.of(decoded(e)) for e in results.values()), key=lambda r: r.number)
         gens = [r.generation for r in rounds]
         assert gens == sorted(set(gens)), f"generations {gens} do not grow"
         assert not set(gens) & self.decided, f"a round numbered a generation a decision had taken: {gens}"
         counter = self.model.get(COUNTER)
         if rounds:
-            assert counter is not None and int(counter.value) >= max(gens)
+            assert decoded(counter)["generation"] >= max(gens)
         open_round = self.model.get(self.store.keys.round)
         formed_numbers = sorted(results)
         if formed_numbers:
-            assert open_round is not None and int(open_round.value) == max(formed_numbers) + 1
+            assert decoded(open_round)["round"] == max(formed_numbers) + 1
 
 
 Rounds.TestCase.settings = settings(max_examples=500, stateful_step_count=30, deadline=None,
@@ -217,7 +230,7 @@ def test_a_commit_delivered_late_applies_only_if_nothing_it_compared_moved(betwe
     m.one_result_per_round_and_generations_grow()
     after = m.model.get(m.store.keys.result(0))
     if between == "nothing":
-        assert after is not None and Round.decode(after.value).members == ("n0", "n1")
+        assert Round.of(decoded(after)).members == ("n0", "n1")
     elif between == "another_closer_forms":
         assert after == formed_before
     else:
@@ -259,6 +272,9 @@ class Cluster:
                  last_call_s: float = 30.0, join_s: float = 60.0) -> None:
         self.space = f"/resilient/{run_id}/rdzv/L/"
         self.counter = f"/resilient/{run_id}/generation"
+        self.seal = Seal(TOKEN, f"/resilient/{run_id}/", on_rejected=lambda key, why: self.forged.append(key))
+        self.forged: list[str] = []
+        """The keys whose values were rejected (each revision once)."""
         self.url = server.url
         self.live: set[str] = set()
         self.kw = {"min_nodes": min_nodes, "max_nodes": max_nodes,
@@ -276,14 +292,18 @@ class Cluster:
         if timeouts:
             kw["timeouts"] = RendezvousTimeouts(**{"join_s": 60.0, "last_call_s": 30.0, **timeouts})
         r = EtcdRendezvous(client, self.space, self.counter, name, "127.0.0.1", lease=lambda: self.leases[name],
-                           live=lambda: frozenset(self.live), **kw)  # type: ignore[arg-type]
+                           live=lambda: frozenset(self.live), seal=self.seal, **kw)  # type: ignore[arg-type]
         self.made.append(r)
         return r
 
     def result(self, n: int) -> Round:
-        formed = RoundStore(next(iter(self.clients.values())), self.space, self.counter).result(n)
+        formed = self.store().result(n)
         assert formed is not None, f"round {n} has no result"
         return formed
+
+    def store(self, node: str | None = None) -> RoundStore:
+        client = self.clients[node] if node is not None else next(iter(self.clients.values()))
+        return RoundStore(client, self.space, self.counter, self.seal)
 
     def close(self) -> None:
         for r in self.made:
@@ -359,7 +379,7 @@ def test_a_closer_that_dies_is_replaced(cluster_factory: Any) -> None:
     a, b, lost = c.node("a"), c.node("b"), c.node("lost")
     first = together(a.next, b.next, lost.next)
     assert {x.num_nodes for x in first} == {3}
-    store = RoundStore(c.clients["lost"], c.space, c.counter)
+    store = c.store("lost")
     n = store.join("lost", {"addr": "127.0.0.1", "port": 1}, c.clients["lost"].lease_grant(60))
     assert n == 1 and store.closer(n, frozenset(c.live)) == "lost"
     c.live.discard("lost")
@@ -394,7 +414,8 @@ def test_a_round_of_more_nodes_than_etcd_compares_in_one_transaction_forms(etcd_
                                                                             etcd_run_id: str) -> None:
     """etcd refuses a transaction of over 128 comparisons: a round of 300 nodes still forms, in one."""
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
-    store = RoundStore(client, f"/resilient/{etcd_run_id}/rdzv/L/", f"/resilient/{etcd_run_id}/generation")
+    store = RoundStore(client, f"/resilient/{etcd_run_id}/rdzv/L/", f"/resilient/{etcd_run_id}/generation",
+                       Seal(TOKEN, f"/resilient/{etcd_run_id}/"))
     lease = client.lease_grant(60)
     nodes = [f"node-{i}" for i in range(300)]
     for node in nodes:
@@ -434,7 +455,7 @@ def test_a_full_round_is_not_restarted_for_a_node_it_has_no_room_for(cluster_fac
     out = together(extra.next, lambda: _until(lambda: client.get(RoundKeys(c.space).waiting) is not None))
     assert isinstance(out[0], RendezvousTimeoutError), out
     assert "--rdzv-join-timeout" in str(out[0])
-    waiting = json.loads(client.get(RoundKeys(c.space).waiting).value)  # type: ignore[union-attr]
+    waiting = c.seal.open(client.get(RoundKeys(c.space).waiting))  # type: ignore[arg-type]
     assert waiting == {"round": 1, "members": False, "new": True}
     assert a.num_nodes_waiting() == 0 and b.num_nodes_waiting() == 0
     assert client.get_prefix(RoundKeys(c.space).joins(1)) == []  # the timed-out join was withdrawn
@@ -465,3 +486,37 @@ def _until(check: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     raise AssertionError("the condition never held")
+
+
+def test_forged_rendezvous_keys_direct_no_worker_close_nothing_and_are_reported(cluster_factory: Any) -> None:
+    """A writer without the run token puts, with plain etcd puts, before the nodes come: ``out/closed``, a result
+    for the round they will join naming its own master address, a join of a node that does not exist, a
+    ``round`` and a counter of its choosing.  The round forms of the two real nodes, with their address, as the
+    launch's first generation; then forged ``closed`` and next result again: the next round forms the same way.
+    Every forged key is reported."""
+    c = cluster_factory(min_nodes=2, max_nodes=3, last_call_s=0.3)
+    a, b = c.node("a"), c.node("b")
+    raw = c.clients["a"]
+    keys = RoundKeys(c.space)
+    planted = {keys.closed: b"closed by nobody", keys.result(0): Round(0, 50, ("a", "b"), "10.6.6.6", 1).body(),
+               keys.join(0, "evil"): {"addr": "10.6.6.6", "port": 1, "node": "evil"}, keys.round: b"7",
+               c.counter: {"generation": 98}}
+    for key, value in planted.items():
+        raw.put(key, value if isinstance(value, bytes) else json.dumps({"body": value, "proof": "0" * 64}).encode())
+    c.live.add("evil")  # even taken for alive, its forged join makes it no member
+    first = together(a.next, b.next)
+    assert all(not isinstance(x, Exception) for x in first), first
+    assert {(x.generation, x.num_nodes, x.master_addr) for x in first} == {(1, 2, "127.0.0.1")}, first
+    assert c.result(0).members == ("a", "b")
+    assert set(planted) <= set(c.forged), c.forged
+    for key in (keys.closed, keys.result(1)):
+        raw.put(key, json.dumps({"body": {"why": "x"} if key == keys.closed else
+                                 Round(1, 60, ("a", "b"), "10.6.6.6", 1).body(), "proof": "1" * 64}).encode())
+    assert not a.is_closed() and not b.is_closed()
+    second = together(a.next, b.next)
+    assert all(not isinstance(x, Exception) for x in second), second
+    assert {(x.generation, x.master_addr) for x in second} == {(2, "127.0.0.1")}, second
+    assert {keys.closed, keys.result(1)} <= set(c.forged)
+    # The control: a signed ``closed`` does close it.
+    raw.put(keys.closed, c.seal.seal(keys.closed, {"why": "closed with the token"}))
+    _until(lambda: a.is_closed() and b.is_closed())

@@ -107,7 +107,7 @@ def test_stop_and_verdict_written_without_the_token_are_ignored(tmp_path, etcd_s
     finally:
         agent.kill()
     assert code == 0, (tmp_path / "agent.log").read_text()[-3000:]
-    rejected = {e["key"]: e["problem"] for e in events(run_dir, "store_write_rejected")}
+    rejected = {e["key"]: e["problem"] for e in events(run_dir, "forged_key")}
     assert set(rejected) == {prefix + "stop", prefix + "verdict"}, rejected
     assert "no signed body" in rejected[prefix + "stop"] and "wrong proof" in rejected[prefix + "verdict"]
     assert not events(run_dir, "stop_requested")

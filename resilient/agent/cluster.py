@@ -53,7 +53,6 @@ on the watch loop (a failure is being handled there anyway).
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 import time
@@ -275,11 +274,10 @@ class ClusterStore:
         peers vouch for while its key is gone is alive, but cut off from the store)."""
         found = set()
         for entry in entries:
-            try:
-                state = json.loads(entry.value).get("state")
-            except (ValueError, AttributeError):
+            value = self.signed.seal.open(entry)  # a forged presence key is nobody
+            if value is None:
                 continue
-            if state == "running" and entry.key.startswith(self.nodes_prefix):
+            if value.get("state") == "running" and entry.key.startswith(self.nodes_prefix):
                 found.add(entry.key[len(self.nodes_prefix):])
         return found
 
@@ -314,9 +312,14 @@ class ClusterStore:
                                                          entry.mod_revision))
 
     def counter(self) -> tuple[int, int]:
-        """The run's generation counter and the revision it was written at (0, 0 before any generation)."""
-        entry = self.signed.store.get(COUNTER_KEY)
-        return (int(entry.value.decode()), entry.mod_revision) if entry is not None else (0, 0)
+        """The run's generation counter and the revision it was written at (0, 0 before any generation).  A
+        forged counter (reported) reads as the launch's current generation: nothing signed moved it since."""
+        entry, value = self.signed.get_entry(COUNTER_KEY)
+        if entry is None:
+            return 0, 0
+        if value is not None:
+            return int(value["generation"]), entry.mod_revision
+        return self.current() or 0, entry.mod_revision
 
     def commit(self, held: claims.Claim, generation: int, decision: Mapping[str, Any], *,
                spares: Sequence[PoolEntry] = (), counter_revision: int | None = None) -> claims.Outcome:
@@ -341,7 +344,7 @@ class ClusterStore:
                                                                                "node": self.node})))
             assert counter_revision is not None, "a decision that moves the generation compares the counter"
             counter = Compare.unchanged(self.root + COUNTER_KEY, counter_revision)
-            writes.append(Put(self.root + COUNTER_KEY, str(following).encode()))
+            writes.append(Put(self.root + COUNTER_KEY, sign(self._token, COUNTER_KEY, {"generation": following})))
             for spare in spares:
                 pool_key = f"{self.pool_prefix}{spare.worker}"
                 value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall,

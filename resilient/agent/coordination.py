@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..coord.launch import begin_launch
-from ..coord.proof import SignedStore
+from ..coord.proof import Seal, SignedStore
 from ..coord.store import ControlStoreError
 from ..core.events import Emit, EventKind
 from .config import AgentConfig
@@ -44,6 +44,9 @@ class Coordination:
         self._on_node_lost = on_node_lost
         self.control = self._control_store()
         self.signed = SignedStore(self.control, token, on_rejected=self._on_rejected_write)
+        self.seal = Seal(token, f"/resilient/{config.run_id}/", on_rejected=self._on_rejected_write)
+        """Signs and checks the values under the run's etcd keys that are written outside :attr:`signed` (the
+        rendezvous rounds, the presence keys)."""
         self._token = token
         self.shared: SharedFacts | None = None
         """This launch's shared facts; set once the agent has joined a launch."""
@@ -78,8 +81,16 @@ class Coordination:
         return EtcdControlStore(client, f"/resilient/{self._config.run_id}/")
 
     def _on_rejected_write(self, key: str, problem: str) -> None:
-        self._emit(EventKind.STORE_WRITE_REJECTED, key=key, problem=problem,
-                   hint="only holders of the run token may change the run; this entry is ignored")
+        self._emit(EventKind.FORGED_KEY, key=key, problem=problem,
+                   hint="only holders of the run token may change the run; this entry is ignored. Something with "
+                        "write access to etcd wrote it: lock etcd down (authentication, TLS, a network policy)")
+
+    def _current(self) -> int:
+        """The launch's current generation as its signed recovery key says (0: none yet)."""
+        if self.shared is None:
+            return 0
+        found = self.signed.get(f"{self.shared.prefix}rec/current")
+        return int(found["generation"]) if found is not None else 0
 
     def _probed(self, node: str, up: bool, why: str) -> None:
         if up:
@@ -127,7 +138,7 @@ class Coordination:
             self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
                                       self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
                                       probe_host=c.local_addr, on_probe=self._probed, extra=self.presence_extra,
-                                      silence_s=c.node_silence_s)
+                                      silence_s=c.node_silence_s, seal=self.seal)
             self._presence.start()
         return None
 
@@ -153,7 +164,7 @@ class Coordination:
                                               c.local_addr, min_nodes=c.min_nodes, max_nodes=c.max_nodes,
                                               timeouts=c.rendezvous, lease=lambda: presence.lease,
                                               live=presence.live, on_error=self._store_unreachable,
-                                              on_crash=self._watch_crashed)
+                                              on_crash=self._watch_crashed, seal=self.seal, floor=self._current)
         return self.rendezvous
 
     def leave_rendezvous(self) -> None:

@@ -50,7 +50,7 @@ from .worker_env import STOP_SIGNAL, base_env, worker_env
 
 if TYPE_CHECKING:
     from ..coord.quarantine import Standing
-    from ..coord.store import ControlStore
+    from ..coord.proof import SignedStore
     from ..elastic.observe import RestartOutlook
     from .accounting import NodeAccounting
     from .config import AgentConfig
@@ -445,7 +445,7 @@ def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared
     return stop_at
 
 
-def record_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Emit) -> None:
+def record_incident(incident: Incident, run_dir: RunDir, store: SignedStore, emit: Emit) -> None:
     """Write the incident file, its event, and its run-wide copy in the store; print it with its consequences."""
     path = publish_incident(incident, run_dir, store, emit)
     emit(EventKind.INCIDENT, path=str(path), **incident.event_fields())

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..coord.store import ControlStore
+from ..coord.proof import SignedStore
 from ..core.events import Emit, EventKind
 from . import generation as gen_mod
 from .incidents import Incident, publish_incident
@@ -23,7 +23,7 @@ from .rundir import RunDir
 class IncidentBook:
     """Records incidents and appends to them what their recovery did."""
 
-    def __init__(self, run_dir: RunDir, store: ControlStore, emit: Emit, *, counted: Callable[[str], None],
+    def __init__(self, run_dir: RunDir, store: SignedStore, emit: Emit, *, counted: Callable[[str], None],
                  restore_shown: Callable[[dict[str, Any]], None]) -> None:
         self._run_dir = run_dir
         self._store = store

@@ -29,7 +29,7 @@ from ..watchdog.stacks import StackCapture
 from .consequences import short_error
 
 if TYPE_CHECKING:
-    from ..coord.store import ControlStore
+    from ..coord.proof import SignedStore
     from .rundir import RunDir
 
 
@@ -237,11 +237,12 @@ def format_incident(incident: Incident, path: Path | None = None) -> str:
     return "\n".join(out)
 
 
-def publish_incident(incident: Incident, run_dir: RunDir, store: ControlStore, emit: Emit) -> Path:
-    """Write (or rewrite) the incident file and its run-wide copy in the store (incidents outlive launches)."""
+def publish_incident(incident: Incident, run_dir: RunDir, store: SignedStore, emit: Emit) -> Path:
+    """Write (or rewrite) the incident file and its run-wide copy in the store (incidents outlive launches;
+    signed: they feed the failure rate that paces the run's saves)."""
     path = write_incident(run_dir.incidents, incident)
     try:
-        store.put(f"incidents/{incident.id}", json.dumps(incident.store_record()).encode())
+        store.put(f"incidents/{incident.id}", incident.store_record())
     except Exception as e:  # noqa: BLE001  whatever the store raises, the incident file is written
         emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
     return path

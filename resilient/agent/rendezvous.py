@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..coord.proof import Seal
 from ..coord.rendezvous import rendezvous_space
 from ..coord.rounds import (
     RendezvousClosedError,
@@ -111,10 +112,13 @@ class EtcdRendezvous:
                  max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
                  live: Callable[[], frozenset[str]], on_error: Callable[[str], None] = lambda _: None,
                  on_crash: Callable[[str, str], None] = lambda _error, _trace: None,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = 2.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = 2.0,
+                 seal: Seal, floor: Callable[[], int] = lambda: 0) -> None:
+        """``seal``: signs this node's values and checks the others' with the run token (a forged one counts for
+        nothing); ``floor()``: the newest generation the launch's recovery keys name (see :class:`RoundStore`)."""
         if not 1 <= min_nodes <= max_nodes:
             raise ConfigError(f"nodes {min_nodes}:{max_nodes} are invalid: need 1 <= min_nodes <= max_nodes")
-        self._store = RoundStore(client, space, counter_key)
+        self._store = RoundStore(client, space, counter_key, seal, floor)
         self._client = client
         self._node = node
         self._addr = local_addr
@@ -152,8 +156,7 @@ class EtcdRendezvous:
             self._wake.wait(seconds)
 
     def _result(self, view: View, n: int) -> Round | None:
-        entry = view.entries.get(self._store.keys.result(n))
-        return Round.decode(entry.value) if entry is not None else None
+        return self._store.round_of(view.entries.get(self._store.keys.result(n)))
 
     # ------------------------------------------------------------ the round
     def next(self) -> Assignment:
@@ -162,7 +165,7 @@ class EtcdRendezvous:
         out = self._watch_out()
         deadline = self._clock() + self._timeouts.join_s
         while True:
-            if self._store.keys.closed in out.view().entries:
+            if self._store.closed(out.view().entries):
                 raise RendezvousClosedError("the rendezvous is closed: the run is over")
             lease = self._lease()
             n = self._store.join(self._node, {"addr": self._addr, "port": free_port(self._addr)}, lease)
@@ -192,7 +195,7 @@ class EtcdRendezvous:
                 formed = self._result(view, n)
                 if formed is not None:
                     return formed
-                if keys.closed in view.entries:
+                if self._store.closed(view.entries):
                     raise RendezvousClosedError("the rendezvous is closed: the run is over")
                 now = self._clock()
                 if now >= deadline:
@@ -212,7 +215,7 @@ class EtcdRendezvous:
                 if joins_watch is None:
                     joins_watch = PrefixWatch(self._client, keys.joins(n), on_change=self._notify,
                                               on_error=self._on_error, on_crash=self._on_crash).start()
-                entries = joins_watch.view().entries
+                entries = {k: e for k, e in joins_watch.view().entries.items() if self._store.value(e) is not None}
                 self._announce(n, view, entries.keys())
                 joins = {RoundKeys.node_of(k): e for k, e in entries.items() if RoundKeys.node_of(k) in live}
                 min_since = (min_since if min_since is not None else now) if len(joins) >= self._min else None
@@ -246,8 +249,8 @@ class EtcdRendezvous:
         before = set(previous.members) if previous is not None else set()
         names = {RoundKeys.node_of(k) for k in joins}
         waiting = Waiting(n, bool(names & before), bool(names - before))
-        entry = view.entries.get(self._store.keys.waiting)
-        if entry is None or Waiting.decode(entry.value) != waiting:
+        found = self._store.value(view.entries.get(self._store.keys.waiting))
+        if found is None or Waiting.of(found) != waiting:
             self._store.announce_waiting(waiting)
 
     def _withdraw(self, n: int) -> None:
@@ -261,10 +264,10 @@ class EtcdRendezvous:
         (0 when the round is already full: they wait for room, as torch's redundant nodes do)."""
         if self._out is None or self._round is None:
             return 0
-        entry = self._out.view().entries.get(self._store.keys.waiting)
-        if entry is None:
+        found = self._store.value(self._out.view().entries.get(self._store.keys.waiting))
+        if found is None:
             return 0
-        waiting = Waiting.decode(entry.value)
+        waiting = Waiting.of(found)
         mine = self._round
         if waiting.number <= mine.number:
             return 0
@@ -277,7 +280,7 @@ class EtcdRendezvous:
         self._store.close(f"closed by {self._node}")
 
     def is_closed(self) -> bool:
-        return self._store.keys.closed in self._watch_out().view().entries
+        return self._store.closed(self._watch_out().view().entries)
 
     def leave(self) -> None:
         """Step out without closing: withdraw from a round this node waits in; the others' next rounds form
@@ -307,8 +310,9 @@ def free_port(addr: str) -> int:
 def etcd_rendezvous(client: Any, run_id: str, launch_id: str, node: str, local_addr: str, *, min_nodes: int,
                     max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
                     live: Callable[[], frozenset[str]], on_error: Callable[[str], None],
-                    on_crash: Callable[[str, str], None]) -> EtcdRendezvous:
+                    on_crash: Callable[[str, str], None], seal: Seal,
+                    floor: Callable[[], int] = lambda: 0) -> EtcdRendezvous:
     """Many machines: launch ``launch_id``'s rounds in its rendezvous space, numbered by the run's counter."""
     return EtcdRendezvous(client, rendezvous_space(run_id, launch_id), run_prefix(run_id) + "generation", node,
                           local_addr, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, lease=lease,
-                          live=live, on_error=on_error, on_crash=on_crash)
+                          live=live, on_error=on_error, on_crash=on_crash, seal=seal, floor=floor)

@@ -21,7 +21,6 @@ into the next move, and how it ends.
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 import threading
@@ -139,7 +138,7 @@ class Agent:
                                       in_process=config.in_process, restart_args=bool(config.restart_args)))
         """What the workers' Runs asked the agent to say (a config change, a diverged resume, the integration)."""
         self.reporting.status.notices = self.notices.view
-        self.incidents = IncidentBook(self.run_dir, self.coordination.control, self.emit,
+        self.incidents = IncidentBook(self.run_dir, self.coordination.signed, self.emit,
                                       counted=self.accounting.incident_recorded,
                                       restore_shown=lambda record: setattr(self.reporting.status, "restore", record))
         self.inproc: InProcess | None = None
@@ -421,7 +420,7 @@ class Agent:
         if c.mtbf_from_history:
             records = load_incidents(self.run_dir.incidents)
             try:
-                records += [json.loads(e.value) for e in self.coordination.control.get_prefix("incidents/")]
+                records += list(self.coordination.signed.get_prefix("incidents/").values())
             except Exception as e:
                 self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
         start = self.accounting.ledger.start_t

@@ -84,7 +84,8 @@ def collect_from_store(url: str, run_id: str) -> dict[str, Any]:
 
     store = EtcdControlStore(EtcdClient(EtcdConfig.from_url(url, outage_tolerance_s=5.0)), f"/resilient/{run_id}/")
     nodes = [json.loads(e.value) for e in sorted(store.get_prefix("status/"), key=lambda e: e.key)]
-    incidents = [json.loads(e.value) for e in sorted(store.get_prefix("incidents/"), key=lambda e: e.key)]
+    incidents = [body for e in sorted(store.get_prefix("incidents/"), key=lambda e: e.key)
+                 if (body := _signed_body(e)) is not None]
     # Verdict and restarts belong to the current launch (incidents to the run).  Status needs no token, so
     # it shows signed entries without checking their proofs; the agents themselves ignore forged ones.
     launch = _signed_body(store.get(LAUNCH_KEY))

@@ -9,7 +9,8 @@ generation (:mod:`resilient.agent.cluster` names the keys):
    decides.  A claim is identified by the revision it was written at.
 2. **Commit.** The decision is one transaction.  It compares: the claim is
    still at the holder's revision (it neither expired nor was taken over),
-   no decision exists yet, the run's generation counter and every spare
+   no decision exists yet (a forged one, whose signature fails, is written
+   over by comparing its revision), the run's generation counter and every spare
    the decision promotes are as the decider read them.  It then writes
    everything together: the decision, the launch's current generation, the
    counter, and each promoted spare's pool entry marked as taken.  Two
@@ -39,6 +40,9 @@ from typing import Protocol
 from .store import ControlStoreError, Entry
 from .txn import Compare, Delete, Put, Txn, TxnResult
 
+FORGED_TRIES = 8
+"""A commit that finds a forged decision in its key writes over it (comparing its revision): this many tries while
+forged values keep coming, then it gives up as if its claim were lost (the claim's holder tries again later)."""
 NonceOf = Callable[[Entry], "str | None"]
 """The nonce a stored value carries, or None when it is not a validly signed value."""
 
@@ -117,31 +121,44 @@ def commit(client: Transactional, held: Claim, decision: Decision, nonce_of: Non
     commit applied.
     """
     guards = (*((decision.counter,) if decision.counter is not None else ()), *decision.spares)
-    compares = (Compare.unchanged(held.key, held.revision), Compare.absent(decision.key), *guards)
     reads = (held.key, decision.key, *(g.key for g in guards))
-    try:
-        result = client.txn(Txn(compares, (Put(decision.key, decision.value), *decision.writes), read=reads))
-    except ControlStoreError:
-        return withdraw(client, held, decision, nonce_of)
-    if result.succeeded:
-        return Outcome.COMMITTED
-    return why_not(result.entries, held, decision, nonce_of)
+    there = Compare.absent(decision.key)
+    for _ in range(FORGED_TRIES):
+        compares = (Compare.unchanged(held.key, held.revision), there, *guards)
+        try:
+            result = client.txn(Txn(compares, (Put(decision.key, decision.value), *decision.writes), read=reads))
+        except ControlStoreError:
+            return withdraw(client, held, decision, nonce_of)
+        if result.succeeded:
+            return Outcome.COMMITTED
+        found = result.entries.get(decision.key)
+        if found is None or nonce_of(found) is not None:
+            return why_not(result.entries, held, decision, nonce_of)
+        there = Compare.unchanged(decision.key, found.mod_revision)  # forged: written over, never followed
+    return Outcome.CLAIM_LOST
 
 
 def withdraw(client: Transactional, held: Claim, decision: Decision, nonce_of: NonceOf) -> Outcome:
     """End a commit in doubt: delete the claim unless the decision is there, and say which happened."""
-    result = client.txn(Txn((Compare.unchanged(held.key, held.revision), Compare.absent(decision.key)),
-                            (Delete(held.key),), read=(held.key, decision.key)))
-    if result.succeeded:
-        return Outcome.WITHDRAWN
+    there = Compare.absent(decision.key)
+    for _ in range(FORGED_TRIES):
+        result = client.txn(Txn((Compare.unchanged(held.key, held.revision), there),
+                                (Delete(held.key),), read=(held.key, decision.key)))
+        if result.succeeded:
+            return Outcome.WITHDRAWN
+        found = result.entries.get(decision.key)
+        if found is None or nonce_of(found) is not None:
+            break
+        there = Compare.unchanged(decision.key, found.mod_revision)  # a forged decision is no decision
     return why_not(result.entries, held, decision, nonce_of)
 
 
 def why_not(entries: dict[str, Entry | None], held: Claim, decision: Decision, nonce_of: NonceOf) -> Outcome:
     """Why a commit's comparisons failed, from what its transaction read (one revision)."""
     found = entries.get(decision.key)
-    if found is not None:
-        return Outcome.COMMITTED if nonce_of(found) == decision.nonce else Outcome.DECIDED
+    nonce = nonce_of(found) if found is not None else None
+    if nonce is not None:  # a forged decision (no valid signature) counts as none
+        return Outcome.COMMITTED if nonce == decision.nonce else Outcome.DECIDED
     current = entries.get(held.key)
     if current is None or current.mod_revision != held.revision:
         return Outcome.CLAIM_LOST

@@ -12,12 +12,15 @@ address, pings the next few nodes of the ring, and writes an accusation
 (``vouch/<node>/<me>``) for one that answers while its key is gone.  Every
 agent follows those keys through its etcd watch (no request while nothing
 changes) and applies :func:`~resilient.coord.liveness.judge` to them: a
-node that was alive and is judged lost is reported once.
+node that was alive and is judged lost is reported once.  Each of these
+values is signed with the run token (:class:`~resilient.coord.proof.Seal`):
+a forged presence key, accusation or vouch is reported and counts for
+nothing, so no writer without the token can get a live node judged lost or
+point the probes elsewhere.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -25,6 +28,7 @@ from typing import Any
 
 from .etcd import EtcdClient
 from .liveness import INTERVAL_S, PROBERS, SILENCE_S, Evidence, Prober, ProbeServer, Verdict, judge, ring_after
+from .proof import Seal
 from .store import ControlStoreError
 from .watch import PrefixWatch
 
@@ -39,16 +43,18 @@ class Presence:
                  on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = 5,
                  interval_s: float = 1.0, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
                  silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None,
-                 extra: Mapping[str, str] | None = None) -> None:
+                 extra: Mapping[str, str] | None = None, seal: Seal) -> None:
         """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
         started watch of a prefix that holds ``prefix`` (the agent's, shared with its other readers).
         ``probe_host``: the address this agent answers probes on (None: presence by lease alone).
         ``on_lost(node, why)``; ``on_probe(node, up, why)``: this agent's probes of a peer failed (it accuses
         it) or are answered again.  ``extra``: more addresses this agent serves, published in its key
-        (:meth:`published` reads a peer's)."""
+        (:meth:`published` reads a peer's).  ``seal``: signs this agent's keys with the run token and checks
+        its peers' (a presence key, accusation or vouch written without the token counts for nothing)."""
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client
+        self._seal = seal
         self._prefix = prefix
         self._nodes = prefix + "nodes/"
         self._suspect = prefix + "suspect/"
@@ -123,7 +129,7 @@ class Presence:
         value: dict[str, Any] = {"state": "running", **self._extra}
         if self._server is not None:
             value["probe"] = self._server.address
-        self._client.put(self._nodes + self._node, json.dumps(value).encode(), lease=self._lease)
+        self._client.put(self._nodes + self._node, self._seal.seal(self._nodes + self._node, value), lease=self._lease)
         with self._keys:
             self._written.clear()  # the old lease took them with it
 
@@ -139,13 +145,12 @@ class Presence:
             if key.startswith(self._nodes):
                 known = self._parsed.get(key)
                 if known is None or known[0] != entry.mod_revision:
-                    try:
-                        value = json.loads(entry.value)
-                        known = (entry.mod_revision, str(value.get("state")),
-                                 str(value["probe"]) if value.get("probe") else None,
-                                 {str(k): str(v) for k, v in value.items() if k not in ("state", "probe")})
-                    except (ValueError, AttributeError):
-                        continue
+                    value = self._seal.open(entry)
+                    if value is None:
+                        continue  # forged (reported): nobody is present by it
+                    known = (entry.mod_revision, str(value.get("state")),
+                             str(value["probe"]) if value.get("probe") else None,
+                             {str(k): str(v) for k, v in value.items() if k not in ("state", "probe")})
                 parsed[key] = known
                 _, state, probe, extra = known
                 name = key[len(self._nodes):]
@@ -158,7 +163,7 @@ class Presence:
                     left.add(name)
             else:
                 for base, found in ((self._suspect, suspects), (self._vouch, vouches)):
-                    if key.startswith(base):
+                    if key.startswith(base) and self._seal.open(entry) is not None:
                         target, _, by = key[len(base):].partition("/")
                         if target and by:
                             found.setdefault(target, set()).add(by)
@@ -227,11 +232,12 @@ class Presence:
         with self._keys:
             for node in targets:
                 if node in down:
-                    desired[f"{self._suspect}{node}/{self._node}"] = json.dumps(
-                        {"why": down[node], "at": time.time()}).encode()
+                    key = f"{self._suspect}{node}/{self._node}"
+                    desired[key] = self._seal.seal(key, {"why": down[node], "at": time.time()})
             for node in targets:
                 if state.get(node) is True and node not in evidence.running:
-                    desired[f"{self._vouch}{node}/{self._node}"] = json.dumps({"at": time.time()}).encode()
+                    key = f"{self._vouch}{node}/{self._node}"
+                    desired[key] = self._seal.seal(key, {"at": time.time()})
             # A key already written stays as written (its time is when it was first said).
             self._desired = {k: self._written.get(k, v) for k, v in desired.items()}
             changed = self._desired.keys() != self._written.keys()
@@ -282,7 +288,7 @@ class Presence:
         if self._prober is not None:
             self._prober.close()
         try:
-            self._client.put(self._nodes + self._node, json.dumps({"state": "left"}).encode())
+            self._client.put(self._nodes + self._node, self._seal.seal(self._nodes + self._node, {"state": "left"}))
             if self._lease:
                 self._client.lease_revoke(self._lease)
         except ControlStoreError as e:

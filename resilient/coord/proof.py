@@ -7,6 +7,14 @@ verdict, a restart record, the launch record) therefore carry a proof,
 ignore entries whose proof is missing or wrong.  Binding the key means a
 proof cannot be replayed under another key (another launch's verdict, say).
 
+Every value that steers a run carries one: the launch and recovery keys
+(:class:`SignedStore`, keys relative to the run's root), the rendezvous
+rounds and the nodes' presence, accusations and vouches (:class:`Seal`, over
+the full etcd keys with the proof bound to the part under the run's root,
+so a value proves the same wherever it is read from).  A key that names its
+generation or launch binds the proof to them too: a value copied to another
+generation's key, or an older launch's, does not verify.
+
 The token is the run's secret (``<run_dir>/token``); every agent of a run
 must hold the same one.  :func:`token_fingerprint` (an HMAC of a fixed label,
 which reveals nothing about the token) is published once per run, so an
@@ -14,7 +22,8 @@ agent started with a different token finds out at start, not by having its
 writes ignored.
 
 :class:`SignedStore` wraps a :class:`ControlStore` with these rules; it
-reports each rejected entry once through ``on_rejected``.
+reports each rejected entry once through ``on_rejected`` (the agent's
+``forged_key`` event).
 """
 
 from __future__ import annotations
@@ -83,26 +92,40 @@ def token_fingerprint(token: str) -> str:
     return hmac.new(token.encode(), _FINGERPRINT_LABEL, hashlib.sha256).hexdigest()
 
 
-class SignedStore:
-    """The proof-carrying view of a :class:`ControlStore` (keys as in the store); thread-safe."""
+class Seal:
+    """Signs values for etcd keys under ``root`` and checks what is read back, remembering what checked; thread-safe.
 
-    def __init__(self, store: ControlStore, token: str, on_rejected: RejectCallback | None = None) -> None:
-        self.store = store
+    The proof is bound to the key with ``root`` cut off (the run's keys as :class:`SignedStore` names them).
+    ``on_rejected(key, problem)`` is called once per rejected revision of a key."""
+
+    def __init__(self, token: str, root: str = "", on_rejected: RejectCallback | None = None) -> None:
         self._token = token
+        self.root = root
         self._on_rejected = on_rejected
         self._reported: set[tuple[str, int]] = set()
         self._lock = threading.Lock()
         self._good: OrderedDict[tuple[str, int, bytes], dict[str, Any]] = OrderedDict()
         """Values whose proof checked, by (key, revision, raw value): the newest VERIFIED_KEPT."""
 
-    def _check(self, entry: Entry) -> dict[str, Any] | None:
+    def _name(self, key: str) -> str:
+        if not key.startswith(self.root):
+            raise ValueError(f"key {key!r} is outside the run's keys {self.root!r}")
+        return key[len(self.root):]
+
+    def seal(self, key: str, value: dict[str, Any]) -> bytes:
+        """The stored form of ``value`` under ``key`` (a full key, under ``root``)."""
+        return sign(self._token, self._name(key), value)
+
+    def open(self, entry: Entry) -> dict[str, Any] | None:
+        """The value of ``entry`` if its proof holds; None (reported once) if not."""
         memo = (entry.key, entry.mod_revision, entry.value)
         with self._lock:
             known = self._good.get(memo)
             if known is not None:
                 self._good.move_to_end(memo)
                 return known
-        checked = verify(self._token, entry.key, entry.value)
+        checked = (verify(self._token, entry.key[len(self.root):], entry.value) if entry.key.startswith(self.root)
+                   else Checked(None, "outside the run's keys"))
         if checked.value is not None:
             with self._lock:
                 self._good[memo] = checked.value
@@ -115,7 +138,29 @@ class SignedStore:
                 self._reported.add((entry.key, entry.mod_revision))
             if first and self._on_rejected is not None:
                 self._on_rejected(entry.key, checked.problem)
-        return checked.value
+        return None
+
+    def opened(self, entries: Iterable[Entry]) -> dict[str, dict[str, Any]]:
+        """key -> value of the entries whose proof holds (the others reported and left out)."""
+        found = {}
+        for entry in entries:
+            value = self.open(entry)
+            if value is not None:
+                found[entry.key] = value
+        return found
+
+
+class SignedStore:
+    """The proof-carrying view of a :class:`ControlStore` (keys as in the store); thread-safe."""
+
+    def __init__(self, store: ControlStore, token: str, on_rejected: RejectCallback | None = None) -> None:
+        self.store = store
+        self._token = token
+        self.seal = Seal(token, "", on_rejected)
+        """Signs and checks values under the store's keys (relative to the run's root)."""
+
+    def _check(self, entry: Entry) -> dict[str, Any] | None:
+        return self.seal.open(entry)
 
     def get(self, key: str) -> dict[str, Any] | None:
         """The verified value under ``key``; ``None`` when absent or its proof fails (reported)."""

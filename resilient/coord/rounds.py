@@ -35,6 +35,15 @@ moves ``round`` to n+1 and the counter to the round's generation.  A
 commit whose answer was lost is settled by reading the result: a retry
 finds it written.
 
+**Proofs.** Every value here is signed with the run token and bound to its
+key (:class:`~resilient.coord.proof.Seal`): a join, a result, ``waiting``,
+``closed``, ``round`` and the counter written without the token are ignored
+and reported (the agent's ``forged_key`` event).  A forged join is no
+joiner, a forged result directs no worker, a forged ``closed`` ends
+nothing; a forged ``round`` or counter is read as what the launch's signed
+results say (the round after the newest result; the newest generation known)
+and written over by the next round that forms.
+
 In steady training the rendezvous costs the store nothing: no keep-alive
 (a member's liveness is its presence key and its peers' probes, see
 :mod:`.presence`), and one open watch stream per agent.
@@ -42,12 +51,12 @@ In steady training the rendezvous costs the store nothing: no keep-alive
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .proof import Seal
 from .store import ControlStoreError, Entry
 from .txn import Compare, Put, Txn, TxnResult
 
@@ -94,13 +103,12 @@ class Round:
     master_addr: str
     master_port: int
 
-    def encode(self) -> bytes:
-        return json.dumps({"round": self.number, "generation": self.generation, "members": list(self.members),
-                           "master_addr": self.master_addr, "master_port": self.master_port}).encode()
+    def body(self) -> dict[str, Any]:
+        return {"round": self.number, "generation": self.generation, "members": list(self.members),
+                "master_addr": self.master_addr, "master_port": self.master_port}
 
     @staticmethod
-    def decode(value: bytes) -> Round:
-        d = json.loads(value)
+    def of(d: Mapping[str, Any]) -> Round:
         return Round(int(d["round"]), int(d["generation"]), tuple(str(m) for m in d["members"]),
                      str(d["master_addr"]), int(d["master_port"]))
 
@@ -115,12 +123,11 @@ class Waiting:
     new: bool
     """A node that was not in the round before it joined (it waits to be let in)."""
 
-    def encode(self) -> bytes:
-        return json.dumps({"round": self.number, "members": self.members, "new": self.new}).encode()
+    def body(self) -> dict[str, Any]:
+        return {"round": self.number, "members": self.members, "new": self.new}
 
     @staticmethod
-    def decode(value: bytes) -> Waiting:
-        d = json.loads(value)
+    def of(d: Mapping[str, Any]) -> Waiting:
         return Waiting(int(d["round"]), bool(d["members"]), bool(d["new"]))
 
 
@@ -181,25 +188,60 @@ class RoundKeys:
 class RoundStore:
     """The rounds' store operations, each a bounded number of requests (the waiting is the caller's)."""
 
-    def __init__(self, client: RoundClient, space: str, counter_key: str) -> None:
-        """``space``: the launch's rendezvous keys; ``counter_key``: the run's generation counter (a decimal,
-        moved by in-process decisions too)."""
+    def __init__(self, client: RoundClient, space: str, counter_key: str, seal: Seal,
+                 floor: Callable[[], int] = lambda: 0) -> None:
+        """``space``: the launch's rendezvous keys; ``counter_key``: the run's generation counter (moved by
+        in-process decisions too); ``seal``: signs and checks every value with the run token.  ``floor()``: the
+        newest generation the launch's other signed keys name (read only when the counter is forged)."""
         self.client = client
         self.keys = RoundKeys(space)
         self.counter_key = counter_key
+        self.seal = seal
+        self._floor = floor
+
+    def value(self, entry: Entry | None) -> dict[str, Any] | None:
+        """``entry``'s value if it is there and its proof holds (a forged one is reported)."""
+        return self.seal.open(entry) if entry is not None else None
+
+    def round_of(self, entry: Entry | None) -> Round | None:
+        found = self.value(entry)
+        return Round.of(found) if found is not None else None
+
+    def _newest_result(self) -> Round | None:
+        results = [self.round_of(e) for e in self.client.get_prefix(self.keys.out + "r/")]
+        return max((r for r in results if r is not None), key=lambda r: r.number, default=None)
+
+    def _open_number(self, entry: Entry | None) -> int:
+        if entry is None:
+            return 0
+        found = self.value(entry)
+        if found is not None:
+            return int(found["round"])
+        newest = self._newest_result()  # forged: the round after the newest signed result is the open one
+        return newest.number + 1 if newest is not None else 0
+
+    def counter_of(self, entry: Entry | None) -> int:
+        """The generation a counter entry says: its signed value, or (forged) the newest the launch knows."""
+        if entry is None:
+            return 0
+        found = self.value(entry)
+        if found is not None:
+            return int(found["generation"])
+        newest = self._newest_result()
+        return max(self._floor(), newest.generation if newest is not None else 0)
 
     def open_round(self) -> tuple[int, int]:
         """The round open for joining and the revision ``round`` was written at (0, 0 before the first)."""
         entry = self.client.txn(Txn((), (), read=(self.keys.round,))).entries[self.keys.round]
-        return (int(entry.value), entry.mod_revision) if entry is not None else (0, 0)
+        return (self._open_number(entry), entry.mod_revision) if entry is not None else (0, 0)
 
     def join(self, node: str, value: Mapping[str, Any], lease: int) -> int:
         """Join the open round (on ``lease``); returns its number."""
-        body = json.dumps({**value, "node": node}).encode()
         for _ in range(JOIN_ATTEMPTS):
             n, revision = self.open_round()
+            key = self.keys.join(n, node)
             done = self.client.txn(Txn((Compare.unchanged(self.keys.round, revision),),
-                                       (Put(self.keys.join(n, node), body, lease),)))
+                                       (Put(key, self.seal.seal(key, {**value, "node": node}), lease),)))
             if done.succeeded:
                 return n
         raise RendezvousError(f"{JOIN_ATTEMPTS} rounds formed while {node} tried to join one: "
@@ -215,15 +257,15 @@ class RoundStore:
         if first is None:
             return None
         node = RoundKeys.node_of(first.key)
-        if node in live:
+        if node in live and self.value(first) is not None:
             return node
-        # The first joiner is dead but its join has not lapsed yet: look at them all (rare: once per such death).
-        alive = [e for e in self.client.get_prefix(self.keys.joins(n)) if RoundKeys.node_of(e.key) in live]
+        # The first joiner is dead but its join has not lapsed yet, or its join is forged: look at them all (rare).
+        alive = [e for e in self.client.get_prefix(self.keys.joins(n))
+                 if RoundKeys.node_of(e.key) in live and self.value(e) is not None]
         return RoundKeys.node_of(min(alive, key=lambda e: e.create_revision).key) if alive else None
 
     def result(self, n: int) -> Round | None:
-        entry = self.client.get(self.keys.result(n))
-        return Round.decode(entry.value) if entry is not None else None
+        return self.round_of(self.client.get(self.keys.result(n)))
 
     def form(self, n: int, joins: Mapping[str, Entry], previous: Sequence[str], max_nodes: int) -> Round | None:
         """Form round n of ``joins`` (node -> its join entry, live joiners only), in one transaction.
@@ -231,34 +273,38 @@ class RoundStore:
         Returns the round's result: this call's, or one already written
         (another closer's, or this closer's own commit whose answer was lost).
         None when nothing was written because a compared key moved (a member's
-        join lapsed, the counter moved): look again and retry.
+        join lapsed, the counter moved): look again and retry.  Joins whose
+        proof fails are left out; a forged result is written over.
         """
         keys = self.keys
         read = self.client.txn(Txn((), (), read=(keys.round, self.counter_key, keys.result(n))))
         written = read.entries[keys.result(n)]
-        if written is not None:
-            return Round.decode(written.value)
+        if written is not None and (found := self.round_of(written)) is not None:
+            return found
         round_entry, counter = read.entries[keys.round], read.entries[self.counter_key]
-        if (int(round_entry.value) if round_entry is not None else 0) != n:
+        if self._open_number(round_entry) != n:
             return self.result(n)  # formed since (its result is written in the same transaction)
-        members = order_members(joins, previous, max_nodes)
+        signed = {m: e for m, e in joins.items() if self.value(e) is not None}
+        members = order_members(signed, previous, max_nodes)
         if not members:
             return None
-        generation = (int(counter.value) if counter is not None else 0) + 1
-        first = json.loads(joins[members[0]].value)
+        generation = self.counter_of(counter) + 1
+        first = self.value(signed[members[0]])
+        assert first is not None
         formed = Round(n, generation, members, str(first["addr"]), int(first["port"]))
         compare = [Compare.unchanged(keys.round, round_entry.mod_revision if round_entry is not None else 0),
-                   Compare.absent(keys.result(n)),
+                   Compare.unchanged(keys.result(n), written.mod_revision if written is not None else 0),
                    Compare.unchanged(self.counter_key, counter.mod_revision if counter is not None else 0),
-                   *(Compare.unchanged(joins[m].key, joins[m].mod_revision)
+                   *(Compare.unchanged(signed[m].key, signed[m].mod_revision)
                      for m in (members if len(members) <= COMPARED_JOINS else ()))]
-        writes = (Put(keys.result(n), formed.encode()), Put(keys.round, str(n + 1).encode()),
-                  Put(self.counter_key, str(generation).encode()))
+        seal = self.seal.seal
+        writes = (Put(keys.result(n), seal(keys.result(n), formed.body())),
+                  Put(keys.round, seal(keys.round, {"round": n + 1})),
+                  Put(self.counter_key, seal(self.counter_key, {"generation": generation})))
         done = self.client.txn(Txn(tuple(compare), writes, read=(keys.result(n),)))
         if done.succeeded:
             return formed
-        other = done.entries[keys.result(n)]
-        return Round.decode(other.value) if other is not None else None
+        return self.round_of(done.entries[keys.result(n)])
 
     def tidy(self, n: int) -> None:
         """After round n formed: drop the joins of round n-1 and results before n-1 (best effort; a reader of
@@ -272,7 +318,11 @@ class RoundStore:
             pass  # left for the next round's closer: keys under the launch go when the launch does
 
     def announce_waiting(self, waiting: Waiting) -> None:
-        self.client.put(self.keys.waiting, waiting.encode())
+        self.client.put(self.keys.waiting, self.seal.seal(self.keys.waiting, waiting.body()))
 
     def close(self, why: str) -> None:
-        self.client.put(self.keys.closed, why.encode())
+        self.client.put(self.keys.closed, self.seal.seal(self.keys.closed, {"why": why}))
+
+    def closed(self, entries: Mapping[str, Entry]) -> bool:
+        """Whether the watched ``out/`` entries hold a signed ``closed``."""
+        return self.value(entries.get(self.keys.closed)) is not None

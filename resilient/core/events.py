@@ -143,7 +143,7 @@ class EventKind(str, Enum):
     WATCH_RESTARTED = "watch_restarted"  # a store watch's thread hit an unexpected error: read again, it goes on
     STORE_OUTAGE_START = "store_outage_start"  # the etcd client started retrying an unreachable cluster
     STORE_OUTAGE_END = "store_outage_end"  # etcd answered again after an outage
-    STORE_WRITE_REJECTED = "store_write_rejected"  # a store entry without a valid token proof was ignored
+    FORGED_KEY = "forged_key"  # a store entry without a valid token proof was ignored (it names the key)
     STATUS_WRITE_FAILED = "status_write_failed"  # status.json could not be written
     LEDGER_WRITE_FAILED = "ledger_write_failed"  # ledger.json could not be saved
 
