@@ -1,20 +1,29 @@
 """The decision across machines: what follows a generation that failed (:mod:`resilient.agent.cluster_flow`).
 
-Taken by the one agent that won the generation's claim in the store, over
-what every node published: the members, who waits, who was lost, who fell
-silent (presumed lost with their node once the settle time passed), the
-pool's spares and the batch plan.  The ladder is the same pure
-:func:`~resilient.elastic.decide.decide_recovery` as on one machine.  The
-decision is committed in one transaction with the spares it promotes and
-the run's generation counter (:mod:`resilient.coord.claims`): a spare
-another decision took, or a restart that moved the counter, makes the
-commit fail whole, and the ladder is asked again over the pool as it is.
+Taken over what every node published: the members, who waits, who was
+lost, who fell silent (presumed lost with their node once the settle time
+passed), the pool's spares and the batch plan.  The ladder is the same pure
+:func:`~resilient.elastic.decide.decide_recovery` as on one machine.
+
+The collector asks the ladder first without claiming anything: while it
+holds for a repair, the collector asks again on every pass of its watch
+loop, and such a pass writes nothing (a write under the launch's recovery
+keys would wake every agent's watch, the collector's own included, and its
+loop would pass again at once).  The loop still passes once a monitor
+interval, so the hold is weighed again as its bound nears, and a spare
+joining the pool or a node's presence changing wakes it sooner.  Only when
+the ladder acts does the collector take the generation's claim and ask
+again under it, over the pool as it is then.  The decision is committed in
+one transaction with the spares it promotes and the run's generation
+counter (:mod:`resilient.coord.claims`): a spare another decision took, or
+a restart that moved the counter, makes the commit fail whole, and the
+ladder is asked again over the pool as it is.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..coord import claims
@@ -37,7 +46,8 @@ if TYPE_CHECKING:
 def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Involvement,
            now: float) -> dict[str, Any] | str | None:
     """What follows generation ``a``, once every member is accounted for (or the settle time passed): the
-    decision's body as published, a problem (restart), or None (not yet, or another agent decides)."""
+    decision's body as published, a problem (restart), or None (not yet, the ladder holds for a repair, or
+    another agent decides).  The ladder is asked before the generation is claimed, so a hold writes nothing."""
     inp = ctx.inproc
     assert inp is not None and inp.cluster is not None
     cs = inp.cluster
@@ -60,11 +70,20 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
                 return None
             return (f"ranks {alive} on live nodes neither left the failed group of generation {a.generation} nor "
                     f"failed within {ctx.config.recovery_timeout_s:g} s")
+    failed = _failed(ctx, view, inv, now, members, missing)
+    _, obs = observation(ctx, view, members, failed.fault, failed.outlook, failed.survivor_steps,
+                         cs.store.live_nodes(), now, inv.wait_since, failed.dirty)
+    ahead = inp.decide_cluster(obs)  # asked holding nothing: a hold writes nothing
+    if ahead.action is Action.WAIT_FOR_REPAIR:
+        inp.report_cluster(ahead, obs)
+        if inv.wait_since is None:
+            inv.wait_since = now
+        return None
     held = cs.store.claim(a.generation, "recover")
     if held is None:
         return None  # another agent decides; its decision arrives through the watch
     try:
-        return _decided(ctx, a, view, inv, now, members, missing, held)
+        return _decided(ctx, a, view, inv, now, members, failed, held)
     except ControlStoreError:
         try:  # never leave the generation claimed by an agent that is not deciding (a commit in doubt included)
             cs.store.release_claim(held)
@@ -73,15 +92,27 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
         raise
 
 
-def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Involvement, now: float,
-             members: dict[int, tuple[str, str]], missing: dict[int, tuple[str, str]],
-             held: claims.Claim) -> dict[str, Any] | None:
-    """The decision, once this agent holds the generation's claim, committed in one transaction with the
-    spares it promotes; None when it was not (another agent's decision, a claim lost, the ladder says wait)."""
-    inp = ctx.inproc
-    assert inp is not None and inp.cluster is not None
-    cs = inp.cluster
-    world = len(members)
+@dataclass(frozen=True)
+class _Failed:
+    """The failure of a generation as every node reported it, what the ladder is asked about."""
+
+    kind: FaultKind
+    step: int
+    """The newest step any member reached (the one whose attempt failed)."""
+    detail: str
+    fault: Fault
+    outlook: Any
+    """What the restart policy says about this failure now (the ladder's lower rungs)."""
+    survivor_steps: dict[int, int]
+    """Each survivor's last completed step (members without state take the newest)."""
+    dirty: frozenset[int]
+    """Survivors whose state is partial (they failed inside or after the optimizer's update)."""
+
+
+def _failed(ctx: GenerationContext, view: GenerationView, inv: Involvement, now: float,
+            members: dict[int, tuple[str, str]], missing: dict[int, tuple[str, str]]) -> _Failed:
+    """The fault, its step and the survivors' states from the members' reports (``view``, read whole), with
+    ``missing`` (members that neither wait nor were reported lost) presumed lost."""
     rank_of = {w: r for r, (w, _) in members.items()}
     lost = {int(b["rank"]) for b in view.lost.values()} | set(missing)
     speaking = {str(b.get("node")) for b in [*view.waiting.values(), *view.lost.values()]}
@@ -111,12 +142,26 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     failure = inv.failure or Failure(kind="node_lost" if kind is FaultKind.NODE_LOST else "collective", time=now,
                                      node=", ".join(sorted(silent)) or ctx.config.node_id, step=step, detail=detail)
     assert ctx.restart_outlook is not None
-    outlook = ctx.restart_outlook(failure)
+    return _Failed(kind=kind, step=step, detail=detail, fault=fault, outlook=ctx.restart_outlook(failure),
+                   survivor_steps={r: s for r, s in steps.items() if r not in lost}, dirty=dirty - lost)
+
+
+def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Involvement, now: float,
+             members: dict[int, tuple[str, str]], failed: _Failed, held: claims.Claim) -> dict[str, Any] | None:
+    """The decision, once this agent holds the generation's claim (the ladder is asked again: the pool may have
+    moved since it was asked without it), committed in one transaction with the spares it promotes; None when it
+    was not (another agent's decision, a claim lost, the ladder says wait after all)."""
+    inp = ctx.inproc
+    assert inp is not None and inp.cluster is not None
+    cs = inp.cluster
+    world = len(members)
+    kind, step, detail = failed.kind, failed.step, failed.detail
     live = cs.store.live_nodes()
     for _ in range(3):
-        pool, obs = observation(ctx, view, members, fault, outlook, {r: s for r, s in steps.items() if r not in lost},
-                                live, now, inv.wait_since, dirty - lost)
+        pool, obs = observation(ctx, view, members, failed.fault, failed.outlook, failed.survivor_steps, live, now,
+                                inv.wait_since, failed.dirty)
         decision = inp.decide_cluster(obs)
+        inp.report_cluster(decision, obs)
         if decision.action is Action.WAIT_FOR_REPAIR:
             if inv.wait_since is None:
                 inv.wait_since = now

@@ -13,9 +13,11 @@ whose ranks a shrink dropped) or both:
   generation's collector (the node that marked it failed; the next ones in
   turn, a settle time later each) and every member is
   accounted for (waiting or lost; members still silent after the settle
-  time are presumed lost with their node), take the claim and decide
-  (:func:`~resilient.agent.cluster_decide.decide`, the same :func:`~resilient.elastic.decide.decide_recovery`
-  as on one machine, over the whole membership and the pool); the node
+  time are presumed lost with their node), decide, taking the claim only
+  when the ladder acts (:func:`~resilient.agent.cluster_decide.decide`, the
+  same :func:`~resilient.elastic.decide.decide_recovery` as on one machine,
+  over the whole membership and the pool; a hold for a repair writes
+  nothing and is weighed again on the next pass); the node
   holding rank 0 grows a shrunk world onto settled pool spares
   (:func:`_grow`).  Which of these a pass does, and why, is one pure
   function, :func:`next_moves`, over the facts the pass gathered
@@ -129,7 +131,7 @@ class Move(Enum):
     IDLE = "idle"
     """No members here (only spares): start again after a restart, take a lost node's place, or end."""
     DECIDE = "decide"
-    """Claim the generation and decide how it is recovered."""
+    """Decide how the generation is recovered (claiming it once the ladder acts; a hold claims nothing)."""
     CLEAR_STALE_CLAIM = "clear_stale_claim"
     """Remove a claim naming this agent that it does not hold (a create in doubt that landed late)."""
     GIVE_UP = "give_up"

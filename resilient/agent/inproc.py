@@ -325,11 +325,15 @@ class InProcess:
         return decide_recovery(obs, self.costs(), self.ladder, self._clock())
 
     def decide_cluster(self, obs: Observation) -> RecoveryDecision:
-        """The ladder over the whole launch's membership (across machines), with this agent's measured costs."""
-        decision = decide_recovery(obs, self.costs(), self.ladder, self._clock())
+        """The ladder over the whole launch's membership (across machines), with this agent's measured costs;
+        reported nowhere (:meth:`report_cluster` reports the answer acted on)."""
+        return decide_recovery(obs, self.costs(), self.ladder, self._clock())
+
+    def report_cluster(self, decision: RecoveryDecision, obs: Observation) -> None:
+        """Report the ladder's answer over ``obs`` across machines: a hold once, when it starts (``obs`` has no
+        ``waiting_since``), then only what ends it."""
         if obs.waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
             self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
-        return decision
 
     def note_decision(self, line: str, event: dict[str, Any]) -> None:
         self.last_decision = line
