@@ -244,3 +244,24 @@ def test_a_reader_of_some_keys_is_woken_by_their_changes_only(etcd_server, etcd_
         assert woken[0] < woken[1] == watch.view().revision
     finally:
         watch.close()
+
+
+def test_an_idle_watch_keeps_one_stream_with_tcp_keepalive_and_sends_no_request(etcd_server, etcd_run_id) -> None:
+    """At rest a watch costs etcd nothing: its one stream stays open past 6 s of silence (it used to be opened
+    again every 5 s), its socket probing the peer with TCP keepalive instead, and a change still arrives."""
+    import socket
+
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/idle/"
+    watch, changes = _watch(client, base)
+    try:
+        time.sleep(6.5)
+        assert watch.streams == 1, f"the idle watch opened {watch.streams} streams in 6.5 s"
+        sock = watch._socket
+        assert sock is not None and sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 3
+        client.put(base + "k", b"1")
+        changes.wait_for(lambda v: v == {base + "k": b"1"})
+        assert watch.streams == 1
+    finally:
+        watch.close()

@@ -49,8 +49,8 @@ from .sweep import Stuck
 from .worker_env import STOP_SIGNAL, base_env, worker_env
 
 if TYPE_CHECKING:
-    from ..coord.quarantine import Standing
     from ..coord.proof import SignedStore
+    from ..coord.quarantine import Standing
     from ..elastic.observe import RestartOutlook
     from .accounting import NodeAccounting
     from .config import AgentConfig
@@ -102,16 +102,12 @@ class GenerationContext:
     slowness: SlownessWatch | None = None
     """Straggler and slowdown detection over the ranks' timing windows."""
     quarantined: Callable[[], Standing | None] | None = None
-    """Across machines: read this node's quarantine record (the peer watch asks every 5 s)."""
+    """Across machines: this node's quarantine record, from the quarantine gate's watch of it (the peer watch asks
+    every second; a request only while the watch is not following etcd)."""
     spawner: Spawner | None = None
     """Starts the workers (forked from the agent's fork server when it can); None: the plain way."""
     settle_heartbeats: Callable[[], None] | None = None
     """Hand every heartbeat already queued to the tracker (called when workers exited non-zero)."""
-
-
-QUARANTINE_EVERY = 5
-"""The peer watch reads this node's quarantine record every 5th pass (a request to the fleet's store; the other
-facts come from the agent's watch)."""
 
 
 class PeerWatch:
@@ -139,7 +135,6 @@ class PeerWatch:
     def _loop(self) -> None:
         ctx = self._ctx
         multi = ctx.config.multi_node
-        checks = 0
         while not self._done.wait(self._interval):
             try:
                 self.verdict = ctx.shared.verdict()
@@ -150,8 +145,7 @@ class PeerWatch:
                     self.ended = ctx.shared.ended()
                     self.detectors = ctx.shared.detectors()
                     self._exchange_timing()
-                checks += 1
-                if ctx.quarantined is not None and checks % QUARANTINE_EVERY == 1:
+                if ctx.quarantined is not None:
                     self.quarantined = ctx.quarantined()
             except Exception as e:  # an outage must not end a healthy generation
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")

@@ -35,6 +35,7 @@ from typing import Any
 
 from ..coord.quarantine import FleetQuarantine, Standing
 from ..coord.store import ControlStoreError
+from ..coord.watch import PrefixWatch
 from ..core.events import Emit, EventKind
 from ..core.exitcodes import EXIT_PREEMPTED_AGENT
 from ..watchdog.burnin import BurnInVerdict, judge
@@ -72,12 +73,33 @@ class QuarantineGate:
         self._must_burn_in = False
         """Set whenever a record of this node is seen: it burns in before it joins again, however the record ended."""
         self._held: set[int] = set()
+        self._watch: PrefixWatch | None = None
+        """This node's record key, followed from the first :meth:`check` on (no request while it stands still)."""
+        self._seen: int | None = None
+        """The record key's revision when the offences were last read (they move only with a new record)."""
 
     # ------------------------------------------------------------ reads
+    def _watched(self) -> PrefixWatch | None:
+        if self._watch is None:
+            record, _ = self.fleet.keys_of(self.node_id)  # as a prefix it may hold other nodes' too: filtered
+            self._watch = PrefixWatch(self.fleet.client, record, on_error=lambda _: None).start()
+        return self._watch if self._watch.fresh else None
+
     def check(self) -> Standing | None:
-        """Read this node's record now; an outage keeps the last answer (an outage never ends a generation)."""
+        """This node's record as the watch of its keys holds it (read when the watch is not following etcd); an
+        outage keeps the last answer (an outage never ends a generation)."""
         try:
-            standing, self.offences = self.fleet.standing_and_offences(self.node_id)
+            watch = self._watched()
+            if watch is None:
+                standing, self.offences = self.fleet.standing_and_offences(self.node_id)
+                self._seen = None
+            else:
+                entries = watch.view().entries
+                found = entries.get(self.fleet.keys_of(self.node_id)[0])
+                standing = self.fleet.standing_in(self.node_id, entries)
+                revision = found.mod_revision if found is not None else 0
+                if revision != self._seen:
+                    self.offences, self._seen = self.fleet.offences(self.node_id), revision
         except ControlStoreError as e:
             self._emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
             return self.standing
@@ -85,6 +107,11 @@ class QuarantineGate:
         if standing is not None:
             self._must_burn_in = True
         return standing
+
+    def close(self) -> None:
+        """Stop following this node's record."""
+        if self._watch is not None:
+            self._watch.close()
 
     def view(self) -> dict[str, Any]:
         """What status and ``/metrics`` show: the standing record, the offences, the newest burn-in."""

@@ -42,6 +42,12 @@ from ..coord.watch import PrefixWatch, View
 from ..core.errors import ConfigError
 
 
+RECHECK_S = 10.0
+"""A node waiting in a round asks who closes it again when the live nodes change, and else this often (a closer
+that withdrew while its agent lives on, or whose join lapsed and was made again behind others'): one request per
+waiting node per 10 s."""
+
+
 @dataclass(frozen=True)
 class Assignment:
     """This node's place in a completed rendezvous round."""
@@ -112,7 +118,7 @@ class EtcdRendezvous:
                  max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
                  live: Callable[[], frozenset[str]], on_error: Callable[[str], None] = lambda _: None,
                  on_crash: Callable[[str, str], None] = lambda _error, _trace: None,
-                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = RECHECK_S,
                  seal: Seal, floor: Callable[[], int] = lambda: 0) -> None:
         """``seal``: signs this node's values and checks the others' with the run token (a forged one counts for
         nothing); ``floor()``: the newest generation the launch's recovery keys name (see :class:`RoundStore`)."""
@@ -188,6 +194,7 @@ class EtcdRendezvous:
         joins_watch: PrefixWatch | None = None
         closer: str | None = None
         checked = -1e9
+        judged: frozenset[str] | None = None
         min_since: float | None = None
         try:
             while True:
@@ -207,8 +214,8 @@ class EtcdRendezvous:
                 if self._lease() != lease:
                     return None
                 live = self._live()
-                if closer is None or closer not in live or now - checked >= self._recheck:
-                    closer, checked = self._store.closer(n, live), now
+                if closer is None or live != judged or now - checked >= self._recheck:
+                    closer, checked, judged = self._store.closer(n, live), now, live
                 if closer != self._node:
                     self._sleep(self._poll)
                     continue

@@ -317,6 +317,8 @@ class Agent:
             if self.memory is not None and self.memory.replication is not None:
                 self.memory.replication.close()
             self.coordination.close(leave_run_open=self._quiet)
+            if self.gate is not None:
+                self.gate.close()
             self.spawner.close()
             self.bookkeeping.release()
 

@@ -32,6 +32,9 @@ from .proof import Seal
 from .store import ControlStoreError
 from .watch import PrefixWatch
 
+TTL_S = 9
+"""The presence lease's time to live, renewed every third of it (one request per agent every 3 s, its only
+steady request): the slow signal, for a node nobody can probe; a node whose agent died is found by the probes."""
 LEASE_GRACE_S = 2.0
 """A node whose key lapsed is taken for lost by the lease only this long after (its vouches may be on the way)."""
 
@@ -40,8 +43,8 @@ class Presence:
     """Keeps this node's presence key alive and its probes running, and reports peers judged lost."""
 
     def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str, str], None],
-                 on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = 5,
-                 interval_s: float = 1.0, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
+                 on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = TTL_S,
+                 interval_s: float | None = None, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
                  silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None,
                  extra: Mapping[str, str] | None = None, seal: Seal) -> None:
         """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
@@ -51,6 +54,7 @@ class Presence:
         it) or are answered again.  ``extra``: more addresses this agent serves, published in its key
         (:meth:`published` reads a peer's).  ``seal``: signs this agent's keys with the run token and checks
         its peers' (a presence key, accusation or vouch written without the token counts for nothing)."""
+        interval_s = ttl_s / 3 if interval_s is None else interval_s
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client

@@ -29,6 +29,8 @@ from ..core.errors import ConfigError
 from .txn import Txn
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .etcd import EtcdClient
     from .store import Entry
 
@@ -174,6 +176,15 @@ class FleetQuarantine:
         if entry.lease and remaining < 0:
             return None
         return Standing(QuarantineRecord.decode(node, entry.value), max(0, remaining))
+
+    def keys_of(self, node: str) -> tuple[str, str]:
+        """The node's quarantine record and offence count keys (what a watch of the node follows)."""
+        return self._key("quarantine", node), self._key("offences", node)
+
+    def standing_in(self, node: str, entries: Mapping[str, Entry]) -> Standing | None:
+        """:meth:`get` from a watch's copy of the record's key (no request unless a record stands: its lease's
+        time left is read)."""
+        return self._standing(node, entries.get(self.keys_of(node)[0]))
 
     def standing_and_offences(self, node: str) -> tuple[Standing | None, int]:
         """:meth:`get` and :meth:`offences` together, in one request (a read-only transaction, one revision)."""

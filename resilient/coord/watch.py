@@ -6,10 +6,12 @@ applied to the copy as etcd sends it, a revision's changes together, and
 ``on_change`` is called after each batch.  Readers take :meth:`view`, the
 copy at one revision.
 
-Steady state costs the store nothing but an open stream.  A stream that
-stays silent for ``idle_s`` is closed and opened again from the last
-revision applied (a stream to a peer that vanished without a reset would
-otherwise never end), which is one request per ``idle_s`` at rest.  After a
+Steady state costs the store nothing but an open stream.  The stream's
+socket keeps TCP keepalive on, so a stream to an etcd that vanished
+without a reset ends within seconds at no request
+(:data:`~resilient.coord.etcd_transport.STREAM_KEEPALIVE`); a stream that
+stays silent for ``idle_s`` (60 s) is also closed and opened again from
+the last revision applied, as a backstop: one request a minute at rest.  After a
 broken stream the watch resumes from its revision, so no change is missed;
 when etcd has compacted that revision away it reads the prefix again.
 While etcd cannot be reached the copy stays as it was, :attr:`stale_since`
@@ -36,6 +38,9 @@ from types import MappingProxyType
 from .etcd import Compacted, EtcdClient
 from .store import ControlStoreError, Entry
 
+IDLE_S = 60.0
+"""A watch's stream silent this long is opened again from its revision (a backstop: TCP keepalive ends a stream
+to a vanished etcd sooner)."""
 CRASH_BACKOFF_MAX_S = 10.0
 """The longest pause between two tries after unexpected errors in a row."""
 
@@ -54,7 +59,7 @@ class View:
 class PrefixWatch:
     def __init__(self, client: EtcdClient, prefix: str, *, on_change: Callable[[], None] = lambda: None,
                  on_error: Callable[[str], None] = lambda _: None,
-                 on_crash: Callable[[str, str], None] = lambda _error, _trace: None, idle_s: float = 5.0,
+                 on_crash: Callable[[str, str], None] = lambda _error, _trace: None, idle_s: float = IDLE_S,
                  retry_s: float = 0.2, clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self.prefix = prefix
