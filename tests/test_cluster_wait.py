@@ -38,6 +38,7 @@ from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.proof import SignedStore, sign
 from resilient.coord.store import EtcdControlStore
 from resilient.coord.watch import PrefixWatch
+from resilient.core.supervised import ThreadReports
 from resilient.core.events import EventKind
 from resilient.elastic.observe import FaultKind, RestartOutlook
 from resilient.worker.protocol import Heartbeat
@@ -79,12 +80,15 @@ class _Node:
                              nproc_per_node=2, min_nodes=2, max_nodes=2, store_url=url,
                              recovery_timeout_s=RECOVERY_TIMEOUT_S, monitor_interval_s=MONITOR_S)
         self.inp = InProcess(config, self.emit, time.monotonic)
+        self.crashes: list[tuple[str, ...]] = []
+        """Errors the node's supervised threads met (none expected)."""
         client = EtcdClient(EtcdConfig.from_url(url))
         root = f"/resilient/{run_id}/"
         self.launch_watch = PrefixWatch(client, root + "launch").start()
         store = ClusterStore(SignedStore(EtcdControlStore.for_run(client, run_id), TOKEN), client, root, LAUNCH,
                              node, TOKEN, watch=self.launch_watch)
-        attach(self.inp, SimpleNamespace(cluster_store=lambda: store), self.emit)
+        threads = ThreadReports(lambda *crash: self.crashes.append(crash))
+        attach(self.inp, SimpleNamespace(cluster_store=lambda: store, threads=threads), self.emit)
         # Every node keeps a spare.  This one is still warming; an earlier one was ready 0.5 s after its start, so
         # the ladder expects this one within half a second: the repair a hold waits for.
         spare = self._measured_spare()
@@ -244,6 +248,7 @@ def test_a_hold_for_a_repair_across_machines_writes_nothing_until_it_ends(tmp_pa
         assert decision is not None and decision["action"] == "restart" and decision["node"] == "n0"
         assert n0.decided() == ["wait_for_repair", "restart"], n0.decided()
         assert n1.decided() in ([], ["wait_for_repair"]), n1.decided()
+        assert n0.crashes == [] and n1.crashes == [], (n0.crashes, n1.crashes)
     finally:
         for node in nodes:
             node.close()

@@ -223,11 +223,14 @@ def test_the_server_drops_probers_gone_without_a_word_and_makes_room_for_new_one
 class Lost:
     def __init__(self) -> None:
         self.nodes: dict[str, str] = {}
+        self.at: dict[str, float] = {}
+        """When each node was reported lost (monotonic)."""
         self.cond = threading.Condition()
 
     def __call__(self, node: str, why: str) -> None:
         with self.cond:
             self.nodes[node] = why
+            self.at[node] = time.monotonic()
             self.cond.notify_all()
 
 
@@ -341,7 +344,12 @@ def test_an_agent_stalled_for_2_s_is_not_lost_and_one_silent_for_good_is_lost_af
         for name in ("a", "c"):
             assert "does not answer probes from a, c" in _wait_lost(losts[name], "b"), losts[name].nodes
         judged = time.monotonic() - stopped
-        assert SILENCE_S - INTERVAL_S <= judged <= 3.0, judged
+        assert judged <= 3.0, judged
+        # Neither accuser spoke before the silence had passed since it last heard b (on a loaded machine b may
+        # have answered its last ping a while before it was stopped: the silence counts from that answer).
+        heard = max(presences[name]._prober._peers["b"].heard for name in ("a", "c"))  # type: ignore[union-attr]
+        first = min(losts[name].at["b"] for name in ("a", "c"))
+        assert first - heard >= SILENCE_S, (first - heard, judged)
 
 
 def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(etcd_server, etcd_run_id) -> None:

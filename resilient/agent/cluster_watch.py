@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..coord.store import ControlStoreError, Entry
 from ..core.events import Emit, EventKind
+from ..core.supervised import ThreadReports
 from .cluster import ClusterState, ClusterStore, GenerationView, PoolEntry
 
 if TYPE_CHECKING:
@@ -42,7 +43,8 @@ class ClusterWatch:
     lease as it should be (a request a second only when the store renews a lease of its own)."""
 
     def __init__(self, store: ClusterStore, generation: Callable[[], int], wake: Callable[[], None],
-                 on_error: Callable[[str], None], keepalive_s: float = 1.0) -> None:
+                 on_error: Callable[[str], None], keepalive_s: float = 1.0,
+                 threads: ThreadReports | None = None) -> None:
         assert store.watch is not None, "across machines the agent's watch of its launches is started first"
         self._store = store
         self._generation = generation
@@ -57,8 +59,7 @@ class ClusterWatch:
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, int], Snapshot] | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="cluster-watch", daemon=True)
-        self._thread.start()
+        self._thread = (threads or ThreadReports()).run("cluster-watch", self._loop, stop=self._done)
 
     def _loop(self) -> None:
         while not self._done.is_set():
@@ -132,7 +133,7 @@ def attach(inp: InProcess, coordination: Coordination, emit: Emit) -> None:
     def unreachable(error: str) -> None:
         emit(EventKind.STORE_UNREACHABLE, error=error)
 
-    state.watch = ClusterWatch(store, lambda: state.following, wake, unreachable)
+    state.watch = ClusterWatch(store, lambda: state.following, wake, unreachable, threads=coordination.threads)
 
 
 def detach(inp: InProcess) -> None:

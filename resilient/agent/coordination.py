@@ -20,6 +20,7 @@ from ..coord.launch import begin_launch
 from ..coord.proof import Seal, SignedStore
 from ..coord.store import ControlStoreError
 from ..core.events import Emit, EventKind
+from ..core.supervised import ThreadReports
 from .config import AgentConfig
 from .policy import FailureMark, History
 from .rendezvous import EtcdRendezvous, OneNodeRendezvous, etcd_rendezvous
@@ -37,8 +38,14 @@ class Coordination:
     """The control store as this node's agent uses it: launch, presence, rendezvous, restart budget, verdict."""
 
     def __init__(self, config: AgentConfig, run_dir: RunDir, token: str, *, emit: Emit,
-                 on_node_lost: Callable[[str, str], None]) -> None:
+                 on_node_lost: Callable[[str, str], None],
+                 on_thread_failed: Callable[[str, str], None] = lambda _name, _error: None) -> None:
+        """``on_thread_failed(name, error)``: one of the agent's supervised threads kept raising (after its
+        ``agent_thread_failed`` event): the agent stops."""
         self._config = config
+        self._on_thread_failed = on_thread_failed
+        self.threads = ThreadReports(self._thread_crashed, self._thread_failed)
+        """Where the agent's supervised threads report (:mod:`resilient.core.supervised`)."""
         self._run_dir = run_dir
         self._emit = emit
         self._on_node_lost = on_node_lost
@@ -101,6 +108,16 @@ class Coordination:
     def _store_unreachable(self, error: str) -> None:
         self._emit(EventKind.STORE_UNREACHABLE, error=error)
 
+    def _thread_crashed(self, name: str, error: str, trace: str) -> None:
+        self._emit(EventKind.THREAD_RESTARTED, thread=name, error=error, traceback=trace[-4000:],
+                   hint="the thread started again; a bug in the agent: report it with this trace")
+
+    def _thread_failed(self, name: str, error: str) -> None:
+        self._emit(EventKind.AGENT_THREAD_FAILED, thread=name, error=error,
+                   hint="the agent stops the run gracefully (a checkpoint first): resubmit it, and report the "
+                        "thread_restarted events' traces")
+        self._on_thread_failed(name, error)
+
     def _watch_crashed(self, error: str, trace: str) -> None:
         self._emit(EventKind.WATCH_RESTARTED, error=error, traceback=trace[-4000:],
                    hint="the watch read its keys again and follows on; a bug in the agent: report it with this trace")
@@ -138,7 +155,8 @@ class Coordination:
             self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
                                       self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
                                       probe_host=c.local_addr, on_probe=self._probed, extra=self.presence_extra,
-                                      silence_s=c.node_silence_s, seal=self.seal)
+                                      silence_s=c.node_silence_s, seal=self.seal,
+                                      on_crash=self.threads.crashed, on_fatal=self.threads.failed)
             self._presence.start()
         return None
 

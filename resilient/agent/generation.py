@@ -14,12 +14,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ..coord.store import ControlStoreError
 from ..core.events import Emit, EventKind, OutcomeKind
 from ..core.fsutil import write_json_atomic
+from ..core.supervised import ThreadReports
 from ..watchdog.sections import SectionTimeouts, for_storage
 from . import machine
 from .continuation import start_spares
@@ -108,6 +110,8 @@ class GenerationContext:
     """Starts the workers (forked from the agent's fork server when it can); None: the plain way."""
     settle_heartbeats: Callable[[], None] | None = None
     """Hand every heartbeat already queued to the tracker (called when workers exited non-zero)."""
+    threads: ThreadReports = field(default_factory=ThreadReports)
+    """Where the generation's supervised threads (the peer watch) report an unexpected error."""
 
 
 class PeerWatch:
@@ -129,8 +133,7 @@ class PeerWatch:
         """The launch ended (checked across machines only: a node without members learns so here)."""
         self._published: dict[str, Any] | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="peer-watch", daemon=True)
-        self._thread.start()
+        self._thread = ctx.threads.run("peer-watch", self._loop, stop=self._done)
 
     def _loop(self) -> None:
         ctx = self._ctx
@@ -147,8 +150,8 @@ class PeerWatch:
                     self._exchange_timing()
                 if ctx.quarantined is not None:
                     self.quarantined = ctx.quarantined()
-            except Exception as e:  # an outage must not end a healthy generation
-                ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+            except (ControlStoreError, OSError) as e:  # an outage must not end a healthy generation (anything else
+                ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")  # is a bug: reported)
 
     def _exchange_timing(self) -> None:
         """Across machines: offer this node's newest windows to the launch's scorer; as the scorer, take every

@@ -41,7 +41,6 @@ from ..coord.store import ControlStore, ControlStoreError, Entry, run_prefix
 from ..coord.watch import PrefixWatch, View
 from ..core.errors import ConfigError
 
-
 RECHECK_S = 10.0
 """A node waiting in a round asks who closes it again when the live nodes change, and else this often (a closer
 that withdrew while its agent lives on, or whose join lapsed and was made again behind others'): one request per

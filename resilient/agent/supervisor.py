@@ -106,7 +106,7 @@ class Agent:
             config = self.config = replace(config, worker_env={**config.worker_env, **self.memory.env()})
         self.tracker = RankTracker(on_stale=stale_events(self.emit))
         self.coordination = Coordination(config, self.run_dir, self.token, emit=self.emit,
-                                         on_node_lost=self._node_lost)
+                                         on_node_lost=self._node_lost, on_thread_failed=self._thread_failed)
         if self.memory is not None and config.memory_replicas:
             replica = self.memory.replicate(host=config.local_addr, token=self.token, nproc=config.nproc_per_node,
                                             address_of=lambda node: self.coordination.published(node, PUBLISHED_AS),
@@ -121,6 +121,8 @@ class Agent:
         its exit neither ends the launch nor closes the rendezvous."""
         self.stop_requested: str | None = None
         """Set (from a signal handler or another thread) to ask for a graceful stop."""
+        self.thread_failure: str | None = None
+        """Why the agent stops: one of its threads kept raising (None: none did)."""
         self.interrupted = False
         self._receivers: list[HeartbeatReceiver] = []
         self.accounting = NodeAccounting(self.run_dir.node_dir / "ledger.json",
@@ -179,6 +181,12 @@ class Agent:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_int)
 
+    def _thread_failed(self, name: str, error: str) -> None:
+        """A supervised thread kept raising: stop the run gracefully, ending with the ``agent_thread_failed``
+        verdict (an agent without that thread would look alive and no longer do its part)."""
+        self.thread_failure = f"the agent's {name} thread kept failing ({error})"
+        self.stop_requested = self.thread_failure
+
     def _on_stop_request(self, reason: str) -> None:
         self.emit(EventKind.STOP_REQUEST_RECEIVED, reason=reason)
         self.stop_requested = reason
@@ -218,7 +226,7 @@ class Agent:
             next_generation=self._next_generation, record_incident=self.incidents.record_open,
             recovered=self.incidents.recovered, slowness=self.slowness,
             quarantined=self.gate.check if self.gate is not None else None, spawner=self.spawner,
-            settle_heartbeats=self._settle_heartbeats,
+            settle_heartbeats=self._settle_heartbeats, threads=self.coordination.threads,
         )
 
     def _settle_heartbeats(self) -> None:
@@ -487,6 +495,8 @@ class Agent:
         return None
 
     def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
+        if self.thread_failure is not None and verdict == "preempted":  # the graceful stop the failure asked for
+            code, verdict, reason = EXIT_STOPPED, "agent_thread_failed", self.thread_failure
         if verdict in ("succeeded", "preempted") and not self._quiet:
             self.coordination.end_launch(f"{verdict} (node {self.config.node_id})")
         if self.memory is not None:  # the run ended here: nothing restores from the memory tier again

@@ -37,6 +37,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from ..core.supervised import CrashCallback, FatalCallback, Supervised, quiet
+
 INTERVAL_S = 0.15
 """Seconds between two pings of one peer."""
 
@@ -130,7 +132,9 @@ def judge(evidence: Evidence, me: str, k: int = PROBERS, quorum: int = QUORUM) -
 class ProbeServer:
     """Answers probes on ``host``: a new connection gets this node's name, each ping an answer."""
 
-    def __init__(self, host: str, node: str) -> None:
+    def __init__(self, host: str, node: str, *, on_crash: CrashCallback = quiet,
+                 on_fatal: FatalCallback = quiet) -> None:
+        """``on_crash``, ``on_fatal``: the serving thread's unexpected errors (:mod:`resilient.core.supervised`)."""
         self._node = node
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
@@ -144,7 +148,7 @@ class ProbeServer:
         self._wake_r, self._wake_w = os.pipe()
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._done = False
-        self._thread = threading.Thread(target=self._serve, name="probe-server", daemon=True)
+        self._thread = Supervised("probe-server", self._serve, on_crash=on_crash, on_fatal=on_fatal)
 
     def start(self) -> None:
         self._thread.start()
@@ -252,7 +256,10 @@ class Prober:
     for the first ``up``, only for a peer that was down)."""
 
     def __init__(self, me: str, on_change: Callable[[str, bool, str], None], *, interval_s: float = INTERVAL_S,
-                 silence_s: float = SILENCE_S, clock: Callable[[], float] = time.monotonic) -> None:
+                 silence_s: float = SILENCE_S, clock: Callable[[], float] = time.monotonic,
+                 on_crash: CrashCallback = quiet, on_fatal: FatalCallback = quiet) -> None:
+        """``on_crash``, ``on_fatal``: the probing thread's unexpected errors (:mod:`resilient.core.supervised`);
+        a socket's error is a peer's state, not one of them."""
         if not 0 < interval_s < silence_s:
             raise ValueError(f"probes need 0 < interval_s < silence_s, got {interval_s}, {silence_s}")
         self._me = me
@@ -267,7 +274,7 @@ class Prober:
         self._done = threading.Event()
         self.error: str | None = None
         """The last error the prober's thread survived (None: none)."""
-        self._thread = threading.Thread(target=self._loop, name="prober", daemon=True)
+        self._thread = Supervised("prober", self._loop, on_crash=on_crash, on_fatal=on_fatal, stop=self._done)
 
     def start(self) -> None:
         self._thread.start()
@@ -297,7 +304,7 @@ class Prober:
         while not self._done.is_set():
             try:
                 next_ping = self._round(next_ping)
-            except Exception as e:  # noqa: BLE001 - the probes must outlive any one peer's surprise
+            except OSError as e:  # the probes outlive any one peer's surprise (anything else: a bug, reported)
                 self.error = f"{type(e).__name__}: {e}"
                 self._done.wait(self._interval)
         for peer in list(self._peers.values()):
@@ -443,5 +450,5 @@ class Prober:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        elif self._thread.ident is None:  # never started
+        elif not self._thread.started:
             self._selector.close()

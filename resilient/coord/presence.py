@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..core.supervised import CrashCallback, FatalCallback, Supervised, quiet
 from .etcd import EtcdClient
 from .liveness import INTERVAL_S, PROBERS, SILENCE_S, Evidence, Prober, ProbeServer, Verdict, judge, ring_after
 from .proof import Seal
@@ -46,14 +47,17 @@ class Presence:
                  on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = TTL_S,
                  interval_s: float | None = None, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
                  silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None,
-                 extra: Mapping[str, str] | None = None, seal: Seal) -> None:
+                 extra: Mapping[str, str] | None = None, seal: Seal, on_crash: CrashCallback = quiet,
+                 on_fatal: FatalCallback = quiet) -> None:
         """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
         started watch of a prefix that holds ``prefix`` (the agent's, shared with its other readers).
         ``probe_host``: the address this agent answers probes on (None: presence by lease alone).
         ``on_lost(node, why)``; ``on_probe(node, up, why)``: this agent's probes of a peer failed (it accuses
         it) or are answered again.  ``extra``: more addresses this agent serves, published in its key
         (:meth:`published` reads a peer's).  ``seal``: signs this agent's keys with the run token and checks
-        its peers' (a presence key, accusation or vouch written without the token counts for nothing)."""
+        its peers' (a presence key, accusation or vouch written without the token counts for nothing).
+        ``on_crash``, ``on_fatal``: its threads' unexpected errors (:mod:`resilient.core.supervised`): a thread
+        that raised starts again; one that keeps raising is not, and ``on_fatal`` says so."""
         interval_s = ttl_s / 3 if interval_s is None else interval_s
         if ttl_s < 2 or not 0 < interval_s < ttl_s:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
@@ -85,12 +89,13 @@ class Presence:
         self._desired: dict[str, bytes] = {}
         self._written: dict[str, bytes] = {}
         self._watch = watch
-        self._server = ProbeServer(probe_host, node) if probe_host is not None else None
-        self._prober = (Prober(node, self._probed, interval_s=probe_interval_s, silence_s=silence_s)
+        self._server = (ProbeServer(probe_host, node, on_crash=on_crash, on_fatal=on_fatal)
                         if probe_host is not None else None)
+        self._prober = (Prober(node, self._probed, interval_s=probe_interval_s, silence_s=silence_s,
+                               on_crash=on_crash, on_fatal=on_fatal) if probe_host is not None else None)
         self._poke = threading.Event()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="presence", daemon=True)
+        self._thread = Supervised("presence", self._loop, on_crash=on_crash, on_fatal=on_fatal, stop=self._done)
 
     def start(self) -> None:
         """Answer probes, write the presence key, start following the peers' keys and renewing this one."""
@@ -276,7 +281,7 @@ class Presence:
                 self._judge()  # the prober's news, or a lapsed key's grace running out
                 if self._prober is not None:
                     self._write_keys()
-            except Exception as e:  # noqa: BLE001 - the lease must be renewed whatever one pass met
+            except (ControlStoreError, OSError) as e:  # the store away: renewed and written on the next pass
                 self._on_error(f"{type(e).__name__}: {e}")
                 self._done.wait(self._interval)  # the keys are written again on the next pass, not in a spin
 

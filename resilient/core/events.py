@@ -141,6 +141,8 @@ class EventKind(str, Enum):
     # -- the agent's own I/O
     STORE_UNREACHABLE = "store_unreachable"  # a control-store read or write failed; the agent carries on
     WATCH_RESTARTED = "watch_restarted"  # a store watch's thread hit an unexpected error: read again, it goes on
+    THREAD_RESTARTED = "thread_restarted"  # an agent thread's loop raised (traceback attached): started again
+    AGENT_THREAD_FAILED = "agent_thread_failed"  # an agent thread kept raising: the agent stops the run
     STORE_OUTAGE_START = "store_outage_start"  # the etcd client started retrying an unreachable cluster
     STORE_OUTAGE_END = "store_outage_end"  # etcd answered again after an outage
     FORGED_KEY = "forged_key"  # a store entry without a valid token proof was ignored (it names the key)

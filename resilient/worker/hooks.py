@@ -41,9 +41,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 from ..core.events import EventKind
