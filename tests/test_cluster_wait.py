@@ -38,8 +38,8 @@ from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.proof import SignedStore, sign
 from resilient.coord.store import EtcdControlStore
 from resilient.coord.watch import PrefixWatch
-from resilient.core.supervised import ThreadReports
 from resilient.core.events import EventKind
+from resilient.core.supervised import ThreadReports
 from resilient.elastic.observe import FaultKind, RestartOutlook
 from resilient.worker.protocol import Heartbeat
 

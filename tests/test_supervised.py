@@ -46,8 +46,8 @@ def test_a_loop_that_keeps_raising_is_given_up_once_and_a_stop_ends_the_pause(mo
     t.start().join(10)
     assert not t.is_alive() and t.gave_up
     assert len(crashes) == supervised.GIVE_UP_AFTER - 1
-    assert fatal == [("broken", f"{supervised.GIVE_UP_AFTER} errors in {supervised.GIVE_UP_WINDOW_S:g} s, "
-                                "the last: RuntimeError: always")]
+    said = f"{supervised.GIVE_UP_AFTER} errors in {supervised.GIVE_UP_WINDOW_S:g} s, the last: RuntimeError: always"
+    assert fatal == [("broken", said)]
     # A stop set while the loop pauses before its restart ends the thread at once, without a restart.
     monkeypatch.setattr(supervised, "FIRST_PAUSE_S", 60.0)
     stop, started = threading.Event(), []
