@@ -110,6 +110,27 @@ def test_a_spare_replaces_a_killed_rank_with_nothing_redone(tmp_path: Path, refe
     assert not events(run, "spare_priority")
 
 
+def test_one_machine_keeping_its_run_in_etcd_numbers_its_in_process_generation_by_the_signed_counter(
+        tmp_path: Path, reference2: Path, etcd_server: Any, etcd_run_id: str) -> None:
+    """One node whose agent keeps the run in etcd (``--store``): the round numbers generation 1 with the run's
+    signed counter; the spare takes the killed rank in process and numbers generation 2 from the same counter,
+    signed as the rounds and decisions write it; the run ends bitwise equal to the reference."""
+    from resilient.coord.etcd import EtcdClient, EtcdConfig
+    from resilient.coord.proof import verify
+
+    out, proc = elastic_run(tmp_path, "etcd", "--nproc-per-node", "2", "--spares", "1", "--store", etcd_server.url,
+                            "--run-id", etcd_run_id, die=("w1", "kill"), extra=("--spares-ready", "1"))
+    assert proc.returncode == 0, explain(proc)
+    run = out / "run"
+    assert not events(run, "restart") and not events(run, "forged_key"), explain(proc)
+    assert [e["generation"] for e in events(run, "generation_continued")] == [2]
+    counter = EtcdClient(EtcdConfig.from_url(etcd_server.url)).get(f"/resilient/{etcd_run_id}/generation")
+    assert counter is not None
+    token = (run / "token").read_text().strip()
+    assert verify(token, "generation", counter.value).value == {"generation": 2}
+    assert_bitwise_equal(out, reference2)
+
+
 def test_a_promoted_spare_saves_on_the_interval_its_peers_computed(tmp_path: Path, reference2: Path) -> None:
     # Saves every 2 steps at most; a tiny MTBF makes the computed interval 1 from the second scheduled save (step
     # 4: the first, at 2, is what the ranks measure), just before rank 1 dies in step 4.  The spare must take that

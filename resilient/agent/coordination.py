@@ -92,6 +92,20 @@ class Coordination:
                    hint="only holders of the run token may change the run; this entry is ignored. Something with "
                         "write access to etcd wrote it: lock etcd down (authentication, TLS, a network policy)")
 
+    def next_generation(self) -> int:
+        """Move the run's generation counter on by one and return it (a generation formed in process on this
+        node, no round): signed in etcd, as the rounds and decisions write it; a forged counter counts from the
+        launch's current generation."""
+        if self._config.store_url is None:
+            return int(self.control.add("generation", 1))
+        while True:
+            entry, value = self.signed.get_entry("generation")
+            base = int(value["generation"]) if value is not None else (0 if entry is None else self._current())
+            done, _ = self.signed.compare_and_swap("generation", entry.mod_revision if entry is not None else 0,
+                                                   {"generation": base + 1})
+            if done:
+                return base + 1
+
     def _current(self) -> int:
         """The launch's current generation as its signed recovery key says (0: none yet)."""
         if self.shared is None:

@@ -483,7 +483,7 @@ def watch_for(agent: Agent) -> SlownessWatch:
     c, gate = agent.config, agent.gate
 
     def publish(incident: Incident) -> None:
-        publish_incident(incident, agent.run_dir, agent.coordination.control, agent.emit)
+        publish_incident(incident, agent.run_dir, agent.coordination.signed, agent.emit)
 
     return SlownessWatch(
         c.node_id, agent.emit, straggler=c.straggler, slowdown=c.slowdown, record=agent.record_incident,

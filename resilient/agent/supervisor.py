@@ -240,7 +240,7 @@ class Agent:
 
     def _next_generation(self) -> int:
         """The run's next generation number, for a generation formed in process (no rendezvous round)."""
-        self._generation = self.coordination.control.add("generation", 1)
+        self._generation = self.coordination.next_generation()
         return self._generation
 
     # ------------------------------------------------------------ the loop
