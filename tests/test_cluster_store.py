@@ -277,6 +277,11 @@ def test_a_forged_decision_or_counter_blocks_no_recovery_and_is_reported(etcd_se
     assert a.counter()[0] == 3, "a forged counter reads as the launch's current generation"
     held = a.claim(3, "recover")
     assert held is not None
+    # With a forged decision there, a commit that fails on something else says what: the counter moved.
+    stale = a.counter()[1]
+    _counter(etcd_server.url, etcd_run_id, 3)
+    assert a.commit(held, 3, {"action": "shrink", "generation": 4}, counter_revision=stale) \
+        is claims.Outcome.COUNTER_MOVED
     outcome = a.commit(held, 3, {"action": "shrink", "generation": 4}, counter_revision=a.counter()[1])
     assert outcome is claims.Outcome.COMMITTED
     decision = b.view(3).decision

@@ -347,7 +347,7 @@ def test_an_agent_stalled_for_2_s_is_not_lost_and_one_silent_for_good_is_lost_af
         assert judged <= 3.0, judged
         # Neither accuser spoke before the silence had passed since it last heard b (on a loaded machine b may
         # have answered its last ping a while before it was stopped: the silence counts from that answer).
-        heard = max(presences[name]._prober._peers["b"].heard for name in ("a", "c"))  # type: ignore[union-attr]
+        heard = max(presences[name]._prober._peers["b"].answered for name in ("a", "c"))  # type: ignore[union-attr]
         first = min(losts[name].at["b"] for name in ("a", "c"))
         assert first - heard >= SILENCE_S, (first - heard, judged)
 

@@ -132,8 +132,8 @@ def commit(client: Transactional, held: Claim, decision: Decision, nonce_of: Non
         if result.succeeded:
             return Outcome.COMMITTED
         found = result.entries.get(decision.key)
-        if found is None or nonce_of(found) is not None:
-            return why_not(result.entries, held, decision, nonce_of)
+        if found is None or nonce_of(found) is not None or there.holds(found):
+            return why_not(result.entries, held, decision, nonce_of)  # (a forged decision counts as none there)
         there = Compare.unchanged(decision.key, found.mod_revision)  # forged: written over, never followed
     return Outcome.CLAIM_LOST
 

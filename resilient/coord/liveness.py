@@ -239,6 +239,8 @@ class _Peer:
     greeted: bool = False
     heard: float = 0.0
     """Monotonic time of the last answer (or of the first connection attempt, before any)."""
+    answered: float = 0.0
+    """Monotonic time of the last answer only (0: none yet): what a silence is counted from."""
     up: bool | None = None
     why: str = ""
     """Why it is down (when ``up`` is False)."""
@@ -412,7 +414,7 @@ class Prober:
                 return
             peer.greeted, peer.pending = True, b""
             del rest
-        peer.heard = self._clock()
+        peer.heard = peer.answered = self._clock()
         peer.failures = 0
         self._set(peer, True, "it answers again")
 

@@ -72,17 +72,21 @@ class Checked:
 
 
 def verify(token: str, key: str, raw: bytes) -> Checked:
-    """Check the proof of ``raw`` as stored under ``key``."""
+    """Check the proof of ``raw`` as stored under ``key``; whatever ``raw`` holds, it answers (never raises)."""
     try:
         wrapper = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        return Checked(None, "not JSON")
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return Checked(None, "not JSON (or nested too deep to read)")
     if not isinstance(wrapper, dict) or not isinstance(wrapper.get("body"), dict):
         return Checked(None, "no signed body (written without the run token?)")
     proof = wrapper.get("proof")
-    if not isinstance(proof, str):
+    if not isinstance(proof, str) or not proof.isascii():
         return Checked(None, "no proof (written without the run token)")
-    if not hmac.compare_digest(proof, _mac(token, key, _canonical(wrapper["body"]))):
+    try:
+        expected = _mac(token, key, _canonical(wrapper["body"]))
+    except (ValueError, RecursionError):
+        return Checked(None, "a body that cannot be read back (nested too deep)")
+    if not hmac.compare_digest(proof.encode(), expected.encode()):
         return Checked(None, "wrong proof (written with another token, or altered)")
     return Checked(wrapper["body"], None)
 
