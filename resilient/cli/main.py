@@ -80,9 +80,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("resilient: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        if not _stdout_gone():
+            raise  # a pipe of the command's own broke: a failure to show, not a reader that went away
         # The reader went away (``| head``); don't let the interpreter complain at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader is gone (what a BrokenPipeError from ``| head`` means)."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):
+        return False
+    try:
+        os.write(sys.stdout.fileno(), b"")
+    except BrokenPipeError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
 
 
 def _subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
