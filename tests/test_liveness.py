@@ -372,14 +372,20 @@ def test_an_agent_cut_off_from_etcd_but_answering_is_vouched_for_and_never_lost(
 
 
 def test_without_probes_a_node_whose_lease_lapsed_is_lost_by_the_lease(etcd_server, etcd_run_id) -> None:
-    """Nobody probes b (its peers' probes are off): the lease is the evidence left, as before the probes."""
+    """Nobody probes b (its peers' probes are off): the lease is the evidence left, as before the probes.  It is
+    judged as the grace after its key went ends, not at the judges' next renewal of their own leases (every 10 s
+    here)."""
+    from resilient.coord.presence import LEASE_GRACE_S
+
     with _presences(etcd_server, etcd_run_id, ["a", "c"], probes=False) as (presences, losts, client), \
             _agent_elsewhere(etcd_server, etcd_run_id, "b") as (_, lease):
         _wait(lambda: all(p.live() == {"a", "b", "c"} for p in presences.values()), "all three alive")
         client.lease_revoke(lease)
+        revoked = time.monotonic()
         for name in ("a", "c"):
             assert _wait_lost(losts[name], "b") == "its presence lease expired and no live node vouches for it"
             assert presences[name].live() == {"a", "c"}
+            assert losts[name].at["b"] - revoked <= LEASE_GRACE_S + 1.0, losts[name].at["b"] - revoked
 
 
 def test_forged_presence_accusations_and_vouches_judge_nobody_and_are_reported(etcd_server, etcd_run_id) -> None:

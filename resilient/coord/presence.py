@@ -212,6 +212,8 @@ class Presence:
             lost = dict(verdict.lost)
             now = time.monotonic()
             gone = self._alive_once - live - left - {self._node} - set(lost)
+            if gone - self._gone_since.keys():
+                self._poke.set()  # the presence thread waits for its grace to end (it may sleep till a renewal)
             self._gone_since = {n: self._gone_since.get(n, now) for n in gone}
             for node in sorted(gone):
                 if now - self._gone_since[node] >= LEASE_GRACE_S:
@@ -269,7 +271,10 @@ class Presence:
     def _loop(self) -> None:
         renew_at = time.monotonic() + self._interval
         while not self._done.is_set():
-            self._poke.wait(max(0.0, renew_at - time.monotonic()))
+            now = time.monotonic()
+            with self._judging:  # a lapsed key's grace that ends before the next renewal is judged as it ends
+                graces = [end for since in self._gone_since.values() if (end := since + LEASE_GRACE_S) > now]
+            self._poke.wait(max(0.0, min([renew_at, *graces]) - now))
             self._poke.clear()
             if self._done.is_set():
                 break
