@@ -273,6 +273,8 @@ class Cluster:
         self.space = f"/resilient/{run_id}/rdzv/L/"
         self.counter = f"/resilient/{run_id}/generation"
         self.seal = Seal(TOKEN, f"/resilient/{run_id}/", on_rejected=lambda key, why: self.forged.append(key))
+        self.renewed: list[str] = []
+        """The nodes whose lease was renewed into a new one because a join named an expired one."""
         self.forged: list[str] = []
         """The keys whose values were rejected (each revision once)."""
         self.url = server.url
@@ -283,6 +285,14 @@ class Cluster:
         self.clients: dict[str, CountingClient] = {}
         self.leases: dict[str, int] = {}
 
+    def renew(self, name: str) -> int:
+        """What a node's presence does when asked to renew a lease etcd no longer knows: take a new one."""
+        client = self.clients[name]
+        if client.lease_keepalive(self.leases[name]) <= 0:
+            self.leases[name] = client.lease_grant(60)
+            self.renewed.append(name)
+        return self.leases[name]
+
     def node(self, name: str, **timeouts: float) -> EtcdRendezvous:
         client = CountingClient(EtcdConfig.from_url(self.url))
         self.leases[name] = client.lease_grant(60)
@@ -292,7 +302,8 @@ class Cluster:
         if timeouts:
             kw["timeouts"] = RendezvousTimeouts(**{"join_s": 60.0, "last_call_s": 30.0, **timeouts})
         r = EtcdRendezvous(client, self.space, self.counter, name, "127.0.0.1", lease=lambda: self.leases[name],
-                           live=lambda: frozenset(self.live), seal=self.seal, **kw)  # type: ignore[arg-type]
+                           live=lambda: frozenset(self.live), seal=self.seal,
+                           renew_lease=lambda: self.renew(name), **kw)  # type: ignore[arg-type]
         self.made.append(r)
         return r
 
@@ -520,3 +531,18 @@ def test_forged_rendezvous_keys_direct_no_worker_close_nothing_and_are_reported(
     # The control: a signed ``closed`` does close it.
     raw.put(keys.closed, c.seal.seal(keys.closed, {"why": "closed with the token"}))
     _until(lambda: a.is_closed() and b.is_closed())
+
+
+def test_a_node_whose_lease_expired_unnoticed_joins_on_a_new_one(cluster_factory: Any) -> None:
+    """A partition outlived node b's lease, and b joins the next round before its presence noticed (it renews
+    every few seconds): etcd refuses the join as naming an unknown lease.  b renews (a new lease) and joins; the
+    round forms with both, where b used to give up with rendezvous_failed."""
+    c = cluster_factory(min_nodes=2, max_nodes=2)
+    a, b = c.node("a"), c.node("b")
+    together(a.next, b.next)
+    c.clients["b"].lease_revoke(c.leases["b"])  # expired, as far as etcd knows; b's presence has not noticed
+    second = together(a.next, b.next)
+    assert all(not isinstance(x, Exception) for x in second), second
+    assert {x.num_nodes for x in second} == {2} and c.renewed == ["b"]
+    joined = c.clients["b"].get(RoundKeys(c.space).join(1, "b"))
+    assert joined is None or joined.lease == c.leases["b"]

@@ -196,7 +196,8 @@ class Coordination:
                                               c.local_addr, min_nodes=c.min_nodes, max_nodes=c.max_nodes,
                                               timeouts=c.rendezvous, lease=lambda: presence.lease,
                                               live=presence.live, on_error=self._store_unreachable,
-                                              on_crash=self._watch_crashed, seal=self.seal, floor=self._current)
+                                              on_crash=self._watch_crashed, seal=self.seal, floor=self._current,
+                                              renew_lease=presence.renew)
         return self.rendezvous
 
     def leave_rendezvous(self) -> None:

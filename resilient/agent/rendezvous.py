@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..coord.etcd_transport import NOT_FOUND
 from ..coord.proof import Seal
 from ..coord.rendezvous import rendezvous_space
 from ..coord.rounds import (
@@ -37,7 +38,7 @@ from ..coord.rounds import (
     Waiting,
     ready_to_close,
 )
-from ..coord.store import ControlStore, ControlStoreError, Entry, run_prefix
+from ..coord.store import ControlStore, ControlStoreError, Entry, StoreRequestError, run_prefix
 from ..coord.watch import PrefixWatch, View
 from ..core.errors import ConfigError
 
@@ -118,9 +119,12 @@ class EtcdRendezvous:
                  live: Callable[[], frozenset[str]], on_error: Callable[[str], None] = lambda _: None,
                  on_crash: Callable[[str, str], None] = lambda _error, _trace: None,
                  clock: Callable[[], float] = time.monotonic, poll_s: float = 0.1, recheck_s: float = RECHECK_S,
-                 seal: Seal, floor: Callable[[], int] = lambda: 0) -> None:
+                 seal: Seal, floor: Callable[[], int] = lambda: 0,
+                 renew_lease: Callable[[], int] | None = None) -> None:
         """``seal``: signs this node's values and checks the others' with the run token (a forged one counts for
-        nothing); ``floor()``: the newest generation the launch's recovery keys name (see :class:`RoundStore`)."""
+        nothing); ``floor()``: the newest generation the launch's recovery keys name (see :class:`RoundStore`).
+        ``renew_lease()``: renews ``lease()`` now (a new one if it expired), for a join etcd refused because the
+        lease it named had expired before this node's presence noticed."""
         if not 1 <= min_nodes <= max_nodes:
             raise ConfigError(f"nodes {min_nodes}:{max_nodes} are invalid: need 1 <= min_nodes <= max_nodes")
         self._store = RoundStore(client, space, counter_key, seal, floor)
@@ -130,6 +134,7 @@ class EtcdRendezvous:
         self._min, self._max = min_nodes, max_nodes
         self._timeouts = timeouts
         self._lease = lease
+        self._renew_lease = renew_lease
         self._live = live
         self._on_error = on_error
         self._on_crash = on_crash
@@ -173,7 +178,14 @@ class EtcdRendezvous:
             if self._store.closed(out.view().entries):
                 raise RendezvousClosedError("the rendezvous is closed: the run is over")
             lease = self._lease()
-            n = self._store.join(self._node, {"addr": self._addr, "port": free_port(self._addr)}, lease)
+            try:
+                n = self._store.join(self._node, {"addr": self._addr, "port": free_port(self._addr)}, lease)
+            except StoreRequestError as e:
+                if e.code != NOT_FOUND or self._renew_lease is None or self._clock() >= deadline:
+                    raise
+                self._on_error(f"joining round: the lease {lease} had expired ({e}); renewing it")
+                self._renew_lease()  # a partition or outage outlived it: a new one, the presence key written again
+                continue
             self._joined = n
             formed = self._await(n, deadline, lease)
             self._joined = None
@@ -317,8 +329,10 @@ def etcd_rendezvous(client: Any, run_id: str, launch_id: str, node: str, local_a
                     max_nodes: int, timeouts: RendezvousTimeouts, lease: Callable[[], int],
                     live: Callable[[], frozenset[str]], on_error: Callable[[str], None],
                     on_crash: Callable[[str, str], None], seal: Seal,
-                    floor: Callable[[], int] = lambda: 0) -> EtcdRendezvous:
+                    floor: Callable[[], int] = lambda: 0,
+                    renew_lease: Callable[[], int] | None = None) -> EtcdRendezvous:
     """Many machines: launch ``launch_id``'s rounds in its rendezvous space, numbered by the run's counter."""
     return EtcdRendezvous(client, rendezvous_space(run_id, launch_id), run_prefix(run_id) + "generation", node,
                           local_addr, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, lease=lease,
-                          live=live, on_error=on_error, on_crash=on_crash, seal=seal, floor=floor)
+                          live=live, on_error=on_error, on_crash=on_crash, seal=seal, floor=floor,
+                          renew_lease=renew_lease)

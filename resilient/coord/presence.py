@@ -86,6 +86,8 @@ class Presence:
         self._parsed: dict[str, tuple[int, str, str | None, dict[str, str]]] = {}
         """Each presence key as last parsed: (revision, state, probe address); judged under ``_serial``."""
         self._keys = threading.Lock()
+        self._renewing = threading.Lock()
+        """Held while the lease is renewed or replaced (the presence thread, or :meth:`renew` for a caller)."""
         self._desired: dict[str, bytes] = {}
         self._written: dict[str, bytes] = {}
         self._watch = watch
@@ -107,6 +109,15 @@ class Presence:
             self._prober.start()
         self._judge()
         self._thread.start()
+
+    def renew(self) -> int:
+        """Renew this node's lease now, or take a new one and write the presence key again when it expired (a
+        long outage or partition outlived it): the lease, alive.  For a caller whose write on the lease etcd
+        refused as unknown, as well as for the presence thread."""
+        with self._renewing:
+            if self._client.lease_keepalive(self._lease) <= 0:
+                self._announce()  # our own lease expired: we are back
+            return self._lease
 
     @property
     def lease(self) -> int:
@@ -281,8 +292,7 @@ class Presence:
             try:
                 if time.monotonic() >= renew_at:
                     renew_at = time.monotonic() + self._interval
-                    if self._client.lease_keepalive(self._lease) <= 0:
-                        self._announce()  # our own lease expired (a long outage): we are back
+                    self.renew()
                 self._judge()  # the prober's news, or a lapsed key's grace running out
                 if self._prober is not None:
                     self._write_keys()
