@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from resilient.agent.cluster import ClusterStore, collectors
@@ -181,33 +182,27 @@ class Agent:
             with self.recorder.lock:
                 self.recorder.errors.append(f"{self.node}: {error}")
 
-    def start(self) -> None:
+    def _started(self, start: Callable[[], object], what: str) -> None:
+        """``start()``, tried 3 times: a store error here means this process stalled (its lease lapsed before its
+        key was written, or its requests timed out: every started agent judges each new node here), which a real
+        agent on a machine of its own does not."""
         for attempt in range(3):
             try:
-                self.watch.start()
-                break
+                start()
+                return
             except ControlStoreError as e:
                 with self.recorder.lock:
                     self.recorder.start_retries += 1
                 if attempt == 2:
                     raise
-                self._error(f"start its watch again: {e}")
+                self._error(f"start {what} again: {e}")
+
+    def start(self) -> None:
+        self._started(self.watch.start, "its watch")
         self.quarantine_watch.start()
         if self.timing_watch is not None:
             self.timing_watch.start()
-        for attempt in range(3):
-            try:
-                self.presence.start()
-                break
-            except ControlStoreError as e:
-                # Its lease lapsed before its key was written, or its requests timed out: this process stalled
-                # (every started agent judges each new node here), which a real agent on a machine of its own does
-                # not.
-                with self.recorder.lock:
-                    self.recorder.start_retries += 1
-                if attempt == 2:
-                    raise
-                self._error(f"start again: {e}")
+        self._started(self.presence.start, "its presence")
         self.cluster = ClusterWatch(self.store, lambda: self.generation, self._wake, self._error)
 
     def _lost(self, node: str, why: str) -> None:

@@ -179,12 +179,7 @@ class SignedStore:
     def verified(self, entries: Iterable[Entry]) -> dict[str, dict[str, Any]]:
         """Verified values of ``entries`` (read elsewhere, e.g. by a watch; keys as in the store), rejected ones
         reported and left out."""
-        found = {}
-        for entry in entries:
-            value = self._check(entry)
-            if value is not None:
-                found[entry.key] = value
-        return found
+        return self.seal.opened(entries)
 
     def get_prefix(self, prefix: str, only: Callable[[str], bool] | None = None) -> dict[str, dict[str, Any]]:
         """Verified values of the keys under ``prefix`` (those ``only`` accepts); rejected ones are reported."""
