@@ -19,7 +19,7 @@ from resilient.agent.cluster import ClusterStore, collectors
 from resilient.agent.cluster_watch import ClusterWatch
 from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
 from resilient.coord import claims
-from resilient.coord.etcd import EtcdClient
+from resilient.coord.etcd import EtcdClient, EtcdControlStore
 from resilient.coord.etcd_transport import EtcdConfig
 from resilient.coord.launch import launch_prefix
 from resilient.coord.liveness import QUORUM
@@ -27,7 +27,7 @@ from resilient.coord.presence import Presence
 from resilient.coord.proof import Seal, SignedStore
 from resilient.coord.quarantine import FleetQuarantine
 from resilient.coord.rendezvous import rendezvous_space
-from resilient.coord.store import ControlStoreError, EtcdControlStore
+from resilient.coord.store import ControlStoreError
 from resilient.coord.watch import PrefixWatch
 
 RUN = "plane"

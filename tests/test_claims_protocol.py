@@ -31,9 +31,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from resilient.agent.cluster import POOL_TTL_S, ClusterStore
 from resilient.coord import claims
-from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.coord.proof import SignedStore, sign, verify
-from resilient.coord.store import ControlStoreError, EtcdControlStore
+from resilient.coord.store import ControlStoreError
 from resilient.coord.txn import Compare, Delete, Put, Txn
 
 from .etcd_model import EtcdModel, Flaky

@@ -16,9 +16,9 @@ import threading
 
 from resilient.agent.cluster import ClusterStore
 from resilient.coord import claims
-from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.coord.proof import SignedStore, sign
-from resilient.coord.store import EtcdControlStore, StoreUnavailableError
+from resilient.coord.store import StoreUnavailableError
 
 TOKEN = "t" * 64
 LAUNCH = "launch/l1/"

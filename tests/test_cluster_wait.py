@@ -34,9 +34,8 @@ from resilient.agent.incidents import Incident
 from resilient.agent.inproc import InProcess
 from resilient.agent.policy import Failure
 from resilient.agent.rendezvous import Assignment
-from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.coord.proof import SignedStore, sign
-from resilient.coord.store import EtcdControlStore
 from resilient.coord.watch import PrefixWatch
 from resilient.core.events import EventKind
 from resilient.core.supervised import ThreadReports

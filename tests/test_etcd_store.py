@@ -9,10 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.coord.store import (
     ControlStore,
-    EtcdControlStore,
     MemoryControlStore,
     StoreRequestError,
     run_prefix,
@@ -157,7 +156,7 @@ def test_concurrent_add_loses_no_update(control_store: ControlStore) -> None:
 _PROCESS_WRITER = """
 import sys
 from resilient.coord.etcd import EtcdClient, EtcdConfig
-from resilient.coord.store import EtcdControlStore
+from resilient.coord.etcd import EtcdControlStore
 from tests.test_etcd_store import increment
 store = EtcdControlStore.for_run(EtcdClient(EtcdConfig.from_url(sys.argv[1])), sys.argv[2])
 print("ready", flush=True)

@@ -179,7 +179,7 @@ def check_sums(ledger: Ledger, now: float) -> None:
     sum; a real accounting error (time counted twice, re-labelled from the
     wrong category, a window reading outside the run) is seconds, not ulps.
     """
-    raw = totals(ledger, now)
+    raw = totals(ledger, now, ledger.open_pieces(now))
     tol = 1e-9 * max(raw.wall_s, 1.0)
     assert abs(math.fsum(raw.seconds) - raw.wall_s) <= tol, (raw.seconds, raw.wall_s)
     assert min(raw.seconds) >= -tol, raw.seconds
@@ -273,7 +273,7 @@ def test_window_ratios_cover_only_the_last_window(run, config, skip):
     acct = ledger.account(idle_end)
     if idle_end - t >= config.window_s + _width(acct):
         event("idle window checked")
-        raw = totals(ledger, idle_end)
+        raw = totals(ledger, idle_end, ledger.open_pieces(idle_end))
         assert raw.goodput(window=True) == 0.0 and abs(raw.ettr(window=True)) <= 1e-9
         assert abs(acct.window.seconds["idle"] - config.window_s) <= 1e-9 * idle_end
     # Then a window and more of new 1 s steps against a 1 s ideal: the window is all productive.
@@ -287,7 +287,7 @@ def test_window_ratios_cover_only_the_last_window(run, config, skip):
     acct = good.account(idle_end + n - 1)
     if n - 1 >= config.window_s + _width(acct):
         event("productive window checked")
-        raw = totals(good, idle_end + n - 1)
+        raw = totals(good, idle_end + n - 1, good.open_pieces(idle_end + n - 1))
         assert abs(raw.goodput(window=True) - 1.0) <= 1e-9
         # One new step a second: the window holds window_s of them (its edges within a bucket and a step).
         assert abs(raw.window_new_steps - config.window_s) <= 1.0 + _width(acct), raw.window_new_steps

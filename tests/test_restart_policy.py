@@ -7,7 +7,6 @@ import json
 import signal
 
 import pytest
-
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -22,8 +21,7 @@ from resilient.agent.policy import (
     first_failure,
     same_way,
 )
-from resilient.coord.etcd import EtcdClient, EtcdConfig
-from resilient.coord.store import EtcdControlStore
+from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.core.errors import CheckpointMismatchError, ConfigError, NoValidCheckpointError, StorageError
 from resilient.core.exitcodes import (
     EXIT_CONFIG,

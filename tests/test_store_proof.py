@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.coord.launch import LaunchRecord, begin_launch, decide_launch, end_launch
 from resilient.coord.proof import SignedStore, sign, token_fingerprint, verify
-from resilient.coord.store import EtcdControlStore, MemoryControlStore
+from resilient.coord.store import MemoryControlStore
 from resilient.core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT
 
 from .agent_helpers import agent_env, events, explain, node_status, run_agent, start_agent, wait_for

@@ -74,8 +74,7 @@ class Coordination:
             from ..coord.store import MemoryControlStore
 
             return MemoryControlStore()
-        from ..coord.etcd import EtcdClient, EtcdConfig
-        from ..coord.store import EtcdControlStore
+        from ..coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 
         etcd = EtcdConfig.from_url(self._config.store_url, **self._config.etcd_options)  # type: ignore[arg-type]
         self._etcd_config = etcd

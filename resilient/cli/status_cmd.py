@@ -78,9 +78,8 @@ def live_status(saved: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]
 
 
 def collect_from_store(url: str, run_id: str) -> dict[str, Any]:
-    from ..coord.etcd import EtcdClient, EtcdConfig
+    from ..coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
     from ..coord.launch import LAUNCH_KEY, launch_prefix
-    from ..coord.store import EtcdControlStore
 
     store = EtcdControlStore(EtcdClient(EtcdConfig.from_url(url, outage_tolerance_s=5.0)), f"/resilient/{run_id}/")
     nodes = [json.loads(e.value) for e in sorted(store.get_prefix("status/"), key=lambda e: e.key)]

@@ -73,10 +73,9 @@ def signed_launch(args: argparse.Namespace, what: str) -> tuple[Any, dict[str, A
     """The run's store signed with its token (``--token-file``, or ``<--run-dir>/token``) and its current launch
     record, for ``--store URL --run-id ID``; ConfigError naming what is missing or wrong."""
     from ..agent.rundir import read_token
-    from ..coord.etcd import EtcdClient, EtcdConfig
+    from ..coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
     from ..coord.launch import LAUNCH_KEY
     from ..coord.proof import SignedStore
-    from ..coord.store import EtcdControlStore
 
     if not args.run_id:
         raise ConfigError(f"--store needs --run-id: the run to {what}")

@@ -1,8 +1,9 @@
 """The control plane: a revisioned key-value store (etcd v3 or in-memory) and torch rendezvous over etcd.
 
 * :mod:`.store`: the :class:`ControlStore` protocol, :class:`MemoryControlStore`
-  (embedded default), :class:`EtcdControlStore`, and the store errors;
-* :mod:`.etcd`: :class:`EtcdClient`, our standard-library etcd v3 client (key-value, leases);
+  (embedded default), and the store errors;
+* :mod:`.etcd`: :class:`EtcdClient`, our standard-library etcd v3 client (key-value, leases), and
+  :class:`EtcdControlStore`, the store protocol over it;
 * :mod:`.etcd_transport`: how its requests reach etcd (failover, outage retries, auth, TLS);
 * :mod:`.rendezvous`: torch elastic ``RendezvousBackend`` over etcd and
   :func:`create_etcd_rendezvous_handler`;
@@ -22,7 +23,7 @@ _EXPORTS = {
     "ControlStore": "resilient.coord.store",
     "ControlStoreError": "resilient.coord.store",
     "Entry": "resilient.coord.store",
-    "EtcdControlStore": "resilient.coord.store",
+    "EtcdControlStore": "resilient.coord.etcd",
     "MemoryControlStore": "resilient.coord.store",
     "StoreAuthError": "resilient.coord.store",
     "StoreRequestError": "resilient.coord.store",
@@ -54,14 +55,13 @@ __all__ = [
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
 
 if TYPE_CHECKING:
-    from .etcd import EtcdClient, EtcdConfig
+    from .etcd import EtcdClient, EtcdConfig, EtcdControlStore
     from .etcd_store import make_etcd_c10d_store
     from .rendezvous import create_etcd_rendezvous_handler, make_etcd_rendezvous_backend
     from .store import (
         ControlStore,
         ControlStoreError,
         Entry,
-        EtcdControlStore,
         MemoryControlStore,
         StoreAuthError,
         StoreRequestError,

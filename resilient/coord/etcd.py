@@ -5,7 +5,8 @@ fields equal to their zero value are omitted.  We use a handful of calls:
 range, put, txn, deleterange and lease grant/keepalive/timetolive/revoke.  How a call
 reaches etcd (failover, retries through an outage, auth, TLS) is
 :mod:`.etcd_transport`'s; :class:`EtcdConfig` and ``OutageCallback`` are
-re-exported here, where callers have always found them.
+re-exported here, where callers have always found them.  :class:`EtcdControlStore`
+is the :class:`~.store.ControlStore` protocol over this client.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import base64
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .etcd_transport import NOT_FOUND, EtcdConfig, EtcdTransport, OutageCallback
-from .store import Entry, StoreRequestError
+from .store import ControlStore, Entry, StoreRequestError, run_prefix
 from .txn import Compare, Delete, Put, Txn, TxnResult
 
 __all__ = ["Compacted", "EtcdClient", "EtcdConfig", "OutageCallback", "WatchBatch"]
@@ -220,3 +221,55 @@ class EtcdClient(EtcdTransport):
                 return False
             raise
         return True
+
+
+class EtcdControlStore(ControlStore):
+    """A :class:`ControlStore` over etcd v3, every key living under ``prefix``.
+
+    Keys given to and returned by this store are relative to the prefix.
+    Writes interrupted by a connection failure are retried by the client; a
+    write that reached etcd before the failure may then be applied twice for
+    ``put``, or a ``compare_and_swap`` that succeeded may report failure (the
+    token moved): callers that need exactly-once must re-read.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str) -> None:
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self._client = client
+        self._prefix = prefix
+
+    @classmethod
+    def for_run(cls, client: EtcdClient, run_id: str) -> EtcdControlStore:
+        """The store of run ``run_id``: keys under ``/resilient/<run_id>/``."""
+        return cls(client, run_prefix(run_id))
+
+    @property
+    def prefix(self) -> str:
+        """The etcd key prefix all keys of this store live under."""
+        return self._prefix
+
+    def _strip(self, entry: Entry | None) -> Entry | None:
+        return None if entry is None else replace(entry, key=entry.key[len(self._prefix) :])
+
+    def get(self, key: str) -> Entry | None:
+        return self._strip(self._client.get(self._prefix + key))
+
+    def get_prefix(self, prefix: str) -> list[Entry]:
+        return [e for e in map(self._strip, self._client.get_prefix(self._prefix + prefix)) if e is not None]
+
+    def put(self, key: str, value: bytes) -> int:
+        return self._client.put(self._prefix + key, value)
+
+    def put_if_absent(self, key: str, value: bytes) -> tuple[bool, Entry]:
+        ok, entry = self._client.put_if_absent(self._prefix + key, value)
+        stripped = self._strip(entry)
+        assert stripped is not None
+        return ok, stripped
+
+    def compare_and_swap(self, key: str, expected_mod_revision: int, value: bytes) -> tuple[bool, Entry | None]:
+        ok, entry = self._client.compare_and_swap(self._prefix + key, expected_mod_revision, value)
+        return ok, self._strip(entry)
+
+    def delete(self, key: str) -> bool:
+        return self._client.delete(self._prefix + key)

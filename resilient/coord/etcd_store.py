@@ -26,8 +26,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ResilientError
-from .etcd import EtcdClient
-from .store import ControlStore, EtcdControlStore
+from .etcd import EtcdClient, EtcdControlStore
+from .store import ControlStore
 
 if TYPE_CHECKING:
     from torch.distributed import Store

@@ -77,6 +77,7 @@ from .ledger_codec import (
     RECOVERY,
     REPLAY,
     SECTION_CATEGORY,
+    LedgerBooks,
     Phase,
     Piece,
     _Incident,
@@ -92,43 +93,11 @@ __all__ = ["Account", "IncidentCost", "Ledger", "LedgerConfig", "WindowAccount"]
 _TRAINING = (Phase.SPAWNING, Phase.RUNNING)
 
 
-class Ledger:
-    """A node's goodput account, fed by its agent (see the module docstring for the rules)."""
+class Ledger(LedgerBooks):
+    """A node's goodput account, fed by its agent (see the module docstring for the rules).
 
-    def __init__(self, config: LedgerConfig | None = None) -> None:
-        self.config = config = config if config is not None else LedgerConfig()
-        self.start_t: float | None = None
-        self.last_t = 0.0
-        self.clamped_events = 0
-        """Events that came with a time earlier than the previous event's (clamped to it)."""
-        self.phase = Phase.WAITING
-        self.hold = INIT  # the category while not RUNNING
-        self.generation = self.world_size = self.full_world_size = self.generations_seen = 0
-        self.ranks: dict[int, _Rank] = {}
-        self.lead: int | None = None
-        self.lead_step, self.lead_section, self.lead_work = 0, "init", 0.0
-        self.lead_stepped = False
-        self.lead_ideal: float | None = None
-        self.high_water = self.replay_mark = -1
-        self.seconds = [0.0] * N_CATEGORIES
-        self.attempted_steps = self.replayed_steps = self.attempted_tokens = self.replayed_tokens = 0
-        self.committed_step: int | None = None
-        self.committed_tokens = self.committed_samples = 0
-        self.last_commit_t: float | None = None
-        self.last_progress_t: float | None = None
-        self.saves_deferred = self.deferred_steps = 0
-        self.resumes_diverged = 0
-        self.diverged_from_step: int | None = None
-        self.tokens_at: dict[int, dict[int, tuple[int, int]]] = {}
-        self.reservoir: deque[float] = deque(maxlen=config.reservoir)
-        self.measured: float | None = None
-        self.ideal_frozen = 0
-        """1 while a slowdown is in progress: the measured ideal stays the pre-slowdown one (see :meth:`freeze_ideal`)."""
-        self.histograms: dict[int, list[Any]] = {}  # rank -> [counts, sum, count]
-        self.incidents: list[_Incident] = []
-        self.segments: deque[list[Any]] = deque(maxlen=config.max_relabel_segments)  # [t0, t1, cat]
-        self.floor = 0.0  # failure detection never re-labels time before this
-        self.timeline = Timeline(0.0, config.timeline_bucket_s, config.timeline_max_buckets)
+    Its fields are :class:`~.ledger_codec.LedgerBooks`'; the methods here are the events that write them.
+    """
 
     # ------------------------------------------------------------------ events
     def agent_started(self, t: float) -> None:
@@ -283,7 +252,13 @@ class Ledger:
     # ------------------------------------------------------------------ reading
     def account(self, now: float) -> Account:
         """The account as of ``now`` (>= the last event; earlier is read as the last event). Pure."""
-        return build_account(self, now)
+        return build_account(self, now, self.open_pieces(now), self.ideal())
+
+    def open_pieces(self, now: float) -> list[Piece]:
+        """The interval since the last event up to ``now``, attributed as the next event would. Pure."""
+        if now <= self.last_t or self.start_t is None:
+            return []
+        return self.pieces(self.last_t, now)[0]
 
     def ideal(self) -> tuple[float | None, str | None]:
         """The ideal step time now and where it comes from ("user", "measured" or None)."""

@@ -1,7 +1,7 @@
 """Building the :class:`~resilient.metrics.ledger_state.Account` from a ledger's state, without changing it.
 
 The open interval since the last event is attributed as the ledger would
-attribute it (:meth:`Ledger.pieces`) on copies: the totals, the tail of the
+attribute it (the caller's :meth:`Ledger.open_pieces`) on copies: the totals, the tail of the
 timeline and the open incident.  Closed timeline buckets are reused from
 the timeline's cache, so an account costs little more than the window sum.
 :func:`totals` is the raw arithmetic (sums and the window, nothing
@@ -11,16 +11,10 @@ clamped); :func:`build_account` turns it into the frozen ``Account``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from .catalogue import CATEGORIES
-from .ledger_codec import LOST_TO_ETTR, PRODUCTIVE, REPLAY
+from .ledger_codec import LOST_TO_ETTR, PRODUCTIVE, REPLAY, LedgerBooks, Piece
 from .ledger_state import Account, IncidentCost, WindowAccount
 from .timeline import Timeline
-
-if TYPE_CHECKING:
-    from .ledger import Ledger
-
 
 @dataclass(frozen=True)
 class Totals:
@@ -53,9 +47,11 @@ class Totals:
         return (wall - sum(seconds[c] for c in LOST_TO_ETTR)) / wall if wall > 0 else 0.0
 
 
-def totals(ledger: Ledger, now: float, timeline: Timeline | None = None) -> Totals:
+def totals(ledger: LedgerBooks, now: float, pieces: list[Piece], timeline: Timeline | None = None) -> Totals:
     """The raw sums as of ``now`` (>= the last event; earlier is read as the last event). Pure.
 
+    ``pieces``: the open interval since the last event, attributed
+    (:meth:`Ledger.open_pieces <resilient.metrics.ledger.Ledger.open_pieces>`).
     ``timeline``: a :meth:`Timeline.clone_tail` of the ledger's timeline to
     add the open interval to (the caller keeps it); by default a private one.
     """
@@ -63,7 +59,6 @@ def totals(ledger: Ledger, now: float, timeline: Timeline | None = None) -> Tota
     now = float(max(now, ledger.last_t))
     if start is None:
         start = now  # nothing happened yet
-    pieces = ledger.pieces(ledger.last_t, now)[0] if now > ledger.last_t and ledger.start_t is not None else []
     seconds = list(ledger.seconds)
     timeline = timeline if timeline is not None else ledger.timeline.clone_tail()
     pending_replay = 0.0
@@ -86,10 +81,12 @@ def _unit(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
-def build_account(ledger: Ledger, now: float) -> Account:
+def build_account(ledger: LedgerBooks, now: float, pieces: list[Piece],
+                  ideal: tuple[float | None, str | None]) -> Account:
+    """The frozen account as of ``now``: :func:`totals` with ``pieces``, clamped, and ``ideal`` (step time, source)."""
     config = ledger.config
     timeline = ledger.timeline.clone_tail()
-    raw = totals(ledger, now, timeline)
+    raw = totals(ledger, now, pieces, timeline)
     now, pending_replay = raw.now, raw.pending_replay_s
 
     incidents = []
@@ -104,7 +101,7 @@ def build_account(ledger: Ledger, now: float) -> Account:
             total_s=detection_s + recovery_s + replay_s, started_t=inc.started_t, detected_t=inc.detected_t,
             open=inc.state != "closed"))
 
-    ideal, source = ledger.ideal()
+    ideal_s, source = ideal
     return Account(
         now=now,
         wall_s=raw.wall_s,
@@ -115,7 +112,7 @@ def build_account(ledger: Ledger, now: float) -> Account:
                              seconds={c: max(0.0, s) for c, s in zip(CATEGORIES, raw.window_seconds)},
                              goodput_ratio=_unit(raw.goodput(window=True)), ettr=_unit(raw.ettr(window=True)),
                              new_steps=raw.window_new_steps),
-        ideal_step_s=ideal,
+        ideal_step_s=ideal_s,
         ideal_source=source,
         committed_step=ledger.committed_step,
         committed_tokens=ledger.committed_tokens,

@@ -1,4 +1,4 @@
-"""The ledger's internal records and their plain-JSON form (``Ledger.to_dict`` / ``Ledger.from_dict``).
+"""The ledger's fields and records (:class:`LedgerBooks`) and their plain-JSON form (``Ledger.to_dict`` / ``from_dict``).
 
 Every field that influences a later account is saved, floats as Python
 floats (JSON keeps them bit for bit), so a restored ledger fed the same
@@ -11,15 +11,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, fields
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from ..core.errors import ResilientError
 from .catalogue import CATEGORIES
 from .ledger_state import LedgerConfig
-from .timeline import Timeline
-
-if TYPE_CHECKING:
-    from .ledger import Ledger
+from .timeline import N_CATEGORIES, Timeline
 
 FORMAT = 1
 """Version of the saved form; bump on an incompatible change."""
@@ -33,6 +30,8 @@ SECTION_CATEGORY = {"data": DATA, "checkpoint": CHECKPOINT, "init": RECOVERY, "r
 """Sections that are not step work, and their category once the generation has stepped."""
 Piece = tuple[float, float, int]
 """An attributed interval: (t0, t1, category index)."""
+
+Books = TypeVar("Books", bound="LedgerBooks")
 
 
 class LedgerStateError(ResilientError, ValueError):
@@ -82,6 +81,50 @@ class _Incident:
                 self.state]
 
 
+class LedgerBooks:
+    """The ledger's fields: what its events write, what an account reads and what its JSON form carries.
+
+    :class:`~.ledger.Ledger` adds the events; the account (``ledger_account``) and the JSON form (below) read
+    these fields and nothing else, so neither needs the ledger's behaviour.
+    """
+
+    def __init__(self, config: LedgerConfig | None = None) -> None:
+        self.config = config = config if config is not None else LedgerConfig()
+        self.start_t: float | None = None
+        self.last_t = 0.0
+        self.clamped_events = 0
+        """Events that came with a time earlier than the previous event's (clamped to it)."""
+        self.phase = Phase.WAITING
+        self.hold = INIT  # the category while not RUNNING
+        self.generation = self.world_size = self.full_world_size = self.generations_seen = 0
+        self.ranks: dict[int, _Rank] = {}
+        self.lead: int | None = None
+        self.lead_step, self.lead_section, self.lead_work = 0, "init", 0.0
+        self.lead_stepped = False
+        self.lead_ideal: float | None = None
+        self.high_water = self.replay_mark = -1
+        self.seconds = [0.0] * N_CATEGORIES
+        self.attempted_steps = self.replayed_steps = self.attempted_tokens = self.replayed_tokens = 0
+        self.committed_step: int | None = None
+        self.committed_tokens = self.committed_samples = 0
+        self.last_commit_t: float | None = None
+        self.last_progress_t: float | None = None
+        self.saves_deferred = self.deferred_steps = 0
+        self.resumes_diverged = 0
+        self.diverged_from_step: int | None = None
+        self.tokens_at: dict[int, dict[int, tuple[int, int]]] = {}
+        self.reservoir: deque[float] = deque(maxlen=config.reservoir)
+        self.measured: float | None = None
+        self.ideal_frozen = 0
+        """1 while a slowdown is in progress: the measured ideal stays the pre-slowdown one
+        (see :meth:`~.ledger.Ledger.freeze_ideal`)."""
+        self.histograms: dict[int, list[Any]] = {}  # rank -> [counts, sum, count]
+        self.incidents: list[_Incident] = []
+        self.segments: deque[list[Any]] = deque(maxlen=config.max_relabel_segments)  # [t0, t1, cat]
+        self.floor = 0.0  # failure detection never re-labels time before this
+        self.timeline = Timeline(0.0, config.timeline_bucket_s, config.timeline_max_buckets)
+
+
 _SCALARS = ("start_t", "last_t", "clamped_events", "hold", "generation", "world_size", "full_world_size",
             "generations_seen", "lead", "lead_step", "lead_section", "lead_work", "lead_stepped", "lead_ideal",
             "high_water", "replay_mark", "attempted_steps", "replayed_steps", "attempted_tokens",
@@ -92,7 +135,7 @@ _ADDED = {"saves_deferred": 0, "deferred_steps": 0, "ideal_frozen": 0, "resumes_
 """Scalars added since format 1 was first written, with the value a ledger saved before them had."""
 
 
-def ledger_to_dict(ledger: Ledger) -> dict[str, Any]:
+def ledger_to_dict(ledger: LedgerBooks) -> dict[str, Any]:
     d: dict[str, Any] = {"format": FORMAT, "config": asdict(ledger.config)}
     d.update({name: getattr(ledger, name) for name in (*_SCALARS, *_ADDED)})
     d["phase"] = ledger.phase.value
@@ -107,7 +150,7 @@ def ledger_to_dict(ledger: Ledger) -> dict[str, Any]:
     return d
 
 
-def ledger_from_dict(cls: type[Ledger], d: dict[str, Any], config: LedgerConfig | None) -> Ledger:
+def ledger_from_dict(cls: type[Books], d: dict[str, Any], config: LedgerConfig | None) -> Books:
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         got = d.get("format") if isinstance(d, dict) else type(d).__name__
         raise LedgerStateError(f"saved ledger has format {got!r}, this version reads format {FORMAT}; "
