@@ -111,8 +111,8 @@ def main() -> int:
     torch.save({"model": inner.state_dict(), "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict()}, f"{args.trace}.{args.name}.final.pt")
     # Every reference to the groups first (the DDP wrapper, the checkpoint coordinator's sub-groups), then the
-    # groups (docs/architecture.md, "In-process recovery": a group destroyed by DDP's reducer, or alive at
-    # interpreter exit, can hang or abort the process).
+    # groups (docs/design/in-process-worker.md, "What gloo does when a peer dies": a group destroyed by DDP's
+    # reducer, or alive at interpreter exit, can hang or abort the process).
     del run
     gc.collect()
     if torch.distributed.is_initialized():

@@ -174,7 +174,7 @@ def main() -> int:
     trace.write(event="end", completed=completed, generation=generation)
     # The DDP wrapper goes first: if its reducer held the group's last reference, the group would be
     # destroyed inside the reducer's destructor, which deadlocked at exit in 2 of 8 two-rank runs here
-    # (docs/architecture.md, "In-process recovery").
+    # (docs/design/in-process-worker.md, "What gloo does when a peer dies").
     ddp = loss = coordinator = reformed = None
     abandon()
     return 0

@@ -269,8 +269,9 @@ def main() -> int:
     trace.close()
     if world > 1:
         # The DDP wrapper goes first: a gloo group whose last reference is in DDP's reducer is destroyed in the
-        # reducer's destructor, which can deadlock or abort the process at exit (docs/architecture.md). The
-        # wrapper (and a sharded model's groups) sit in reference cycles: collect them now, not at exit.
+        # reducer's destructor, which can deadlock or abort the process at exit
+        # (docs/design/in-process-worker.md). The wrapper (and a sharded model's groups) sit in reference
+        # cycles: collect them now, not at exit.
         model = run = None
         gc.collect()
         dist.destroy_process_group()

@@ -44,7 +44,7 @@ class CheckpointConfig:
     computed from their measured cost (Young/Daly, :mod:`.cadence`), ``every_steps`` the longest.  None: every
     ``every_steps`` steps, unless the agent gives a rate (``resilient run --mtbf``)."""
     elastic: bool = False
-    """Allow restoring a checkpoint written by a different number of ranks (see docs/architecture.md)."""
+    """Allow restoring a checkpoint written by a different number of ranks (see docs/design/limits.md)."""
 
     def __post_init__(self) -> None:
         if not os.fspath(self.dir):

@@ -10,8 +10,8 @@ worker:
 1. leaves the failed collective (gloo raises when a peer's connection
    closes) and calls :func:`abandon` at once: destroying its groups closes
    its own connections, which is what makes every *other* survivor's
-   collective fail promptly too (see ``docs/architecture.md``, "In-process
-   recovery", for what gloo does on this machine);
+   collective fail promptly too (see ``docs/design/in-process-worker.md``,
+   "What gloo does when a peer dies", for what gloo does on this machine);
 2. waits for its assignment (:func:`wait_for_assignment`);
 3. forms the new group (:func:`reform`) under a key prefix of its own
    generation, so no key of an earlier round is ever read, and re-creates
@@ -347,7 +347,7 @@ def abandon() -> float:
     and the exception's traceback (call this after leaving the ``except``
     block).  A reference kept elsewhere leaves peers waiting until their
     collective timeout, and a group destroyed later by DDP's reducer can
-    deadlock in torch 2.13 (see ``docs/architecture.md``).  Idempotent.
+    deadlock in torch 2.13 (see ``docs/design/in-process-worker.md``).  Idempotent.
     """
     import torch.distributed as dist
 

@@ -406,7 +406,7 @@ class Run:
             st.memory.close()
         if st.data is not None:
             st.data.close()  # stop its worker processes now, not whenever the loader is collected
-        if st.ddp_options is not None:  # the wrapper Run made must not outlive the group (docs/architecture.md)
+        if st.ddp_options is not None:  # its wrapper must not outlive the group (docs/design/in-process-worker.md)
             st.model = unwrap(st.model)
             if st.hooks is not None:
                 # A collection holds the GIL throughout (seconds on a CPU-starved rank): the heartbeats queued

@@ -276,7 +276,8 @@ class InProcessRecovery:
             mesh_rebind.reset_iteration(self.layout)
             mesh_rebind.release(self.layout)
         wrapper = state.model
-        state.model = unwrap(wrapper)  # DDP first: a group destroyed by its reducer can deadlock (architecture.md)
+        state.model = unwrap(wrapper)  # DDP first: its reducer destroying the group can deadlock (see
+        # docs/design/in-process-worker.md)
         held = weakref.ref(wrapper) if wrapper is not state.model else None
         del wrapper
         seen: set[int] = set()

@@ -57,9 +57,9 @@ for an assignment), ``waiting`` (a survivor left the failed group and
 waits for its next generation), ``rejoined`` (it is in a re-formed group with the
 state synced, about to retry the step) or ``gave_up`` (it cannot recover
 in process and is about to exit).  The other fields depend on the event;
-see ``docs/architecture.md``.  A spare sends nothing else until it is
-promoted; after a re-formation ``g`` and ``rank`` are the new
-generation's.
+see ``docs/design/in-process-worker.md`` and ``in-process-agent.md``.  A
+spare sends nothing else until it is promoted; after a re-formation ``g``
+and ``rank`` are the new generation's.
 
 ``timing`` (also alone, also without a version change) carries
 ``timing``: one window of the rank's step time by section, ``{"w": window
