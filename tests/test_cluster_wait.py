@@ -28,7 +28,6 @@ from typing import Any
 
 from resilient.agent.cluster import ClusterStore
 from resilient.agent.cluster_flow import report_lost, start, tick
-from resilient.agent.cluster_watch import attach, detach
 from resilient.agent.config import AgentConfig
 from resilient.agent.incidents import Incident
 from resilient.agent.inproc import InProcess
@@ -87,7 +86,7 @@ class _Node:
         store = ClusterStore(SignedStore(EtcdControlStore.for_run(client, run_id), TOKEN), client, root, LAUNCH,
                              node, TOKEN, watch=self.launch_watch)
         threads = ThreadReports(lambda *crash: self.crashes.append(crash))
-        attach(self.inp, SimpleNamespace(cluster_store=lambda: store, threads=threads), self.emit)
+        self.inp.follow_launch(store, threads)
         # Every node keeps a spare.  This one is still warming; an earlier one was ready 0.5 s after its start, so
         # the ladder expects this one within half a second: the repair a hold waits for.
         spare = self._measured_spare()
@@ -150,7 +149,7 @@ class _Node:
         self._done.set()
         self.group.changed.set()
         self._thread.join(timeout=30)
-        detach(self.inp)
+        self.inp.leave_launch()
         self.launch_watch.close()
         self.inp.close()
 

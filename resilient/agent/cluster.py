@@ -67,7 +67,6 @@ from ..coord.txn import Compare, Put
 from ..coord.watch import PrefixWatch
 
 if TYPE_CHECKING:
-    from .cluster_watch import ClusterWatch
     from .incidents import Incident
     from .policy import Failure
 
@@ -441,39 +440,3 @@ class Involvement:
     last_progress_at: float = 0.0
     wait_since: float | None = None
     """When the ladder first said wait for repair (it is asked again every tick until it acts)."""
-
-
-@dataclass
-class ClusterState:
-    """What this agent keeps about the launch's recovery across machines (on :attr:`InProcess.cluster`)."""
-
-    store: ClusterStore
-    watch: ClusterWatch | None = None
-    """Its keys as the agent's watch holds them (:mod:`resilient.agent.cluster_watch`)."""
-    following: int = 0
-    """The generation this node follows (members or not)."""
-    world_size: int = 0
-    full_size: int = 0
-    involved: dict[int, Involvement] = field(default_factory=dict)
-    relayed: set[tuple[int, str]] = field(default_factory=set)
-    opted_in_published: int = -1
-    orphaned_since: float | None = None
-    nodes_read: tuple[int, float, GenerationView] | None = None
-    """The generation's nodes as last read from the store (generation, when, the view read): their keys are
-    outside the watch (:meth:`ClusterStore.reports`)."""
-    places_claimed: int = -1
-    """A spare node: the newest generation whose lost nodes' places in the restart were all claimed (by other
-    spare nodes): not asked again."""
-
-    def with_nodes(self, view: GenerationView, now: float, every_s: float) -> GenerationView:
-        """``view`` with its nodes' members, read from the store at most every ``every_s``; once every rank is
-        there and every node opted in they no longer change, and are kept for the generation."""
-        read = self.nodes_read
-        if read is not None and read[0] == view.generation:
-            kept = read[2]
-            settled = kept.complete() and all(n.get("opted_in") for n in kept.nodes.values())
-            if settled or now - read[1] < every_s:
-                return replace(view, nodes=kept.nodes)
-        fresh = self.store.reports(view)
-        self.nodes_read = (view.generation, now, fresh)
-        return replace(view, nodes=fresh.nodes)

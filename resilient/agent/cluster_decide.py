@@ -39,7 +39,7 @@ from .outcome import settle_s
 from .policy import Failure
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
     from .rendezvous import Assignment
 
 

@@ -41,16 +41,16 @@ from ..core.events import EventKind, OutcomeKind
 from ..elastic.grow import GrowAction, decide_grow
 from ..elastic.observe import FaultKind, Spare
 from ..elastic.reform import Member, grow_key, plan_assignments
-from .cluster import ClusterState, Involvement, collectors
+from .cluster import Involvement, collectors
 from .cluster_decide import decide, membership_of
-from .cluster_watch import Snapshot
+from .cluster_watch import ClusterState, Snapshot
 from .continuation import continue_as, grow_boundary, joiners_waiting
 from .outcome import Hold, Outcome, settle_s
 from .policy import Failure
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
     from .incidents import Incident
     from .launcher import WorkerGroup
 

@@ -1,25 +1,21 @@
 """Across machines, how an agent follows the launch's recovery keys (:mod:`resilient.agent.cluster`).
 
 :class:`ClusterWatch` reads them from the agent's etcd watch, not by polling, and
-gives the watch loop a :class:`Snapshot`; :func:`attach` and :func:`detach`
-start and stop following a launch.
+gives the watch loop a :class:`Snapshot`; :class:`ClusterState` is what an
+agent keeps while it follows a launch (:meth:`InProcess.follow_launch
+<resilient.agent.inproc.InProcess.follow_launch>` starts and stops it).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ..coord.store import ControlStoreError, Entry
-from ..core.events import Emit, EventKind
 from ..core.supervised import ThreadReports
-from .cluster import ClusterState, ClusterStore, GenerationView, PoolEntry
-
-if TYPE_CHECKING:
-    from .coordination import Coordination
-    from .inproc import InProcess
+from .cluster import ClusterStore, GenerationView, Involvement, PoolEntry
 
 
 @dataclass(frozen=True)
@@ -118,27 +114,43 @@ class ClusterWatch:
         self._thread.join(timeout=10)
 
 
-def attach(inp: InProcess, coordination: Coordination, emit: Emit) -> None:
-    """Follow the joined launch's recovery keys (again after another launch was joined)."""
-    store = coordination.cluster_store()
-    if inp.cluster is not None and inp.cluster.store.prefix == store.prefix:
-        return
-    detach(inp)
-    state = inp.cluster = ClusterState(store=store)
+@dataclass
+class ClusterState:
+    """What this agent keeps about the launch's recovery across machines (on :attr:`InProcess.cluster`)."""
 
-    def wake() -> None:
-        if inp.changed is not None:
-            inp.changed.set()
+    store: ClusterStore
+    watch: ClusterWatch | None = None
+    """Its keys as the agent's watch holds them (:mod:`resilient.agent.cluster_watch`)."""
+    following: int = 0
+    """The generation this node follows (members or not)."""
+    world_size: int = 0
+    full_size: int = 0
+    involved: dict[int, Involvement] = field(default_factory=dict)
+    relayed: set[tuple[int, str]] = field(default_factory=set)
+    opted_in_published: int = -1
+    orphaned_since: float | None = None
+    nodes_read: tuple[int, float, GenerationView] | None = None
+    """The generation's nodes as last read from the store (generation, when, the view read): their keys are
+    outside the watch (:meth:`ClusterStore.reports`)."""
+    places_claimed: int = -1
+    """A spare node: the newest generation whose lost nodes' places in the restart were all claimed (by other
+    spare nodes): not asked again."""
 
-    def unreachable(error: str) -> None:
-        emit(EventKind.STORE_UNREACHABLE, error=error)
+    def close(self) -> None:
+        """Stop following the launch: its watch and its store."""
+        if self.watch is not None:
+            self.watch.close()
+        self.store.close()
 
-    state.watch = ClusterWatch(store, lambda: state.following, wake, unreachable, threads=coordination.threads)
-
-
-def detach(inp: InProcess) -> None:
-    state, inp.cluster = inp.cluster, None
-    if state is not None:
-        if state.watch is not None:
-            state.watch.close()
-        state.store.close()
+    def with_nodes(self, view: GenerationView, now: float, every_s: float) -> GenerationView:
+        """``view`` with its nodes' members, read from the store at most every ``every_s``; once every rank is
+        there and every node opted in they no longer change, and are kept for the generation."""
+        read = self.nodes_read
+        if read is not None and read[0] == view.generation:
+            kept = read[2]
+            settled = kept.complete() and all(n.get("opted_in") for n in kept.nodes.values())
+            if settled or now - read[1] < every_s:
+                return replace(view, nodes=kept.nodes)
+        fresh = self.store.reports(view)
+        self.nodes_read = (view.generation, now, fresh)
+        return replace(view, nodes=fresh.nodes)

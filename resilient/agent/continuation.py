@@ -46,7 +46,7 @@ from .rendezvous import Assignment
 from .worker_env import base_env, worker_env
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
     from .incidents import Incident
 
 

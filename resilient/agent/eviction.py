@@ -36,7 +36,7 @@ from .recover import continue_after
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
 
 
 def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, flag: dict[str, Any],

@@ -37,7 +37,7 @@ from .rendezvous import Assignment
 from .worker_env import STACK_SIGNAL
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
 
 
 

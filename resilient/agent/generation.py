@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from ..coord.store import ControlStoreError
-from ..core.events import Emit, EventKind, OutcomeKind
+from ..core.events import EventKind, OutcomeKind
 from ..core.fsutil import write_json_atomic
-from ..core.supervised import ThreadReports
 from ..watchdog.sections import SectionTimeouts, for_storage
 from . import machine
+from .context import GenerationContext
 from .continuation import start_spares
 from .eviction import weigh_straggler
 from .failures import (
@@ -32,86 +31,23 @@ from .failures import (
     recovery_failed,
     stop_on_failure,
 )
-from .forking import Spawner
 from .health import probe
 from .incidents import (
-    Incident,
-    format_incident,
-    publish_incident,
     unhealthy_incident,
 )
 from .launcher import WorkerGroup, WorkerSpec
 from .outcome import Outcome
-from .policy import Failure
 from .recover import continue_after, follow
 from .rendezvous import Assignment
-from .restores import RestoreSummary, summarise_restores
+from .restores import summarise_restores
 from .rundir import RunDir
-from .sweep import Stuck
 from .worker_env import STOP_SIGNAL, base_env, worker_env
 
 if TYPE_CHECKING:
-    from ..coord.proof import SignedStore
     from ..coord.quarantine import Standing
-    from ..elastic.observe import RestartOutlook
-    from .accounting import NodeAccounting
     from .config import AgentConfig
     from .inproc import InProcess
-    from .shared import SharedFacts
-    from .slowness import SlownessWatch
-    from .status import StatusPublisher
-    from .tracker import RankTracker
 
-
-
-@dataclass(frozen=True)
-class GenerationContext:
-    """The pieces of the agent a generation uses, and nothing else."""
-
-    config: AgentConfig
-    run_dir: RunDir
-    launch_id: str
-    clock: Callable[[], float]
-    echo_to: IO[str]
-    tracker: RankTracker
-    accounting: NodeAccounting
-    status: StatusPublisher
-    shared: SharedFacts
-    """The launch's verdict, stop and stop request in the store."""
-    emit: Emit
-    waiting: Callable[[], int]
-    """Nodes waiting to join the run (reads the store: called from PeerWatch's thread only)."""
-    stop_requested: Callable[[], str | None]
-    """Why this agent was asked to stop gracefully (SIGTERM, the control socket), or None."""
-    interrupted: Callable[[], bool]
-    """SIGINT: stop now, without a checkpoint."""
-    workers_started: Callable[[int, dict[int, int]], None]
-    """Record a generation's worker pids (for a later agent's sweep)."""
-    workers_stopped: Callable[[int, tuple[Stuck, ...]], None]
-    """Report workers of a generation that SIGKILL did not end."""
-    restored: Callable[[RestoreSummary], None]
-    """Report what this node's ranks of a generation restored (once per generation)."""
-    inproc: InProcess | None = None
-    """In-process recovery on offer (None: every failure ends the generation)."""
-    restart_outlook: Callable[[Failure], RestartOutlook] | None = None
-    """What the restart policy would say about ``failure`` now (the ladder's lower rungs)."""
-    next_generation: Callable[[], int] | None = None
-    """Take the run's next generation number (an in-process recovery starts one without a rendezvous)."""
-    record_incident: Callable[[Incident], None] | None = None
-    """Record an incident now (in-process recovery: the generation goes on, the supervisor never sees it)."""
-    recovered: Callable[[str, dict[str, Any]], None] | None = None
-    """An in-process recovery completed: append its record to the incident that started it."""
-    slowness: SlownessWatch | None = None
-    """Straggler and slowdown detection over the ranks' timing windows."""
-    quarantined: Callable[[], Standing | None] | None = None
-    """Across machines: this node's quarantine record, from the quarantine gate's watch of it (the peer watch asks
-    every second; a request only while the watch is not following etcd)."""
-    spawner: Spawner | None = None
-    """Starts the workers (forked from the agent's fork server when it can); None: the plain way."""
-    settle_heartbeats: Callable[[], None] | None = None
-    """Hand every heartbeat already queued to the tracker (called when workers exited non-zero)."""
-    threads: ThreadReports = field(default_factory=ThreadReports)
-    """Where the generation's supervised threads (the peer watch) report an unexpected error."""
 
 
 class PeerWatch:
@@ -440,10 +376,3 @@ def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared
             pass
     ctx.emit(EventKind.STOP_REQUESTED, stop_at_step=stop_at, reason=reason, grace_s=ctx.config.preempt_grace_s)
     return stop_at
-
-
-def record_incident(incident: Incident, run_dir: RunDir, store: SignedStore, emit: Emit) -> None:
-    """Write the incident file, its event, and its run-wide copy in the store; print it with its consequences."""
-    path = publish_incident(incident, run_dir, store, emit)
-    emit(EventKind.INCIDENT, path=str(path), **incident.event_fields())
-    print(format_incident(incident, path), file=sys.stderr, flush=True)

@@ -14,10 +14,16 @@ from typing import Any
 
 from ..coord.proof import SignedStore
 from ..core.events import Emit, EventKind
-from . import generation as gen_mod
-from .incidents import Incident, publish_incident
+from .incidents import Incident, format_incident, publish_incident
 from .restores import RestoreSummary
 from .rundir import RunDir
+
+
+def record_incident(incident: Incident, run_dir: RunDir, store: SignedStore, emit: Emit) -> None:
+    """Write the incident file, its event, and its run-wide copy in the store; print it with its consequences."""
+    path = publish_incident(incident, run_dir, store, emit)
+    emit(EventKind.INCIDENT, path=str(path), **incident.event_fields())
+    print(format_incident(incident, path), file=sys.stderr, flush=True)
 
 
 class IncidentBook:
@@ -37,7 +43,7 @@ class IncidentBook:
 
     def record(self, incident: Incident) -> None:
         """Its file, event and store copy, and its count in the metrics."""
-        gen_mod.record_incident(incident, self._run_dir, self._store, self._emit)
+        record_incident(incident, self._run_dir, self._store, self._emit)
         self._counted(incident.kind)
 
     def record_open(self, incident: Incident) -> None:

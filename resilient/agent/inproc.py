@@ -31,18 +31,20 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.events import Emit, EventKind
+from ..core.supervised import ThreadReports
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.costs import RecoveryCosts
 from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
 from ..elastic.reform import Member, abort_key, plan_assignments, publish_assignments
+from .cluster_watch import ClusterState, ClusterWatch
 from .inproc_state import Recovering, Reports, SpareState, clean_position
 from .launcher import why_not_renice
 
 if TYPE_CHECKING:
     from ..elastic.reform import Assignment
     from ..worker.protocol import Heartbeat
-    from .cluster_flow import ClusterState
+    from .cluster import ClusterStore
     from .config import AgentConfig
     from .launcher import WorkerGroup
 
@@ -494,6 +496,30 @@ class InProcess:
         return {"decision": self.last_decision, "completed": self.last_completed, "spares": self.ready_spares(),
                 "declined": self.declined,
                 "restart_cost": {"seconds": round(restart[0], 3), "from": restart[1]} if restart is not None else None}
+
+    # ----------------------------------------------------------- across machines
+    def follow_launch(self, store: ClusterStore, threads: ThreadReports) -> None:
+        """Follow the joined launch's recovery keys in the store (again after another launch was joined): a
+        change wakes the watch loop (:attr:`changed`)."""
+        if self.cluster is not None and self.cluster.store.prefix == store.prefix:
+            return
+        self.leave_launch()
+        state = self.cluster = ClusterState(store=store)
+
+        def wake() -> None:
+            if self.changed is not None:
+                self.changed.set()
+
+        def unreachable(error: str) -> None:
+            self._emit(EventKind.STORE_UNREACHABLE, error=error)
+
+        state.watch = ClusterWatch(store, lambda: state.following, wake, unreachable, threads=threads)
+
+    def leave_launch(self) -> None:
+        """Stop following the launch's recovery keys (at the agent's end)."""
+        state, self.cluster = self.cluster, None
+        if state is not None:
+            state.close()
 
     def close(self) -> None:
         self._store = None  # type: ignore[assignment]  # the server thread ends with the object

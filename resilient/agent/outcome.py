@@ -12,7 +12,7 @@ from .incidents import Incident
 from .policy import Failure
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from .policy import Failure
 from .rendezvous import Assignment
 
 if TYPE_CHECKING:
-    from .generation import GenerationContext
+    from .context import GenerationContext
     from .incidents import Incident
 
 

@@ -52,7 +52,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import ConfigError
 from ..core.events import Emit, EventKind
@@ -62,12 +62,9 @@ from ..watchdog.slowdown import SlowdownChange, SlowdownConfig, SlowdownDetector
 from ..watchdog.straggler import StragglerChange, StragglerConfig, StragglerDetector
 from ..watchdog.timing import RankWindow, parse_window
 from .heartbeat import Heartbeat
-from .incidents import Incident, publish_incident
+from .incidents import Incident
 from .telemetry import HostSample, compare_samples, sample_host
 from .windows import WindowTable
-
-if TYPE_CHECKING:
-    from .supervisor import Agent
 
 HOST_SAMPLES = 64
 HOST_EVERY_S = 1.0
@@ -475,20 +472,3 @@ def ledger_cost(before: Mapping[str, float], after: Mapping[str, float],
     category = LEDGER_CATEGORY.get((attribution or {}).get("section") or "", "slowdown_excess")
     return {"ledger_s": {k: v for k, v in during.items() if v > 0}, "ledger_category": category,
             "ledger_cost_s": during.get(category, 0.0)}
-
-
-def watch_for(agent: Agent) -> SlownessWatch:
-    """The watch of a node agent: its config, its incidents, its ledger's seconds and ideal, and (across machines)
-    the quarantine of its node when a straggler flag persists."""
-    c, gate = agent.config, agent.gate
-
-    def publish(incident: Incident) -> None:
-        publish_incident(incident, agent.run_dir, agent.coordination.signed, agent.emit)
-
-    return SlownessWatch(
-        c.node_id, agent.emit, straggler=c.straggler, slowdown=c.slowdown, record=agent.record_incident,
-        publish=publish, ledger_seconds=lambda: agent.accounting.account().seconds,
-        freeze_ideal=lambda frozen: agent.accounting.apply("freeze_ideal", frozen),
-        persistent=None if gate is None else lambda flag: gate.persistent_straggler(
-            flag, can_leave=agent.num_nodes > c.min_nodes),
-        persist_windows=c.quarantine.straggler_windows, evict_windows=c.evict.after_windows if c.evict.enabled else 0)

@@ -14,9 +14,10 @@ collaborator per concern:
   processes across generations (the sweep, workers SIGKILL did not end);
 * :class:`~resilient.agent.reporting.NodeReporting`: ``status.json`` and ``/metrics``.
 
-This module owns only the order of things: what the agent does at start,
-how it turns a generation's :class:`~resilient.agent.generation.Outcome`
-into the next move, and how it ends.
+The order of things (what the agent does at start, how a generation's
+:class:`~resilient.agent.outcome.Outcome` turns into the next move, how it
+ends) is :mod:`~resilient.agent.lifecycle`'s, a pure state machine; this
+module carries out its commands.
 """
 
 from __future__ import annotations
@@ -31,24 +32,24 @@ from typing import IO, Any
 
 from ..coord.store import ControlStoreError
 from ..core.events import EventKind, EventLog, OutcomeKind
-from ..core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY
+from ..core.exitcodes import AgentVerdict
 from ..elastic.observe import RestartOutlook
 from ..metrics.ledger import LedgerConfig
-from . import cluster_watch, severance
 from . import generation as gen_mod
+from . import lifecycle, severance
 from .accounting import NodeAccounting
 from .bookkeeping import ProcessBookkeeping
 from .config import AgentConfig
+from .context import GenerationContext
 from .continuation import outlook_from
 from .control import ControlServer
 from .coordination import Coordination
 from .failure_rate import failure_rate_env
 from .forking import Spawner
-from .generation import GenerationContext
 from .health import assess, probe
 from .heartbeat import HeartbeatReceiver
 from .incident_book import IncidentBook
-from .incidents import Incident, load_incidents, node_lost_incident, unhealthy_incident
+from .incidents import Incident, load_incidents, node_lost_incident, publish_incident, unhealthy_incident
 from .inproc import InProcess
 from .integration import Offers
 from .launch_record import write_launch_record
@@ -57,11 +58,11 @@ from .memory_replica import PUBLISHED_AS
 from .memory_tier import NodeMemory
 from .notices import Notices
 from .outcome import Outcome
-from .policy import Action, Failure, FailureMark, decide_restart
+from .policy import Failure, FailureMark, decide_restart
 from .rendezvous import Assignment, RendezvousClosedError
 from .reporting import NodeReporting
 from .rundir import RunDir, heartbeat_socket, read_token
-from .slowness import watch_for
+from .slowness import SlownessWatch
 from .tracker import HeartbeatIntake, RankTracker, stale_events
 from .worker_env import base_env
 
@@ -73,8 +74,7 @@ class AgentResult:
     """How the agent ended."""
 
     exit_code: int
-    verdict: str
-    """"succeeded", "preempted", "budget_exhausted", "crash_loop", "do_not_restart", "unhealthy", ..."""
+    verdict: AgentVerdict
     reason: str
     generation: int
     restarts_used: int
@@ -158,12 +158,29 @@ class Agent:
         if self.memory is not None:
             self.reporting.status.memory = self.memory.view
             self.reporting.memory = self.memory
-        self.reporting.slowness = self.slowness = watch_for(self)
+        self.reporting.slowness = self.slowness = self._slowness_watch()
         self.spawner = Spawner(enabled=config.fork_server,
                                base_env=base_env(config), preload=config.preload,
                                log_file=self.run_dir.node_dir / "forkserver.log",
                                unavailable=lambda reason: self.emit(EventKind.FORK_SERVER_UNAVAILABLE, reason=reason))
         """Starts the workers: forked from a process that has imported torch when it can."""
+
+    def _slowness_watch(self) -> SlownessWatch:
+        """Straggler and slowdown detection for this node: its config, its incidents, its ledger's seconds and ideal,
+        and (across machines) the quarantine of its node when a straggler flag persists."""
+        c, gate = self.config, self.gate
+
+        def publish(incident: Incident) -> None:
+            publish_incident(incident, self.run_dir, self.coordination.signed, self.emit)
+
+        return SlownessWatch(
+            c.node_id, self.emit, straggler=c.straggler, slowdown=c.slowdown, record=self.record_incident,
+            publish=publish, ledger_seconds=lambda: self.accounting.account().seconds,
+            freeze_ideal=lambda frozen: self.accounting.apply("freeze_ideal", frozen),
+            persistent=None if gate is None else lambda flag: gate.persistent_straggler(
+                flag, can_leave=self.num_nodes > c.min_nodes),
+            persist_windows=c.quarantine.straggler_windows,
+            evict_windows=c.evict.after_windows if c.evict.enabled else 0)
 
     # ------------------------------------------------------------ plumbing
     def emit(self, kind: EventKind, **fields: Any) -> None:
@@ -245,6 +262,7 @@ class Agent:
 
     # ------------------------------------------------------------ the loop
     def run(self) -> AgentResult:
+        """Carry out the lifecycle's moves (:mod:`resilient.agent.lifecycle`) until it ends the agent."""
         c = self.config
         self.emit(EventKind.AGENT_STARTED, run_id=c.run_id, nproc_per_node=c.nproc_per_node,
                   nnodes=[c.min_nodes, c.max_nodes], store=c.store_url or "embedded", entrypoint=list(c.entrypoint))
@@ -261,58 +279,15 @@ class Agent:
         self.bookkeeping.report_swept(self.accounting.ledger.generation or 0)
         control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.reporting.status.snapshot,
                                 self._on_stop_request, self.slowness)
-        generation = 0
         try:
-            # From this thread, which starts the workers too: the server dies with it (parent-death signal).
-            self.spawner.start(parent_death_signal())
-            problem = self.coordination.join_launch()
-            if self.memory is not None and self.memory.replication is not None:
-                self.memory.replication.start()
-            if problem is not None:
-                self.emit(EventKind.TOKEN_MISMATCH, reason=problem)
-                return self._finish(EXIT_CONFIG, "token_mismatch", problem, generation)
-            if c.role == "spare":
-                result = self._run_spare()
-                if result is not None:
-                    return result
-                generation = self._generation  # it took a lost node's place: a node of the run from here on
-            self.coordination.make_rendezvous()
+            move = lifecycle.begin(spare=c.role == "spare", policy=c.restart)
             while True:
-                result = self._before_round(generation)
-                if result is not None:
-                    return result
-                rendezvous = self.coordination.rendezvous
-                assert rendezvous is not None
-                self.reporting.status.phase = "rendezvous"
-                try:
-                    assignment = rendezvous.next()
-                except Exception as e:  # RendezvousClosedError, RendezvousTimeoutError, the store's errors
-                    verdict = self.coordination.verdict()
-                    if verdict is not None:
-                        return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
-                    if isinstance(e, RendezvousClosedError) and self.coordination.stale_launch(generation):
-                        continue
-                    over = self.coordination.run_over() if generation > 0 else None
-                    if isinstance(e, RendezvousClosedError) and over is not None:
-                        # The run ended while this node was out of it (held out, or between rounds): its outcome.
-                        return self._finish(over[0], over[1], over[2], generation)
-                    self.emit(EventKind.RENDEZVOUS_FAILED, error=f"{type(e).__name__}: {e}")
-                    return self._finish(EXIT_STOPPED, "rendezvous_failed", f"{type(e).__name__}: {e}", generation)
-                generation = self._generation = assignment.generation
-                self.num_nodes = assignment.num_nodes
-                self.emit(EventKind.RENDEZVOUS_JOINED, generation=generation, node_rank=assignment.node_rank,
-                          num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
-                restart = self.last_outcome is not None and self.last_outcome.restarts_workers
-                self._attach_cluster()
-                if self.memory is not None and self.memory.replication is not None:  # a moved rank's memory state
-                    self.memory.replication.stage(assignment.node_rank, assignment.members, assignment.previous,
-                                                  generation)
-                outcome = gen_mod.run_generation(self.generation_context(), assignment,
-                                                 self.coordination.restarts_used(), restart=restart)
-                generation = self._followed()  # an in-process recovery may have moved it on
-                result = self._after(outcome, generation)
-                if result is not None:
-                    return result
+                answer: Any = None
+                for command in move.commands:
+                    answer = self._carry_out(command)
+                if isinstance(answer, AgentResult):
+                    return answer
+                move = lifecycle.next_move(move.life, answer)
         finally:
             control.close()
             self.accounting.apply("finished")
@@ -320,7 +295,7 @@ class Agent:
             for receiver in self._receivers:
                 receiver.close()
             if self.inproc is not None:
-                cluster_watch.detach(self.inproc)
+                self.inproc.leave_launch()
                 self.inproc.close()
             if self.memory is not None and self.memory.replication is not None:
                 self.memory.replication.close()
@@ -330,11 +305,147 @@ class Agent:
             self.spawner.close()
             self.bookkeeping.release()
 
+    def _carry_out(self, command: lifecycle.Command) -> Any:
+        """Carry out one command of the lifecycle; what it returns is the next event (or, at the end, the result)."""
+        match command:
+            case lifecycle.JoinLaunch():
+                # From this thread, which starts the workers too: the server dies with it (parent-death signal).
+                self.spawner.start(parent_death_signal())
+                problem = self.coordination.join_launch()
+                if self.memory is not None and self.memory.replication is not None:
+                    self.memory.replication.start()
+                return lifecycle.LaunchJoined(problem)
+            case lifecycle.MakeRendezvous():
+                self.coordination.make_rendezvous()
+            case lifecycle.FollowLaunch():
+                self._attach_cluster()
+            case lifecycle.Check():
+                return self._check()
+            case lifecycle.GiveFailureRate():
+                self._give_failure_rate()
+            case lifecycle.Rendezvous():
+                return self._rendezvous()
+            case lifecycle.AwaitGeneration():
+                return self._await_generation()
+            case lifecycle.RunGeneration(assignment=a, restart=restart):
+                return self._run_generation(a, restart)
+            case lifecycle.TakePlace(outcome=outcome):
+                self._take_place(outcome)
+            case lifecycle.LeaveRendezvous():
+                self.coordination.leave_rendezvous()
+            case lifecycle.MembershipChanged(generation=generation, reason=reason):
+                self.emit(EventKind.MEMBERSHIP_CHANGED, generation=generation, reason=reason)
+                self.accounting.restarted("membership")
+            case lifecycle.ReadHistory(outcome=outcome):
+                history = self.coordination.history(self.tracker.committed_step, exclude_generation=self._generation)
+                return lifecycle.HistoryRead(outcome, history, self.clock())
+            case lifecycle.RecordFailure(outcome=outcome, decision=decision):
+                assert outcome.incident is not None
+                incident = outcome.incident.with_decision(decision)
+                self.record_incident(incident)
+                self.accounting.failure(outcome.detected_at, outcome.last_progress_at, incident.id, incident.kind)
+            case lifecycle.Restart():
+                self._restart(command)
+            case lifecycle.PublishVerdict(ending=ending):
+                self.coordination.publish_verdict(ending.verdict, ending.reason, ending.code)
+            case lifecycle.StepOut(incident=incident, reason=reason):
+                self._step_out(incident, reason)
+            case lifecycle.Say(kind=kind, fields=fields):
+                self.emit(kind, **dict(fields))
+            case lifecycle.Finish(ending=ending, generation=generation, from_launch=from_launch):
+                published = self.coordination.verdict() if from_launch else None
+                return self._finish(lifecycle.Ending.published(published) if published is not None else ending,
+                                    generation)
+            case _:
+                raise AssertionError(f"not a command: {command!r}")
+        return None
+
+    def _check(self) -> lifecycle.Checked:
+        """The checks before a round, in their order; the first that finds something ends the reading."""
+        c = self.config
+        verdict = self.coordination.verdict()
+        if verdict is not None:
+            return lifecycle.Checked(verdict=verdict)
+        if self.bookkeeping.has_stuck():
+            # No new workers beside ones SIGKILL did not end: wait for them, or stop with ``unhealthy``.
+            self.reporting.status.phase = "waiting for stuck workers to end"
+            reason = self.bookkeeping.await_stuck()
+            if reason is not None:
+                return lifecycle.Checked(stuck=reason)
+        health = assess(probe(list(c.health_paths)), c.health)
+        if not health.healthy:
+            self.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
+            return lifecycle.Checked(unhealthy=unhealthy_incident(c.node_id, self._generation, health.problems,
+                                                                  when="before starting workers"),
+                                     unhealthy_reason=health.reason)
+        stopping = lambda: bool(self.stop_requested or self.interrupted)
+        held = self.gate.hold(stopping, self.coordination.run_over, burn_in_at_start=c.quarantine.burn_in_at_start) \
+            if self.gate is not None else None
+        if held is not None:  # the run goes on (or ended) without this node: leave it as it is
+            self._quiet = True
+            return lifecycle.Checked(held=held)
+        return lifecycle.Checked(stopping=stopping())
+
+    def _rendezvous(self) -> lifecycle.Assigned | lifecycle.RoundFailed:
+        rendezvous = self.coordination.rendezvous
+        assert rendezvous is not None
+        self.reporting.status.phase = "rendezvous"
+        try:
+            assignment = rendezvous.next()
+        except Exception as e:  # RendezvousClosedError, RendezvousTimeoutError, the store's errors
+            error = f"{type(e).__name__}: {e}"
+            verdict = self.coordination.verdict()
+            if verdict is not None:
+                return lifecycle.RoundFailed(error, verdict=verdict)
+            if not isinstance(e, RendezvousClosedError):
+                return lifecycle.RoundFailed(error)
+            if self.coordination.stale_launch(self._generation):
+                return lifecycle.RoundFailed(error, retried=True)
+            return lifecycle.RoundFailed(error, over=self.coordination.run_over() if self._generation > 0 else None)
+        self._generation, self.num_nodes = assignment.generation, assignment.num_nodes
+        self.emit(EventKind.RENDEZVOUS_JOINED, generation=assignment.generation, node_rank=assignment.node_rank,
+                  num_nodes=assignment.num_nodes, master=f"{assignment.master_addr}:{assignment.master_port}")
+        self._attach_cluster()
+        if self.memory is not None and self.memory.replication is not None:  # a moved rank's memory state
+            self.memory.replication.stage(assignment.node_rank, assignment.members, assignment.previous,
+                                          assignment.generation)
+        return lifecycle.Assigned(assignment)
+
+    def _await_generation(self) -> lifecycle.Opened | lifecycle.Released:
+        """A spare node: wait until the run starts a generation after the one this node followed last."""
+        assert self.inproc is not None and self.inproc.cluster is not None
+        self.reporting.status.phase = "waiting for the run to start a generation"
+        while True:
+            if self.stop_requested or self.interrupted:
+                return lifecycle.Released(stopped=True)
+            current = None
+            try:
+                verdict = self.coordination.verdict()
+                if verdict is not None:
+                    return lifecycle.Released(verdict=verdict)
+                assert self.coordination.shared is not None
+                if self.coordination.shared.ended():
+                    return lifecycle.Released(ended=True)
+                current = self.inproc.cluster.store.current()
+            except ControlStoreError as e:  # an outage: keep waiting, as the members do
+                self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
+            if current is not None and current > self._generation:
+                self._generation = current
+                return lifecycle.Opened(current)
+            time.sleep(0.2)
+
+    def _run_generation(self, assignment: Assignment, restart: bool) -> lifecycle.GenerationEnded:
+        outcome = gen_mod.run_generation(self.generation_context(), assignment, self.coordination.restarts_used(),
+                                         restart=restart)
+        self.last_outcome = outcome.kind
+        self.accounting.apply("generation_ended", outcome.kind)
+        return lifecycle.GenerationEnded(outcome, self._followed())  # an in-process recovery may have moved it on
+
     # ------------------------------------------------------------ across machines
     def _attach_cluster(self) -> None:
         """Across machines: follow the joined launch's recovery keys in the store."""
         if self.inproc is not None and self.config.multi_node:
-            cluster_watch.attach(self.inproc, self.coordination, self.emit)
+            self.inproc.follow_launch(self.coordination.cluster_store(), self.coordination.threads)
 
     def _followed(self) -> int:
         """The newest generation this node took part in (across machines another node may have numbered it)."""
@@ -342,84 +453,13 @@ class Agent:
             self._generation = max(self._generation, self.inproc.cluster.following)
         return self._generation
 
-    def _run_spare(self) -> AgentResult | None:
-        """``--role spare``: keep warm workers in the launch's pool, generation after generation, until the run
-        ends; a promoted spare makes this node a member until the next restart.  None: this node took a lost
-        node's place in the run's restart (it joins the rendezvous from here on)."""
-        generation = 0
-        self._attach_cluster()
-        assert self.inproc is not None and self.inproc.cluster is not None
-        while True:
-            result = self._before_round(generation)
-            if result is not None:
-                return result
-            self.reporting.status.phase = "waiting for the run to start a generation"
-            current = None
-            while current is None or current <= generation:
-                if self.stop_requested or self.interrupted:
-                    return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped while waiting", generation)
-                try:
-                    verdict = self.coordination.verdict()
-                    if verdict is not None:
-                        return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
-                    assert self.coordination.shared is not None
-                    if self.coordination.shared.ended():
-                        return self._finish(0, "succeeded", "the run ended before this spare was needed", generation)
-                    current = self.inproc.cluster.store.current()
-                except ControlStoreError as e:  # an outage: keep waiting, as the members do
-                    self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
-                if current is None or current <= generation:
-                    time.sleep(0.2)
-            generation = self._generation = current
-            a = Assignment(node_rank=-1, num_nodes=0, generation=current, master_addr="", master_port=0)
-            self.emit(EventKind.SPARE_NODE_JOINED, generation=current)
-            outcome = gen_mod.run_generation(self.generation_context(), a, self.coordination.restarts_used(),
-                                             restart=False)
-            generation = self._followed()
-            if outcome.takes_place_of is not None:
-                self._take_place(outcome, generation)
-                return None
-            result = self._after(outcome, generation)
-            if result is not None:
-                return result
-
-    def _take_place(self, outcome: Outcome, generation: int) -> None:
+    def _take_place(self, outcome: Outcome) -> None:
         """This spare node takes a lost node's place in the run's restart: from here on it is a node of the run
         (it joins the restart's rendezvous and runs ranks), as the lost node was."""
-        self.last_outcome = outcome.kind
-        self.accounting.apply("generation_ended", outcome.kind)
         self.config = replace(self.config, role="worker")
-        self.emit(EventKind.SPARE_NODE_TAKES_PLACE, generation=generation, lost_node=outcome.takes_place_of,
+        self.emit(EventKind.SPARE_NODE_TAKES_PLACE, generation=self._generation, lost_node=outcome.takes_place_of,
                   reason=outcome.reason)
         print(f"resilient: {outcome.reason}", file=sys.stderr, flush=True)
-
-    def _before_round(self, generation: int) -> AgentResult | None:
-        """What may end the agent before it joins the next round: a verdict, stuck workers, health, a stop."""
-        c = self.config
-        verdict = self.coordination.verdict()
-        if verdict is not None:
-            return self._finish(verdict["exit_code"], verdict["verdict"], verdict["reason"], generation)
-        if self.bookkeeping.has_stuck():
-            # No new workers beside ones SIGKILL did not end: wait for them, or stop with ``unhealthy``.
-            self.reporting.status.phase = "waiting for stuck workers to end"
-            reason = self.bookkeeping.await_stuck()
-            if reason is not None:
-                return self._finish(EXIT_UNHEALTHY, "unhealthy", reason, generation)
-        health = assess(probe(list(c.health_paths)), c.health)
-        if not health.healthy:
-            self.emit(EventKind.NODE_UNHEALTHY, reason=health.reason, problems=list(health.problems))
-            return self._unhealthy(unhealthy_incident(c.node_id, generation, health.problems,
-                                                      when="before starting workers"), health.reason, generation)
-        stopping = lambda: bool(self.stop_requested or self.interrupted)
-        ending = self.gate.hold(stopping, self.coordination.run_over, burn_in_at_start=c.quarantine.burn_in_at_start) \
-            if self.gate is not None else None
-        if ending is not None:  # the run goes on (or ended) without this node: leave it as it is
-            self._quiet = True
-            return self._finish(*ending, generation)
-        if stopping():
-            return self._finish(EXIT_PREEMPTED_AGENT, "preempted", "stopped before workers started", generation)
-        self._give_failure_rate()
-        return None
 
     def _give_failure_rate(self) -> None:
         """``--mtbf``: the failure rate the next generation's workers compute their save interval from."""
@@ -438,73 +478,40 @@ class Agent:
                                exposure_s=self.accounting.now() - start if start is not None else 0.0)
         self.config = replace(c, worker_env={**c.worker_env, **env})
 
-    def _unhealthy(self, incident: Incident | None, reason: str, generation: int) -> AgentResult:
-        """Stop with ``unhealthy``; across machines the node is quarantined first, so it burns in to come back."""
+    def _step_out(self, incident: Incident | None, reason: str) -> None:
+        """This node is unhealthy: across machines it is quarantined first, so that it burns in to come back."""
         if incident is not None:
             self.record_incident(incident)
         if self.gate is not None:
             self._quiet = True  # the others go on without this node
             self.gate.add(reason=f"unhealthy: {reason}", source="health",
                           evidence={"incident": incident.id if incident is not None else None})
-        return self._finish(EXIT_UNHEALTHY, "unhealthy", reason, generation)
 
-    def _after(self, outcome: Outcome, generation: int) -> AgentResult | None:
-        """Turn a generation's outcome into the next move; None means: next round."""
-        kind = outcome.kind
-        self.last_outcome = kind
-        self.accounting.apply("generation_ended", kind)
-        if kind is OutcomeKind.SUCCEEDED:
-            return self._finish(0, "succeeded", outcome.reason, generation)
-        if kind is OutcomeKind.PREEMPTED:
-            return self._finish(EXIT_PREEMPTED_AGENT, "preempted", outcome.reason, generation)
-        if kind is OutcomeKind.INTERRUPTED:
-            return self._finish(130, "interrupted", outcome.reason, generation)
-        if kind is OutcomeKind.VERDICT:
-            v = self.coordination.verdict() or {"exit_code": EXIT_STOPPED, "verdict": "stopped",
-                                                "reason": outcome.reason}
-            return self._finish(v["exit_code"], v["verdict"], v["reason"], generation)
-        if kind is OutcomeKind.UNHEALTHY:
-            return self._unhealthy(outcome.incident, outcome.reason, generation)
-        if kind is OutcomeKind.QUARANTINED:  # the next round holds it out until its record ends and it burns in
-            self.coordination.leave_rendezvous()
-            return None
-        if kind is OutcomeKind.MEMBERSHIP:
-            self.emit(EventKind.MEMBERSHIP_CHANGED, generation=generation, reason=outcome.reason)
-            self.accounting.restarted("membership")
-            return None
-        assert kind is OutcomeKind.FAILED and outcome.failure is not None and outcome.incident is not None
-        committed = self.tracker.committed_step
-        history = self.coordination.history(committed, exclude_generation=generation)
-        decision = decide_restart(outcome.failure, history, self.config.restart, self.clock())
+    def _restart(self, command: lifecycle.Restart) -> None:
+        outcome, decision, generation = command.outcome, command.decision, command.generation
+        assert outcome.failure is not None and outcome.incident is not None
         incident = outcome.incident.with_decision(decision)
-        self.record_incident(incident)
-        self.accounting.failure(outcome.detected_at, outcome.last_progress_at, incident.id, incident.kind)
-        if decision.action is Action.STOP:
-            code = outcome.failure.exit_code if decision.verdict == "do_not_restart" and outcome.failure.exit_code \
-                else EXIT_STOPPED
-            self.coordination.publish_verdict(decision.verdict or "stopped", decision.reason, code)
-            return self._finish(code, decision.verdict or "stopped", decision.reason, generation)
         self.incidents.restart_incident = incident
         self._restart_incidents.add(incident.id)
-        self.coordination.count_restart(generation, decision.reason, committed, FailureMark.of(outcome.failure))
+        self.coordination.count_restart(generation, decision.reason, self.tracker.committed_step,
+                                        FailureMark.of(outcome.failure))
         self.accounting.restarted(outcome.failure.kind)
         self.emit(EventKind.RESTART, generation=generation, reason=decision.reason, delay_s=decision.delay_s,
                   restarts_used=self.coordination.restarts_used())
         if decision.delay_s > 0:
             time.sleep(decision.delay_s)
-        return None
 
-    def _finish(self, code: int, verdict: str, reason: str, generation: int) -> AgentResult:
-        if self.thread_failure is not None and verdict == "preempted":  # the graceful stop the failure asked for
-            code, verdict, reason = EXIT_STOPPED, "agent_thread_failed", self.thread_failure
-        if verdict in ("succeeded", "preempted") and not self._quiet:
-            self.coordination.end_launch(f"{verdict} (node {self.config.node_id})")
+    def _finish(self, ending: lifecycle.Ending, generation: int) -> AgentResult:
+        ending = lifecycle.final(ending, self.thread_failure)
+        self._quiet = self._quiet or ending.quiet
+        if ending.verdict in (AgentVerdict.SUCCEEDED, AgentVerdict.PREEMPTED) and not self._quiet:
+            self.coordination.end_launch(f"{ending.verdict} (node {self.config.node_id})")
         if self.memory is not None:  # the run ended here: nothing restores from the memory tier again
-            self.memory.release(verdict)
-        result = AgentResult(code, verdict, reason, generation, self.coordination.restarts_used())
-        self.reporting.status.phase = f"finished: {verdict}"
-        self.emit(EventKind.AGENT_FINISHED, exit_code=code, verdict=verdict, reason=reason, generation=generation,
-                  restarts_used=result.restarts_used)
+            self.memory.release(ending.verdict)
+        result = AgentResult(ending.code, ending.verdict, ending.reason, generation, self.coordination.restarts_used())
+        self.reporting.status.phase = f"finished: {ending.verdict}"
+        self.emit(EventKind.AGENT_FINISHED, exit_code=ending.code, verdict=ending.verdict, reason=ending.reason,
+                  generation=generation, restarts_used=result.restarts_used)
         return result
 
 

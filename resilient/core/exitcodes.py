@@ -16,6 +16,7 @@ incidents and ``resilient status``.
 from __future__ import annotations
 
 import signal
+from enum import StrEnum
 
 from .errors import (
     CheckpointMismatchError,
@@ -40,6 +41,36 @@ EXIT_STOPPED = 80
 """The agent stopped the run with a verdict (restart budget exhausted, crash loop, rendezvous failed)."""
 EXIT_UNHEALTHY = 81
 """This node failed its health check and stepped out: schedule the job elsewhere."""
+
+
+class AgentVerdict(StrEnum):
+    """How an agent ended, in one word: ``AgentResult.verdict``, the ``agent_finished`` event, the launch's
+    published verdict.  Each goes with one of the agent's exit codes (``do_not_restart``: the worker's own)."""
+
+    SUCCEEDED = "succeeded"
+    PREEMPTED = "preempted"
+    """Asked to stop (SIGTERM, ``resilient stop``, a quarantine's drain): the workers committed and exited."""
+    INTERRUPTED = "interrupted"
+    """SIGINT: stopped now, without a checkpoint (exit 130)."""
+    STOPPED = "stopped"
+    """Another node's verdict ended the run, without saying more."""
+    UNHEALTHY = "unhealthy"
+    BUDGET_EXHAUSTED = "budget_exhausted"
+    CRASH_LOOP = "crash_loop"
+    DO_NOT_RESTART = "do_not_restart"
+    """A worker exited with a code of :data:`NO_RESTART_CODES`: the agent exits with that code."""
+    TOKEN_MISMATCH = "token_mismatch"
+    RENDEZVOUS_FAILED = "rendezvous_failed"
+    AGENT_THREAD_FAILED = "agent_thread_failed"
+
+    @classmethod
+    def read(cls, text: str) -> AgentVerdict | None:
+        """The verdict named ``text`` (as another node published it), or None for a word this version lacks."""
+        try:
+            return cls(text)
+        except ValueError:
+            return None
+
 
 NO_RESTART_CODES: frozenset[int] = frozenset({EXIT_CONFIG, EXIT_UNRECOVERABLE})
 """Exit codes after which the agent stops the run rather than restarting it."""
