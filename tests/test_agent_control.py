@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 import pytest
 
@@ -12,6 +13,7 @@ from resilient.agent.control import ControlError, ControlServer, call
 from resilient.agent.rundir import RunDir, read_token
 from resilient.cli.main import main
 from resilient.core.errors import ConfigError
+from resilient.core.supervised import ThreadReports
 
 
 @pytest.fixture
@@ -66,3 +68,37 @@ def test_resilient_stop_sends_the_token_to_every_live_agent(served, capsys):
 def test_no_agent_listening_is_a_clear_error(tmp_path):
     with pytest.raises(ControlError, match="no agent is listening"):
         call(tmp_path / "nothing.sock", {"op": "status"})
+
+
+def test_a_bug_answering_a_request_is_reported_and_the_socket_still_serves(tmp_path):
+    """An error the server did not expect (here the status callback's) is answered, reported with its traceback
+    through the agent's thread reports, and the serving thread starts again: ``resilient status`` and
+    ``resilient stop`` keep working."""
+    run_dir = RunDir(tmp_path / "run", "n0")
+    token = run_dir.create()
+    answers = iter([KeyError("ranks"), {"node": "n0"}])
+    crashes: list[tuple[str, str, str]] = []
+
+    def status():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    server = ControlServer(run_dir.socket_path("control.sock"), token, status, lambda reason: None,
+                           threads=ThreadReports(lambda *crash: crashes.append(crash)))
+    try:
+        first = call(server.path, {"op": "status"})
+        assert first == {"ok": False, "error": "the agent could not answer: KeyError: 'ranks'"}
+        deadline = time.monotonic() + 10
+        while not crashes and time.monotonic() < deadline:  # reported just after the answer went out
+            time.sleep(0.01)
+        assert [(name, error) for name, error, _ in crashes] == [("control", "KeyError: 'ranks'")]
+        assert "raise answer" in crashes[0][2], "the traceback is in the report"
+        while True:  # the thread starts again after a short pause; until then a connection waits in the backlog
+            second = call(server.path, {"op": "status"})
+            if second.get("ok") or time.monotonic() > deadline:
+                break
+        assert second == {"ok": True, "status": {"node": "n0"}}
+    finally:
+        server.close()

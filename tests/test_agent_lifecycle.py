@@ -473,3 +473,44 @@ def test_a_worker_killed_while_the_agent_looks_is_a_failure_on_the_next_pass_nev
         assert isinstance(machine.transition(state, second, cfg).commands[0], machine.AnswerFailure)
     finally:
         group.stop(grace_s=0)
+
+
+def test_a_bug_in_a_status_pass_is_reported_and_status_json_keeps_coming(tmp_path):
+    """A part of the snapshot that raises (here the in-process recovery's view, once) used to end the status thread
+    with nothing said: status.json froze while the run went on.  Now it is reported, with its traceback, and the
+    thread starts again."""
+    import json
+
+    from resilient.agent.accounting import NodeAccounting
+    from resilient.agent.config import AgentConfig
+    from resilient.agent.status import StatusPublisher
+    from resilient.agent.tracker import RankTracker
+    from resilient.core.supervised import ThreadReports
+    from resilient.metrics.ledger import LedgerConfig
+
+    config = AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n", run_dir=tmp_path)
+    status_file = tmp_path / "status.json"
+    crashes: list[tuple[str, str, str]] = []
+    publisher = StatusPublisher(config, status_file=status_file, control_socket=tmp_path / "control.sock",
+                                tracker=RankTracker(), accounting=NodeAccounting(tmp_path / "ledger.json",
+                                                                                 LedgerConfig()),
+                                restarts_used=lambda: 0, refresh_restarts=None, store_put=None,
+                                emit=lambda *a, **k: None, interval_s=0.05,
+                                threads=ThreadReports(lambda *crash: crashes.append(crash)))
+    views = iter([{"rung": "spare"}, ZeroDivisionError("float division by zero")])
+
+    def recovery() -> dict:
+        view = next(views, {"rung": "restart"})
+        if isinstance(view, Exception):
+            raise view
+        return view
+
+    publisher.recovery = recovery
+    publisher.start()
+    try:
+        wait_for(lambda: status_file.exists() and json.loads(status_file.read_text())["recovery"] == {"rung": "restart"},
+                 timeout=HANG_GUARD_S, interval=0.01, what="status.json written again after the bug")
+    finally:
+        publisher.stop()
+    assert [(name, error) for name, error, _ in crashes] == [("status", "ZeroDivisionError: float division by zero")]
+    assert "raise view" in crashes[0][2]

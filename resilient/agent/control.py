@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError, ResilientError
+from ..core.supervised import ThreadReports
 from .sockets import bind_private
 
 if TYPE_CHECKING:
@@ -42,7 +43,9 @@ class ControlServer:
     """Serve control requests for one agent on ``path`` from a daemon thread."""
 
     def __init__(self, path: Path, token: str, status: Callable[[], dict[str, Any]],
-                 request_stop: Callable[[str], None], detectors: SlownessWatch | None = None) -> None:
+                 request_stop: Callable[[str], None], detectors: SlownessWatch | None = None,
+                 threads: ThreadReports | None = None) -> None:
+        """``threads``: where the serving thread reports an error it did not expect (it is then started again)."""
         self.path = path
         self._token = token
         self._status = status
@@ -52,8 +55,7 @@ class ControlServer:
         self._sock.listen(8)
         self._sock.settimeout(0.5)
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="resilient-control", daemon=True)
-        self._thread.start()
+        self._thread = (threads or ThreadReports()).run("control", self._serve, stop=self._closed)
 
     def _serve(self) -> None:
         while not self._closed.is_set():
@@ -69,10 +71,10 @@ class ControlServer:
                     answer = self.handle(_read_request(conn))
                 except (OSError, ValueError) as e:
                     answer = {"ok": False, "error": f"bad request: {e}"}
-                try:
-                    conn.sendall(json.dumps(answer, default=str).encode() + b"\n")
-                except OSError:
-                    pass  # the client went away; nothing to tell it
+                except Exception as e:  # a bug: the client hears of it, the thread's supervisor reports it
+                    _answer(conn, {"ok": False, "error": f"the agent could not answer: {type(e).__name__}: {e}"})
+                    raise
+                _answer(conn, answer)
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")
@@ -106,6 +108,13 @@ class ControlServer:
             self.path.unlink()
         except FileNotFoundError:
             pass
+
+
+def _answer(conn: socket.socket, answer: dict[str, Any]) -> None:
+    try:
+        conn.sendall(json.dumps(answer, default=str).encode() + b"\n")
+    except OSError:
+        pass  # the client went away; nothing to tell it
 
 
 def _read_request(conn: socket.socket) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..core.supervised import ThreadReports
 from ..worker.protocol import MAX_DATAGRAM, Heartbeat, HeartbeatError, decode_datagram
 from .sockets import bind_private
 
@@ -37,7 +38,10 @@ class HeartbeatReceiver:
         on_message: Callable[[Heartbeat, float], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        threads: ThreadReports | None = None,
     ) -> None:
+        """``threads``: where the receiving thread reports an error it did not expect (it is then started again,
+        :mod:`resilient.core.supervised`)."""
         self.path = os.fspath(path)
         self._on_message = on_message
         self._clock = clock
@@ -49,8 +53,7 @@ class HeartbeatReceiver:
         self._settled = threading.Condition()
         self._marks_seen = 0
         self._sock = bind_private(self.path, socket.SOCK_DGRAM)
-        self._thread = threading.Thread(target=self._serve, name="resilient-heartbeats", daemon=True)
-        self._thread.start()
+        self._thread = (threads or ThreadReports()).run("heartbeats", self._serve, stop=self._closed)
 
     def _serve(self) -> None:
         sock = self._sock

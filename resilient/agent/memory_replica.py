@@ -45,6 +45,7 @@ from typing import Any
 
 from ..checkpoint import memory as mem
 from ..core.events import Emit, EventKind
+from ..core.supervised import Supervised, ThreadReports
 from .memory_peers import (
     COPY_SLOTS,
     OWN,
@@ -101,7 +102,8 @@ class MemoryReplication:
 
     def __init__(self, root: Path, limit: int, *, node: str, host: str, token: str, nproc: int, emit: Emit,
                  address_of: Callable[[str], str | None], live: Callable[[], frozenset[str]],
-                 poll_s: float = POLL_S) -> None:
+                 poll_s: float = POLL_S, threads: ThreadReports | None = None) -> None:
+        """``threads``: where the copying thread reports an error it did not expect (it is then started again)."""
         self.root = root
         self.limit = limit
         self.node = node
@@ -122,7 +124,8 @@ class MemoryReplication:
         """(predecessor, the state of its pinned manifests) as the newest look found it."""
         self._said: set[str] = set()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="memory-replica", daemon=True)
+        self._reports = threads or ThreadReports()
+        self._thread: Supervised | None = None
 
     @property
     def address(self) -> str:
@@ -137,12 +140,13 @@ class MemoryReplication:
     def start(self) -> None:
         """Serve, and copy the predecessor's pinned steps as they come."""
         self.serve()
-        self._thread.start()
+        if self._thread is None:
+            self._thread = self._reports.run("memory-replica", self._loop, stop=self._done)
 
     def close(self) -> None:
         """Stop copying (a copy in flight stops at its next read) and serving; again: nothing."""
         self._done.set()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5.0)
         if self._serving:
             self._serving = False

@@ -28,6 +28,7 @@ from typing import Any
 from ..checkpoint import memory as mem
 from ..core.errors import ConfigError
 from ..core.events import Emit, EventKind
+from ..core.supervised import ThreadReports
 from .memory_replica import MemoryReplication
 
 PREFIX = "resilient-memory-"
@@ -91,10 +92,11 @@ class NodeMemory:
                 mem.EVERY_ENV: str(self.every) if self.every is not None else "auto", **pinned}
 
     def replicate(self, *, host: str, token: str, nproc: int, address_of: Callable[[str], str | None],
-                  live: Callable[[], frozenset[str]]) -> MemoryReplication:
+                  live: Callable[[], frozenset[str]], threads: ThreadReports | None = None) -> MemoryReplication:
         """Serve this tier to the peers and keep a copy of the predecessor's (started by the caller)."""
         self.replication = MemoryReplication(self.path, self.limit, node=self._node, host=host, token=token,
-                                             nproc=nproc, emit=self._emit, address_of=address_of, live=live)
+                                             nproc=nproc, emit=self._emit, address_of=address_of, live=live,
+                                             threads=threads)
         return self.replication
 
     def holdings(self) -> dict[str, list[int]]:

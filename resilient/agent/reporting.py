@@ -49,7 +49,8 @@ class NodeReporting:
             config, status_file=run_dir.status_file, control_socket=run_dir.socket_path("control.sock"),
             tracker=tracker, accounting=accounting, restarts_used=lambda: coordination.restarts_used_cached,
             refresh_restarts=coordination.restarts_used,
-            store_put=coordination.control.put if config.store_url is not None else None, emit=emit, clock=clock)
+            store_put=coordination.control.put if config.store_url is not None else None, emit=emit, clock=clock,
+            threads=coordination.threads)
         self.status.slowness = lambda: self.slowness.snapshot() if self.slowness is not None else None
 
     def start(self) -> None:

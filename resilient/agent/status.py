@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.events import Emit, EventKind
 from ..core.fsutil import write_json_atomic
+from ..core.supervised import Supervised, ThreadReports
 from ..watchdog.sections import calibration_summary
 
 if TYPE_CHECKING:
@@ -60,8 +61,12 @@ class StatusPublisher:
                  refresh_restarts: Callable[[], object] | None, store_put: Callable[[str, bytes], None] | None,
                  emit: Emit, clock: Callable[[], float] = time.monotonic,
                  interval_s: float = 1.0, final_store_timeout_s: float = 10.0,
-                 store_interval_s: float = 5.0, ledger_interval_s: float = 5.0) -> None:
+                 store_interval_s: float = 5.0, ledger_interval_s: float = 5.0,
+                 threads: ThreadReports | None = None) -> None:
+        """``threads``: where the two writing threads report an error they did not expect (each is then started
+        again, :mod:`resilient.core.supervised`)."""
         self._config = config
+        self._reports = threads or ThreadReports()
         self._status_file = status_file
         self._control_socket = control_socket
         self._tracker = tracker
@@ -102,7 +107,7 @@ class StatusPublisher:
         self._store_published_at: float | None = None
         self._done = threading.Event()
         self._store_done = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[Supervised] = []
 
     def attach(self, group: WorkerGroup, assignment: Assignment) -> None:
         self._group, self._assignment = group, assignment
@@ -116,10 +121,8 @@ class StatusPublisher:
         self.phase = phase
 
     def start(self) -> None:
-        self._threads = [threading.Thread(target=self._local_loop, name="status", daemon=True),
-                         threading.Thread(target=self._store_loop, name="status-store", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._threads = [self._reports.run("status", self._local_loop, stop=self._done),
+                         self._reports.run("status-store", self._store_loop, stop=self._store_done)]
 
     def stop(self) -> None:
         """Write the final status locally now; give the store copy up to ``final_store_timeout_s``."""

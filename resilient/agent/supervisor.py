@@ -110,7 +110,7 @@ class Agent:
         if self.memory is not None and config.memory_replicas:
             replica = self.memory.replicate(host=config.local_addr, token=self.token, nproc=config.nproc_per_node,
                                             address_of=lambda node: self.coordination.published(node, PUBLISHED_AS),
-                                            live=self.coordination.live)
+                                            live=self.coordination.live, threads=self.coordination.threads)
             self.coordination.presence_extra[PUBLISHED_AS] = replica.address
         self._generation = 0
         """The generation this node runs (or ran last); 0 before the first."""
@@ -272,13 +272,13 @@ class Agent:
                                  on_notice=lambda hb: self.notices.take(hb.rank, hb.generation, hb.notice or {}))
         # Spares have sockets of their own (slots after the ranks'); a replacement takes a dead process's slot.
         slots = c.nproc_per_node + (c.spares if self.inproc is not None else 0)
-        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, slot), intake, clock=self.clock)
-                           for slot in range(slots)]
+        self._receivers = [HeartbeatReceiver(heartbeat_socket(self.run_dir, slot), intake, clock=self.clock,
+                                             threads=self.coordination.threads) for slot in range(slots)]
         self.accounting.apply("agent_started")
         self.reporting.start()
         self.bookkeeping.report_swept(self.accounting.ledger.generation or 0)
         control = ControlServer(self.run_dir.socket_path("control.sock"), self.token, self.reporting.status.snapshot,
-                                self._on_stop_request, self.slowness)
+                                self._on_stop_request, self.slowness, threads=self.coordination.threads)
         try:
             move = lifecycle.begin(spare=c.role == "spare", policy=c.restart)
             while True:
