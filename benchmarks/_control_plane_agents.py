@@ -10,6 +10,7 @@ agent of a process judged a lost node lost and read the decision.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,8 @@ from typing import Any
 from resilient.agent.cluster import ClusterStore, collectors
 from resilient.agent.cluster_watch import ClusterWatch
 from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
+from resilient.agent.shared import SharedFacts
+from resilient.agent.timing_link import TimingLink
 from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient, EtcdControlStore
 from resilient.coord.etcd_transport import EtcdConfig
@@ -142,9 +145,15 @@ class Agent:
         self.seal = Seal(token, ROOT)
         self.presence = Presence(self.client, ROOT + PREFIX, node, self._lost, self._error, watch=self.watch,
                                  seal=self.seal)
-        self.signed = SignedStore(EtcdControlStore(self.client, ROOT), token)
+        self.control = EtcdControlStore(self.client, ROOT)
+        self.signed = SignedStore(self.control, token)
         self.store = ClusterStore(self.signed, self.client, ROOT, PREFIX, node, token,
                                   lease=lambda: self.presence.lease, live=self.presence.live, watch=self.watch)
+        self.shared = SharedFacts(self.signed, LAUNCH, node, watch=self.watch, root=ROOT,
+                                  timing_watch=(lambda: self.timing_watch) if rank == 0 else None)
+        self.link = TimingLink("127.0.0.1", token, lambda kind, **fields: None) if rank is not None else None
+        """A member's timing link: it sends its windows to the scorer's, and the scorer's receives them."""
+        self.announced: int | None = None
         self.generation = 0
         self.rendezvous = EtcdRendezvous(self.client, rendezvous_space(RUN, LAUNCH), ROOT + "generation", node,
                                          "127.0.0.1", min_nodes=1, max_nodes=members,
@@ -224,12 +233,34 @@ class Agent:
         self.quarantine_watch.close()
         if self.timing_watch is not None:
             self.timing_watch.close()
+        if self.link is not None:
+            self.link.close()
 
     # --------------------------------------------------------------- periodic writes
     def publish_timing(self) -> None:
-        assert self.rank is not None
-        self.signed.put(f"timing/{LAUNCH}/{self.node}",
-                        timing_record(self.node, self.rank, self.generation, self.members))
+        """What the agent's peer watch does with its rank's newest windows each second (``PeerWatch``): the scorer
+        announces its timing link once a generation and reads every node's windows; the others send theirs to
+        it, or to the store while no scorer is announced."""
+        assert self.rank is not None and self.link is not None
+        if self.rank == 0:
+            if self.announced != self.generation:
+                self.shared.announce_scorer(self.link.address, self.generation)
+                self.announced = self.generation
+            self.link.follow(LAUNCH)
+            self.link.records()
+            self.shared.timing()
+            return
+        record = timing_record(self.node, self.rank, self.generation, self.members)
+        scorer = self.shared.scorer()
+        if scorer is None or not self.link.send(str(scorer.get("address")), LAUNCH, record):
+            self.shared.publish_timing(record)
+
+    def publish_status(self) -> None:
+        """The status copy in the store (``StatusPublisher``: every 30 s while the phase and generation hold)."""
+        snapshot = {"run_id": RUN, "node": self.node, "phase": "running", "generation": self.generation,
+                    "ranks": {} if self.rank is None else {str(self.rank): {"section": "compute", "step": 4100}},
+                    "padding": "x" * 1500}  # the rest of a snapshot: timeouts, restore, recovery, slowness
+        self.control.put(f"status/{self.node}", json.dumps(snapshot).encode())
 
     def ask_waiting(self) -> None:
         self.rendezvous.num_nodes_waiting()

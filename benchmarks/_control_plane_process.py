@@ -177,7 +177,7 @@ class Process:
     def run_loops(self) -> None:
         members = [a for a in self.agents if a.member]
         for every, action, chosen in ((1.0, "publish_timing", members), (1.0, "ask_waiting", members),
-                                      (1.0, "read_quarantine", self.agents)):
+                                      (1.0, "read_quarantine", self.agents), (30.0, "publish_status", self.agents)):
             self.threads.append(threading.Thread(target=self._periodic, args=(chosen, every, action), daemon=True))
         self.threads.append(threading.Thread(target=self._ticker, daemon=True))
         self.threads.append(threading.Thread(target=self._sleep_probe, daemon=True))

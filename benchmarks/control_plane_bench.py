@@ -12,10 +12,13 @@ in the watch), its ``ClusterStore`` and ``ClusterWatch`` (the recovery keys,
 the pool, the decision's claim and one-transaction commit) and its
 ``EtcdRendezvous``.  What a real agent's other parts write is written as
 they write it: every second the timing windows of its rank (its outbox,
-full: 16 windows, as with steps of a few tens of milliseconds); every
+full: 16 windows, as with steps of a few tens of milliseconds), sent to the
+scorer's timing link (a UDP datagram; to etcd while no scorer is announced,
+as the agent's peer watch does), the scorer announcing its link once; every
 second the question the peer watch asks of the rendezvous (nodes waiting
 to join?); every second the quarantine check, from a watch of the node's
-record as the agent's quarantine gate keeps it.  The workers are simulated: each
+record as the agent's quarantine gate keeps it; every 30 s the status copy
+(``status/<node>``, about 2 kB).  The workers are simulated: each
 member node holds one rank; a few spare nodes each hold one warm spare in
 the pool.  Probes are simulated too: a lost node's probers write their
 (signed) accusations themselves, at once when it was killed (its port

@@ -1,7 +1,7 @@
 """Straggler scoring across machines: three agents with one rank each, meeting through a real etcd.
 
 Alone, an agent with one rank has nobody to compare it with; the agents pass their ranks' timing windows to
-each other through the store, and the slowed rank is named by the agent that runs it, on the node it runs on.
+each other (straight to the scorer's timing link, the store until it is announced), and the slowed rank is named by the agent that runs it, on the node it runs on.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from resilient.coord.etcd import EtcdClient, EtcdConfig
 
 from .agent_helpers import events, node_status, start_agent
 
@@ -57,3 +59,8 @@ def test_a_slowed_rank_on_one_of_three_nodes_is_flagged_by_its_own_agent_with_it
         assert {"compute", "optimizer"} <= {s["section"] for s in scores}, scores
     digests = {json.loads((tmp_path / f"out.{r}").read_text())["params"] for r in range(3)}
     assert len(digests) == 1
+    # The windows went to the scorer's timing link, not through etcd: a node writes its timing key only until
+    # the scorer announced its link (its first window or two), where each of the 90 windows was a write before.
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    writes = {e.key.rsplit("/", 1)[-1]: e.version for e in client.get_prefix(f"/resilient/{etcd_run_id}/timing/")}
+    assert scorer not in writes and sum(writes.values()) <= 2 * (len(NODES) - 1), writes

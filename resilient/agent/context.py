@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .slowness import SlownessWatch
     from .status import StatusPublisher
     from .sweep import Stuck
+    from .timing_link import TimingLink
     from .tracker import RankTracker
 
 
@@ -80,4 +81,6 @@ class GenerationContext:
     settle_heartbeats: Callable[[], None] | None = None
     """Hand every heartbeat already queued to the tracker (called when workers exited non-zero)."""
     threads: ThreadReports = field(default_factory=ThreadReports)
+    timing_link: TimingLink | None = None
+    """Across machines: sends this node's timing windows to the scorer, and receives every node's as the scorer."""
     """Where the generation's supervised threads (the peer watch) report an unexpected error."""

@@ -26,6 +26,8 @@ from .policy import FailureMark, History
 from .rendezvous import EtcdRendezvous, OneNodeRendezvous, etcd_rendezvous
 from .rundir import RunDir
 from .shared import SharedFacts
+from .timing_link import PUBLISHED_AS as TIMING_AS
+from .timing_link import TimingLink
 
 if TYPE_CHECKING:
     from .quarantine_gate import QuarantineGate
@@ -62,10 +64,17 @@ class Coordination:
         self.launch_watch: Any = None
         """Across machines: the agent's watch of the run's launches (:class:`~resilient.coord.watch.PrefixWatch`)."""
         self.timing_watch: Any = None
-        """Across machines, while this agent scores stragglers: its watch of the nodes' timing windows."""
+        """Across machines, while this agent scores stragglers: its watch of the nodes' timing windows (those that
+        could not come by :attr:`timing_link`)."""
+        self.timing_link: TimingLink | None = None
+        """Across machines: where this agent sends its timing windows from and, as the scorer, receives every node's
+        (:mod:`resilient.agent.timing_link`); its address is published in the presence key."""
         self._launch_retried = False
         self.presence_extra: dict[str, str] = {}
         """More addresses this agent serves, published in its presence key (its memory tier's, for one)."""
+        if config.multi_node:
+            self.timing_link = TimingLink(config.local_addr, token, emit, self.threads)
+            self.presence_extra[TIMING_AS] = self.timing_link.address
         self.restarts_used_cached = 0
         """The restart count last read from the store (for readers that must not do I/O)."""
 
@@ -286,6 +295,8 @@ class Coordination:
             self.shared.stop_timing()
         if self.launch_watch is not None:
             self.launch_watch.close()
+        if self.timing_link is not None:
+            self.timing_link.close()
 
     # ------------------------------------------------------------ shared facts
     def restarts_used(self) -> int:

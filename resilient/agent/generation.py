@@ -68,6 +68,8 @@ class PeerWatch:
         self.ended = False
         """The launch ended (checked across machines only: a node without members learns so here)."""
         self._published: dict[str, Any] | None = None
+        self._announced: tuple[str, int] | None = None
+        """As the scorer: the timing link's address and the generation it was announced for."""
         self._done = threading.Event()
         self._thread = ctx.threads.run("peer-watch", self._loop, stop=self._done)
 
@@ -90,17 +92,25 @@ class PeerWatch:
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")  # is a bug: reported)
 
     def _exchange_timing(self) -> None:
-        """Across machines: offer this node's newest windows to the launch's scorer; as the scorer, take every
-        node's and publish the flags when they change; otherwise take this node's flags from the scorer's."""
-        slowness, shared = self._ctx.slowness, self._ctx.shared
+        """Across machines: send this node's newest windows to the launch's scorer (its timing link, else the
+        store); as the scorer, take every node's and publish the flags when they change; otherwise take this
+        node's flags from the scorer's."""
+        slowness, shared, link = self._ctx.slowness, self._ctx.shared, self._ctx.timing_link
         if slowness is None:
             return
+        if link is not None:
+            link.follow(shared.launch_id)
         box = slowness.outbox()
-        if box is not None and box != self._published:
-            shared.publish_timing(box)
+        if box is not None and box != self._published and not slowness.scorer:  # the scorer has its own
+            if not self._send_to_scorer(box):
+                shared.publish_timing(box)
             self._published = box
         if slowness.scorer:
-            slowness.take_peers(shared.timing())
+            generation = box.get("generation") if box is not None else None
+            if link is not None and isinstance(generation, int) and self._announced != (link.address, generation):
+                shared.announce_scorer(link.address, generation)
+                self._announced = (link.address, generation)
+            slowness.take_peers([*(link.records() if link is not None else ()), *shared.timing()])
             record = slowness.flags_out()
             if record is not None:
                 shared.publish_stragglers(record)
@@ -109,6 +119,13 @@ class PeerWatch:
             record = shared.stragglers()
             if record is not None:
                 slowness.from_scorer(record)
+
+    def _send_to_scorer(self, box: dict[str, Any]) -> bool:
+        """This node's windows to the scorer's timing link, as it announced it; False: they go to the store."""
+        link, scorer = self._ctx.timing_link, self._ctx.shared.scorer()
+        if link is None or scorer is None or scorer.get("node") == self._ctx.config.node_id:
+            return False
+        return link.send(str(scorer.get("address")), self._ctx.shared.launch_id, box)
 
     def close(self) -> None:
         self._done.set()

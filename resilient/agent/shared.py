@@ -15,13 +15,15 @@ Each key here changes the run, so each carries a token proof
 
 * ``stragglers``: the standing straggler flags of every node, written by
   the launch's scorer (the agent whose node holds rank 0) when they change;
+* ``scorer``: which node scores, and where its timing link listens
+  (:mod:`resilient.agent.timing_link`), written when a node becomes the
+  scorer: the others send it their windows directly;
 
-and, outside the launch's prefix (it changes every second on every node,
-and the launch's prefix is followed by a watch on every agent),
-``timing/<launch>/<node>``: the newest timing windows of the node's ranks,
-rewritten once a second while they change.  Only the scorer follows them
-(a watch of its own, opened while it scores): one agent scores every rank,
-so a launch of N nodes costs etcd N watch events a second, not N².
+and, outside the launch's prefix, ``timing/<launch>/<node>``: the newest
+timing windows of a node's ranks, written only when they cannot go to the
+scorer's timing link (no scorer announced yet, a record too large for a
+datagram).  Only the scorer follows them (a watch of its own, opened while it
+scores).
 
 Across machines the facts polled by the watch loop (verdict, stop, stop
 request, detector changes, whether the launch ended, the restarts used for
@@ -137,6 +139,14 @@ class SharedFacts:
         watch, self._timing_watch = self._timing_watch, None
         if watch is not None:
             watch.close()
+
+    def scorer(self) -> dict[str, Any] | None:
+        """The node that scores stragglers now and its timing link ``{node, address, generation}``, or ``None``."""
+        return self._get(self.prefix + "scorer")
+
+    def announce_scorer(self, address: str, generation: int) -> None:
+        """This node scores stragglers from ``generation`` on; its timing link listens at ``address``."""
+        self.signed.put(self.prefix + "scorer", {"node": self._node, "address": address, "generation": generation})
 
     def publish_stragglers(self, record: dict[str, Any]) -> None:
         """The scorer's standing flags of every node (:meth:`~resilient.agent.slowness.SlownessWatch.flags_out`)."""

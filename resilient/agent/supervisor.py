@@ -244,6 +244,7 @@ class Agent:
             recovered=self.incidents.recovered, slowness=self.slowness,
             quarantined=self.gate.check if self.gate is not None else None, spawner=self.spawner,
             settle_heartbeats=self._settle_heartbeats, threads=self.coordination.threads,
+            timing_link=self.coordination.timing_link,
         )
 
     def _settle_heartbeats(self) -> None:
