@@ -11,8 +11,10 @@ the rank rows it shows are as new as the newest heartbeat the agent has
 received: at most one heartbeat batch (100 ms) behind the worker.  The file
 and the store copy, read when the socket cannot be reached (another host,
 an agent that ended), are at most one interval plus their write behind:
-1 s for the file, 5 s for the store copy (a put a second from each of a
-thousand agents would be most of what the store serves).
+1 s for the file; for the store copy, 30 s while nothing but the numbers
+changes, and one interval when the node's phase or generation changes (a
+put every few seconds from each of a thousand agents would be most of what
+the store serves in steady training).
 
 Local first, network second: one thread writes ``status.json`` every
 second and saves ``ledger.json`` every five (a few hundred kilobytes of
@@ -61,7 +63,7 @@ class StatusPublisher:
                  refresh_restarts: Callable[[], object] | None, store_put: Callable[[str, bytes], None] | None,
                  emit: Emit, clock: Callable[[], float] = time.monotonic,
                  interval_s: float = 1.0, final_store_timeout_s: float = 10.0,
-                 store_interval_s: float = 5.0, ledger_interval_s: float = 5.0,
+                 store_interval_s: float = 30.0, ledger_interval_s: float = 5.0,
                  threads: ThreadReports | None = None) -> None:
         """``threads``: where the two writing threads report an error they did not expect (each is then started
         again, :mod:`resilient.core.supervised`)."""
@@ -197,13 +199,15 @@ class StatusPublisher:
 
     # ------------------------------------------------------------ store
     def _store_loop(self) -> None:
-        put_at = -float("inf")
+        put_at, put_as = -float("inf"), None
         while True:
             now = time.monotonic()
-            due = now - put_at >= self._store_interval
+            snap = self._latest
+            shown = (snap.get("phase"), snap.get("generation")) if snap is not None else None
+            due = now - put_at >= self._store_interval or shown != put_as  # a new phase or generation: at once
             self._publish_store(put=due)
             if due:
-                put_at = now
+                put_at, put_as = now, shown
             if self._store_done.wait(self._interval):
                 self._publish_store(put=True)
                 return
