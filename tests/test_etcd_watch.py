@@ -179,32 +179,63 @@ def test_a_watch_with_auth_logs_in_again_after_an_outage_that_outlived_its_token
 
 def test_an_unexpected_error_on_the_watch_thread_is_reported_and_the_watch_reads_again_and_goes_on(
         etcd_server, etcd_run_id) -> None:
-    """A listener that raises (a bug) does not end the watch: ``on_crash`` gets the error and its traceback, the
-    prefix is read again and every listener told, and later changes still arrive."""
+    """An error the watch did not expect in its own work (here applying a batch, once) does not end it:
+    ``on_crash`` gets the error and its traceback, the prefix is read again and every listener told, and later
+    changes still arrive."""
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     base = f"/resilient/{etcd_run_id}/"
     crashes: list[tuple[str, str]] = []
     calls = []
-
-    def buggy() -> None:
-        calls.append(dict(watch.view().entries))
-        if len(calls) == 1:
-            raise KeyError("a bug in a listener")
-
     watch, changes = _watch(client, base, on_crash=lambda e, t: crashes.append((e, t)))
-    watch.subscribe(buggy)
+    watch.subscribe(lambda: calls.append(dict(watch.view().entries)))
+    apply = watch._apply
+
+    def broken_once(events):
+        watch._apply = apply
+        raise KeyError("a bug applying a batch")
+
+    watch._apply = broken_once
     try:
         client.put(base + "a", b"1")
         deadline = time.monotonic() + 30
-        while len(calls) < 2:  # the crash, then the read again that tells every listener
+        while not calls:  # the crash, then the read again that tells every listener
             assert time.monotonic() < deadline, (calls, crashes)
             time.sleep(0.02)
-        assert base + "a" in calls[1]
+        assert base + "a" in calls[0]
         client.put(base + "b", b"2")
         changes.wait_for(lambda v: v == {base + "a": b"1", base + "b": b"2"})
         assert watch.running and watch.crashes == 1
         [(error, trace)] = crashes
-        assert "KeyError: 'a bug in a listener'" in error and base in error
+        assert "KeyError: 'a bug applying a batch'" in error and base in error
+        assert "in broken_once" in trace, trace
+    finally:
+        watch.close()
+
+
+def test_a_listener_that_raises_is_reported_once_and_the_others_are_still_told(etcd_server, etcd_run_id) -> None:
+    """A listener's bug is the listener's: reported once (with its traceback), counted each time, while the
+    other listeners hear every change and the watch follows on without reading its keys again (before, each
+    raise read the whole prefix again and told every listener, which raised again: a loop without end)."""
+    client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
+    base = f"/resilient/{etcd_run_id}/"
+    crashes: list[tuple[str, str]] = []
+
+    def buggy() -> None:
+        raise KeyError("a bug in a listener")
+
+    watch, changes = _watch(client, base, on_crash=lambda e, t: crashes.append((e, t)))
+    watch.subscribe(buggy)
+    try:
+        for i in range(5):  # one at a time: a batch each
+            client.put(base + f"k{i}", b"v")
+            changes.wait_for(lambda v, n=i + 1: len(v) == n)
+        deadline = time.monotonic() + 10
+        while watch.listener_errors < 5:
+            assert time.monotonic() < deadline, watch.listener_errors
+            time.sleep(0.02)
+        assert watch.running and watch.crashes == 0 and watch.streams == 1, "no read again, no stream again"
+        [(error, trace)] = crashes
+        assert "listener" in error and "buggy" in error and "KeyError: 'a bug in a listener'" in error
         assert "in buggy" in trace, trace
     finally:
         watch.close()

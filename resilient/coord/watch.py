@@ -18,11 +18,14 @@ While etcd cannot be reached the copy stays as it was, :attr:`stale_since`
 says since when, and ``on_error`` hears of it once per outage.
 
 The thread never ends before :meth:`close`: an error it does not expect (a
-bug in a listener, a malformed answer) is handed to ``on_crash`` with its
+malformed answer, a bug of its own) is handed to ``on_crash`` with its
 traceback, and the watch reads the prefix again at a new revision, tells
 every listener (any key may have changed meanwhile) and follows on from
 there, pausing longer after each crash in a row (up to
-:data:`CRASH_BACKOFF_MAX_S`).
+:data:`CRASH_BACKOFF_MAX_S`).  A listener that raises is its own bug, not the
+copy's: it is reported to ``on_crash`` (once per listener and error, the
+repeats counted in :attr:`listener_errors`), the other listeners are still
+told, and the watch follows on without reading anything again.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ class PrefixWatch:
         self._on_crash = on_crash
         self.crashes = 0
         """Unexpected errors the thread survived."""
+        self.listener_errors = 0
+        """Errors raised by listeners (each distinct one reported once)."""
+        self._listener_said: set[tuple[int, str]] = set()
         self._crashes_in_a_row = 0
         self._idle = idle_s
         self._retry = retry_s
@@ -113,7 +119,23 @@ class PrefixWatch:
         """``keys``: the keys that changed (None: any may have, the copy was read again)."""
         for listener, under in list(self._listeners):
             if under is None or keys is None or any(k.startswith(under) for k in keys):
-                listener()
+                try:
+                    listener()
+                except Exception as e:  # noqa: BLE001  the listener's bug: said, and the others still told
+                    self._listener_failed(listener, e)
+
+    def _listener_failed(self, listener: Callable[[], None], e: Exception) -> None:
+        self.listener_errors += 1
+        error = f"{type(e).__name__}: {e}"
+        if (id(listener), error) in self._listener_said:
+            return
+        self._listener_said.add((id(listener), error))
+        name = getattr(listener, "__qualname__", repr(listener))
+        try:
+            self._on_crash(f"a listener of the watch of {self.prefix} ({name}) raised {error}",
+                           "".join(traceback.format_exception(e)))
+        except Exception:  # noqa: BLE001, S110  a failing report must not end the watch it reports on
+            pass
 
     def view(self) -> View:
         with self._lock:
