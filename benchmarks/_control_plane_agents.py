@@ -151,7 +151,7 @@ class Agent:
                                   lease=lambda: self.presence.lease, live=self.presence.live, watch=self.watch)
         self.shared = SharedFacts(self.signed, LAUNCH, node, watch=self.watch, root=ROOT,
                                   timing_watch=(lambda: self.timing_watch) if rank == 0 else None)
-        self.link = TimingLink("127.0.0.1", token, lambda kind, **fields: None) if rank is not None else None
+        self.link = TimingLink("127.0.0.1", token, lambda key, problem: None) if rank is not None else None
         """A member's timing link: it sends its windows to the scorer's, and the scorer's receives them."""
         self.announced: int | None = None
         self.generation = 0

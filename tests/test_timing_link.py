@@ -15,7 +15,6 @@ import pytest
 
 from resilient.agent.timing_link import MAX_RECORD, TimingLink, timing_key
 from resilient.coord.proof import sign
-from resilient.core.events import EventKind
 
 TOKEN = "t" * 64
 
@@ -34,9 +33,9 @@ def until(condition: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture
 def links():
-    said: list[tuple[EventKind, dict[str, Any]]] = []
-    scorer = TimingLink("127.0.0.1", TOKEN, lambda kind, **fields: said.append((kind, fields)))
-    node = TimingLink("127.0.0.1", TOKEN, lambda kind, **fields: None)
+    said: list[tuple[str, str]] = []
+    scorer = TimingLink("127.0.0.1", TOKEN, lambda key, problem: said.append((key, problem)))
+    node = TimingLink("127.0.0.1", TOKEN, lambda key, problem: None)
     yield scorer, node, said
     scorer.close()
     node.close()
@@ -66,8 +65,8 @@ def test_a_forged_or_altered_record_is_dropped_and_said_once(links) -> None:
         node._sock.sendto(data, scorer._sock.getsockname())
     until(lambda: scorer.dropped == 5, "five datagrams dropped")
     assert scorer.records() == [] and scorer.received == 0
-    assert [(kind, fields["key"]) for kind, fields in said] == [(EventKind.FORGED_KEY, "timing/L1/n1")]
-    assert "wrong proof" in said[0][1]["problem"]
+    assert [key for key, _ in said] == ["timing/L1/n1"]
+    assert "wrong proof" in said[0][1] and "a timing datagram" in said[0][1]
     # A proof is bound to its key: n1's record does not pass as n2's.
     stolen = json.loads(sign(TOKEN, timing_key("L1", "n1"), body))
     stolen["body"]["node"] = "n2"
@@ -94,3 +93,30 @@ def test_a_record_too_large_for_a_datagram_or_an_address_that_does_not_parse_is_
     assert not node.send(scorer.address, "L1", big), "it goes to the store instead"
     assert not node.send("no-port-here", "L1", record("n1"))
     assert not node.send(scorer.address, "L1", {"generation": 3}), "a record without its node"
+
+
+def test_forged_entries_beyond_twenty_a_minute_are_counted_not_each_an_event(tmp_path, monkeypatch) -> None:
+    """A writer flooding etcd (or the timing link) with forgeries gets the agent to say so, not to fill its event
+    log: 20 ``forged_key`` events a minute, and the first after the minute counts those it left unsaid."""
+    from resilient.agent import coordination as coordination_module
+    from resilient.agent.config import AgentConfig
+    from resilient.agent.coordination import FORGED_EVENTS, Coordination
+    from resilient.agent.rundir import RunDir
+
+    config = AgentConfig(entrypoint=("train.py",), run_id="r", node_id="n0", run_dir=tmp_path)
+    run_dir = RunDir(tmp_path, "n0")
+    said: list[dict[str, Any]] = []
+    now = [1000.0]
+    monkeypatch.setattr(coordination_module.time, "monotonic", lambda: now[0])
+    coordination = Coordination(config, run_dir, run_dir.create(),
+                                emit=lambda kind, **fields: said.append({"kind": kind, **fields}),
+                                on_node_lost=lambda node, why: None)
+    for i in range(FORGED_EVENTS + 7):
+        coordination._on_rejected_write(f"launch/L1/nodes/x{i}", "wrong proof")
+    assert len(said) == FORGED_EVENTS and [e["unsaid"] for e in said] == [0] * FORGED_EVENTS
+    now[0] += 59.0
+    coordination._on_rejected_write("launch/L1/nodes/y", "wrong proof")
+    assert len(said) == FORGED_EVENTS, "still the same minute"
+    now[0] += 1.5
+    coordination._on_rejected_write("launch/L1/nodes/z", "wrong proof")
+    assert said[-1]["key"] == "launch/L1/nodes/z" and said[-1]["unsaid"] == 8

@@ -12,6 +12,8 @@ through the token's proof (:mod:`resilient.coord.proof`).
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +34,8 @@ from .timing_link import TimingLink
 if TYPE_CHECKING:
     from .quarantine_gate import QuarantineGate
 
+FORGED_EVENTS = 20
+"""``forged_key`` events an agent gives in a minute at most; the ones past it are counted in the next."""
 _OUTAGE_KINDS = {"start": EventKind.STORE_OUTAGE_START, "end": EventKind.STORE_OUTAGE_END}
 """The etcd client's ``on_outage(event, detail)`` events, as event kinds."""
 
@@ -52,6 +56,8 @@ class Coordination:
         self._emit = emit
         self._on_node_lost = on_node_lost
         self.control = self._control_store()
+        self._forged_lock = threading.Lock()
+        self._forged_since, self._forged_said, self._forged_unsaid = -float("inf"), 0, 0
         self.signed = SignedStore(self.control, token, on_rejected=self._on_rejected_write)
         self.seal = Seal(token, f"/resilient/{config.run_id}/", on_rejected=self._on_rejected_write)
         """Signs and checks the values under the run's etcd keys that are written outside :attr:`signed` (the
@@ -73,7 +79,7 @@ class Coordination:
         self.presence_extra: dict[str, str] = {}
         """More addresses this agent serves, published in its presence key (its memory tier's, for one)."""
         if config.multi_node:
-            self.timing_link = TimingLink(config.local_addr, token, emit, self.threads)
+            self.timing_link = TimingLink(config.local_addr, token, self._on_rejected_write, self.threads)
             self.presence_extra[TIMING_AS] = self.timing_link.address
         self.restarts_used_cached = 0
         """The restart count last read from the store (for readers that must not do I/O)."""
@@ -96,7 +102,19 @@ class Coordination:
         return EtcdControlStore(client, f"/resilient/{self._config.run_id}/")
 
     def _on_rejected_write(self, key: str, problem: str) -> None:
-        self._emit(EventKind.FORGED_KEY, key=key, problem=problem,
+        """A forged or altered entry was ignored: a ``forged_key`` event, at most :data:`FORGED_EVENTS` a minute
+        (a writer flooding etcd with forgeries must not flood the event log too); the next event after a full
+        minute says how many were ignored without one."""
+        now = time.monotonic()
+        with self._forged_lock:
+            if now - self._forged_since >= 60.0:
+                self._forged_since, self._forged_said = now, 0
+            if self._forged_said >= FORGED_EVENTS:
+                self._forged_unsaid += 1
+                return
+            self._forged_said += 1
+            unsaid, self._forged_unsaid = self._forged_unsaid, 0
+        self._emit(EventKind.FORGED_KEY, key=key, problem=problem, unsaid=unsaid,
                    hint="only holders of the run token may change the run; this entry is ignored. Something with "
                         "write access to etcd wrote it: lock etcd down (authentication, TLS, a network policy)")
 

@@ -25,8 +25,7 @@ import socket
 import threading
 from typing import Any
 
-from ..coord.proof import sign, verify
-from ..core.events import Emit, EventKind
+from ..coord.proof import RejectCallback, sign, verify
 from ..core.supervised import Supervised, ThreadReports
 
 MAX_RECORD = 60_000
@@ -45,9 +44,10 @@ class TimingLink:
     """This agent's UDP socket for timing windows: it sends its own to the scorer and, as the scorer, keeps each
     node's newest verified record of the current launch."""
 
-    def __init__(self, host: str, token: str, emit: Emit, threads: ThreadReports | None = None) -> None:
+    def __init__(self, host: str, token: str, on_rejected: RejectCallback, threads: ThreadReports | None = None) -> None:
+        """``on_rejected(key, problem)``: a datagram whose proof is wrong (the agent's ``forged_key`` event)."""
         self._token = token
-        self._emit = emit
+        self._on_rejected = on_rejected
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_DGRAM)
         self._sock.bind((host, 0))
@@ -98,7 +98,7 @@ class TimingLink:
             self.dropped += 1
             if key not in self._forged:  # said once per key: a flood of forgeries is not a flood of events
                 self._forged.add(key)
-                self._emit(EventKind.FORGED_KEY, key=key, problem=f"{checked.problem} (a timing datagram)")
+                self._on_rejected(key, f"{checked.problem} (a timing datagram)")
             return
         with self._lock:
             if launch != self._launch:
