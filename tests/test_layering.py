@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MAX_LINES = 800
-"""DESIGN.md: one concept per module, none over 800 lines; a line cap is no reason to split a concept over files."""
+"""One concept per module, none over 800 lines; a line cap is no reason to split a concept over files."""
 OPERATOR = ("resilient.cli", "resilient.deploy", "resilient.chaos")
 """The operator side, highest first: each may import those after it, and nothing below imports any of them."""
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
