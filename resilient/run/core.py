@@ -24,7 +24,6 @@ from typing import Any, Generic, Self, TypeVar, overload
 
 import torch
 
-from .. import __version__
 from ..checkpoint import sharded
 from ..checkpoint.config import CheckpointConfig
 from ..checkpoint.manager import CheckpointManager, SaveResult
@@ -32,6 +31,7 @@ from ..core import compat
 from ..core.errors import ConfigError
 from ..core.events import EventKind, EventLog, ForwardingLog
 from ..core.state import Stateful, check_stateful, model_fingerprint, unwrap
+from ..core.version import VERSION
 from ..data.loader import ElasticLoader
 from ..elastic import groups as _groups
 from ..worker.env import WorkerEnv, replay_plan
@@ -219,7 +219,7 @@ class Run:
             "model": model_fingerprint(model),
             "config": digest_config(st.config),
             "config_values": config_values(st.config),  # a resume under another config names what changed
-            "code": {"resilient": __version__, "torch": torch.__version__},
+            "code": {"resilient": VERSION, "torch": torch.__version__},
         }
         self._open_checkpoints(checkpoint, env, spare=spare, joined=joined)
         if st.make_groups is not None and not (spare and joined is None):  # a spare makes them once promoted
