@@ -48,7 +48,7 @@ from .memory import open_memory
 from .mesh import take_joined, worker_hooks
 from .payloads import check_sharding, config_values, digest_config, open_checkpoints, shard_layout
 from .recovery import InProcessRecovery
-from .sections import AFTER_STEPS, BETWEEN, Section
+from .sections import AFTER_STEPS, Section, between_updates, enter
 from .state import RunState
 from .timing import step_timer, time_fsdp, time_script_ddp
 
@@ -245,7 +245,7 @@ class Run:
         restore_started, diagnosing = time.perf_counter(), env is not None and env.diagnose is not None
         st.memory = open_memory(st, env) if checkpoint is not None and not diagnosing else None
         if checkpoint is not None and not diagnosing:
-            with st.section("restore"):
+            with Section(st, "restore"):
                 # A promoted spare takes its state from the members, not from a checkpoint.
                 promoted = joined is not None or (env is not None and env.promoted is not None)
                 st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=not promoted)
@@ -281,7 +281,7 @@ class Run:
                 break
         saving.at_finish(st)
         if hooks is not None:
-            st.enter(AFTER_STEPS)
+            enter(st, AFTER_STEPS)
 
     def _steps(self, total: int) -> Iterator[int]:
         st = self._state
@@ -308,7 +308,7 @@ class Run:
                 st.memory.at_boundary()
             st.step_started = time.perf_counter()
             if hooks is not None:
-                st.enter("step")
+                enter(st, "step")
             st.in_body = True
             yield st.step
             st.in_body = False
@@ -323,9 +323,7 @@ class Run:
             st.step += 1
             if not st.integration_told:
                 _integration.after_first_step(st)
-            # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
-            # its way out, or the agent would see the next step start before it does.
-            st.current_section = BETWEEN
+            between_updates(st)
 
     def report(self, *, loss: Any = None, tokens: int = 0, samples: int | None = None) -> None:
         """Count this rank's progress for the current update."""
@@ -400,7 +398,7 @@ class Run:
         st = self._state
         result = None
         if st.checkpoints is not None:
-            with st.section("checkpoint"):
+            with Section(st, "checkpoint"):
                 result = st.checkpoints.wait()
         if st.memory is not None:
             st.memory.close()
@@ -432,7 +430,7 @@ class Run:
         Under the agent, entering it sends a heartbeat naming ``name`` (a hang there is attributed to it and
         timed with its timeout); leaving it re-enters the enclosing section.
         """
-        return self._state.section(name)
+        return Section(self._state, name)
 
     def __enter__(self) -> Self:
         return self

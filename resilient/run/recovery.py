@@ -84,6 +84,7 @@ from ..elastic.state_sync import StateSyncError, agree_step, sync_from
 from . import nonfinite
 from .attempt import rewind_current
 from .ddp import ddp_layout, regroup, wrap_ddp
+from .sections import Section
 from .state import StepPosition
 
 if TYPE_CHECKING:
@@ -202,7 +203,7 @@ class InProcessRecovery:
                 assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
                 self._received = False
                 try:
-                    with state.section("restore"):  # the agent times the re-formation; a drill can strike in it
+                    with Section(state, "restore"):  # the agent times the re-formation; a drill can strike in it
                         self._join(assignment, step, clean, mine, failed_at=failed_at, abandon_s=abandon_s,
                                    wait_s=time.monotonic() - waited)
                     return True
@@ -259,7 +260,7 @@ class InProcessRecovery:
             return
         started = time.monotonic()
         try:
-            with state.section("restore"):  # the agent books the re-formation as recovery, and times it
+            with Section(state, "restore"):  # the agent books the re-formation as recovery, and times it
                 mine = self._extra(state.step, ddp_layout(state.model))
                 self._release(None)
                 assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)

@@ -20,8 +20,6 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .sections import BETWEEN, Section
-
 if TYPE_CHECKING:
     import torch
 
@@ -112,6 +110,7 @@ class RunState:
     groups: Any = None
     """What ``make_groups`` returned in the current generation (None before it ran)."""
     current_section: str = "init"
+    """The section this rank is in, as the agent sees it (:mod:`.sections`); "" between two updates."""
     position: StepPosition = StepPosition.BEFORE
     """Where this rank is in the current step's optimizer update (set by hooks; BEFORE at attempt entry)."""
     attempt_start: AttemptStart | None = None
@@ -134,6 +133,7 @@ class RunState:
     prepared: bool = False
     """The checkpoint manager was told the size of a save (after the first update)."""
     reported_save: SaveResult | None = None
+    """The newest finished save told to the agent in a heartbeat (:mod:`.sections`)."""
 
     # ---------------------------------------------------------------- the parts that act on it
     hooks: WorkerHooks | None = None
@@ -150,28 +150,6 @@ class RunState:
     replay: Replay | None = None
     """``resilient incident replay``: ends the loop once the failing step is behind, writes what happened."""
 
-    def section(self, name: str) -> Section:
-        """Enter section ``name`` for a ``with`` block; the enclosing one is re-entered on the way out."""
-        return Section(self, name)
-
-    def enter(self, section: str) -> None:
-        """Enter ``section``: the timer charges it from now, the agent hears of it in a heartbeat."""
-        self.current_section = section
-        if self.timer is not None:
-            self.timer.switch(section)
-        if self.hooks is not None:
-            self.hooks.enter(section, self.step, self.committed_step(), tokens=self.tokens, samples=self.samples,
-                             save=self._new_save_report())
-
-    def leave_for(self, outer: str) -> None:
-        """Back to ``outer`` (a section left): between two updates nothing is reported, the next step reports."""
-        if outer != BETWEEN:
-            self.enter(outer)
-            return
-        self.current_section = BETWEEN
-        if self.timer is not None:
-            self.timer.switch(BETWEEN)
-
     def committed_step(self) -> int | None:
         """The step of the newest committed checkpoint this rank knows of (None: none)."""
         manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
@@ -182,13 +160,3 @@ class RunState:
         micro, self.micro = self.micro, None
         if micro is not None:
             micro.close()
-
-    def _new_save_report(self) -> dict[str, Any] | None:
-        """The newest finished save, once: what the agent exports as checkpoint duration and bytes."""
-        results = self.checkpoints.results if self.checkpoints is not None else None
-        if not results or results[-1] is self.reported_save:
-            return None
-        result = self.reported_save = results[-1]
-        size = result.manifest.total_bytes if result.manifest is not None else 0
-        return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
-                "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}
