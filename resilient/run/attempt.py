@@ -62,8 +62,8 @@ from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFin
 from ..core.events import EventKind
 from ..core.state import seed_torch, unwrap
 from . import nonfinite
-from .resume import generator_states, set_generator_states
 from .state import StepPosition
+from .streams import generator_states, set_generator_states
 
 if TYPE_CHECKING:
     from ..elastic.batch import BatchPlan

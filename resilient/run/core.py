@@ -50,6 +50,7 @@ from .payloads import check_sharding, config_values, digest_config, open_checkpo
 from .recovery import InProcessRecovery
 from .sections import AFTER_STEPS, Section, between_updates, enter
 from .state import RunState
+from .streams import check_generators
 from .timing import step_timer, time_fsdp, time_script_ddp
 
 _FROM_ENVIRONMENT: Any = object()
@@ -194,7 +195,7 @@ class Run:
         # torchrun or the agent, and the script made no group; a spare's group is the one it was promoted into
         _ddp.init_default_group(st.ddp_options is not None and not spare)
         st.seed, st.reseed = _checked_seed(seed, reseed)
-        st.generators = _resume.check_generators(generators)
+        st.generators = check_generators(generators)
         st.resume_check = _resume.checked_mode(resume_check if resume_check is not None else
                                                env.resume_check if env is not None and env.resume_check else "stop")
         st.audit_every = _audit.checked_every(audit_every)

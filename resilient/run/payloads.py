@@ -33,6 +33,7 @@ from ..core.errors import CheckpointMismatchError, ConfigError
 from ..core.events import EventKind
 from ..core.state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
 from . import resume
+from .streams import generator_states, set_generator_states
 
 if TYPE_CHECKING:
     from ..elastic.mesh_rebind import ShardLayout
@@ -90,7 +91,7 @@ def capture_payloads(state: RunState, *, replicated: bool | None = None, local_s
     payloads: dict[str, Any] = {
         RANK: {
             "rng": capture_rng(),
-            "generators": resume.generator_states(state.generators),
+            "generators": generator_states(state.generators),
             resume.PREFETCH: resume.saved_prefetch(state),
             "data": state.data.state_dict() if state.data is not None else None,
             "user": {name: obj.state_dict() for name, obj in state.user_state.items()},
@@ -194,7 +195,7 @@ def apply_restored(state: RunState, restored: Restored) -> None:
     counters = mine["counters"]
     state.step, state.samples, state.tokens = counters["step"], counters["samples"], counters["tokens"]
     if state.generators:
-        resume.set_generator_states(state.generators, mine.get("generators") or {}, f"checkpoint {name}")
+        set_generator_states(state.generators, mine.get("generators") or {}, f"checkpoint {name}")
     restore_rng(mine["rng"])  # last: loading above must not consume random numbers after it
     if restored.manifest.world_size == state.world_size:  # this rank's own streams: checked at the first step
         resume.restore(state, state.step, name, mine)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .nonfinite import OwnGradients, Pending
     from .recovery import InProcessRecovery
     from .replay import Replay
-    from .resume import Expected, Fetched
+    from .streams import Expected, Fetched
     from .timing import StepTimer
 
 
