@@ -200,7 +200,8 @@ def test_a_run_on_the_cpu_never_pays_for_the_late_verdicts_probe(monkeypatch):
 def test_a_rank_s_own_gradients_are_watched_before_they_are_averaged_only_on_a_retry_of_a_non_finite_step():
     """What tells the rank whose samples made a NaN from the ranks the all-reduce brought it to: hooks that see
     each gradient as its backward makes it, installed only while a step found non-finite is retried."""
-    from resilient.run.nonfinite import OwnGradients, watch_own
+    from resilient.run.nonfinite import watch_own
+    from resilient.run.records import OwnGradients
     from resilient.run.state import RunState
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))

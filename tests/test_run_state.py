@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import resilient
+from resilient.run.records import StepPosition
 from resilient.run.saving import payloads
-from resilient.run.state import StepPosition
 
 
 class Ema:

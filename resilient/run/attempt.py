@@ -11,7 +11,7 @@ own three things (DESIGN.md, "The script's side of recovery"):
   (:mod:`resilient.elastic.batch`), with DDP's gradient sync only on the last
   (:func:`micro_batches`);
 - **the attempt** (``with run.attempt():`` around the step body): what a retry
-  of the step needs is recorded at entry (:class:`AttemptStart`), a failure
+  of the step needs is recorded at entry (:class:`~.records.AttemptStart`), a failure
   that a re-formed group can survive is told apart from the rest
   (:func:`is_recoverable`), and the step's cursor, counters, gradients and
   random streams are put back for the retry (:func:`rewind`).
@@ -35,7 +35,7 @@ own, and the first recovery with a replacement says so once
 the seeds depend only on the step.
 
 **Where a rank is in the update.**  ``attempt()`` also follows the
-optimizer's update (:class:`~.state.StepPosition`, :func:`track_position`): a rank
+optimizer's update (:class:`~.records.StepPosition`, :func:`track_position`): a rank
 that failed inside ``optimizer.step()`` or after it, with the rest of the
 step unfinished, is dirty and never a source of state in a recovery
 (:mod:`.recovery`); the ``state=`` objects, scheduler, scaler
@@ -51,7 +51,6 @@ import random
 import sys
 import weakref
 from collections.abc import Generator, Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,7 +61,7 @@ from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFin
 from ..core.events import EventKind
 from ..core.state import seed_torch, unwrap
 from . import nonfinite
-from .state import StepPosition
+from .records import AttemptStart, PendingVerdict, StepPosition
 from .streams import generator_states, set_generator_states
 
 if TYPE_CHECKING:
@@ -126,34 +125,6 @@ def snapshot_state(name: str, obj: Any) -> Any:
         ) from None
 
 
-@dataclass(frozen=True)
-class AttemptStart:
-    """What a retry of the step needs, recorded when ``run.attempt()`` is entered."""
-
-    step: int
-    consumed: int | None
-    """The loader's cursor at the step's start (None: no loader)."""
-    samples: int
-    tokens: int
-    python_rng: Any
-    numpy_rng: Any
-    """numpy's global generator state; None when numpy is not imported."""
-    user: dict[str, Any]
-    """A copy of each ``state=`` object's state at the step's start."""
-    scheduler: Any
-    scaler: Any
-    hyper: list[dict[str, Any]]
-    """The optimizer's hyperparameters (every param group's entries but its parameters): a scheduler or the
-    script may set them inside the step."""
-    generators: dict[str, Any]
-    """The states of ``Run(generators=...)`` at the step's start."""
-    fetched: Any = None
-    """The newest ``run.prefetch`` record at the attempt's start: another one at its end fetched ahead inside it."""
-    retryable: bool = True
-    """False: nothing can retry this attempt (no in-process recovery, ``nonfinite`` not "retry"), so the copies
-    above were not taken."""
-
-
 _IMMUTABLE = (float, int, bool, str, type(None), tuple)
 """Hyperparameter values kept as they are in an attempt's copy (a tensor learning rate, a list, is copied)."""
 
@@ -197,7 +168,7 @@ def reseed(seed: int, step: int, rank: int) -> None:
 def rewind(state: RunState, start: AttemptStart) -> None:
     """Put back what the failed attempt moved: cursor, counters, gradients, the ``state=`` objects, scheduler,
     scaler, the optimizer's hyperparameters and every RNG stream.  Parameters and optimizer state are the
-    caller's: unchanged when the rank failed before the update (:class:`StepPosition`), else a peer's."""
+    caller's: unchanged when the rank failed before the update (:class:`~.records.StepPosition`), else a peer's."""
     assert state.step == start.step, f"the step moved during the attempt: {start.step} -> {state.step}"
     assert start.retryable, "an attempt begun without its copies is being retried"
     state.close_micro_batches()
@@ -247,7 +218,7 @@ def late_verdict_at_boundary(state: RunState, *, needed: bool) -> bool:
     return True
 
 
-def go_back(state: RunState, pending: nonfinite.Pending) -> None:
+def go_back(state: RunState, pending: PendingVerdict) -> None:
     """Back to the start of ``pending``'s step (its update was skipped: parameters and optimizer state are that
     step's start already), to be retried and checked at once."""
     assert pending.start is not None

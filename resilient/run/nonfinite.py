@@ -61,9 +61,9 @@ from ..core import compat
 from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
 from ..core.events import EventKind
 from ..core.state import unwrap
+from .records import AttemptStart, OwnGradients, PendingVerdict
 
 if TYPE_CHECKING:
-    from .attempt import AttemptStart
     from .state import RunState
 
 MODES = ("retry", "raise", "off")
@@ -121,20 +121,6 @@ def install(state: RunState, optimizer: torch.optim.Optimizer | None, mode: str)
             optimizer.register_step_post_hook(lambda opt, args, kwargs: _stepped(opt))]
 
 
-@dataclass
-class Pending:
-    """A step's verdict, set on the device and not read yet."""
-
-    step: int
-    host: torch.Tensor
-    """The flag's copy on the host (1.0: not finite), filled asynchronously on CUDA."""
-    ready: Any
-    """The CUDA event recorded after that copy (None where the copy is synchronous)."""
-    start: AttemptStart | None
-    """The step's attempt start, to go back to (None: the update was outside ``run.attempt()``)."""
-    bad: bool | None = None
-
-
 class LateNonFiniteError(NonFiniteGradientsError):
     """An earlier step's gradients were not finite, found when its verdict was read; its update was skipped."""
 
@@ -169,7 +155,7 @@ def check_late(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         ready.record()
     else:
         host, ready = found, None
-    state.pending = Pending(state.step, host, ready, state.attempt_start)
+    state.pending = PendingVerdict(state.step, host, ready, state.attempt_start)
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> None:
@@ -178,7 +164,7 @@ def _stepped(optimizer: torch.optim.Optimizer) -> None:
             delattr(optimizer, name)
 
 
-def settle(state: RunState, *, wait: bool) -> Pending | None:
+def settle(state: RunState, *, wait: bool) -> PendingVerdict | None:
     """Read the pending verdict where it is ready (or ``wait`` for it); the pending step when it was not finite.
 
     A finite verdict is dropped; a non-finite one stays pending until the Run goes back to its step.
@@ -198,7 +184,7 @@ def settle(state: RunState, *, wait: bool) -> Pending | None:
     return pending
 
 
-def late_error(state: RunState, pending: Pending, when: str) -> LateNonFiniteError:
+def late_error(state: RunState, pending: PendingVerdict, when: str) -> LateNonFiniteError:
     return LateNonFiniteError(
         f"step {pending.step}: a gradient was not finite (NaN or Inf) on rank {state.rank}; the update was skipped "
         f"on the device and the verdict read {when} (nonfinite_verdict='late': the parameters are named when the "
@@ -312,35 +298,6 @@ def _check_all(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         f"step {state.step}: a gradient is not finite (NaN or Inf) on rank {state.rank} before the optimizer's update"
         f"{where}; the update was not applied{whose}", step=state.step, rank=state.rank, params=names,
         own_nonfinite=own)
-
-
-class OwnGradients:
-    """Whether this rank's own backward makes a non-finite gradient, before data parallelism averages the ranks'
-    gradients (after it, every rank holds the same NaN, whichever rank's samples made it).
-
-    A hook on each (unsharded) parameter sees the gradient its backward computed, before it is accumulated
-    and all-reduced, and keeps a flag on the device; the host reads the flags only when a verdict is given.
-    The Run watches only the retries of a step found non-finite, so it costs the healthy steps nothing.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._flags: list[torch.Tensor] = []
-        self._handles = [p.register_hook(self._seen) for p in unwrap(model).parameters()
-                         if p.requires_grad and not callable(getattr(p, "to_local", None))]
-
-    def _seen(self, grad: torch.Tensor) -> None:
-        self._flags.append(torch.logical_not(grad.detach().isfinite().all()))
-
-    def verdict(self) -> bool | None:
-        """True: a gradient this rank's backward made was not finite; False: none was; None: nothing watched."""
-        if not self._flags:
-            return None
-        return bool(torch.stack(self._flags).any().item())
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._flags = [], []
 
 
 def watch_own(state: RunState) -> OwnGradients | None:

@@ -7,7 +7,7 @@ Wired when the agent gives ``RESILIENT_RECOVERY_STORE`` (the Run state's
   :meth:`InProcessRecovery.__call__` with the error alive.  It rewinds the
   attempt first (cursor, counters, gradients, ``state=`` objects, scheduler,
   RNG) and notes where it was in the optimizer's update
-  (:class:`~resilient.run.state.StepPosition`), then releases every
+  (:class:`~resilient.run.records.StepPosition`), then releases every
   reference to the old groups (the DDP wrapper, the finished frames of the
   error's traceback, the checkpoint Coordinator's sub-groups once an
   in-flight save has its outcome) and destroys them at once: that is what
@@ -84,8 +84,8 @@ from ..elastic.state_sync import StateSyncError, agree_step, sync_from
 from . import nonfinite
 from .attempt import rewind_current
 from .ddp import ddp_layout, regroup, wrap_ddp
+from .records import StepPosition
 from .sections import Section
-from .state import StepPosition
 
 if TYPE_CHECKING:
     from torch.distributed import Store

@@ -15,10 +15,11 @@ public attributes read the state, and none of them can be assigned.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .records import StepPosition
 
 if TYPE_CHECKING:
     import torch
@@ -28,26 +29,12 @@ if TYPE_CHECKING:
     from ..data.loader import ElasticLoader
     from ..elastic.batch import BatchPlan
     from ..worker.hooks import WorkerHooks
-    from .attempt import AttemptStart
     from .memory import RunMemory
-    from .nonfinite import OwnGradients, Pending
+    from .records import AttemptStart, OwnGradients, PendingVerdict
     from .recovery import InProcessRecovery
     from .replay import Replay
     from .streams import Expected, Fetched
     from .timing import StepTimer
-
-
-class StepPosition(enum.Enum):
-    """Where a rank is inside the step's optimizer update (DESIGN.md, "A step is atomic to the outside")."""
-
-    BEFORE = "before"
-    """The update was not entered: the rank's state is the step's start, once the attempt is rewound (clean)."""
-    INSIDE = "inside"
-    """Inside ``optimizer.step()``: part of the update may be applied (an optimizer with a collective in its
-    step applies one part, waits for its peers, applies the rest).  Dirty: never a source of state."""
-    AFTER = "after"
-    """The update was applied but the rest of the step body did not finish (the scheduler, the counters, the
-    ``state=`` objects may lag it, and what the body would still have done is unknown).  Dirty too."""
 
 
 @dataclass(eq=False)
@@ -125,7 +112,7 @@ class RunState:
     nonfinite_tries: dict[int, int] = field(default_factory=dict)
     own_grads: OwnGradients | None = None
     """On a retry of a step found non-finite: whether this rank's own backward made the non-finite gradients."""
-    pending: Pending | None = None
+    pending: PendingVerdict | None = None
     """A step's non-finite verdict on the device, not read yet (``nonfinite_verdict="late"``)."""
     recheck_step: int | None = None
     """A step retried after a late verdict: its update is checked at once."""
