@@ -44,7 +44,7 @@ from . import nonfinite as _nonfinite
 from . import replay as _replay
 from . import resume as _resume
 from . import saving
-from .memory import open_memory
+from .memory import RunMemory, open_memory
 from .mesh import take_joined, worker_hooks
 from .payloads import check_sharding, config_values, digest_config, open_checkpoints, shard_layout
 from .recovery import InProcessRecovery
@@ -85,7 +85,9 @@ class Run:
     ``step`` is the number of completed optimizer updates; inside the loop
     body it is the index of the update being computed.  The Run's state is
     one :class:`~resilient.run.state.RunState`; its attributes read it and
-    none can be assigned.
+    none can be assigned.  The Run also holds the parts that act on the
+    state at its boundaries: the node's memory tier (:mod:`.memory`),
+    in-process recovery (:mod:`.recovery`) and a replay (:mod:`.replay`).
     """
 
     events: _Read[EventLog] = _Read("The run's event log (under an agent, also forwarded to the agent's).")
@@ -165,6 +167,12 @@ class Run:
         spare = env is not None and env.role == "spare"
         joined = take_joined() if spare else None  # a sharded spare promoted in resilient.device_mesh()
         st = self._state = RunState(model=model, events=events if events is not None else EventLog())
+        self._inproc: InProcessRecovery | None = None
+        """In-process recovery, under an agent that offers it (its standing is ``state.inproc``)."""
+        self._memory: RunMemory | None = None
+        """The node's memory tier: restored from first, saved at boundaries."""
+        self._replay: _replay.Replay | None = None
+        """``resilient incident replay``: ends the loop once the failing step is behind, writes what happened."""
         st.hooks = hooks = worker_hooks(env, st.events, joined)  # first: errors below get a file
         if hooks is not None and (agent_log := hooks.agent_log()) is not None:
             node = env.node_id if env is not None else None
@@ -206,14 +214,14 @@ class Run:
         _attempt.hooked(optimizer, optimizer_hooks)
         # A sharded model whose layout cannot be moved to a new group recovers by restart only.
         if env and env.recovery_store and (layout is not None or not st.sharded):
-            st.inproc = st.recovery = InProcessRecovery(st, env, hooks, layout=layout, joined=joined)
+            st.recovery = self._inproc = InProcessRecovery(st, env, hooks, layout=layout, joined=joined)
         if groups is not None and not callable(groups):
             raise ConfigError(f"Run(groups={groups!r}) must be a function that makes the script's process groups")
         st.make_groups = groups
         _ddp.regroup(st)  # rank and world size of the process group (if any), the loader's share of it
-        st.replay = _replay.Replay(replaying, st) if replaying is not None else None
+        self._replay = _replay.Replay(replaying, st) if replaying is not None else None
         if st.inproc is not None and (restart_only := _groups.restart_only(model)) is not None:
-            st.inproc.decline(restart_only)  # said at the start, so the agent starts no spare for nothing
+            _integration.decline(st, restart_only)  # said at the start, so the agent starts no spare for nothing
         if data is not None and hooks is not None:
             hooks.attach_loader(data, self.section)
         st.fingerprint = {
@@ -224,15 +232,15 @@ class Run:
         }
         self._open_checkpoints(checkpoint, env, spare=spare, joined=joined)
         if st.make_groups is not None and not (spare and joined is None):  # a spare makes them once promoted
-            if st.inproc is not None:
-                st.inproc.make_user_groups()
+            if self._inproc is not None:
+                self._inproc.make_user_groups()
             else:
                 st.groups = st.make_groups()
         if spare and st.inproc is not None and st.inproc.declined is not None:
             # This run recovers by restart only: a spare would hold its memory (a GPU's) for nothing.
             raise SystemExit(0)
-        if spare and st.inproc is not None:  # blocks until promoted, then a member with its state
-            st.inproc.wait_as_spare()
+        if spare and self._inproc is not None:  # blocks until promoted, then a member with its state
+            self._inproc.wait_as_spare()
         elif st.ddp_options is not None:  # after the restore: DDP's first broadcast then carries the restored state
             st.model = _ddp.wrap_ddp(st.model, st.ddp_options)
         st.events.emit(EventKind.RUN_STARTED, rank=st.rank, world_size=st.world_size, step=st.step,
@@ -244,12 +252,13 @@ class Run:
         measures: it keeps nothing)."""
         st = self._state
         restore_started, diagnosing = time.perf_counter(), env is not None and env.diagnose is not None
-        st.memory = open_memory(st, env) if checkpoint is not None and not diagnosing else None
+        memory = self._memory = open_memory(st, env) if checkpoint is not None and not diagnosing else None
         if checkpoint is not None and not diagnosing:
             with Section(st, "restore"):
                 # A promoted spare takes its state from the members, not from a checkpoint.
                 promoted = joined is not None or (env is not None and env.promoted is not None)
-                st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=not promoted)
+                st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=not promoted,
+                                                  from_memory=memory.restore if memory is not None else None)
         if st.hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             st.hooks.restored(st.restored_from, st.step if st.restored_from else None,
                               time.perf_counter() - restore_started)
@@ -291,22 +300,22 @@ class Run:
             if st.resume is not None:  # the first boundary after a restore: is the run where the saving run was?
                 _resume.verify(st)
             st.step_cursor = st.data.consumed if st.data is not None else None  # the step's first sample
-            if st.replay is not None and st.replay.at_boundary():
+            if self._replay is not None and self._replay.at_boundary():
                 return  # a replay: the failing step is behind
             saving.measure(st)
-            if st.pending is not None and _attempt.late_verdict_at_boundary(st, needed=_keeps_state(st)):
+            if st.pending is not None and _attempt.late_verdict_at_boundary(st, needed=self._keeps_state()):
                 if timer is not None:
                     timer.begin()
                 continue  # the step before was not finite (read late): back to it, on the same batch
             if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):
                 saving.stop_at_boundary(st, hooks)
-            if st.inproc is not None:
-                st.inproc.at_boundary()  # a shrunk world grows back here when the agent says so
+            if self._inproc is not None:
+                self._inproc.at_boundary()  # a shrunk world grows back here when the agent says so
             if _audit.due(st):
                 _audit.at_boundary(st)
             saving.at_boundary(st)
-            if st.memory is not None:
-                st.memory.at_boundary()
+            if self._memory is not None:
+                self._memory.at_boundary()
             st.step_started = time.perf_counter()
             if hooks is not None:
                 enter(st, "step")
@@ -323,8 +332,17 @@ class Run:
                 timer.end_step(st.step)
             st.step += 1
             if not st.integration_told:
-                _integration.after_first_step(st)
+                _integration.after_first_step(st, memory=self._memory is not None and self._memory.tier.off is None)
             between_updates(st)
+
+    def _keeps_state(self) -> bool:
+        """Whether this boundary keeps or sends the state (a save, the memory tier, the audit, a stop, a growth): a
+        late non-finite verdict is read here even if the device is not done with it."""
+        st, inproc, memory = self._state, self._inproc, self._memory
+        hooks = st.hooks
+        return (hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None)) \
+            or (inproc is not None and inproc.may_grow()) or _audit.due(st) or saving.due(st) \
+            or (memory is not None and memory.due(st.step))
 
     def report(self, *, loss: Any = None, tokens: int = 0, samples: int | None = None) -> None:
         """Count this rank's progress for the current update."""
@@ -401,8 +419,8 @@ class Run:
         if st.checkpoints is not None:
             with Section(st, "checkpoint"):
                 result = st.checkpoints.wait()
-        if st.memory is not None:
-            st.memory.close()
+        if self._memory is not None:
+            self._memory.close()
         if st.data is not None:
             st.data.close()  # stop its worker processes now, not whenever the loader is collected
         if st.ddp_options is not None:  # the wrapper Run made must not outlive the group (docs/architecture.md)
@@ -438,15 +456,6 @@ class Run:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _keeps_state(st: RunState) -> bool:
-    """Whether this boundary keeps or sends the state (a save, the memory tier, the audit, a stop, a growth): a
-    late non-finite verdict is read here even if the device is not done with it."""
-    hooks = st.hooks
-    return (hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None)) \
-        or (st.inproc is not None and st.inproc.may_grow()) or _audit.due(st) or saving.due(st) \
-        or (st.memory is not None and st.memory.due(st.step))
 
 
 def _check_components(model: object, optimizer: object, scheduler: object, scaler: object,

@@ -14,20 +14,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import EventKind
+
 if TYPE_CHECKING:
     from .state import RunState
 
 NO_ATTEMPT = "the script's steps are not under run.attempt()"
 
 
-def facts(state: RunState) -> dict[str, Any]:
-    """The script's side of the rungs, as the agent's :func:`~resilient.agent.integration.describe` reads it."""
+def facts(state: RunState, *, memory: bool) -> dict[str, Any]:
+    """The script's side of the rungs, as the agent's :func:`~resilient.agent.integration.describe` reads it
+    (``memory``: the node's memory tier keeps this rank's state)."""
     inproc, hooks = state.inproc, state.hooks
     offered = hooks is not None and hooks.env.recovery_store is not None
     return {
         "kind": "integration",
         "checkpoint": state.checkpoints is not None,
-        "memory": state.memory is not None and state.memory.tier.off is None,
+        "memory": memory,
         "attempt": state.attempted,
         "offered": offered,
         "declined": inproc.declined if inproc is not None else None,
@@ -36,11 +39,25 @@ def facts(state: RunState) -> dict[str, Any]:
     }
 
 
-def after_first_step(state: RunState) -> None:
+def after_first_step(state: RunState, *, memory: bool) -> None:
     """At the end of this process's first completed step: decline in-process recovery when the step was not in
     an attempt, then tell the agent the facts (once)."""
     state.integration_told = True
     if state.inproc is not None and not state.attempted:
-        state.inproc.decline(NO_ATTEMPT)
+        decline(state, NO_ATTEMPT)
     if state.hooks is not None:
-        state.hooks.notice(facts(state))
+        state.hooks.notice(facts(state, memory=memory))
+
+
+def decline(state: RunState, reason: str) -> None:
+    """Recover this run by restart only, and say why: to the agent (which says it on its console and in
+    ``resilient status``, and starts no spare for it) and in this rank's events.  Once; nothing without
+    in-process recovery."""
+    inproc = state.inproc
+    if inproc is None or inproc.declined is not None:
+        return
+    inproc.declined = reason
+    state.recovery = None  # a failure inside run.attempt() now propagates: the agent restarts the group
+    if state.hooks is not None:
+        state.hooks.recovery({"event": "declined", "worker": inproc.worker_id, "role": inproc.role, "reason": reason})
+    state.events.emit(EventKind.IN_PROCESS_DECLINED, rank=state.rank, worker=inproc.worker_id, reason=reason)

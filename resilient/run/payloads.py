@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,15 +36,19 @@ from . import resume
 from .streams import generator_states, set_generator_states
 
 if TYPE_CHECKING:
+    from ..checkpoint.manifest import Manifest
     from ..elastic.mesh_rebind import ShardLayout
     from ..worker.env import WorkerEnv
     from .state import RunState
 
 
-def open_checkpoints(state: RunState, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool,
-                     restore: bool = True) -> CheckpointManager:
+def open_checkpoints(
+    state: RunState, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool, restore: bool = True,
+    from_memory: Callable[[Coordinator, Manifest | None], Restored | None] | None = None,
+) -> CheckpointManager:
     """The Run's checkpoint manager, with the newest verified commit restored into the Run (if any and
-    ``restore``)."""
+    ``restore``).  ``from_memory``: the node's memory tier's restore (:meth:`.memory.RunMemory.restore`), tried
+    first and taken when it holds a step at least as new as the newest durable commit."""
     coordinator = Coordinator.from_environment(config.timeout_s)
     # The agent's generation and launch fence this job's writes (none without an agent).
     fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
@@ -56,9 +60,9 @@ def open_checkpoints(state: RunState, config: CheckpointConfig, env: WorkerEnv |
                                 failure_rate=failure_rate(config, env))
     if not restore:
         return manager
-    if state.memory is not None and not spare:  # the node's memory tier first, when it is at least as new
+    if from_memory is not None and not spare:  # the node's memory tier first, when it is at least as new
         durable = manager.newest()
-        restored = state.memory.restore(coordinator, durable)
+        restored = from_memory(coordinator, durable)
         if restored is not None:
             apply_restored(state, restored)
             manager.last_committed = durable

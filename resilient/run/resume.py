@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..core.errors import ConfigError, ResumeDivergedError
 from ..core.events import EventKind
 from ..core.state import capture_rng, restore_rng
+from .integration import decline
 from .streams import Expected, Fetched, Streams, generator_states, moved, set_generator_states
 
 if TYPE_CHECKING:
@@ -72,9 +73,9 @@ def prefetch(state: RunState, fetch: Callable[..., T], args: tuple[Any, ...], kw
     if not callable(fetch):
         raise ConfigError(f"run.prefetch({fetch!r}, ...): the first argument is the function that fetches a batch")
     if state.attempt_start is not None and state.inproc is not None:
-        state.inproc.decline("the script fetches its next batch inside the step (run.prefetch), which a retried "
-                             "step or a replacement rank cannot have: recovery is by restart, which gives the "
-                             "prefetched batch back exactly")
+        decline(state, "the script fetches its next batch inside the step (run.prefetch), which a retried step or "
+                "a replacement rank cannot have: recovery is by restart, which gives the prefetched batch back "
+                "exactly")
     before = streams_now(state)
     result = fetch(*args, **kwargs)
     after = streams_now(state)

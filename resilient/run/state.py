@@ -2,15 +2,20 @@
 
 :class:`RunState` holds what the Run was given (model, optimizer, loader,
 ``state=`` objects), where the rank is (step, counters, section, the
-attempt and the optimizer's update), and the parts that act on it (the
-worker hooks, the step timer, checkpoints, the memory tier, in-process
-recovery).  The Run's modules take a ``RunState`` and nothing else of the
-Run: the attempt (:mod:`.attempt`), DDP's wrapper (:mod:`.ddp`), what is
-saved and put back (:mod:`.payloads`, :mod:`.saving`), the non-finite check
-(:mod:`.nonfinite`), the replica audit (:mod:`.audit`), the memory tier
-(:mod:`.memory`) and in-process recovery (:mod:`.recovery`).  The
-:class:`~resilient.run.Run` a script holds is a thin face over it: its
-public attributes read the state, and none of them can be assigned.
+attempt and the optimizer's update), the parts below the Run it works
+through (the worker hooks, the step timer, checkpoints), and in-process
+recovery's standing (:class:`InProcessStanding`).  The Run's modules take a
+``RunState`` and nothing else of the Run: the attempt (:mod:`.attempt`),
+DDP's wrapper (:mod:`.ddp`), what is saved and put back (:mod:`.payloads`,
+:mod:`.saving`), the non-finite check (:mod:`.nonfinite`), the replica
+audit (:mod:`.audit`), the memory tier (:mod:`.memory`) and in-process
+recovery (:mod:`.recovery`).  The :class:`~resilient.run.Run` a script
+holds is a thin face over it: its public attributes read the state, and
+none of them can be assigned.  The Run also holds those of its parts that
+act on the state at its boundaries (the memory tier, in-process recovery,
+a replay), so that the state names nothing that names it: what it holds is
+defined below it (:mod:`.records`, :mod:`.streams`, the packages under
+:mod:`resilient.run`).
 """
 
 from __future__ import annotations
@@ -29,12 +34,24 @@ if TYPE_CHECKING:
     from ..data.loader import ElasticLoader
     from ..elastic.batch import BatchPlan
     from ..worker.hooks import WorkerHooks
-    from .memory import RunMemory
     from .records import AttemptStart, OwnGradients, PendingVerdict
-    from .recovery import InProcessRecovery
-    from .replay import Replay
     from .streams import Expected, Fetched
     from .timing import StepTimer
+
+
+@dataclass
+class InProcessStanding:
+    """In-process recovery as the rest of the Run sees it (the recovery itself is
+    :class:`~resilient.run.recovery.InProcessRecovery`, which keeps it)."""
+
+    worker_id: str
+    role: str
+    """``worker`` (a member) or ``spare``: the role the agent started this process in."""
+    generation: int
+    """The generation this worker is a member of (or, for a spare, was started in)."""
+    declined: str | None = None
+    """Why this run recovers by restart only (:func:`~resilient.run.integration.decline`: said once to the agent,
+    which then starts no spare)."""
 
 
 @dataclass(eq=False)
@@ -122,20 +139,17 @@ class RunState:
     reported_save: SaveResult | None = None
     """The newest finished save told to the agent in a heartbeat (:mod:`.sections`)."""
 
-    # ---------------------------------------------------------------- the parts that act on it
+    # ---------------------------------------------------------------- the parts it works through
     hooks: WorkerHooks | None = None
     """The agent's side in this process (heartbeats, stacks, error file, faults, stop); None without an agent."""
     timer: StepTimer | None = None
     """Step time by section, sent to the agent for its straggler and slowdown detectors (None without one)."""
     checkpoints: CheckpointManager | None = None
-    memory: RunMemory | None = None
-    """The node's memory tier: restored from first, saved at boundaries."""
-    inproc: InProcessRecovery | None = None
-    """The agent's in-process recovery: the survivor's side, the spare's, growing back."""
+    inproc: InProcessStanding | None = None
+    """The agent's in-process recovery, where it offers one: its generation, and whether the run declined it."""
     recovery: Callable[[BaseException], bool] | None = None
-    """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step."""
-    replay: Replay | None = None
-    """``resilient incident replay``: ends the loop once the failing step is behind, writes what happened."""
+    """In-process recovery (re-form the group, sync state) for a failed attempt; True: retry the step.  None
+    without it, or once declined."""
 
     def committed_step(self) -> int | None:
         """The step of the newest committed checkpoint this rank knows of (None: none)."""
