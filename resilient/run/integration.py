@@ -7,7 +7,9 @@ with the groups the Run can form again.  Only after its first step does a Run kn
 step ran in an attempt), so it sends these facts in a ``notice`` then; the agent, which knows what it
 offers (``--spares``, ``MIN:MAX``), says in one line which rung this run can use and why not the others
 (:mod:`resilient.agent.integration`).  A script that never entered an attempt declines in-process recovery
-here, so that the agent stops the spares it would keep for nothing.
+here, so that the agent stops the spares it would keep for nothing.  Whatever else rules in-process recovery
+out (a model whose groups cannot be made again, the script's own process groups, a batch fetched ahead inside
+an attempt) declines it the same way, through :func:`decline`.
 """
 
 from __future__ import annotations
