@@ -137,7 +137,7 @@ def begin(state: RunState) -> AttemptStart:
     numpy = sys.modules.get("numpy")
     optimizer = state.optimizer
     # Copies only where this attempt can be retried: in-process recovery, or a non-finite gradient's retry.
-    retryable = state.recovery is not None or state.nonfinite_mode == "retry"
+    retryable = state.recovery is not None or state.nonfinite.mode == "retry"
     start = AttemptStart(
         step=state.step, consumed=state.data.consumed if state.data is not None else None, samples=state.samples,
         tokens=state.tokens, python_rng=random.getstate(),
@@ -225,7 +225,7 @@ def go_back(state: RunState, pending: PendingVerdict) -> None:
     state.close_micro_batches()
     state.step = pending.step
     rewind(state, pending.start)
-    state.recheck_step, state.pending = pending.step, None
+    nonfinite.recheck(state, pending)
 
 
 def is_recoverable(exc: BaseException) -> bool:
@@ -362,15 +362,15 @@ class Attempt:
             entered()
         state.attempt_start = begin(state)
         state.attempted = True
-        state.own_grads = nonfinite.watch_own(state)
+        nonfinite.watch(state)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         state = self._state
         try:
             state.close_micro_batches()  # leaves DDP's no_sync if the body failed between micro-batches
-            if isinstance(exc, nonfinite.LateNonFiniteError) and state.pending is not None:
+            if isinstance(exc, nonfinite.LateNonFiniteError) and state.nonfinite.pending is not None:
                 # An earlier step's verdict, read in this one's update: back to that step, on its batch.
-                pending = state.pending
+                pending = state.nonfinite.pending
                 if pending.start is None or not nonfinite.retry(state, exc, since=pending.start):
                     return False
                 go_back(state, pending)
@@ -398,6 +398,4 @@ class Attempt:
             return True
         finally:
             state.attempt_start = None
-            if state.own_grads is not None:
-                state.own_grads.remove()
-                state.own_grads = None
+            nonfinite.unwatch(state)

@@ -207,9 +207,8 @@ class Run:
         st.resume_check = _resume.checked_mode(resume_check if resume_check is not None else
                                                env.resume_check if env is not None and env.resume_check else "stop")
         st.audit_every = _audit.checked_every(audit_every)
-        st.nonfinite_mode = _nonfinite.checked_mode(nonfinite)
-        st.nonfinite_verdict = _nonfinite.checked_verdict(nonfinite_verdict, st.nonfinite_mode, optimizer, scaler)
-        optimizer_hooks += [*_nonfinite.install(st, optimizer, st.nonfinite_mode),
+        _nonfinite.configure(st, nonfinite, nonfinite_verdict)
+        optimizer_hooks += [*_nonfinite.install(st, optimizer, st.nonfinite.mode),
                             *_attempt.track_position(st, optimizer)]  # the latter last
         _attempt.hooked(optimizer, optimizer_hooks)
         # A sharded model whose layout cannot be moved to a new group recovers by restart only.
@@ -287,7 +286,7 @@ class Run:
             yield from self._steps(total)
             # The last update's verdict (nonfinite_verdict="late") before the save on finish and whatever the
             # script does after the loop: a step found non-finite now is run again.
-            if st.pending is None or not _attempt.late_verdict_at_boundary(st, needed=True):
+            if st.nonfinite.pending is None or not _attempt.late_verdict_at_boundary(st, needed=True):
                 break
         saving.at_finish(st)
         if hooks is not None:
@@ -303,7 +302,7 @@ class Run:
             if self._replay is not None and self._replay.at_boundary():
                 return  # a replay: the failing step is behind
             saving.measure(st)
-            if st.pending is not None and _attempt.late_verdict_at_boundary(st, needed=self._keeps_state()):
+            if st.nonfinite.pending is not None and _attempt.late_verdict_at_boundary(st, needed=self._keeps_state()):
                 if timer is not None:
                     timer.begin()
                 continue  # the step before was not finite (read late): back to it, on the same batch

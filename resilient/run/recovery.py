@@ -169,7 +169,8 @@ class InProcessRecovery:
         if nonfinite.settle(state, wait=True) is not None:
             # The update before this step was skipped as non-finite (read late): this rank's state is not the
             # step's start, so it is never a source; it takes a peer's (with none, the newest commit).
-            position, state.pending = StepPosition.AFTER, None
+            position = StepPosition.AFTER
+            nonfinite.drop_pending(state)
         clean = position is StepPosition.BEFORE
         try:
             layout = ddp_layout(state.model)

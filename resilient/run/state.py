@@ -54,6 +54,25 @@ class InProcessStanding:
     which then starts no spare)."""
 
 
+@dataclass
+class NonfiniteCheck:
+    """The non-finite check's part of a rank's state: how it checks, and what it knows of the steps it checked.
+    :mod:`.nonfinite` alone changes it."""
+
+    mode: str = "retry"
+    """``Run(nonfinite=...)``: "retry" the step on the same batch, "raise", or "off" (no check)."""
+    verdict: str = "now"
+    """When the check is read: "now" (in the update it guards) or "late" (a step later, no host sync)."""
+    tries: dict[int, int] = field(default_factory=dict)
+    """The current step's tries whose gradients were not finite (only that step's count is kept)."""
+    pending: PendingVerdict | None = None
+    """A step's verdict on the device, not read yet (``verdict="late"``)."""
+    recheck_step: int | None = None
+    """A step retried after a late verdict: its update is checked at once."""
+    own: OwnGradients | None = None
+    """On a retry of a step found non-finite: whether this rank's own backward made the non-finite gradients."""
+
+
 @dataclass(eq=False)
 class RunState:
     """Everything one rank's Run holds; the Run's modules read and change it, the script reads it through Run."""
@@ -79,9 +98,6 @@ class RunState:
     """``Run(groups=fn)``'s ``fn``: makes the script's own process groups, again after every re-formation."""
     ddp_options: dict[str, Any] | None = None
     """DistributedDataParallel's keyword arguments when the Run wraps the model (``ddp=True``); None: it does not."""
-    nonfinite_mode: str = "retry"
-    nonfinite_verdict: str = "now"
-    """When the non-finite check is read: "now" (in the update it guards) or "late" (a step later, no host sync)."""
     audit_every: int = 0
     sharded: bool = False
     """FSDP2/DTensor parameters: saved as chunks per rank, resharded on restore."""
@@ -126,18 +142,14 @@ class RunState:
     """Samples of the step's micro-batches read so far (what ``report()`` counts when not told)."""
     announced_plan: BatchPlan | None = None
     """The batch plan last announced in a ``batch_planned`` event."""
-    nonfinite_tries: dict[int, int] = field(default_factory=dict)
-    own_grads: OwnGradients | None = None
-    """On a retry of a step found non-finite: whether this rank's own backward made the non-finite gradients."""
-    pending: PendingVerdict | None = None
-    """A step's non-finite verdict on the device, not read yet (``nonfinite_verdict="late"``)."""
-    recheck_step: int | None = None
-    """A step retried after a late verdict: its update is checked at once."""
     last_saved_step: int | None = None
     prepared: bool = False
     """The checkpoint manager was told the size of a save (after the first update)."""
     reported_save: SaveResult | None = None
     """The newest finished save told to the agent in a heartbeat (:mod:`.sections`)."""
+
+    # ---------------------------------------------------------------- parts, each changed by one module
+    nonfinite: NonfiniteCheck = field(default_factory=NonfiniteCheck)
 
     # ---------------------------------------------------------------- the parts it works through
     hooks: WorkerHooks | None = None
