@@ -149,7 +149,7 @@ def begin(state: RunState) -> AttemptStart:
         hyper=[{k: v if type(v) in _IMMUTABLE else copy.copy(v) for k, v in g.items() if k != "params"}
                for g in optimizer.param_groups] if retryable and optimizer is not None else [],
         generators=generator_states(state.generators) if retryable and state.generators else {},
-        fetched=state.fetched, retryable=retryable,
+        fetched=state.resume.fetched, retryable=retryable,
     )
     state.position = StepPosition.BEFORE
     seed_torch(step_seed(state.seed, state.step, state.rank))
@@ -378,7 +378,7 @@ class Attempt:
                 return True
             if isinstance(exc, NonFiniteGradientsError) and not isinstance(exc, PersistentNonFiniteError):
                 start = state.attempt_start
-                if start is not None and state.fetched is not start.fetched:
+                if start is not None and state.resume.fetched is not start.fetched:
                     raise NonFiniteGradientsError(
                         f"{exc}; this step fetched its next batch ahead (run.prefetch) inside run.attempt(), so it "
                         "is not retried in place (its batch is gone): a restart gives the prefetched batch back",

@@ -204,8 +204,8 @@ class Run:
         _ddp.init_default_group(st.ddp_options is not None and not spare)
         st.seed, st.reseed = _checked_seed(seed, reseed)
         st.generators = check_generators(generators)
-        st.resume_check = _resume.checked_mode(resume_check if resume_check is not None else
-                                               env.resume_check if env is not None and env.resume_check else "stop")
+        _resume.configure(st, resume_check if resume_check is not None else
+                          env.resume_check if env is not None and env.resume_check else "stop")
         st.audit_every = _audit.checked_every(audit_every)
         _nonfinite.configure(st, nonfinite, nonfinite_verdict)
         optimizer_hooks += [*_nonfinite.install(st, optimizer, st.nonfinite.mode),
@@ -296,7 +296,7 @@ class Run:
         st = self._state
         hooks, timer = st.hooks, st.timer
         while st.step < total:
-            if st.resume is not None:  # the first boundary after a restore: is the run where the saving run was?
+            if st.resume.expected is not None:  # the first boundary after a restore: is the run where the saving run was?
                 _resume.verify(st)
             st.step_cursor = st.data.consumed if st.data is not None else None  # the step's first sample
             if self._replay is not None and self._replay.at_boundary():

@@ -36,7 +36,7 @@ def facts(state: RunState, *, memory: bool) -> dict[str, Any]:
         "attempt": state.attempted,
         "offered": offered,
         "declined": inproc.declined if inproc is not None else None,
-        "prefetch": state.fetched is not None,
+        "prefetch": state.resume.fetched is not None,
         "ddp": state.ddp_options is not None,
     }
 

@@ -81,7 +81,7 @@ from ..elastic.reform import (
 )
 from ..elastic.shard_sync import sync_sharded
 from ..elastic.state_sync import StateSyncError, agree_step, sync_from
-from . import nonfinite
+from . import nonfinite, resume
 from .attempt import rewind_current
 from .ddp import ddp_layout, regroup, wrap_ddp
 from .integration import decline
@@ -371,7 +371,7 @@ class InProcessRecovery:
             for name, obj in state.user_state.items():
                 obj.load_state_dict(extra["user"][name])
         state.last_saved_step = state.step  # nothing to save at once: the state came from a peer, not a new update
-        state.resume = None  # nor a restore to check: a spare's warm-up restore was replaced by the peer's state
+        resume.replaced(state)  # nor a restore to check: a spare's warm-up restore was replaced by the peer's state
         if ckpt is not None and ckpt.cadence is not None and extra.get("checkpoint_every"):
             ckpt.cadence.every = int(extra["checkpoint_every"])  # a newcomer schedules its saves as its peers do
         regroup(state)  # rank, world size, and the loader's share of the kept global batch

@@ -80,8 +80,8 @@ def prefetch(state: RunState, fetch: Callable[..., T], args: tuple[Any, ...], kw
     result = fetch(*args, **kwargs)
     after = streams_now(state)
     for_step = state.step + 1 if state.in_body else state.step
-    state.fetched = Fetched(for_step, before, after)
-    expected = state.resume
+    state.resume.fetched = Fetched(for_step, before, after)
+    expected = state.resume.expected
     if expected is not None and expected.refetch is not None and for_step == expected.step:
         _refetched(state, expected, after)
     return result
@@ -89,7 +89,7 @@ def prefetch(state: RunState, fetch: Callable[..., T], args: tuple[Any, ...], kw
 
 def saved_prefetch(state: RunState) -> dict[str, Any] | None:
     """The prefetch record a checkpoint taken now holds: the newest fetch, when it fetched this step's batch."""
-    fetched = state.fetched
+    fetched = state.resume.fetched
     return fetched.to_payload() if fetched is not None and fetched.for_step == state.step else None
 
 
@@ -103,9 +103,9 @@ def restore(state: RunState, step: int, source: str, rank_state: Mapping[str, An
     if fetched is not None and int(fetched["for_step"]) == step:
         before, after = Streams.from_payload(fetched["before"]), Streams.from_payload(fetched["after"])
         put_back(state, before)
-        state.resume = Expected(step, source, at_boundary, refetch=(before, after))
+        state.resume.expected = Expected(step, source, at_boundary, refetch=(before, after))
     else:
-        state.resume = Expected(step, source, at_boundary)
+        state.resume.expected = Expected(step, source, at_boundary)
 
 
 def _refetched(state: RunState, expected: Expected, after: Streams) -> None:
@@ -126,7 +126,7 @@ def _refetched(state: RunState, expected: Expected, after: Streams) -> None:
 
 def verify(state: RunState) -> None:
     """At the first step boundary after a restore: the streams and cursor are where the saving run had them."""
-    expected, state.resume = state.resume, None
+    expected, state.resume.expected = state.resume.expected, None
     assert expected is not None
     now = streams_now(state)
     if expected.refetch is not None:  # fetched ahead before the checkpoint, not through run.prefetch since
@@ -165,7 +165,7 @@ def likely_cause(drift: list[str]) -> str:
 
 
 def _diverged(state: RunState, expected: Expected, drift: list[str], cause: str) -> None:
-    accepted = state.resume_check == "accept"
+    accepted = state.resume.mode == "accept"
     message = (f"the run resumed from {expected.source} is not where the run that saved it was at step "
                f"{expected.step}: {', '.join(_names(drift))} moved between the restore and the first step. Likely "
                f"cause: {cause}")
@@ -188,7 +188,13 @@ def _names(drift: list[str]) -> list[str]:
     return [words.get(d, d) for d in drift]
 
 
-def checked_mode(value: object) -> str:
-    if value not in CHECKS:
-        raise ConfigError(f"Run(resume_check={value!r}) must be one of {', '.join(map(repr, CHECKS))}")
-    return str(value)
+def replaced(state: RunState) -> None:
+    """The state restored was replaced (by a peer's, in-process): the first step has nothing to be checked against."""
+    state.resume.expected = None
+
+
+def configure(state: RunState, mode: object) -> None:
+    """``Run(resume_check=...)`` (or the agent's ``--resume-check``) checked and kept."""
+    if mode not in CHECKS:
+        raise ConfigError(f"Run(resume_check={mode!r}) must be one of {', '.join(map(repr, CHECKS))}")
+    state.resume.mode = str(mode)

@@ -73,6 +73,20 @@ class NonfiniteCheck:
     """On a retry of a step found non-finite: whether this rank's own backward made the non-finite gradients."""
 
 
+@dataclass
+class ResumeCheck:
+    """The resume check's part of a rank's state: what the first step after a restore must find, and the newest
+    batch fetched ahead.  :mod:`.resume` alone changes it."""
+
+    mode: str = "stop"
+    """``Run(resume_check=...)``: what a resume that is not where the saving run was does: "stop" (exit 79) or
+    "accept" (recorded)."""
+    expected: Expected | None = None
+    """What the first step after a restore must find; None once checked, or without a restore."""
+    fetched: Fetched | None = None
+    """The newest batch fetched ahead through ``run.prefetch``."""
+
+
 @dataclass(eq=False)
 class RunState:
     """Everything one rank's Run holds; the Run's modules read and change it, the script reads it through Run."""
@@ -92,8 +106,6 @@ class RunState:
     reseed: bool = False
     generators: dict[str, Any] = field(default_factory=dict)
     """``Run(generators=...)``: the script's own generators, saved, restored and checked per rank."""
-    resume_check: str = "stop"
-    """What a resume that is not where the saving run was does: "stop" (exit 79) or "accept" (recorded)."""
     make_groups: Callable[[], Any] | None = None
     """``Run(groups=fn)``'s ``fn``: makes the script's own process groups, again after every re-formation."""
     ddp_options: dict[str, Any] | None = None
@@ -117,10 +129,6 @@ class RunState:
     rank: int = 0
     world_size: int = 1
     restored_from: str | None = None
-    resume: Expected | None = None
-    """What the first step after a restore must find (:mod:`.resume`); None once checked, or without a restore."""
-    fetched: Fetched | None = None
-    """The newest batch fetched ahead through ``run.prefetch`` (:mod:`.resume`)."""
     in_body: bool = False
     """Inside the loop body of ``state.step`` (between ``run.steps()`` yielding it and the step's completion)."""
     attempted: bool = False
@@ -150,6 +158,7 @@ class RunState:
 
     # ---------------------------------------------------------------- parts, each changed by one module
     nonfinite: NonfiniteCheck = field(default_factory=NonfiniteCheck)
+    resume: ResumeCheck = field(default_factory=ResumeCheck)
 
     # ---------------------------------------------------------------- the parts it works through
     hooks: WorkerHooks | None = None
