@@ -296,7 +296,7 @@ class Run:
         st = self._state
         hooks, timer = st.hooks, st.timer
         while st.step < total:
-            if st.resume.expected is not None:  # the first boundary after a restore: is the run where the saving run was?
+            if st.resume.expected is not None:  # the first boundary after a restore: where the saving run was?
                 _resume.verify(st)
             st.step_cursor = st.data.consumed if st.data is not None else None  # the step's first sample
             if self._replay is not None and self._replay.at_boundary():
@@ -321,8 +321,7 @@ class Run:
             st.in_body = True
             yield st.step
             st.in_body = False
-            if st.retry:  # the attempt failed and was recovered in-process: the same step again
-                st.retry = False
+            if _attempt.take_retry(st):  # the attempt failed and was recovered in-process: the same step again
                 if timer is not None:
                     timer.begin()  # the failed attempt and the recovery are not the step's time
                 continue
@@ -349,9 +348,8 @@ class Run:
         if loss is not None:
             st.last_loss = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
         if samples is None:
-            samples = st.micro_samples if st.micro_samples is not None else \
-                st.data.batch_size if st.data is not None else 0
-            st.micro_samples = None
+            counted = _attempt.take_micro_samples(st)
+            samples = counted if counted is not None else st.data.batch_size if st.data is not None else 0
         st.samples += int(samples)
         st.tokens += int(tokens)
 
@@ -393,9 +391,7 @@ class Run:
         loader's ``batch_rule="uneven"``) iterate ``weighted=True`` pairs
         ``(batch, weight)`` and multiply by ``weight`` instead.
         """
-        st = self._state
-        st.micro = _attempt.micro_batches(st, weighted)
-        return st.micro
+        return _attempt.micro_batches(self._state, weighted)
 
     @property
     def accumulation(self) -> int:

@@ -33,7 +33,7 @@ def facts(state: RunState, *, memory: bool) -> dict[str, Any]:
         "kind": "integration",
         "checkpoint": state.checkpoints is not None,
         "memory": memory,
-        "attempt": state.attempted,
+        "attempt": state.attempt.ever_entered,
         "offered": offered,
         "declined": inproc.declined if inproc is not None else None,
         "prefetch": state.resume.fetched is not None,
@@ -45,7 +45,7 @@ def after_first_step(state: RunState, *, memory: bool) -> None:
     """At the end of this process's first completed step: decline in-process recovery when the step was not in
     an attempt, then tell the agent the facts (once)."""
     state.integration_told = True
-    if state.inproc is not None and not state.attempted:
+    if state.inproc is not None and not state.attempt.ever_entered:
         decline(state, NO_ATTEMPT)
     if state.hooks is not None:
         state.hooks.notice(facts(state, memory=memory))

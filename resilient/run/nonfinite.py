@@ -142,7 +142,7 @@ def check_late(state: RunState, optimizer: torch.optim.Optimizer) -> None:
     bad = settle(state, wait=True)
     if bad is not None:
         raise late_error(state, bad, "at the next step's update")
-    if state.nonfinite.recheck_step == state.step:  # retried after a late verdict: checked at once, its parameters named
+    if state.nonfinite.recheck_step == state.step:  # retried after a late verdict: checked now, its parameters named
         check(state, optimizer)
         return
     grads, sharded = _grads(optimizer)
@@ -163,7 +163,7 @@ def check_late(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         ready.record()
     else:
         host, ready = found, None
-    state.nonfinite.pending = PendingVerdict(state.step, host, ready, state.attempt_start)
+    state.nonfinite.pending = PendingVerdict(state.step, host, ready, state.attempt.start)
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> None:
@@ -361,11 +361,11 @@ def retry(state: RunState, exc: NonFiniteGradientsError, *, since: AttemptStart 
     check = state.nonfinite
     tries = check.tries.get(step, 0) + 1
     check.tries = {step: tries}  # only the current step's count is kept
-    start = since if since is not None else state.attempt_start
+    start = since if since is not None else state.attempt.start
     first = start.consumed if start is not None else None
     end = state.data.consumed if state.data is not None else None
-    if since is not None and state.attempt_start is not None:
-        end = state.attempt_start.consumed  # read in the next step's update: the late step's batch ends there
+    if since is not None and state.attempt.start is not None:
+        end = state.attempt.start.consumed  # read in the next step's update: the late step's batch ends there
     retried = check.mode == "retry" and tries <= RETRIES
     state.events.emit(EventKind.NONFINITE_GRADIENTS, step=step, rank=state.rank, params=list(exc.params),
                       tries=tries, retried=retried, late=isinstance(exc, LateNonFiniteError), error=str(exc)[:500])

@@ -165,7 +165,7 @@ class InProcessRecovery:
         """Survive ``exc`` (a peer failure inside the attempt) in a re-formed group; raise it if that fails."""
         failed_at = time.monotonic()
         state = self.state
-        step, position = state.step, state.position
+        step, position = state.step, state.attempt.position
         if nonfinite.settle(state, wait=True) is not None:
             # The update before this step was skipped as non-finite (read late): this rank's state is not the
             # step's start, so it is never a source; it takes a peer's (with none, the newest commit).

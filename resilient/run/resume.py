@@ -72,7 +72,7 @@ def prefetch(state: RunState, fetch: Callable[..., T], args: tuple[Any, ...], kw
     """``run.prefetch(fetch, *args, **kwargs)``: call ``fetch`` and note the streams around it (see the module)."""
     if not callable(fetch):
         raise ConfigError(f"run.prefetch({fetch!r}, ...): the first argument is the function that fetches a batch")
-    if state.attempt_start is not None and state.inproc is not None:
+    if state.attempt.start is not None and state.inproc is not None:
         decline(state, "the script fetches its next batch inside the step (run.prefetch), which a retried step or "
                 "a replacement rank cannot have: recovery is by restart, which gives the prefetched batch back "
                 "exactly")

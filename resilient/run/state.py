@@ -55,6 +55,27 @@ class InProcessStanding:
 
 
 @dataclass
+class StepAttempt:
+    """The attempt's part of a rank's state: the current ``run.attempt()``, where the rank is in the step's
+    update, and the step's micro-batches.  :mod:`.attempt` alone changes it."""
+
+    start: AttemptStart | None = None
+    """The current ``run.attempt()``'s start (None outside one)."""
+    ever_entered: bool = False
+    """A step of this process ran under ``run.attempt()``."""
+    position: StepPosition = StepPosition.BEFORE
+    """Where this rank is in the current step's optimizer update (set by hooks; BEFORE at attempt entry)."""
+    retry: bool = False
+    """The attempt failed and was recovered (or its gradients were not finite): ``steps()`` yields it again."""
+    micro: Generator[Any, None, None] | None = None
+    """The step's micro-batches (``run.micro_batches()``), while open."""
+    micro_samples: int | None = None
+    """Samples of the step's micro-batches read so far (what ``report()`` counts when not told)."""
+    announced_plan: BatchPlan | None = None
+    """The batch plan last announced in a ``batch_planned`` event."""
+
+
+@dataclass
 class NonfiniteCheck:
     """The non-finite check's part of a rank's state: how it checks, and what it knows of the steps it checked.
     :mod:`.nonfinite` alone changes it."""
@@ -131,25 +152,12 @@ class RunState:
     restored_from: str | None = None
     in_body: bool = False
     """Inside the loop body of ``state.step`` (between ``run.steps()`` yielding it and the step's completion)."""
-    attempted: bool = False
-    """A step of this process ran under ``run.attempt()``."""
     integration_told: bool = False
     """The agent was told what this script's integration allows (:mod:`.integration`), at the first step's end."""
     groups: Any = None
     """What ``make_groups`` returned in the current generation (None before it ran)."""
     current_section: str = "init"
     """The section this rank is in, as the agent sees it (:mod:`.sections`); "" between two updates."""
-    position: StepPosition = StepPosition.BEFORE
-    """Where this rank is in the current step's optimizer update (set by hooks; BEFORE at attempt entry)."""
-    attempt_start: AttemptStart | None = None
-    """The current ``run.attempt()``'s start (None outside one)."""
-    retry: bool = False
-    """The attempt failed and was recovered (or its gradients were not finite): ``steps()`` yields it again."""
-    micro: Generator[Any, None, None] | None = None
-    micro_samples: int | None = None
-    """Samples of the step's micro-batches read so far (what ``report()`` counts when not told)."""
-    announced_plan: BatchPlan | None = None
-    """The batch plan last announced in a ``batch_planned`` event."""
     last_saved_step: int | None = None
     prepared: bool = False
     """The checkpoint manager was told the size of a save (after the first update)."""
@@ -157,6 +165,7 @@ class RunState:
     """The newest finished save told to the agent in a heartbeat (:mod:`.sections`)."""
 
     # ---------------------------------------------------------------- parts, each changed by one module
+    attempt: StepAttempt = field(default_factory=StepAttempt)
     nonfinite: NonfiniteCheck = field(default_factory=NonfiniteCheck)
     resume: ResumeCheck = field(default_factory=ResumeCheck)
 
@@ -176,9 +185,3 @@ class RunState:
         """The step of the newest committed checkpoint this rank knows of (None: none)."""
         manifest = self.checkpoints.last_committed if self.checkpoints is not None else None
         return manifest.step if manifest is not None else None
-
-    def close_micro_batches(self) -> None:
-        """Close the step's micro-batch generator, if open: one left inside DDP's ``no_sync()`` leaves it."""
-        micro, self.micro = self.micro, None
-        if micro is not None:
-            micro.close()
