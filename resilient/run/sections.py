@@ -4,7 +4,7 @@ Entering a section (:func:`enter`) sends a heartbeat naming it (under an
 agent), so a hang there is attributed to it and timed with that section's
 timeout, and the step timer charges it from then on; leaving re-enters the
 enclosing one (:func:`leave_for`).  Between two updates a rank is in no
-section.  ``state.current_section`` is this module's to change.
+section.  ``state.sections`` is this module's to change.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ not to the calibrated timeout of the checkpoint it saved last."""
 
 def enter(state: RunState, section: str) -> None:
     """Enter ``section``: the timer charges it from now, the agent hears of it in a heartbeat."""
-    state.current_section = section
+    state.sections.current = section
     if state.timer is not None:
         state.timer.switch(section)
     if state.hooks is not None:
@@ -40,7 +40,7 @@ def leave_for(state: RunState, outer: str) -> None:
     if outer != BETWEEN:
         enter(state, outer)
         return
-    state.current_section = BETWEEN
+    state.sections.current = BETWEEN
     if state.timer is not None:
         state.timer.switch(BETWEEN)
 
@@ -49,15 +49,15 @@ def between_updates(state: RunState) -> None:
     """At a step boundary, once an update completed: in no section, and nothing said (the next step's entry is).  A
     checkpoint taken at this boundary must not re-enter "step" on its way out, or the agent would see the next
     step start before it does."""
-    state.current_section = BETWEEN
+    state.sections.current = BETWEEN
 
 
 def _new_save_report(state: RunState) -> dict[str, Any] | None:
     """The newest finished save, once: what the agent exports as checkpoint duration and bytes."""
     results = state.checkpoints.results if state.checkpoints is not None else None
-    if not results or results[-1] is state.reported_save:
+    if not results or results[-1] is state.sections.reported_save:
         return None
-    result = state.reported_save = results[-1]
+    result = state.sections.reported_save = results[-1]
     size = result.manifest.total_bytes if result.manifest is not None else 0
     return {"step": result.step, "duration_s": round(result.stall_s + result.write_s, 6), "ok": result.ok,
             "bytes": size, "deferred_from": result.deferred_from, "deferred_slots": result.deferred_slots}
@@ -77,7 +77,7 @@ class Section:
         self._outer: str | None = None
 
     def __enter__(self) -> None:
-        outer = self._state.current_section
+        outer = self._state.sections.current
         if outer != self._name:  # already inside it (e.g. save() around a save): nothing to report
             self._outer = outer
             enter(self._state, self._name)

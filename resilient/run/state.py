@@ -55,6 +55,17 @@ class InProcessStanding:
 
 
 @dataclass
+class Sections:
+    """The sections' part of a rank's state: where the agent sees the rank in the loop.  :mod:`.sections` alone
+    changes it."""
+
+    current: str = "init"
+    """The section this rank is in, as the agent sees it; "" between two updates."""
+    reported_save: SaveResult | None = None
+    """The newest finished save told to the agent in a heartbeat."""
+
+
+@dataclass
 class StepAttempt:
     """The attempt's part of a rank's state: the current ``run.attempt()``, where the rank is in the step's
     update, and the step's micro-batches.  :mod:`.attempt` alone changes it."""
@@ -156,15 +167,12 @@ class RunState:
     """The agent was told what this script's integration allows (:mod:`.integration`), at the first step's end."""
     groups: Any = None
     """What ``make_groups`` returned in the current generation (None before it ran)."""
-    current_section: str = "init"
-    """The section this rank is in, as the agent sees it (:mod:`.sections`); "" between two updates."""
     last_saved_step: int | None = None
     prepared: bool = False
     """The checkpoint manager was told the size of a save (after the first update)."""
-    reported_save: SaveResult | None = None
-    """The newest finished save told to the agent in a heartbeat (:mod:`.sections`)."""
 
     # ---------------------------------------------------------------- parts, each changed by one module
+    sections: Sections = field(default_factory=Sections)
     attempt: StepAttempt = field(default_factory=StepAttempt)
     nonfinite: NonfiniteCheck = field(default_factory=NonfiniteCheck)
     resume: ResumeCheck = field(default_factory=ResumeCheck)
