@@ -1,8 +1,11 @@
 """The state of one rank's :class:`~resilient.run.Run`, in one object every part of the Run works on.
 
 :class:`RunState` holds what the Run was given (model, optimizer, loader,
-``state=`` objects), where the rank is (step, counters, section, the
-attempt and the optimizer's update), the parts below the Run it works
+``state=`` objects), where the rank is (step, counters, rank and world
+size), the parts of it that one module of the Run alone changes (the
+section, :class:`Sections`; the attempt and the optimizer's update,
+:class:`StepAttempt`; the non-finite check, :class:`NonfiniteCheck`; the
+resume check, :class:`ResumeCheck`), the parts below the Run it works
 through (the worker hooks, the step timer, checkpoints), and in-process
 recovery's standing (:class:`InProcessStanding`).  The Run's modules take a
 ``RunState`` and nothing else of the Run: the attempt (:mod:`.attempt`),
