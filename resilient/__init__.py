@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .core.lazy import lazy_getattr
-
-__version__ = "0.1.0"
+from .core.version import VERSION as __version__
 
 _EXPORTS = {
     "CheckpointConfig": "resilient.checkpoint.config",

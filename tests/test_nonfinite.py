@@ -133,7 +133,7 @@ def test_a_late_verdict_never_applies_a_nan_and_the_step_is_run_again_wherever_i
         assert event.fields["late"] is True and event.fields["retried"] is True and event.fields["tries"] == 1
         step = event.fields["step"]
         assert seen[:step + 1] == list(range(step + 1)) and seen.count(step) == 2, (bad, seen)
-        assert run.step == 6 and run._state.pending is None
+        assert run.step == 6 and run._state.nonfinite.pending is None
         if ckpt is not None:
             run.close()
             again, restored = train(Data(), steps=6, fused=True, nonfinite_verdict="late",
@@ -152,10 +152,10 @@ def test_a_late_verdict_is_not_read_in_its_own_step():
             model(torch.ones(1, 2)).sum().backward()
             opt.step()
             opt.zero_grad()
-            pending = run._state.pending
+            pending = run._state.nonfinite.pending
             assert pending is not None and pending.step == step and pending.bad is None, "read in its own step"
             assert not hasattr(opt, "found_inf"), "a later step without the check would inherit the flag"
-    assert run._state.pending is None, "the last step's verdict is read at the end of the loop"
+    assert run._state.nonfinite.pending is None, "the last step's verdict is read at the end of the loop"
 
 
 def test_a_late_verdict_names_a_persistent_nan_from_the_retry_checked_at_once():
@@ -179,7 +179,7 @@ def test_a_late_verdict_needs_a_fused_optimizer_and_no_scaler():
     with pytest.raises(ConfigError, match="nonfinite_verdict='soon'"):
         resilient.Run(model=model, optimizer=fused, agent=None, nonfinite_verdict="soon")
     run = resilient.Run(model=model, optimizer=fused, agent=None)
-    assert run._state.nonfinite_verdict == "now", "auto: late only on CUDA, where the sync costs"
+    assert run._state.nonfinite.verdict == "now", "auto: late only on CUDA, where the sync costs"
 
 
 def test_a_run_on_the_cpu_never_pays_for_the_late_verdicts_probe(monkeypatch):
@@ -200,7 +200,8 @@ def test_a_run_on_the_cpu_never_pays_for_the_late_verdicts_probe(monkeypatch):
 def test_a_rank_s_own_gradients_are_watched_before_they_are_averaged_only_on_a_retry_of_a_non_finite_step():
     """What tells the rank whose samples made a NaN from the ranks the all-reduce brought it to: hooks that see
     each gradient as its backward makes it, installed only while a step found non-finite is retried."""
-    from resilient.run.nonfinite import OwnGradients, watch_own
+    from resilient.run.nonfinite import watch_own
+    from resilient.run.records import OwnGradients
     from resilient.run.state import RunState
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -216,7 +217,7 @@ def test_a_rank_s_own_gradients_are_watched_before_they_are_averaged_only_on_a_r
 
     state = RunState(model=model, events=resilient.EventLog(None), world_size=2, step=5)
     assert watch_own(state) is None  # a healthy step is not watched
-    state.nonfinite_tries = {5: 1}
+    state.nonfinite.tries = {5: 1}
     watching = watch_own(state)
     assert isinstance(watching, OwnGradients)
     watching.remove()

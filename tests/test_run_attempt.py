@@ -171,7 +171,7 @@ def test_attempt_without_in_process_recovery_passes_every_error_through():
                     draws(run)
                     raise error
         assert info.value is error, "re-raised unchanged"
-        assert run.step == 0 and run._state.attempt_start is None
+        assert run.step == 0 and run._state.attempt.start is None
     assert is_recoverable(RuntimeError(GLOO_RESET)), "a peer failure, but nothing here can re-form the group"
 
 

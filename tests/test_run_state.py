@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import resilient
+from resilient.run.records import StepPosition
 from resilient.run.saving import payloads
-from resilient.run.state import StepPosition
 
 
 class Ema:
@@ -117,7 +117,7 @@ def test_a_run_made_again_over_the_same_optimizer_frees_the_first_one(tmp_path):
     assert first() is None and buffers() is None, "the optimizer kept the first Run's state alive"
     model(torch.randn(4, 3)).sum().backward()
     opt.step()  # the dead Run's hooks are inert; the live one's see the step
-    assert again._state.position is StepPosition.AFTER
+    assert again._state.attempt.position is StepPosition.AFTER
 
 
 def test_a_runs_attributes_read_its_state_and_cannot_be_assigned(tmp_path):

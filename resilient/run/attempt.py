@@ -11,7 +11,7 @@ own three things (DESIGN.md, "The script's side of recovery"):
   (:mod:`resilient.elastic.batch`), with DDP's gradient sync only on the last
   (:func:`micro_batches`);
 - **the attempt** (``with run.attempt():`` around the step body): what a retry
-  of the step needs is recorded at entry (:class:`AttemptStart`), a failure
+  of the step needs is recorded at entry (:class:`~.records.AttemptStart`), a failure
   that a re-formed group can survive is told apart from the rest
   (:func:`is_recoverable`), and the step's cursor, counters, gradients and
   random streams are put back for the retry (:func:`rewind`).
@@ -35,7 +35,7 @@ own, and the first recovery with a replacement says so once
 the seeds depend only on the step.
 
 **Where a rank is in the update.**  ``attempt()`` also follows the
-optimizer's update (:class:`~.state.StepPosition`, :func:`track_position`): a rank
+optimizer's update (:class:`~.records.StepPosition`, :func:`track_position`): a rank
 that failed inside ``optimizer.step()`` or after it, with the rest of the
 step unfinished, is dirty and never a source of state in a recovery
 (:mod:`.recovery`); the ``state=`` objects, scheduler, scaler
@@ -51,7 +51,6 @@ import random
 import sys
 import weakref
 from collections.abc import Generator, Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,8 +61,8 @@ from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFin
 from ..core.events import EventKind
 from ..core.state import seed_torch, unwrap
 from . import nonfinite
-from .resume import generator_states, set_generator_states
-from .state import StepPosition
+from .records import AttemptStart, PendingVerdict, StepPosition
+from .streams import generator_states, set_generator_states
 
 if TYPE_CHECKING:
     from ..elastic.batch import BatchPlan
@@ -77,7 +76,8 @@ def step_seed(seed: int, step: int, slot: int) -> int:
 
 
 def track_position(state: RunState, optimizer: Any) -> list[Any]:
-    """Follow ``optimizer``'s update in ``state.position`` (BEFORE at each attempt's entry); the hooks' handles.
+    """Follow ``optimizer``'s update in ``state.attempt.position`` (BEFORE at each attempt's entry); the hooks'
+    handles.
 
     Registered after every other hook the Run installs (the non-finite check, the step timer), so a
     collective those run before the update leaves the rank BEFORE it: nothing of the update was applied.
@@ -86,10 +86,10 @@ def track_position(state: RunState, optimizer: Any) -> list[Any]:
         return []
 
     def entered(*_: Any) -> None:
-        state.position = StepPosition.INSIDE
+        state.attempt.position = StepPosition.INSIDE
 
     def finished(*_: Any) -> None:
-        state.position = StepPosition.AFTER
+        state.attempt.position = StepPosition.AFTER
 
     return [optimizer.register_step_pre_hook(entered), optimizer.register_step_post_hook(finished)]
 
@@ -126,34 +126,6 @@ def snapshot_state(name: str, obj: Any) -> Any:
         ) from None
 
 
-@dataclass(frozen=True)
-class AttemptStart:
-    """What a retry of the step needs, recorded when ``run.attempt()`` is entered."""
-
-    step: int
-    consumed: int | None
-    """The loader's cursor at the step's start (None: no loader)."""
-    samples: int
-    tokens: int
-    python_rng: Any
-    numpy_rng: Any
-    """numpy's global generator state; None when numpy is not imported."""
-    user: dict[str, Any]
-    """A copy of each ``state=`` object's state at the step's start."""
-    scheduler: Any
-    scaler: Any
-    hyper: list[dict[str, Any]]
-    """The optimizer's hyperparameters (every param group's entries but its parameters): a scheduler or the
-    script may set them inside the step."""
-    generators: dict[str, Any]
-    """The states of ``Run(generators=...)`` at the step's start."""
-    fetched: Any = None
-    """The newest ``run.prefetch`` record at the attempt's start: another one at its end fetched ahead inside it."""
-    retryable: bool = True
-    """False: nothing can retry this attempt (no in-process recovery, ``nonfinite`` not "retry"), so the copies
-    above were not taken."""
-
-
 _IMMUTABLE = (float, int, bool, str, type(None), tuple)
 """Hyperparameter values kept as they are in an attempt's copy (a tensor learning rate, a list, is copied)."""
 
@@ -166,7 +138,7 @@ def begin(state: RunState) -> AttemptStart:
     numpy = sys.modules.get("numpy")
     optimizer = state.optimizer
     # Copies only where this attempt can be retried: in-process recovery, or a non-finite gradient's retry.
-    retryable = state.recovery is not None or state.nonfinite_mode == "retry"
+    retryable = state.recovery is not None or state.nonfinite.mode == "retry"
     start = AttemptStart(
         step=state.step, consumed=state.data.consumed if state.data is not None else None, samples=state.samples,
         tokens=state.tokens, python_rng=random.getstate(),
@@ -178,9 +150,9 @@ def begin(state: RunState) -> AttemptStart:
         hyper=[{k: v if type(v) in _IMMUTABLE else copy.copy(v) for k, v in g.items() if k != "params"}
                for g in optimizer.param_groups] if retryable and optimizer is not None else [],
         generators=generator_states(state.generators) if retryable and state.generators else {},
-        fetched=state.fetched, retryable=retryable,
+        fetched=state.resume.fetched, retryable=retryable,
     )
-    state.position = StepPosition.BEFORE
+    state.attempt.position = StepPosition.BEFORE
     seed_torch(step_seed(state.seed, state.step, state.rank))
     return start
 
@@ -197,11 +169,11 @@ def reseed(seed: int, step: int, rank: int) -> None:
 def rewind(state: RunState, start: AttemptStart) -> None:
     """Put back what the failed attempt moved: cursor, counters, gradients, the ``state=`` objects, scheduler,
     scaler, the optimizer's hyperparameters and every RNG stream.  Parameters and optimizer state are the
-    caller's: unchanged when the rank failed before the update (:class:`StepPosition`), else a peer's."""
+    caller's: unchanged when the rank failed before the update (:class:`~.records.StepPosition`), else a peer's."""
     assert state.step == start.step, f"the step moved during the attempt: {start.step} -> {state.step}"
     assert start.retryable, "an attempt begun without its copies is being retried"
-    state.close_micro_batches()
-    state.micro_samples = None
+    close_micro_batches(state)
+    state.attempt.micro_samples = None
     if state.data is not None and start.consumed is not None:
         state.data.rewind(start.consumed)
     state.samples, state.tokens = start.samples, start.tokens
@@ -228,9 +200,9 @@ def rewind(state: RunState, start: AttemptStart) -> None:
 
 def rewind_current(state: RunState) -> None:
     """Back to the current attempt's start (:func:`rewind`) for a retry; ConfigError outside an attempt."""
-    if state.attempt_start is None:
+    if state.attempt.start is None:
         raise ConfigError("there is no attempt to rewind: a step is retried only inside run.attempt()")
-    rewind(state, state.attempt_start)
+    rewind(state, state.attempt.start)
 
 
 def late_verdict_at_boundary(state: RunState, *, needed: bool) -> bool:
@@ -247,14 +219,14 @@ def late_verdict_at_boundary(state: RunState, *, needed: bool) -> bool:
     return True
 
 
-def go_back(state: RunState, pending: nonfinite.Pending) -> None:
+def go_back(state: RunState, pending: PendingVerdict) -> None:
     """Back to the start of ``pending``'s step (its update was skipped: parameters and optimizer state are that
     step's start already), to be retried and checked at once."""
     assert pending.start is not None
-    state.close_micro_batches()
+    close_micro_batches(state)
     state.step = pending.step
     rewind(state, pending.start)
-    state.recheck_step, state.pending = pending.step, None
+    nonfinite.recheck(state, pending)
 
 
 def is_recoverable(exc: BaseException) -> bool:
@@ -283,13 +255,33 @@ def micro_batches(state: RunState, weighted: bool) -> Generator[Any, None, None]
     if state.data is None:
         raise ConfigError("Run.micro_batches() needs data=ElasticLoader(...) when the Run is created")
     plan = state.data.plan
-    if plan != state.announced_plan:  # the first step, and the first after a change of world size
-        state.announced_plan = plan
+    if plan != state.attempt.announced_plan:  # the first step, and the first after a change of world size
+        state.attempt.announced_plan = plan
         state.events.emit(EventKind.BATCH_PLANNED, step=state.step, rank=state.rank, **plan.to_event())
     items = state.data.micro_batches(weighted=weighted)  # checks the plan and the weights before anything is read
     model = state.model
     ddp = model if isinstance(model, DistributedDataParallel) else None
-    return _micro_batches(state, plan, items, ddp)
+    micro = state.attempt.micro = _micro_batches(state, plan, items, ddp)
+    return micro
+
+
+def close_micro_batches(state: RunState) -> None:
+    """Close the step's micro-batch generator, if open: one left inside DDP's ``no_sync()`` leaves it."""
+    micro, state.attempt.micro = state.attempt.micro, None
+    if micro is not None:
+        micro.close()
+
+
+def take_micro_samples(state: RunState) -> int | None:
+    """The samples of the step's micro-batches read so far, once (``report()`` counts them when not told)."""
+    samples, state.attempt.micro_samples = state.attempt.micro_samples, None
+    return samples
+
+
+def take_retry(state: RunState) -> bool:
+    """Whether the step's attempt failed and was recovered (``steps()`` yields the step again), once."""
+    retry, state.attempt.retry = state.attempt.retry, False
+    return retry
 
 
 def _micro_batches(state: RunState, plan: BatchPlan, items: Iterator[Any],
@@ -303,7 +295,7 @@ def _micro_batches(state: RunState, plan: BatchPlan, items: Iterator[Any],
         if k == 0 and injector is not None and injector.take_poison():
             item = poisoned(item)  # a fault plan's "nan": one bad value in this rank's batch
         samples += plan.slot(state.rank, k)[1]
-        state.micro_samples = samples  # what report() counts for this step
+        state.attempt.micro_samples = samples  # what report() counts for this step
         if ddp is not None and k + 1 < a:
             with ddp.no_sync():  # gradients accumulate locally; the last micro-batch's backward all-reduces them
                 yield item
@@ -324,11 +316,11 @@ def data_position(state: RunState) -> dict[str, Any]:
     data = state.data
     if data is None:
         return found
-    start = state.attempt_start.consumed if state.attempt_start is not None else state.step_cursor
+    start = state.attempt.start.consumed if state.attempt.start is not None else state.step_cursor
     if start is None:
         start = data.consumed
-    if state.announced_plan is not None:  # run.micro_batches(): this rank's slots of the global batch
-        batch, slots = data.global_batch, state.announced_plan.slots(state.rank)
+    if state.attempt.announced_plan is not None:  # run.micro_batches(): this rank's slots of the global batch
+        batch, slots = data.global_batch, state.attempt.announced_plan.slots(state.rank)
     else:  # next(loader): each rank its batch_size in rank order
         batch, slots = data.global_batch_size, ((state.rank * data.batch_size, data.batch_size),)
     mine = [offset for off, size in slots for offset in range(off, off + size)]
@@ -384,30 +376,30 @@ class Attempt:
 
     def __enter__(self) -> None:
         state = self._state
-        if state.attempt_start is not None:
+        if state.attempt.start is not None:
             raise ConfigError("run.attempt() is already active: attempts do not nest (one per step body)")
         entered = getattr(state.recovery, "attempt_entered", None)  # in-process recovery's bookkeeping, if wired
         if entered is not None:
             entered()
-        state.attempt_start = begin(state)
-        state.attempted = True
-        state.own_grads = nonfinite.watch_own(state)
+        state.attempt.start = begin(state)
+        state.attempt.ever_entered = True
+        nonfinite.watch(state)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         state = self._state
         try:
-            state.close_micro_batches()  # leaves DDP's no_sync if the body failed between micro-batches
-            if isinstance(exc, nonfinite.LateNonFiniteError) and state.pending is not None:
+            close_micro_batches(state)  # leaves DDP's no_sync if the body failed between micro-batches
+            if isinstance(exc, nonfinite.LateNonFiniteError) and state.nonfinite.pending is not None:
                 # An earlier step's verdict, read in this one's update: back to that step, on its batch.
-                pending = state.pending
+                pending = state.nonfinite.pending
                 if pending.start is None or not nonfinite.retry(state, exc, since=pending.start):
                     return False
                 go_back(state, pending)
-                state.retry = True
+                state.attempt.retry = True
                 return True
             if isinstance(exc, NonFiniteGradientsError) and not isinstance(exc, PersistentNonFiniteError):
-                start = state.attempt_start
-                if start is not None and state.fetched is not start.fetched:
+                start = state.attempt.start
+                if start is not None and state.resume.fetched is not start.fetched:
                     raise NonFiniteGradientsError(
                         f"{exc}; this step fetched its next batch ahead (run.prefetch) inside run.attempt(), so it "
                         "is not retried in place (its batch is gone): a restart gives the prefetched batch back",
@@ -415,18 +407,16 @@ class Attempt:
                 if not nonfinite.retry(state, exc):  # raises once the same batch failed every try
                     return False
                 rewind_current(state)  # the same step on the same batch; every rank saw the same verdict
-                state.retry = True
+                state.attempt.retry = True
                 return True
             if exc is None or state.recovery is None or not is_recoverable(exc):
                 return False
             if not state.recovery(exc):  # it raises instead when it tried and failed
                 return False
-            state.retry = True
+            state.attempt.retry = True
             state.events.emit(EventKind.ATTEMPT_RETRIED, step=state.step, rank=state.rank,
                               world_size=state.world_size, error=f"{type(exc).__qualname__}: {exc}"[:500])
             return True
         finally:
-            state.attempt_start = None
-            if state.own_grads is not None:
-                state.own_grads.remove()
-                state.own_grads = None
+            state.attempt.start = None
+            nonfinite.unwatch(state)

@@ -24,7 +24,6 @@ from typing import Any, Generic, Self, TypeVar, overload
 
 import torch
 
-from .. import __version__
 from ..checkpoint import sharded
 from ..checkpoint.config import CheckpointConfig
 from ..checkpoint.manager import CheckpointManager, SaveResult
@@ -32,6 +31,7 @@ from ..core import compat
 from ..core.errors import ConfigError
 from ..core.events import EventKind, EventLog, ForwardingLog
 from ..core.state import Stateful, check_stateful, model_fingerprint, unwrap
+from ..core.version import VERSION
 from ..data.loader import ElasticLoader
 from ..elastic import groups as _groups
 from ..worker.env import WorkerEnv, replay_plan
@@ -44,12 +44,13 @@ from . import nonfinite as _nonfinite
 from . import replay as _replay
 from . import resume as _resume
 from . import saving
-from .memory import open_memory
+from .memory import RunMemory, open_memory
 from .mesh import take_joined, worker_hooks
 from .payloads import check_sharding, config_values, digest_config, open_checkpoints, shard_layout
 from .recovery import InProcessRecovery
-from .sections import AFTER_STEPS, BETWEEN, Section
+from .sections import AFTER_STEPS, Section, between_updates, enter
 from .state import RunState
+from .streams import check_generators
 from .timing import step_timer, time_fsdp, time_script_ddp
 
 _FROM_ENVIRONMENT: Any = object()
@@ -84,7 +85,9 @@ class Run:
     ``step`` is the number of completed optimizer updates; inside the loop
     body it is the index of the update being computed.  The Run's state is
     one :class:`~resilient.run.state.RunState`; its attributes read it and
-    none can be assigned.
+    none can be assigned.  The Run also holds the parts that act on the
+    state at its boundaries: the node's memory tier (:mod:`.memory`),
+    in-process recovery (:mod:`.recovery`) and a replay (:mod:`.replay`).
     """
 
     events: _Read[EventLog] = _Read("The run's event log (under an agent, also forwarded to the agent's).")
@@ -164,6 +167,12 @@ class Run:
         spare = env is not None and env.role == "spare"
         joined = take_joined() if spare else None  # a sharded spare promoted in resilient.device_mesh()
         st = self._state = RunState(model=model, events=events if events is not None else EventLog())
+        self._inproc: InProcessRecovery | None = None
+        """In-process recovery, under an agent that offers it (its standing is ``state.inproc``)."""
+        self._memory: RunMemory | None = None
+        """The node's memory tier: restored from first, saved at boundaries."""
+        self._replay: _replay.Replay | None = None
+        """``resilient incident replay``: ends the loop once the failing step is behind, writes what happened."""
         st.hooks = hooks = worker_hooks(env, st.events, joined)  # first: errors below get a file
         if hooks is not None and (agent_log := hooks.agent_log()) is not None:
             node = env.node_id if env is not None else None
@@ -194,44 +203,43 @@ class Run:
         # torchrun or the agent, and the script made no group; a spare's group is the one it was promoted into
         _ddp.init_default_group(st.ddp_options is not None and not spare)
         st.seed, st.reseed = _checked_seed(seed, reseed)
-        st.generators = _resume.check_generators(generators)
-        st.resume_check = _resume.checked_mode(resume_check if resume_check is not None else
-                                               env.resume_check if env is not None and env.resume_check else "stop")
+        st.generators = check_generators(generators)
+        _resume.configure(st, resume_check if resume_check is not None else
+                          env.resume_check if env is not None and env.resume_check else "stop")
         st.audit_every = _audit.checked_every(audit_every)
-        st.nonfinite_mode = _nonfinite.checked_mode(nonfinite)
-        st.nonfinite_verdict = _nonfinite.checked_verdict(nonfinite_verdict, st.nonfinite_mode, optimizer, scaler)
-        optimizer_hooks += [*_nonfinite.install(st, optimizer, st.nonfinite_mode),
+        _nonfinite.configure(st, nonfinite, nonfinite_verdict)
+        optimizer_hooks += [*_nonfinite.install(st, optimizer, st.nonfinite.mode),
                             *_attempt.track_position(st, optimizer)]  # the latter last
         _attempt.hooked(optimizer, optimizer_hooks)
         # A sharded model whose layout cannot be moved to a new group recovers by restart only.
         if env and env.recovery_store and (layout is not None or not st.sharded):
-            st.inproc = st.recovery = InProcessRecovery(st, env, hooks, layout=layout, joined=joined)
+            st.recovery = self._inproc = InProcessRecovery(st, env, hooks, layout=layout, joined=joined)
         if groups is not None and not callable(groups):
             raise ConfigError(f"Run(groups={groups!r}) must be a function that makes the script's process groups")
         st.make_groups = groups
         _ddp.regroup(st)  # rank and world size of the process group (if any), the loader's share of it
-        st.replay = _replay.Replay(replaying, st) if replaying is not None else None
+        self._replay = _replay.Replay(replaying, st) if replaying is not None else None
         if st.inproc is not None and (restart_only := _groups.restart_only(model)) is not None:
-            st.inproc.decline(restart_only)  # said at the start, so the agent starts no spare for nothing
+            _integration.decline(st, restart_only)  # said at the start, so the agent starts no spare for nothing
         if data is not None and hooks is not None:
             hooks.attach_loader(data, self.section)
         st.fingerprint = {
             "model": model_fingerprint(model),
             "config": digest_config(st.config),
             "config_values": config_values(st.config),  # a resume under another config names what changed
-            "code": {"resilient": __version__, "torch": torch.__version__},
+            "code": {"resilient": VERSION, "torch": torch.__version__},
         }
         self._open_checkpoints(checkpoint, env, spare=spare, joined=joined)
         if st.make_groups is not None and not (spare and joined is None):  # a spare makes them once promoted
-            if st.inproc is not None:
-                st.inproc.make_user_groups()
+            if self._inproc is not None:
+                self._inproc.make_user_groups()
             else:
                 st.groups = st.make_groups()
         if spare and st.inproc is not None and st.inproc.declined is not None:
             # This run recovers by restart only: a spare would hold its memory (a GPU's) for nothing.
             raise SystemExit(0)
-        if spare and st.inproc is not None:  # blocks until promoted, then a member with its state
-            st.inproc.wait_as_spare()
+        if spare and self._inproc is not None:  # blocks until promoted, then a member with its state
+            self._inproc.wait_as_spare()
         elif st.ddp_options is not None:  # after the restore: DDP's first broadcast then carries the restored state
             st.model = _ddp.wrap_ddp(st.model, st.ddp_options)
         st.events.emit(EventKind.RUN_STARTED, rank=st.rank, world_size=st.world_size, step=st.step,
@@ -243,12 +251,13 @@ class Run:
         measures: it keeps nothing)."""
         st = self._state
         restore_started, diagnosing = time.perf_counter(), env is not None and env.diagnose is not None
-        st.memory = open_memory(st, env) if checkpoint is not None and not diagnosing else None
+        memory = self._memory = open_memory(st, env) if checkpoint is not None and not diagnosing else None
         if checkpoint is not None and not diagnosing:
-            with st.section("restore"):
+            with Section(st, "restore"):
                 # A promoted spare takes its state from the members, not from a checkpoint.
                 promoted = joined is not None or (env is not None and env.promoted is not None)
-                st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=not promoted)
+                st.checkpoints = open_checkpoints(st, checkpoint, env, spare=spare, restore=not promoted,
+                                                  from_memory=memory.restore if memory is not None else None)
         if st.hooks is not None:  # the agent reports which checkpoint every rank restored (None: fresh start)
             st.hooks.restored(st.restored_from, st.step if st.restored_from else None,
                               time.perf_counter() - restore_started)
@@ -277,43 +286,42 @@ class Run:
             yield from self._steps(total)
             # The last update's verdict (nonfinite_verdict="late") before the save on finish and whatever the
             # script does after the loop: a step found non-finite now is run again.
-            if st.pending is None or not _attempt.late_verdict_at_boundary(st, needed=True):
+            if st.nonfinite.pending is None or not _attempt.late_verdict_at_boundary(st, needed=True):
                 break
         saving.at_finish(st)
         if hooks is not None:
-            st.enter(AFTER_STEPS)
+            enter(st, AFTER_STEPS)
 
     def _steps(self, total: int) -> Iterator[int]:
         st = self._state
         hooks, timer = st.hooks, st.timer
         while st.step < total:
-            if st.resume is not None:  # the first boundary after a restore: is the run where the saving run was?
+            if st.resume.expected is not None:  # the first boundary after a restore: where the saving run was?
                 _resume.verify(st)
             st.step_cursor = st.data.consumed if st.data is not None else None  # the step's first sample
-            if st.replay is not None and st.replay.at_boundary():
+            if self._replay is not None and self._replay.at_boundary():
                 return  # a replay: the failing step is behind
             saving.measure(st)
-            if st.pending is not None and _attempt.late_verdict_at_boundary(st, needed=_keeps_state(st)):
+            if st.nonfinite.pending is not None and _attempt.late_verdict_at_boundary(st, needed=self._keeps_state()):
                 if timer is not None:
                     timer.begin()
                 continue  # the step before was not finite (read late): back to it, on the same batch
             if hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None):
                 saving.stop_at_boundary(st, hooks)
-            if st.inproc is not None:
-                st.inproc.at_boundary()  # a shrunk world grows back here when the agent says so
+            if self._inproc is not None:
+                self._inproc.at_boundary()  # a shrunk world grows back here when the agent says so
             if _audit.due(st):
                 _audit.at_boundary(st)
             saving.at_boundary(st)
-            if st.memory is not None:
-                st.memory.at_boundary()
+            if self._memory is not None:
+                self._memory.at_boundary()
             st.step_started = time.perf_counter()
             if hooks is not None:
-                st.enter("step")
+                enter(st, "step")
             st.in_body = True
             yield st.step
             st.in_body = False
-            if st.retry:  # the attempt failed and was recovered in-process: the same step again
-                st.retry = False
+            if _attempt.take_retry(st):  # the attempt failed and was recovered in-process: the same step again
                 if timer is not None:
                     timer.begin()  # the failed attempt and the recovery are not the step's time
                 continue
@@ -322,10 +330,17 @@ class Run:
                 timer.end_step(st.step)
             st.step += 1
             if not st.integration_told:
-                _integration.after_first_step(st)
-            # Between updates: no section.  A checkpoint taken at this boundary must not re-enter "step" on
-            # its way out, or the agent would see the next step start before it does.
-            st.current_section = BETWEEN
+                _integration.after_first_step(st, memory=self._memory is not None and self._memory.tier.off is None)
+            between_updates(st)
+
+    def _keeps_state(self) -> bool:
+        """Whether this boundary keeps or sends the state (a save, the memory tier, the audit, a stop, a growth): a
+        late non-finite verdict is read here even if the device is not done with it."""
+        st, inproc, memory = self._state, self._inproc, self._memory
+        hooks = st.hooks
+        return (hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None)) \
+            or (inproc is not None and inproc.may_grow()) or _audit.due(st) or saving.due(st) \
+            or (memory is not None and memory.due(st.step))
 
     def report(self, *, loss: Any = None, tokens: int = 0, samples: int | None = None) -> None:
         """Count this rank's progress for the current update."""
@@ -333,9 +348,8 @@ class Run:
         if loss is not None:
             st.last_loss = float(loss.detach().item() if isinstance(loss, torch.Tensor) else loss)
         if samples is None:
-            samples = st.micro_samples if st.micro_samples is not None else \
-                st.data.batch_size if st.data is not None else 0
-            st.micro_samples = None
+            counted = _attempt.take_micro_samples(st)
+            samples = counted if counted is not None else st.data.batch_size if st.data is not None else 0
         st.samples += int(samples)
         st.tokens += int(tokens)
 
@@ -377,9 +391,7 @@ class Run:
         loader's ``batch_rule="uneven"``) iterate ``weighted=True`` pairs
         ``(batch, weight)`` and multiply by ``weight`` instead.
         """
-        st = self._state
-        st.micro = _attempt.micro_batches(st, weighted)
-        return st.micro
+        return _attempt.micro_batches(self._state, weighted)
 
     @property
     def accumulation(self) -> int:
@@ -400,10 +412,10 @@ class Run:
         st = self._state
         result = None
         if st.checkpoints is not None:
-            with st.section("checkpoint"):
+            with Section(st, "checkpoint"):
                 result = st.checkpoints.wait()
-        if st.memory is not None:
-            st.memory.close()
+        if self._memory is not None:
+            self._memory.close()
         if st.data is not None:
             st.data.close()  # stop its worker processes now, not whenever the loader is collected
         if st.ddp_options is not None:  # its wrapper must not outlive the group (docs/design/in-process-worker.md)
@@ -432,22 +444,13 @@ class Run:
         Under the agent, entering it sends a heartbeat naming ``name`` (a hang there is attributed to it and
         timed with its timeout); leaving it re-enters the enclosing section.
         """
-        return self._state.section(name)
+        return Section(self._state, name)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _keeps_state(st: RunState) -> bool:
-    """Whether this boundary keeps or sends the state (a save, the memory tier, the audit, a stop, a growth): a
-    late non-finite verdict is read here even if the device is not done with it."""
-    hooks = st.hooks
-    return (hooks is not None and (hooks.stop_signalled or hooks.stop_request is not None)) \
-        or (st.inproc is not None and st.inproc.may_grow()) or _audit.due(st) or saving.due(st) \
-        or (st.memory is not None and st.memory.due(st.step))
 
 
 def _check_components(model: object, optimizer: object, scheduler: object, scaler: object,

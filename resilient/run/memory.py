@@ -31,6 +31,7 @@ from ..core.state import unwrap
 from .attempt import is_recoverable
 from .payloads import capture_payloads, sharded_targets
 from .saving import settled
+from .sections import Section
 
 if TYPE_CHECKING:
     from ..checkpoint.coordinator import Coordinator
@@ -150,7 +151,7 @@ class RunMemory:
         self._rank = state.rank
         if state.inproc is not None:
             self.tier.generation = state.inproc.generation
-        with state.section("checkpoint"):
+        with Section(state, "checkpoint"):
             self.tier.save(step, capture_payloads(state, replicated=self.keeps_replicated, local_shards=True),
                            rank=state.rank, world_size=state.world_size, fingerprint=self.fingerprint,
                            counters={"step": step, "samples": state.samples, "tokens": state.tokens}, pin=bool(pinned))

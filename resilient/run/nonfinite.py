@@ -61,9 +61,9 @@ from ..core import compat
 from ..core.errors import ConfigError, NonFiniteGradientsError, PersistentNonFiniteError
 from ..core.events import EventKind
 from ..core.state import unwrap
+from .records import AttemptStart, OwnGradients, PendingVerdict
 
 if TYPE_CHECKING:
-    from .attempt import AttemptStart
     from .state import RunState
 
 MODES = ("retry", "raise", "off")
@@ -97,6 +97,14 @@ def checked_verdict(verdict: Any, mode: str, optimizer: torch.optim.Optimizer | 
     return "late"
 
 
+def configure(state: RunState, mode: Any, verdict: Any) -> None:
+    """``Run(nonfinite=..., nonfinite_verdict=...)`` checked (ConfigError) and kept: how the state's optimizer is
+    checked."""
+    check = state.nonfinite
+    check.mode = checked_mode(mode)
+    check.verdict = checked_verdict(verdict, check.mode, state.optimizer, state.scaler)
+
+
 def _late_unavailable(optimizer: torch.optim.Optimizer, scaler: Any) -> str | None:
     """Why the verdict cannot be read late for this optimizer (None: it can)."""
     if scaler is not None:
@@ -115,24 +123,10 @@ def install(state: RunState, optimizer: torch.optim.Optimizer | None, mode: str)
     """Register the check on ``optimizer`` (nothing when there is nothing to check); returns the hooks' handles."""
     if optimizer is None or mode == "off":
         return []
-    if state.nonfinite_verdict == "now":
+    if state.nonfinite.verdict == "now":
         return [optimizer.register_step_pre_hook(lambda opt, args, kwargs: check(state, opt))]
     return [optimizer.register_step_pre_hook(lambda opt, args, kwargs: check_late(state, opt)),
             optimizer.register_step_post_hook(lambda opt, args, kwargs: _stepped(opt))]
-
-
-@dataclass
-class Pending:
-    """A step's verdict, set on the device and not read yet."""
-
-    step: int
-    host: torch.Tensor
-    """The flag's copy on the host (1.0: not finite), filled asynchronously on CUDA."""
-    ready: Any
-    """The CUDA event recorded after that copy (None where the copy is synchronous)."""
-    start: AttemptStart | None
-    """The step's attempt start, to go back to (None: the update was outside ``run.attempt()``)."""
-    bad: bool | None = None
 
 
 class LateNonFiniteError(NonFiniteGradientsError):
@@ -148,7 +142,7 @@ def check_late(state: RunState, optimizer: torch.optim.Optimizer) -> None:
     bad = settle(state, wait=True)
     if bad is not None:
         raise late_error(state, bad, "at the next step's update")
-    if state.recheck_step == state.step:  # retried after a late verdict: checked at once, its parameters named
+    if state.nonfinite.recheck_step == state.step:  # retried after a late verdict: checked now, its parameters named
         check(state, optimizer)
         return
     grads, sharded = _grads(optimizer)
@@ -169,7 +163,7 @@ def check_late(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         ready.record()
     else:
         host, ready = found, None
-    state.pending = Pending(state.step, host, ready, state.attempt_start)
+    state.nonfinite.pending = PendingVerdict(state.step, host, ready, state.attempt.start)
 
 
 def _stepped(optimizer: torch.optim.Optimizer) -> None:
@@ -178,12 +172,12 @@ def _stepped(optimizer: torch.optim.Optimizer) -> None:
             delattr(optimizer, name)
 
 
-def settle(state: RunState, *, wait: bool) -> Pending | None:
+def settle(state: RunState, *, wait: bool) -> PendingVerdict | None:
     """Read the pending verdict where it is ready (or ``wait`` for it); the pending step when it was not finite.
 
     A finite verdict is dropped; a non-finite one stays pending until the Run goes back to its step.
     """
-    pending = state.pending
+    pending = state.nonfinite.pending
     if pending is None:
         return None
     if pending.bad is None:
@@ -193,12 +187,23 @@ def settle(state: RunState, *, wait: bool) -> Pending | None:
             pending.ready.synchronize()
         pending.bad = bool(pending.host.item())  # a host tensor: no device sync
     if not pending.bad:
-        state.pending = None
+        state.nonfinite.pending = None
         return None
     return pending
 
 
-def late_error(state: RunState, pending: Pending, when: str) -> LateNonFiniteError:
+def recheck(state: RunState, pending: PendingVerdict) -> None:
+    """The Run went back to ``pending``'s step (its verdict was not finite): no longer pending, and that step's
+    update is checked at once when it is run again."""
+    state.nonfinite.recheck_step, state.nonfinite.pending = pending.step, None
+
+
+def drop_pending(state: RunState) -> None:
+    """Forget the pending verdict: the rank's state is to be replaced (by a peer's), not gone back over."""
+    state.nonfinite.pending = None
+
+
+def late_error(state: RunState, pending: PendingVerdict, when: str) -> LateNonFiniteError:
     return LateNonFiniteError(
         f"step {pending.step}: a gradient was not finite (NaN or Inf) on rank {state.rank}; the update was skipped "
         f"on the device and the verdict read {when} (nonfinite_verdict='late': the parameters are named when the "
@@ -302,7 +307,7 @@ def _check_all(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         return
     names = _bad_params(state, optimizer)
     where = f" (on this rank: {', '.join(names)})" if names else " (on another rank's shards)"
-    own = state.own_grads.verdict() if state.own_grads is not None else None
+    own = state.nonfinite.own.verdict() if state.nonfinite.own is not None else None
     whose = "" if own is None else \
         (". This rank's own backward made them not finite, before the ranks' gradients were averaged: look at "
          "this rank's samples first") if own else \
@@ -314,41 +319,24 @@ def _check_all(state: RunState, optimizer: torch.optim.Optimizer) -> None:
         own_nonfinite=own)
 
 
-class OwnGradients:
-    """Whether this rank's own backward makes a non-finite gradient, before data parallelism averages the ranks'
-    gradients (after it, every rank holds the same NaN, whichever rank's samples made it).
-
-    A hook on each (unsharded) parameter sees the gradient its backward computed, before it is accumulated
-    and all-reduced, and keeps a flag on the device; the host reads the flags only when a verdict is given.
-    The Run watches only the retries of a step found non-finite, so it costs the healthy steps nothing.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._flags: list[torch.Tensor] = []
-        self._handles = [p.register_hook(self._seen) for p in unwrap(model).parameters()
-                         if p.requires_grad and not callable(getattr(p, "to_local", None))]
-
-    def _seen(self, grad: torch.Tensor) -> None:
-        self._flags.append(torch.logical_not(grad.detach().isfinite().all()))
-
-    def verdict(self) -> bool | None:
-        """True: a gradient this rank's backward made was not finite; False: none was; None: nothing watched."""
-        if not self._flags:
-            return None
-        return bool(torch.stack(self._flags).any().item())
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles, self._flags = [], []
-
-
 def watch_own(state: RunState) -> OwnGradients | None:
     """At an attempt's entry: watch this rank's own gradients when the attempt retries a step found non-finite
     and the ranks average their gradients (so that the error can say whose samples made them)."""
-    if state.world_size <= 1 or not state.nonfinite_tries.get(state.step) or state.model is None:
+    if state.world_size <= 1 or not state.nonfinite.tries.get(state.step) or state.model is None:
         return None
     return OwnGradients(state.model)
+
+
+def watch(state: RunState) -> None:
+    """At an attempt's entry: watch this rank's own gradients where :func:`watch_own` says so."""
+    state.nonfinite.own = watch_own(state)
+
+
+def unwatch(state: RunState) -> None:
+    """At an attempt's exit: stop watching this rank's own gradients."""
+    own, state.nonfinite.own = state.nonfinite.own, None
+    if own is not None:
+        own.remove()
 
 
 def _bad_params(state: RunState, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
@@ -370,17 +358,18 @@ def retry(state: RunState, exc: NonFiniteGradientsError, *, since: AttemptStart 
     error once every try was non-finite.  ``since``: that step's start, where it is not the current attempt's
     (a late verdict)."""
     step = exc.step
-    tries = state.nonfinite_tries.get(step, 0) + 1
-    state.nonfinite_tries = {step: tries}  # only the current step's count is kept
-    start = since if since is not None else state.attempt_start
+    check = state.nonfinite
+    tries = check.tries.get(step, 0) + 1
+    check.tries = {step: tries}  # only the current step's count is kept
+    start = since if since is not None else state.attempt.start
     first = start.consumed if start is not None else None
     end = state.data.consumed if state.data is not None else None
-    if since is not None and state.attempt_start is not None:
-        end = state.attempt_start.consumed  # read in the next step's update: the late step's batch ends there
-    retried = state.nonfinite_mode == "retry" and tries <= RETRIES
+    if since is not None and state.attempt.start is not None:
+        end = state.attempt.start.consumed  # read in the next step's update: the late step's batch ends there
+    retried = check.mode == "retry" and tries <= RETRIES
     state.events.emit(EventKind.NONFINITE_GRADIENTS, step=step, rank=state.rank, params=list(exc.params),
                       tries=tries, retried=retried, late=isinstance(exc, LateNonFiniteError), error=str(exc)[:500])
-    if state.nonfinite_mode != "retry":
+    if check.mode != "retry":
         return False
     if not retried:
         span = "" if first is None or end is None else \

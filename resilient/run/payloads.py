@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,17 +33,22 @@ from ..core.errors import CheckpointMismatchError, ConfigError
 from ..core.events import EventKind
 from ..core.state import capture_rng, load_model_state, load_optimizer_state, restore_rng, unwrap
 from . import resume
+from .streams import generator_states, set_generator_states
 
 if TYPE_CHECKING:
+    from ..checkpoint.manifest import Manifest
     from ..elastic.mesh_rebind import ShardLayout
     from ..worker.env import WorkerEnv
     from .state import RunState
 
 
-def open_checkpoints(state: RunState, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool,
-                     restore: bool = True) -> CheckpointManager:
+def open_checkpoints(
+    state: RunState, config: CheckpointConfig, env: WorkerEnv | None, *, spare: bool, restore: bool = True,
+    from_memory: Callable[[Coordinator, Manifest | None], Restored | None] | None = None,
+) -> CheckpointManager:
     """The Run's checkpoint manager, with the newest verified commit restored into the Run (if any and
-    ``restore``)."""
+    ``restore``).  ``from_memory``: the node's memory tier's restore (:meth:`.memory.RunMemory.restore`), tried
+    first and taken when it holds a step at least as new as the newest durable commit."""
     coordinator = Coordinator.from_environment(config.timeout_s)
     # The agent's generation and launch fence this job's writes (none without an agent).
     fence = Fence(launch=env.launch_id, generation=env.generation) if env is not None else Fence()
@@ -55,9 +60,9 @@ def open_checkpoints(state: RunState, config: CheckpointConfig, env: WorkerEnv |
                                 failure_rate=failure_rate(config, env))
     if not restore:
         return manager
-    if state.memory is not None and not spare:  # the node's memory tier first, when it is at least as new
+    if from_memory is not None and not spare:  # the node's memory tier first, when it is at least as new
         durable = manager.newest()
-        restored = state.memory.restore(coordinator, durable)
+        restored = from_memory(coordinator, durable)
         if restored is not None:
             apply_restored(state, restored)
             manager.last_committed = durable
@@ -90,7 +95,7 @@ def capture_payloads(state: RunState, *, replicated: bool | None = None, local_s
     payloads: dict[str, Any] = {
         RANK: {
             "rng": capture_rng(),
-            "generators": resume.generator_states(state.generators),
+            "generators": generator_states(state.generators),
             resume.PREFETCH: resume.saved_prefetch(state),
             "data": state.data.state_dict() if state.data is not None else None,
             "user": {name: obj.state_dict() for name, obj in state.user_state.items()},
@@ -194,7 +199,7 @@ def apply_restored(state: RunState, restored: Restored) -> None:
     counters = mine["counters"]
     state.step, state.samples, state.tokens = counters["step"], counters["samples"], counters["tokens"]
     if state.generators:
-        resume.set_generator_states(state.generators, mine.get("generators") or {}, f"checkpoint {name}")
+        set_generator_states(state.generators, mine.get("generators") or {}, f"checkpoint {name}")
     restore_rng(mine["rng"])  # last: loading above must not consume random numbers after it
     if restored.manifest.world_size == state.world_size:  # this rank's own streams: checked at the first step
         resume.restore(state, state.step, name, mine)

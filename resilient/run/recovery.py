@@ -7,7 +7,7 @@ Wired when the agent gives ``RESILIENT_RECOVERY_STORE`` (the Run state's
   :meth:`InProcessRecovery.__call__` with the error alive.  It rewinds the
   attempt first (cursor, counters, gradients, ``state=`` objects, scheduler,
   RNG) and notes where it was in the optimizer's update
-  (:class:`~resilient.run.state.StepPosition`), then releases every
+  (:class:`~resilient.run.records.StepPosition`), then releases every
   reference to the old groups (the DDP wrapper, the finished frames of the
   error's traceback, the checkpoint Coordinator's sub-groups once an
   in-flight save has its outcome) and destroys them at once: that is what
@@ -81,10 +81,13 @@ from ..elastic.reform import (
 )
 from ..elastic.shard_sync import sync_sharded
 from ..elastic.state_sync import StateSyncError, agree_step, sync_from
-from . import nonfinite
+from . import nonfinite, resume
 from .attempt import rewind_current
 from .ddp import ddp_layout, regroup, wrap_ddp
-from .state import StepPosition
+from .integration import decline
+from .records import StepPosition
+from .sections import Section
+from .state import InProcessStanding
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -115,8 +118,9 @@ class InProcessRecovery:
         self._joined = joined
         """A spare's promotion that ``resilient.device_mesh()`` waited for before the Run existed."""
         self.worker_id: str = env.worker_id
-        self.generation = env.generation
-        """The generation this worker is a member of (or, for a spare, was started in)."""
+        self.standing = state.inproc = InProcessStanding(env.worker_id, env.role, env.generation)
+        """What the rest of the Run sees of it: the generation this worker is a member of, whether the run
+        declined it (:func:`~resilient.run.integration.decline`)."""
         self.timeout_s = env.recovery_timeout_s
         self._store: Store | None = joined.store if joined is not None else None
         self._group_stores: dict[int, Store] = {}
@@ -125,8 +129,6 @@ class InProcessRecovery:
         self._warned_streams = False
         self.collective_timeout = groups.collective_timeout() or default_pg_timeout
         """The script's collective timeout (a spare, with no group yet: torch's default), kept by re-formed groups."""
-        self.declined: str | None = None
-        """Why this run recovers by restart only (said once to the agent, which then starts no spare)."""
         self.user_groups: list[Any] = []
         """The process groups ``Run(groups=fn)`` made in the current generation."""
         self._received = False
@@ -138,24 +140,13 @@ class InProcessRecovery:
         if self._ready_sent:
             return
         self._ready_sent = True
-        foreign = groups.foreign_groups(self.owned_groups()) if self.declined is None else []
+        foreign = groups.foreign_groups(self.owned_groups()) if self.standing.declined is None else []
         if foreign:
-            self.decline(f"the script made process groups of its own ({'; '.join(foreign)}), which a re-formed "
-                         "world cannot make again; create them in Run(groups=fn), which calls fn again after "
-                         "every re-formation (state.groups holds what it returned)")
-        if self.declined is None:
+            decline(self.state, f"the script made process groups of its own ({'; '.join(foreign)}), which a "
+                    "re-formed world cannot make again; create them in Run(groups=fn), which calls fn again after "
+                    "every re-formation (state.groups holds what it returned)")
+        if self.standing.declined is None:
             self._report(self._ready("worker"))
-
-    def decline(self, reason: str) -> None:
-        """Recover this run by restart only, and say why: to the agent (which says it on its console and in
-        ``resilient status``) and in this rank's events."""
-        if self.declined is not None:
-            return
-        self.declined = reason
-        state = self.state
-        state.recovery = None  # a failure inside state.attempt() now propagates: the agent restarts the group
-        self._report({"event": "declined", "worker": self.worker_id, "role": self.env.role, "reason": reason})
-        state.events.emit(EventKind.IN_PROCESS_DECLINED, rank=state.rank, worker=self.worker_id, reason=reason)
 
     def owned_groups(self) -> list[Any]:
         """The groups a re-formation makes again: the default group, the checkpoint coordinator's, the sharded
@@ -174,11 +165,12 @@ class InProcessRecovery:
         """Survive ``exc`` (a peer failure inside the attempt) in a re-formed group; raise it if that fails."""
         failed_at = time.monotonic()
         state = self.state
-        step, position = state.step, state.position
+        step, position = state.step, state.attempt.position
         if nonfinite.settle(state, wait=True) is not None:
             # The update before this step was skipped as non-finite (read late): this rank's state is not the
             # step's start, so it is never a source; it takes a peer's (with none, the newest commit).
-            position, state.pending = StepPosition.AFTER, None
+            position = StepPosition.AFTER
+            nonfinite.drop_pending(state)
         clean = position is StepPosition.BEFORE
         try:
             layout = ddp_layout(state.model)
@@ -191,7 +183,7 @@ class InProcessRecovery:
             # passed), so ranks lost together are decided together, and it decides while this rank releases.
             # ``failed_at`` (this host's monotonic clock, the agent's too) orders the ranks' errors: the first is
             # the cause, the others fail when it releases its connections.
-            self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+            self._report({"event": "waiting", "worker": self.worker_id, "generation": self.standing.generation,
                           "step": step, "position": position.value, "failed_at": failed_at,
                           "error": f"{type(exc).__qualname__}: {exc}"[:500]})
             self._release(exc)
@@ -199,10 +191,10 @@ class InProcessRecovery:
             store = self._connect()
             for attempt in range(MAX_REFORMATIONS):
                 waited = time.monotonic()
-                assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+                assignment = wait_for_assignment(store, self.worker_id, self.standing.generation, self.timeout_s)
                 self._received = False
                 try:
-                    with state.section("restore"):  # the agent times the re-formation; a drill can strike in it
+                    with Section(state, "restore"):  # the agent times the re-formation; a drill can strike in it
                         self._join(assignment, step, clean, mine, failed_at=failed_at, abandon_s=abandon_s,
                                    wait_s=time.monotonic() - waited)
                     return True
@@ -213,8 +205,8 @@ class InProcessRecovery:
                     # during the re-formation): leave it as a survivor of it and wait for the one after.
                     clean = clean and not self._received
                     failed_at = time.monotonic()
-                    self.generation = assignment.generation
-                    self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                    self.standing.generation = assignment.generation
+                    self._report({"event": "waiting", "worker": self.worker_id, "generation": assignment.generation,
                                   "step": step, "position": position.value if clean else "receiving",
                                   "failed_at": failed_at, "error": f"{type(again).__qualname__}: {again}"[:500]})
                     self._release(again)  # its traceback holds the failed generation's groups: cleared first
@@ -237,7 +229,7 @@ class InProcessRecovery:
     def may_grow(self) -> bool:
         """Whether this world is below its full size, so that a boundary may grow it (and send the state)."""
         data = self.state.data
-        return self.declined is None and data is not None and bool(data.global_batch) and \
+        return self.standing.declined is None and data is not None and bool(data.global_batch) and \
             self.state.world_size * data.batch_size < data.global_batch
 
     def at_boundary(self) -> None:
@@ -251,7 +243,7 @@ class InProcessRecovery:
         if not self.may_grow():
             return
         store = self._connect()
-        key = grow_key(self.generation)
+        key = grow_key(self.standing.generation)
         if not store.check([key]):
             return
         plan = json.loads(store.get(key))
@@ -259,10 +251,10 @@ class InProcessRecovery:
             return
         started = time.monotonic()
         try:
-            with state.section("restore"):  # the agent books the re-formation as recovery, and times it
+            with Section(state, "restore"):  # the agent books the re-formation as recovery, and times it
                 mine = self._extra(state.step, ddp_layout(state.model))
                 self._release(None)
-                assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+                assignment = wait_for_assignment(store, self.worker_id, self.standing.generation, self.timeout_s)
                 self._join(assignment, state.step, True, mine, failed_at=None, abandon_s=time.monotonic() - started,
                            wait_s=0.0)
         except Exception as err:
@@ -313,7 +305,7 @@ class InProcessRecovery:
             self._report(self._ready("spare"))
         try:
             store = self._connect()
-            assignment = wait_until_assigned(store, self.worker_id, self.generation, self.timeout_s)
+            assignment = wait_until_assigned(store, self.worker_id, self.standing.generation, self.timeout_s)
             for attempt in range(MAX_REFORMATIONS):
                 try:
                     self._join(assignment, None, True, self._extra(None, None), failed_at=None, abandon_s=0.0,
@@ -324,12 +316,12 @@ class InProcessRecovery:
                         raise
                     # Promoted, then the generation failed while it formed: a member of it without state, which
                     # waits for the next generation like its survivors (the agent need not replace it).
-                    self.generation = assignment.generation
-                    self._report({"event": "waiting", "worker": self.worker_id, "generation": self.generation,
+                    self.standing.generation = assignment.generation
+                    self._report({"event": "waiting", "worker": self.worker_id, "generation": assignment.generation,
                                   "step": None, "position": "stateless", "stateless": True,
                                   "failed_at": time.monotonic(), "error": f"{type(again).__qualname__}: {again}"[:500]})
                     self._release(again)
-                    assignment = wait_for_assignment(store, self.worker_id, self.generation, self.timeout_s)
+                    assignment = wait_for_assignment(store, self.worker_id, self.standing.generation, self.timeout_s)
         except Exception as err:
             self._give_up(err)
             raise
@@ -360,7 +352,7 @@ class InProcessRecovery:
             started -= form_s
             if ckpt is not None:
                 ckpt.regroup(ckpt.coord)
-        self.generation = assignment.generation
+        self.standing.generation = assignment.generation
         formed = time.monotonic()
         agreement = agree_step(completed, clean, preferred_source=assignment.source_rank)
         module = unwrap(state.model)
@@ -380,7 +372,7 @@ class InProcessRecovery:
             for name, obj in state.user_state.items():
                 obj.load_state_dict(extra["user"][name])
         state.last_saved_step = state.step  # nothing to save at once: the state came from a peer, not a new update
-        state.resume = None  # nor a restore to check: a spare's warm-up restore was replaced by the peer's state
+        resume.replaced(state)  # nor a restore to check: a spare's warm-up restore was replaced by the peer's state
         if ckpt is not None and ckpt.cadence is not None and extra.get("checkpoint_every"):
             ckpt.cadence.every = int(extra["checkpoint_every"])  # a newcomer schedules its saves as its peers do
         regroup(state)  # rank, world size, and the loader's share of the kept global batch
@@ -464,9 +456,10 @@ class InProcessRecovery:
 
     def _give_up(self, err: BaseException) -> None:
         error = f"{type(err).__qualname__}: {err}"[:1000]
-        self._report({"event": "gave_up", "worker": self.worker_id, "generation": self.generation, "error": error})
-        self.state.events.emit(EventKind.RECOVERY_GAVE_UP, worker=self.worker_id, generation=self.generation,
-                             step=self.state.step, error=error)
+        generation = self.standing.generation
+        self._report({"event": "gave_up", "worker": self.worker_id, "generation": generation, "error": error})
+        self.state.events.emit(EventKind.RECOVERY_GAVE_UP, worker=self.worker_id, generation=generation,
+                               step=self.state.step, error=error)
         self.state.model = unwrap(self.state.model)
         if self.state.checkpoints is not None:
             self.state.checkpoints.coord = Coordinator()

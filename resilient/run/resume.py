@@ -32,17 +32,14 @@ the first such fetch makes the run recover by restart, and says so.
 
 from __future__ import annotations
 
-import random
-import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import torch
 
 from ..core.errors import ConfigError, ResumeDivergedError
 from ..core.events import EventKind
 from ..core.state import capture_rng, restore_rng
+from .integration import decline
+from .streams import Expected, Fetched, Streams, generator_states, moved, set_generator_states
 
 if TYPE_CHECKING:
     from .state import RunState
@@ -56,88 +53,8 @@ CHECKS = ("stop", "accept")
 
 
 # ----------------------------------------------------------------- streams
-def check_generators(generators: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``Run(generators=...)`` as a dict, refusing what cannot be saved and put back."""
-    found = dict(generators or {})
-    for name, gen in found.items():
-        if not isinstance(name, str):
-            raise ConfigError(f"Run(generators=...): the names are strings, got {name!r}")
-        if _kind(gen) is None:
-            raise ConfigError(
-                f"Run(generators={{{name!r}: ...}}) is a {type(gen).__qualname__}: give a torch.Generator, a "
-                "random.Random, or a numpy RandomState or Generator (the Run saves, restores and checks its state)")
-    return found
-
-
-def _kind(gen: Any) -> str | None:
-    if isinstance(gen, torch.Generator):
-        return "torch"
-    if isinstance(gen, random.Random):
-        return "python"
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(gen, numpy.random.RandomState):
-        return "numpy"
-    if numpy is not None and isinstance(gen, numpy.random.Generator):
-        return "numpy-generator"
-    return None
-
-
-def generator_states(generators: Mapping[str, Any]) -> dict[str, Any]:
-    """Each generator's state, in a form a checkpoint holds (tensors, ints, strings)."""
-    states: dict[str, Any] = {}
-    for name, gen in generators.items():
-        kind = _kind(gen)
-        if kind == "torch":
-            states[name] = gen.get_state()
-        elif kind == "python":
-            states[name] = gen.getstate()
-        elif kind == "numpy":
-            states[name] = gen.get_state()
-        else:
-            states[name] = gen.bit_generator.state
-    return states
-
-
-def set_generator_states(generators: Mapping[str, Any], states: Mapping[str, Any], where: str) -> None:
-    """Put each generator back; ConfigError naming ``where`` when a state is missing."""
-    missing = sorted(set(generators) - set(states))
-    if missing:
-        raise ConfigError(f"{where} has no state for the generators {missing}; it was saved without them")
-    for name, gen in generators.items():
-        kind, state = _kind(gen), states[name]
-        if kind == "torch":
-            gen.set_state(state.clone())
-        elif kind == "python":
-            version, internal, gauss = state
-            gen.setstate((version, tuple(internal), gauss))
-        elif kind == "numpy":
-            label, keys, pos, has_gauss, cached = state
-            numpy = sys.modules["numpy"]
-            keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys
-            gen.set_state((label, numpy.asarray(keys, dtype=numpy.uint32), pos, has_gauss, cached))
-        else:
-            gen.bit_generator.state = state
-
-
-@dataclass(frozen=True)
-class Streams:
-    """A rank's random streams and data cursor at one moment."""
-
-    rng: dict[str, Any]
-    """:func:`~resilient.core.state.capture_rng`'s streams (torch, cuda, python, numpy)."""
-    generators: dict[str, Any]
-    consumed: int | None
-    """The loader's cursor (None: no loader)."""
-
-    def to_payload(self) -> dict[str, Any]:
-        return {"rng": self.rng, "generators": self.generators, "consumed": self.consumed}
-
-    @classmethod
-    def from_payload(cls, d: Mapping[str, Any]) -> Streams:
-        return cls(rng=dict(d["rng"]), generators=dict(d.get("generators") or {}), consumed=d.get("consumed"))
-
-
 def streams_now(state: RunState) -> Streams:
+    """This process's streams and the loader's cursor now."""
     return Streams(rng=capture_rng(), generators=generator_states(state.generators),
                    consumed=state.data.consumed if state.data is not None else None)
 
@@ -150,64 +67,21 @@ def put_back(state: RunState, streams: Streams) -> None:
         state.data.rewind(streams.consumed)
 
 
-def moved(expected: Streams, now: Streams) -> list[str]:
-    """The names of what differs between two moments: ``torch``, ``cuda``, ``python``, ``numpy``,
-    ``generator NAME``, ``data``."""
-    found = [name for name in sorted(set(expected.rng) | set(now.rng))
-             if not _same(expected.rng.get(name), now.rng.get(name))]
-    found += [f"generator {name}" for name in sorted(set(expected.generators) | set(now.generators))
-              if not _same(expected.generators.get(name), now.generators.get(name))]
-    if expected.consumed is not None and now.consumed is not None and expected.consumed != now.consumed:
-        found.append("data")
-    return found
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Equal streams, whatever mix of tensors, numpy arrays and Python values each is held in."""
-    if _array(a) or _array(b):
-        if not (_array(a) and _array(b)):
-            return False
-        x, y = torch.as_tensor(a), torch.as_tensor(b)
-        return x.shape == y.shape and bool(torch.equal(x.to(torch.int64), y.to(torch.int64)))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b)
-
-
-def _array(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) or (type(x).__module__ == "numpy" and hasattr(x, "shape"))
-
-
 # ----------------------------------------------------------------- prefetch
-@dataclass(frozen=True)
-class Fetched:
-    """The newest fetch through :func:`prefetch`: for which step, and the streams around it."""
-
-    for_step: int
-    """The step whose batch it fetched (the next one when made in a step's body)."""
-    before: Streams
-    after: Streams
-
-    def to_payload(self) -> dict[str, Any]:
-        return {"for_step": self.for_step, "before": self.before.to_payload(), "after": self.after.to_payload()}
-
-
 def prefetch(state: RunState, fetch: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
     """``run.prefetch(fetch, *args, **kwargs)``: call ``fetch`` and note the streams around it (see the module)."""
     if not callable(fetch):
         raise ConfigError(f"run.prefetch({fetch!r}, ...): the first argument is the function that fetches a batch")
-    if state.attempt_start is not None and state.inproc is not None:
-        state.inproc.decline("the script fetches its next batch inside the step (run.prefetch), which a retried "
-                             "step or a replacement rank cannot have: recovery is by restart, which gives the "
-                             "prefetched batch back exactly")
+    if state.attempt.start is not None and state.inproc is not None:
+        decline(state, "the script fetches its next batch inside the step (run.prefetch), which a retried step or "
+                "a replacement rank cannot have: recovery is by restart, which gives the prefetched batch back "
+                "exactly")
     before = streams_now(state)
     result = fetch(*args, **kwargs)
     after = streams_now(state)
     for_step = state.step + 1 if state.in_body else state.step
-    state.fetched = Fetched(for_step, before, after)
-    expected = state.resume
+    state.resume.fetched = Fetched(for_step, before, after)
+    expected = state.resume.expected
     if expected is not None and expected.refetch is not None and for_step == expected.step:
         _refetched(state, expected, after)
     return result
@@ -215,26 +89,11 @@ def prefetch(state: RunState, fetch: Callable[..., T], args: tuple[Any, ...], kw
 
 def saved_prefetch(state: RunState) -> dict[str, Any] | None:
     """The prefetch record a checkpoint taken now holds: the newest fetch, when it fetched this step's batch."""
-    fetched = state.fetched
+    fetched = state.resume.fetched
     return fetched.to_payload() if fetched is not None and fetched.for_step == state.step else None
 
 
 # ----------------------------------------------------------------- the check
-@dataclass
-class Expected:
-    """What the first step after a restore must find."""
-
-    step: int
-    source: str
-    """The checkpoint restored (a memory-tier one is ``memory:...``)."""
-    streams: Streams
-    """The streams and cursor the saving run had at this step's start."""
-    refetch: tuple[Streams, Streams] | None = None
-    """The saving run had fetched this step's batch ahead (``run.prefetch``): the streams right before and right
-    after that fetch, which the resumed script's own fetch must go from and to; None once it did (or without a
-    prefetch)."""
-
-
 def restore(state: RunState, step: int, source: str, rank_state: Mapping[str, Any]) -> None:
     """After a restore put the rank's streams back: expect them at the first step, and where the saving run had
     fetched this step's batch ahead, rewind to before that fetch so that the script fetches it again."""
@@ -244,9 +103,9 @@ def restore(state: RunState, step: int, source: str, rank_state: Mapping[str, An
     if fetched is not None and int(fetched["for_step"]) == step:
         before, after = Streams.from_payload(fetched["before"]), Streams.from_payload(fetched["after"])
         put_back(state, before)
-        state.resume = Expected(step, source, at_boundary, refetch=(before, after))
+        state.resume.expected = Expected(step, source, at_boundary, refetch=(before, after))
     else:
-        state.resume = Expected(step, source, at_boundary)
+        state.resume.expected = Expected(step, source, at_boundary)
 
 
 def _refetched(state: RunState, expected: Expected, after: Streams) -> None:
@@ -267,7 +126,7 @@ def _refetched(state: RunState, expected: Expected, after: Streams) -> None:
 
 def verify(state: RunState) -> None:
     """At the first step boundary after a restore: the streams and cursor are where the saving run had them."""
-    expected, state.resume = state.resume, None
+    expected, state.resume.expected = state.resume.expected, None
     assert expected is not None
     now = streams_now(state)
     if expected.refetch is not None:  # fetched ahead before the checkpoint, not through run.prefetch since
@@ -306,7 +165,7 @@ def likely_cause(drift: list[str]) -> str:
 
 
 def _diverged(state: RunState, expected: Expected, drift: list[str], cause: str) -> None:
-    accepted = state.resume_check == "accept"
+    accepted = state.resume.mode == "accept"
     message = (f"the run resumed from {expected.source} is not where the run that saved it was at step "
                f"{expected.step}: {', '.join(_names(drift))} moved between the restore and the first step. Likely "
                f"cause: {cause}")
@@ -329,7 +188,13 @@ def _names(drift: list[str]) -> list[str]:
     return [words.get(d, d) for d in drift]
 
 
-def checked_mode(value: object) -> str:
-    if value not in CHECKS:
-        raise ConfigError(f"Run(resume_check={value!r}) must be one of {', '.join(map(repr, CHECKS))}")
-    return str(value)
+def replaced(state: RunState) -> None:
+    """The state restored was replaced (by a peer's, in-process): the first step has nothing to be checked against."""
+    state.resume.expected = None
+
+
+def configure(state: RunState, mode: object) -> None:
+    """``Run(resume_check=...)`` (or the agent's ``--resume-check``) checked and kept."""
+    if mode not in CHECKS:
+        raise ConfigError(f"Run(resume_check={mode!r}) must be one of {', '.join(map(repr, CHECKS))}")
+    state.resume.mode = str(mode)

@@ -14,6 +14,7 @@ from ..core.errors import ConfigError
 from ..core.events import EventKind
 from . import nonfinite
 from .payloads import capture_payloads
+from .sections import Section
 
 if TYPE_CHECKING:
     from ..checkpoint.manager import SaveResult
@@ -58,7 +59,7 @@ def at_boundary(state: RunState) -> None:
     due = _scheduled(state)
     if due or ckpt.pending is not None:  # paced by config.when_busy: see resilient/checkpoint/pacing.py
         settled(state, "before a checkpoint")
-        with state.section("checkpoint"):
+        with Section(state, "checkpoint"):
             decision = ckpt.save_due(state.step, due=due, payloads=lambda: payloads(state),
                                      fingerprint=state.fingerprint,
                                      counters={"samples": state.samples, "tokens": state.tokens})
@@ -80,7 +81,7 @@ def save(state: RunState, *, wait: bool) -> SaveResult | None:
     assert state.checkpoints is not None
     settled(state, "before a checkpoint")
     state.last_saved_step = state.step
-    with state.section("checkpoint"):
+    with Section(state, "checkpoint"):
         return state.checkpoints.save(
             state.step,
             payloads(state),
@@ -95,7 +96,7 @@ def commit(state: RunState) -> SaveResult:
     if state.checkpoints is None:
         raise ConfigError("Run.save() needs checkpoint=CheckpointConfig(...) when the Run is created")
     settled(state, "before run.save()")  # inside run.attempt() the step before is retried; else it restarts
-    with state.section("checkpoint"):
+    with Section(state, "checkpoint"):
         state.checkpoints.wait()
         results = state.checkpoints.results
         if results and results[-1].step == state.step and results[-1].ok:
