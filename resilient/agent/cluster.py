@@ -155,11 +155,11 @@ class ClusterStore:
     def __init__(self, signed: SignedStore, client: Any, root: str, keys: LaunchKeys, node: str,
                  token: str, *, lease: Callable[[], int] | None = None,
                  live: Callable[[], frozenset[str]] | None = None, watch: PrefixWatch | None = None) -> None:
-        """``keys``: the launch's keys, relative to ``root``.  ``lease``: the agent's lease, kept alive by its owner (the node's presence); without one the store
-        takes a lease of its own and renews it in :meth:`keep_pool_alive`.  ``live``: the nodes the presence
-        judges alive (:mod:`resilient.coord.liveness`); without it, the nodes whose presence key is there.
-        ``watch``: the agent's watch of the run's launches, which
-        :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
+        """``keys``: the launch's keys, relative to ``root``.  ``lease``: the agent's lease, kept alive by its
+        owner (the node's presence); without one the store takes a lease of its own and renews it in
+        :meth:`keep_pool_alive`.  ``live``: the nodes the presence judges alive (:mod:`resilient.coord.liveness`);
+        without it, the nodes whose presence key is there.  ``watch``: the agent's watch of the run's launches,
+        which :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
         self.signed = signed
         self.client = client
         self.root = root

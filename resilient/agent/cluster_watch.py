@@ -87,8 +87,8 @@ class ClusterWatch:
         store = self._store
         cut = len(store.root)
         keys = store.keys
-        base, current_key, pool_prefix, nodes_prefix = (keys.recovery_of(generation), keys.current(), keys.pool(),
-                                                         keys.nodes())
+        base, current_key = keys.recovery_of(generation), keys.current()
+        pool_prefix, nodes_prefix = keys.pool(), keys.nodes()
         rec: list[Entry] = []
         pool: list[Entry] = []
         nodes: list[Entry] = []

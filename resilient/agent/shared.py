@@ -172,8 +172,8 @@ class SharedFacts:
         if self._watch is None or not self._watch.fresh:
             return len(self._records(self._scope))
         under = self.keys.restarts()
-        return len(self._verified_in(self._watch, (lambda key: key.startswith(under)) if self._scope == "launch"
-                                     else keyspace.is_restart))
+        counted = (lambda key: key.startswith(under)) if self._scope == "launch" else keyspace.is_restart
+        return len(self._verified_in(self._watch, counted))
 
     def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:
         """The global restart history: every node reads the same records.
