@@ -21,22 +21,24 @@ from resilient.agent.cluster_watch import ClusterWatch
 from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
 from resilient.agent.shared import SharedFacts
 from resilient.agent.timing_link import TimingLink
-from resilient.coord import claims
+from resilient.coord import claims, keyspace
 from resilient.coord.etcd import EtcdClient, EtcdControlStore
 from resilient.coord.etcd_transport import EtcdConfig
-from resilient.coord.launch import launch_prefix
+from resilient.coord.keyspace import LaunchKeys, rendezvous_space, run_root
 from resilient.coord.liveness import QUORUM
 from resilient.coord.presence import Presence
 from resilient.coord.proof import Seal, SignedStore
 from resilient.coord.quarantine import FleetQuarantine
-from resilient.coord.rendezvous import rendezvous_space
 from resilient.coord.store import ControlStoreError
 from resilient.coord.watch import PrefixWatch
 
 RUN = "plane"
 LAUNCH = "l1"
-ROOT = f"/resilient/{RUN}/"
-PREFIX = launch_prefix(LAUNCH)
+ROOT = run_root(RUN)
+KEYS = LaunchKeys(LAUNCH)
+"""The launch's keys, relative to the run's root."""
+AT = LaunchKeys(LAUNCH, ROOT)
+"""The launch's keys in etcd."""
 OUTBOX_WINDOWS = 16
 """Windows in a node's timing outbox (``resilient.agent.windows.OUTBOX_WINDOWS``: with fast steps it is full)."""
 
@@ -114,7 +116,7 @@ class Recorder:
         now = time.time()
         with self.lock:
             if victim is not None and agent.node not in self.accused_seen_at:
-                accusers = sum(f"{ROOT}{PREFIX}suspect/{victim}/{p}" in entries for p in self.probers)
+                accusers = sum(AT.suspect(victim, p) in entries for p in self.probers)
                 if accusers >= min(QUORUM, len(self.probers)):
                     self.accused_seen_at[agent.node] = now
             if decision is not None and agent.node not in self.decision_seen_at and decision in entries:
@@ -138,16 +140,16 @@ class Agent:
         self.worker = f"{node}.{'w0' if rank is not None else 's0'}"
         self.client = KillableClient(config)
         self.events = 0
-        self.watch = PrefixWatch(self.client, ROOT + "launch", on_change=self._event)
-        self.timing_watch = (PrefixWatch(self.client, ROOT + "timing/", on_change=self._timing_event)
+        self.watch = PrefixWatch(self.client, ROOT + keyspace.LAUNCH, on_change=self._event)
+        self.timing_watch = (PrefixWatch(self.client, ROOT + keyspace.TIMING, on_change=self._timing_event)
                              if rank == 0 else None)
         """The scorer's alone (``SlownessWatch``: one agent scores every rank's windows)."""
         self.seal = Seal(token, ROOT)
-        self.presence = Presence(self.client, ROOT + PREFIX, node, self._lost, self._error, watch=self.watch,
+        self.presence = Presence(self.client, AT, node, self._lost, self._error, watch=self.watch,
                                  seal=self.seal)
         self.control = EtcdControlStore(self.client, ROOT)
         self.signed = SignedStore(self.control, token)
-        self.store = ClusterStore(self.signed, self.client, ROOT, PREFIX, node, token,
+        self.store = ClusterStore(self.signed, self.client, ROOT, KEYS, node, token,
                                   lease=lambda: self.presence.lease, live=self.presence.live, watch=self.watch)
         self.shared = SharedFacts(self.signed, LAUNCH, node, watch=self.watch, root=ROOT,
                                   timing_watch=(lambda: self.timing_watch) if rank == 0 else None)
@@ -155,7 +157,7 @@ class Agent:
         """A member's timing link: it sends its windows to the scorer's, and the scorer's receives them."""
         self.announced: int | None = None
         self.generation = 0
-        self.rendezvous = EtcdRendezvous(self.client, rendezvous_space(RUN, LAUNCH), ROOT + "generation", node,
+        self.rendezvous = EtcdRendezvous(self.client, rendezvous_space(RUN, LAUNCH), ROOT + keyspace.GENERATION, node,
                                          "127.0.0.1", min_nodes=1, max_nodes=members,
                                          timeouts=RendezvousTimeouts(join_s=600.0, last_call_s=30.0),
                                          lease=lambda: self.presence.lease, live=self.presence.live,
@@ -173,7 +175,7 @@ class Agent:
 
     def _current(self) -> int:
         """The launch's current generation as its signed recovery key says (the rendezvous' floor, as the agent's)."""
-        found = self.signed.get(f"{PREFIX}rec/current")
+        found = self.signed.get(KEYS.current())
         return int(found["generation"]) if found is not None else 0
 
     def _event(self) -> None:
@@ -260,7 +262,7 @@ class Agent:
         snapshot = {"run_id": RUN, "node": self.node, "phase": "running", "generation": self.generation,
                     "ranks": {} if self.rank is None else {str(self.rank): {"section": "compute", "step": 4100}},
                     "padding": "x" * 1500}  # the rest of a snapshot: timeouts, restore, recovery, slowness
-        self.control.put(f"status/{self.node}", json.dumps(snapshot).encode())
+        self.control.put(keyspace.status(self.node), json.dumps(snapshot).encode())
 
     def ask_waiting(self) -> None:
         self.rendezvous.num_nodes_waiting()

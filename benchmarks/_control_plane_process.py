@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from _control_plane_agents import PREFIX, ROOT, Agent, Recorder
+from _control_plane_agents import AT, Agent, Recorder
 
 from resilient.coord.etcd_transport import EtcdConfig
 from resilient.coord.store import ControlStoreError
@@ -229,7 +229,7 @@ class Process:
         for node in probers:
             prober = self.by_node.get(node)
             if prober is not None:
-                key = f"{ROOT}{PREFIX}suspect/{victim}/{node}"
+                key = AT.suspect(victim, node)
                 prober.client.put(key, prober.seal.seal(key, {"why": "no answer", "at": time.time()}),
                                   lease=prober.presence.lease)
 

@@ -88,7 +88,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _control_plane_agents import PREFIX, ROOT
+from _control_plane_agents import AT, ROOT
 from _control_plane_process import Spec, serve
 from _control_plane_report import TARGET_KILLED_S, TARGET_REQUESTS, TARGET_SILENT_S, plot, render
 from _provenance import commit, load_now, uncommitted_code_changes
@@ -357,7 +357,7 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
             live_nodes = {node for node, _ in nodes if node not in dead}
             probers = probers_of(live_nodes, victim, PROBERS)
             generation = next(g for g in fleet.all("generation_of", victim) if g is not None)
-            decision_key = f"{ROOT}{PREFIX}rec/g{generation}/decision"
+            decision_key = AT.decision(generation)
             fleet.all("watch", victim, frozenset(probers), decision_key)
             sims_before, etcd_before = fleet.all("sample"), _proc_cpu(etcd_pid)
             fleet.all("lag")
@@ -411,7 +411,7 @@ def measure(n: int, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(args.settle_s)  # the members publish their next generation; the simulator catches up
         result["node_loss"] = losses
         generation = max(g for g in fleet.all("generation_of", nodes[0][0]) if g is not None)
-        fleet.all("watch", None, frozenset(), f"{ROOT}{PREFIX}rec/g{generation}/decision")
+        fleet.all("watch", None, frozenset(), AT.decision(generation))
         committed = [t for t in fleet.all("grow") if t is not None]
         grow: dict[str, Any] = {"committed": bool(committed)}
         if committed:

@@ -32,6 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from resilient.agent.cluster import POOL_TTL_S, ClusterStore
 from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
+from resilient.coord.keyspace import LaunchKeys
 from resilient.coord.proof import SignedStore, sign, verify
 from resilient.coord.store import ControlStoreError
 from resilient.coord.txn import Compare, Delete, Put, Txn
@@ -42,6 +43,7 @@ TOKEN = "k" * 64
 RUN = "model"
 ROOT = f"/resilient/{RUN}/"
 LAUNCH = "launch/l1/"
+KEYS = LaunchKeys("l1")
 DECIDERS = ("n0", "n1", "n2")
 SPARES = ("s0.a", "s0.b", "s0.c")
 FIRST = 5
@@ -59,7 +61,7 @@ class Clock:
 def _agent(model: EtcdModel, node: str) -> tuple[ClusterStore, Flaky]:
     flaky = Flaky(model)
     signed = SignedStore(EtcdControlStore(flaky, ROOT), TOKEN)  # type: ignore[arg-type]
-    return ClusterStore(signed, flaky, ROOT, LAUNCH, node, TOKEN), flaky
+    return ClusterStore(signed, flaky, ROOT, KEYS, node, TOKEN), flaky
 
 
 class Decisions(RuleBasedStateMachine):

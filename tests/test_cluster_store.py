@@ -17,17 +17,19 @@ import threading
 from resilient.agent.cluster import ClusterStore
 from resilient.coord import claims
 from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
+from resilient.coord.keyspace import LaunchKeys
 from resilient.coord.proof import SignedStore, sign
 from resilient.coord.store import StoreUnavailableError
 
 TOKEN = "t" * 64
 LAUNCH = "launch/l1/"
+KEYS = LaunchKeys("l1")
 
 
 def _store(url: str, run_id: str, node: str, token: str = TOKEN, client=None) -> ClusterStore:
     client = client or EtcdClient(EtcdConfig.from_url(url))
     signed = SignedStore(EtcdControlStore.for_run(client, run_id), token)
-    return ClusterStore(signed, client, f"/resilient/{run_id}/", LAUNCH, node, token)
+    return ClusterStore(signed, client, f"/resilient/{run_id}/", KEYS, node, token)
 
 
 def _counter(url: str, run_id: str, value: int) -> None:
@@ -266,7 +268,7 @@ def test_a_forged_decision_or_counter_blocks_no_recovery_and_is_reported(etcd_se
     client = EtcdClient(EtcdConfig.from_url(etcd_server.url))
     signed = SignedStore(EtcdControlStore.for_run(client, etcd_run_id), TOKEN,
                          on_rejected=lambda key, _why: rejected.append(key))
-    a = ClusterStore(signed, client, f"/resilient/{etcd_run_id}/", LAUNCH, "n0", TOKEN)
+    a = ClusterStore(signed, client, f"/resilient/{etcd_run_id}/", KEYS, "n0", TOKEN)
     b = _store(etcd_server.url, etcd_run_id, "n1")
     _counter(etcd_server.url, etcd_run_id, 3)
     a.set_current(3)

@@ -34,6 +34,7 @@ from resilient.agent.inproc import InProcess
 from resilient.agent.policy import Failure
 from resilient.agent.rendezvous import Assignment
 from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
+from resilient.coord.keyspace import LaunchKeys
 from resilient.coord.proof import SignedStore, sign
 from resilient.coord.watch import PrefixWatch
 from resilient.core.events import EventKind
@@ -45,6 +46,7 @@ from .agent_helpers import wait_for
 
 TOKEN = "t" * 64
 LAUNCH = "launch/l1/"
+KEYS = LaunchKeys("l1")
 GENERATION = 3
 STEP = 7
 RECOVERY_TIMEOUT_S = 8.0
@@ -83,7 +85,7 @@ class _Node:
         client = EtcdClient(EtcdConfig.from_url(url))
         root = f"/resilient/{run_id}/"
         self.launch_watch = PrefixWatch(client, root + "launch").start()
-        store = ClusterStore(SignedStore(EtcdControlStore.for_run(client, run_id), TOKEN), client, root, LAUNCH,
+        store = ClusterStore(SignedStore(EtcdControlStore.for_run(client, run_id), TOKEN), client, root, KEYS,
                              node, TOKEN, watch=self.launch_watch)
         threads = ThreadReports(lambda *crash: self.crashes.append(crash))
         self.inp.follow_launch(store, threads)

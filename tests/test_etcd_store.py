@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 
 from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
+from resilient.coord.keyspace import run_root
 from resilient.coord.store import (
     ControlStore,
     MemoryControlStore,
     StoreRequestError,
-    run_prefix,
 )
 from resilient.core.errors import ConfigError
 
@@ -210,11 +210,11 @@ def test_threads_and_processes_share_one_counter_without_lost_updates(
     assert sum(conflicts) > 0, "the writers never collided: the test did not exercise compare-and-swap"
 
 
-def test_run_prefix_rejects_escaping_ids() -> None:
-    assert run_prefix("exp42") == "/resilient/exp42/"
+def test_run_root_rejects_escaping_ids() -> None:
+    assert run_root("exp42") == "/resilient/exp42/"
     for bad in ("", "a/b", ".."):
         with pytest.raises(ConfigError, match="run id"):
-            run_prefix(bad)
+            run_root(bad)
 
 
 def test_runs_do_not_see_each_other(etcd_server: EtcdServer) -> None:

@@ -29,6 +29,7 @@ import pytest
 
 from resilient.agent import severance
 from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.keyspace import LaunchKeys
 from resilient.coord.liveness import (
     INTERVAL_S,
     SILENCE_S,
@@ -252,7 +253,7 @@ def _presences(etcd_server, run_id: str, names: list[str], *, probes: bool = Tru
             watch.start()
             watches.append(watch)
             losts[name] = Lost()
-            presences[name] = Presence(watch._client, f"/resilient/{run_id}/launch/l1/", name, losts[name],
+            presences[name] = Presence(watch._client, LaunchKeys("l1", f"/resilient/{run_id}/"), name, losts[name],
                                        lambda e: None, watch=watch, ttl_s=30,
                                        probe_host="127.0.0.1" if probes else None,
                                        probe_interval_s=probe_interval_s, silence_s=silence_s,
@@ -276,12 +277,13 @@ def _agent_elsewhere(etcd_server, run_id: str, name: str, *, silence_s: float = 
     29 s; yields the process and its lease, and kills it at the end."""
     code = ("import sys, time\n"
             "from resilient.coord.etcd import EtcdClient, EtcdConfig\n"
+            "from resilient.coord.keyspace import LaunchKeys\n"
             "from resilient.coord.presence import Presence\n"
             "from resilient.coord.proof import Seal\n"
             "from resilient.coord.watch import PrefixWatch\n"
             f"w = PrefixWatch(EtcdClient(EtcdConfig.from_url({etcd_server.url!r})), '/resilient/{run_id}/launch')\n"
             "w.start()\n"
-            f"p = Presence(w._client, '/resilient/{run_id}/launch/l1/', {name!r}, lambda n, y: None, print,\n"
+            f"p = Presence(w._client, LaunchKeys('l1', '/resilient/{run_id}/'), {name!r}, lambda n, y: None, print,\n"
             "             watch=w, ttl_s=30, interval_s=29, probe_host='127.0.0.1',\n"
             f"             probe_interval_s={probe_interval_s!r}, silence_s={silence_s!r},\n"
             f"             seal=Seal({TOKEN!r}, '/resilient/{run_id}/'))\n"

@@ -8,6 +8,7 @@ import threading
 import time
 
 from resilient.coord.etcd import EtcdClient, EtcdConfig
+from resilient.coord.keyspace import LaunchKeys
 from resilient.coord.presence import Presence
 from resilient.coord.proof import Seal
 from resilient.coord.watch import PrefixWatch
@@ -70,7 +71,7 @@ def test_a_bug_in_a_presence_pass_is_reported_and_the_lease_is_still_renewed(etc
     url = etcd_server.url
     watch = PrefixWatch(EtcdClient(EtcdConfig.from_url(url)), f"/resilient/{etcd_run_id}/launch").start()
     crashes: list[tuple[str, str, str]] = []
-    presence = Presence(watch._client, f"/resilient/{etcd_run_id}/launch/l1/", "a", lambda n, w: None,
+    presence = Presence(watch._client, LaunchKeys("l1", f"/resilient/{etcd_run_id}/"), "a", lambda n, w: None,
                         lambda e: None, watch=watch, ttl_s=2, interval_s=0.5,
                         seal=Seal("t" * 16, f"/resilient/{etcd_run_id}/"),
                         on_crash=lambda *a: crashes.append(a))

@@ -58,9 +58,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..coord import claims
+from ..coord.keyspace import GENERATION, LaunchKeys
 from ..coord.proof import SignedStore, sign, verify
 from ..coord.store import ControlStoreError, Entry
 from ..coord.txn import Compare, Put
@@ -72,9 +73,6 @@ if TYPE_CHECKING:
 
 POOL_TTL_S = 5
 """Seconds a spare's pool key, or a generation's claim, outlives its agent's last renewal."""
-
-COUNTER_KEY = "generation"
-"""The run's generation counter, under the control store's prefix (the rendezvous advances it too)."""
 
 
 @dataclass(frozen=True)
@@ -154,23 +152,21 @@ class PoolEntry:
 class ClusterStore:
     """The launch's recovery keys, read and written by this node's agent (synchronous etcd calls)."""
 
-    def __init__(self, signed: SignedStore, client: Any, root: str, launch_prefix: str, node: str,
+    def __init__(self, signed: SignedStore, client: Any, root: str, keys: LaunchKeys, node: str,
                  token: str, *, lease: Callable[[], int] | None = None,
                  live: Callable[[], frozenset[str]] | None = None, watch: PrefixWatch | None = None) -> None:
-        """``lease``: the agent's lease, kept alive by its owner (the node's presence); without one the store
-        takes a lease of its own and renews it in :meth:`keep_pool_alive`.  ``live``: the nodes the presence
-        judges alive (:mod:`resilient.coord.liveness`); without it, the nodes whose presence key is there.
-        ``watch``: the agent's watch of ``root + "launch"``, which
-        :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
+        """``keys``: the launch's keys, relative to ``root``.  ``lease``: the agent's lease, kept alive by its
+        owner (the node's presence); without one the store takes a lease of its own and renews it in
+        :meth:`keep_pool_alive`.  ``live``: the nodes the presence judges alive (:mod:`resilient.coord.liveness`);
+        without it, the nodes whose presence key is there.  ``watch``: the agent's watch of the run's launches,
+        which :class:`~resilient.agent.cluster_watch.ClusterWatch` reads."""
         self.signed = signed
         self.client = client
         self.root = root
         """The control store's own prefix (``/resilient/<run>/``), for the writes that need a lease."""
-        self.prefix = f"{launch_prefix}rec/"
-        self.nodes_prefix = f"{launch_prefix}nodes/"
-        self.pool_prefix = f"{launch_prefix}pool/"
-        self.reports_prefix = f"reports/{launch_prefix}"
-        """The survivors' waits, outside the launch's watched keys (see the module doc)."""
+        self.keys = keys
+        self.reports_keys = keys.reports()
+        """The nodes' reports and the survivors' waits, outside the launch's watched keys (see the module doc)."""
         self.node = node
         self._token = token
         self._lease = 0
@@ -197,62 +193,59 @@ class ClusterStore:
                      opted_in: bool, batch: dict[str, Any] | None,
                      replicas: list[list[int]] | None = None) -> None:
         """``replicas``: the ranks holding identical shards of a sharded run (None: unsharded)."""
-        self._put(f"{self.reports_prefix}g{generation}/node/{self.node}",
+        self._put(self.reports_keys.node(generation, self.node),
                   {"ranks": {str(r): w for r, w in sorted(ranks.items())}, "world_size": world_size, "store": store,
                    "opted_in": opted_in, "batch": batch, "replicas": replicas})
 
     def set_current(self, generation: int) -> None:
-        self._put(f"{self.prefix}current", {"generation": generation, "node": self.node})
+        self._put(self.keys.current(), {"generation": generation, "node": self.node})
 
     def current(self) -> int | None:
-        found = self.signed.get(f"{self.prefix}current")
+        found = self.signed.get(self.keys.current())
         return int(found["generation"]) if found is not None else None
 
-    def report(self, generation: int, kind: str, worker: str, body: Mapping[str, Any]) -> None:
+    def report(self, generation: int, kind: Literal["lost", "waiting"], worker: str, body: Mapping[str, Any]) -> None:
         """``kind``: ``lost`` (this node's member died) or ``waiting`` (it left the failed group).  This agent's
         first report in ``generation`` also marks it failed, unless a peer did first."""
-        where = self.prefix if kind != "waiting" else self.reports_prefix
-        self._put(f"{where}g{generation}/{kind}/{worker}", {**body, "node": self.node})
+        key = (self.reports_keys.waiting(generation, worker) if kind == "waiting"
+               else self.keys.lost(generation, worker))
+        self._put(key, {**body, "node": self.node})
         if generation not in self._marked:
-            self.signed.put_if_absent(f"{self.prefix}g{generation}/failed", {"node": self.node, "at": time.time()})
+            self.signed.put_if_absent(self.keys.failed(generation), {"node": self.node, "at": time.time()})
             self._marked.add(generation)
 
     def reports(self, view: GenerationView) -> GenerationView:
         """``view`` with its nodes' members and its survivors' waits, read from the store at one revision."""
-        base = f"{self.reports_prefix}g{view.generation}/"
         nodes: dict[str, dict[str, Any]] = {}
         waiting: dict[str, dict[str, Any]] = {}
-        for key, value in self.signed.get_prefix(base).items():
-            kind, _, name = key[len(base):].partition("/")
-            if kind == "node":
-                nodes[name] = value
-            elif kind == "waiting":
-                waiting[name] = value
+        for key, value in self.signed.get_prefix(self.reports_keys.generation(view.generation)).items():
+            found = self.reports_keys.report_of(view.generation, key)
+            if found is not None:
+                (nodes if found[0] == "node" else waiting)[found[1]] = value
         return replace(view, nodes=nodes, waiting=waiting)
 
     def view(self, generation: int) -> GenerationView:
         """What the store holds about ``generation``, read now (the nodes and the survivors' waits included)."""
-        return self.reports(self.view_of(generation, self.signed.get_prefix(f"{self.prefix}g{generation}/")))
+        return self.reports(self.view_of(generation, self.signed.get_prefix(self.keys.recovery_of(generation))))
 
     def view_of(self, generation: int, values: Mapping[str, dict[str, Any]]) -> GenerationView:
         """Generation ``generation`` in verified ``values`` (key -> value, keys under the control store's prefix;
         keys of other generations are ignored): its nodes and waits are not among them (:meth:`reports`)."""
-        base = f"{self.prefix}g{generation}/"
         lost: dict[str, dict[str, Any]] = {}
         claim = decision = None
         failed_by: str | None = None
         for key, value in values.items():
-            if not key.startswith(base):
+            found = self.keys.recovery_key(generation, key)
+            if found is None:
                 continue
-            rest = key[len(base):]
-            kind, _, name = rest.partition("/")
+            kind, worker = found
             if kind == "lost":
-                lost[name] = value
-            elif rest == "claim":
+                lost[worker] = value
+            elif kind == "claim":
                 claim = value
-            elif rest == "decision":
+            elif kind == "decision":
                 decision = value
-            elif rest == "failed":
+            else:
                 failed_by = str(value.get("node") or "")
         return GenerationView(generation, {}, {}, lost, claim, decision, failed_by)
 
@@ -260,7 +253,7 @@ class ClusterStore:
         """Nodes judged alive (:mod:`resilient.coord.presence`): by the presence's evidence, or by their keys."""
         if self._live is not None:
             return set(self._live())
-        return self.live_of(self.signed.store.get_prefix(self.nodes_prefix))
+        return self.live_of(self.signed.store.get_prefix(self.keys.nodes()))
 
     def live_of(self, entries: Iterable[Entry]) -> set[str]:
         """The nodes alive among presence keys ``entries`` (the presence's judgement when the store has one)."""
@@ -276,8 +269,9 @@ class ClusterStore:
             value = self.signed.seal.open(entry)  # a forged presence key is nobody
             if value is None:
                 continue
-            if value.get("state") == "running" and entry.key.startswith(self.nodes_prefix):
-                found.add(entry.key[len(self.nodes_prefix):])
+            node = self.keys.node_of(entry.key)
+            if value.get("state") == "running" and node is not None:
+                found.add(node)
         return found
 
     def _nonce_of(self, key: str) -> claims.NonceOf:
@@ -289,7 +283,7 @@ class ClusterStore:
     def claim(self, generation: int, what: str) -> claims.Claim | None:
         """Take the right to decide what follows ``generation``, on this agent's lease: exactly one caller gets
         it, and it goes with the lease when this agent dies (:mod:`resilient.coord.claims`)."""
-        key = f"{self.prefix}g{generation}/claim"
+        key = self.keys.claim(generation)
         nonce = secrets.token_hex(8)  # a retried create that did land reads back as ours, not as a peer's
         value = sign(self._token, key, {"node": self.node, "what": what, "at": time.time(), "nonce": nonce})
         return claims.claim(self.client, self.root + key, value, nonce, self._agent_lease(), self._nonce_of(key))
@@ -302,7 +296,7 @@ class ClusterStore:
         """Delete ``generation``'s claim if it names this agent, which holds no claim between its decisions: one
         whose create was in doubt and landed late.  Left alone, it would stall the generation for as long as
         this agent keeps its lease."""
-        key = f"{self.prefix}g{generation}/claim"
+        key = self.keys.claim(generation)
         entry = self.signed.store.get(key)
         value = verify(self._token, key, entry.value).value if entry is not None else None
         if entry is None or value is None or value.get("node") != self.node:
@@ -313,7 +307,7 @@ class ClusterStore:
     def counter(self) -> tuple[int, int]:
         """The run's generation counter and the revision it was written at (0, 0 before any generation).  A
         forged counter (reported) reads as the launch's current generation: nothing signed moved it since."""
-        entry, value = self.signed.get_entry(COUNTER_KEY)
+        entry, value = self.signed.get_entry(GENERATION)
         if entry is None:
             return 0, 0
         if value is not None:
@@ -330,7 +324,7 @@ class ClusterStore:
         counter's revision when it read ``generation``), and marks each of
         ``spares`` taken by it (compared against the revision the pool showed).
         """
-        key = f"{self.prefix}g{generation}/decision"
+        key = self.keys.decision(generation)
         nonce = secrets.token_hex(8)
         body = {**decision, "nonce": nonce}
         writes: list[Put] = []
@@ -338,14 +332,14 @@ class ClusterStore:
         counter = None
         if decision.get("generation"):
             following = int(decision["generation"])
-            current = f"{self.prefix}current"
+            current = self.keys.current()
             writes.append(Put(self.root + current, sign(self._token, current, {"generation": following,
                                                                                "node": self.node})))
             assert counter_revision is not None, "a decision that moves the generation compares the counter"
-            counter = Compare.unchanged(self.root + COUNTER_KEY, counter_revision)
-            writes.append(Put(self.root + COUNTER_KEY, sign(self._token, COUNTER_KEY, {"generation": following})))
+            counter = Compare.unchanged(self.root + GENERATION, counter_revision)
+            writes.append(Put(self.root + GENERATION, sign(self._token, GENERATION, {"generation": following})))
             for spare in spares:
-                pool_key = f"{self.pool_prefix}{spare.worker}"
+                pool_key = self.keys.spare(spare.worker)
                 value = {"worker": spare.worker, "node": spare.node, "ready_wall": spare.ready_wall,
                          "claimed": following, "lease": spare.lease}
                 writes.append(Put(self.root + pool_key, sign(self._token, pool_key, value), spare.lease))
@@ -372,7 +366,7 @@ class ClusterStore:
 
     def register_spare(self, worker: str, ready_wall: float) -> None:
         """Put a warm spare in the pool, on this agent's lease (it leaves the pool when the agent dies)."""
-        key = f"{self.pool_prefix}{worker}"
+        key = self.keys.spare(worker)
         lease = self._agent_lease()
         value = {"worker": worker, "node": self.node, "ready_wall": ready_wall, "claimed": None, "lease": lease}
         self.client.put(self.root + key, sign(self._token, key, value), lease=lease)
@@ -382,7 +376,7 @@ class ClusterStore:
     def unregister_spare(self, worker: str) -> None:
         with self._lease_lock:
             self.registered.discard(worker)
-        self.signed.store.delete(f"{self.pool_prefix}{worker}")
+        self.signed.store.delete(self.keys.spare(worker))
 
     def keep_pool_alive(self) -> None:
         """Renew this store's own lease (a request), or notice that its owner's was replaced (none)."""
@@ -397,13 +391,13 @@ class ClusterStore:
                 self.registered.clear()
 
     def pool(self) -> list[PoolEntry]:
-        return self.pool_of(self.signed.store.get_prefix(self.pool_prefix))
+        return self.pool_of(self.signed.store.get_prefix(self.keys.pool()))
 
     def pool_of(self, entries: Iterable[Entry]) -> list[PoolEntry]:
         found = []
         for entry in entries:
             value = verify(self._token, entry.key, entry.value).value  # a forged spare is never promoted
-            if value is None or not entry.key.startswith(self.pool_prefix):
+            if value is None or not entry.key.startswith(self.keys.pool()):
                 continue
             claimed = value.get("claimed")
             found.append(PoolEntry(str(value["worker"]), str(value["node"]), float(value["ready_wall"]),
@@ -418,7 +412,7 @@ class ClusterStore:
         if self._lease_source is not None:  # the lease is its owner's: take this launch's spares out by hand
             for worker in spares:
                 try:
-                    self.signed.store.delete(f"{self.pool_prefix}{worker}")
+                    self.signed.store.delete(self.keys.spare(worker))
                 except ControlStoreError:
                     pass  # the store is out: they go with the owner's lease when the agent ends
             return

@@ -50,8 +50,8 @@ class ClusterWatch:
         self._watch = store.watch
         # Woken by its own keys only: the launch's other keys (its verdict, stop, restart records) are read on
         # the watch loop's own cadence.
-        self._watch.subscribe(wake, under=tuple(store.root + p for p in (store.prefix, store.pool_prefix,
-                                                                       store.nodes_prefix)))
+        keys = store.keys
+        self._watch.subscribe(wake, under=tuple(store.root + p for p in (keys.recovery(), keys.pool(), keys.nodes())))
         self._lock = threading.Lock()
         self._cached: tuple[tuple[int, int], Snapshot] | None = None
         self._done = threading.Event()
@@ -70,7 +70,7 @@ class ClusterWatch:
         store = self._store
         cut = len(store.root)
         found = [replace(e, key=k[cut:]) for k, e in self._watch.view().entries.items()
-                 if k[cut:].startswith(store.prefix) and k.endswith("/decision")]
+                 if store.keys.is_decision(k[cut:])]
         return list(store.signed.verified(found).values())
 
     @property
@@ -86,8 +86,9 @@ class ClusterWatch:
                 return self._cached[1]
         store = self._store
         cut = len(store.root)
-        base = f"{store.prefix}g{generation}/"
-        current_key = f"{store.prefix}current"
+        keys = store.keys
+        base, current_key = keys.recovery_of(generation), keys.current()
+        pool_prefix, nodes_prefix = keys.pool(), keys.nodes()
         rec: list[Entry] = []
         pool: list[Entry] = []
         nodes: list[Entry] = []
@@ -95,9 +96,9 @@ class ClusterWatch:
             relative = k[cut:]
             if relative.startswith(base) or relative == current_key:
                 rec.append(replace(e, key=relative))
-            elif relative.startswith(store.pool_prefix):
+            elif relative.startswith(pool_prefix):
                 pool.append(replace(e, key=relative))
-            elif relative.startswith(store.nodes_prefix):
+            elif relative.startswith(nodes_prefix):
                 nodes.append(replace(e, key=relative))
         values = store.signed.verified(rec)
         current = values.get(current_key)

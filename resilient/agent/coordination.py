@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..coord import keyspace
+from ..coord.keyspace import LaunchKeys, run_root
 from ..coord.launch import begin_launch
 from ..coord.proof import Seal, SignedStore
 from ..coord.store import ControlStoreError
@@ -59,7 +61,7 @@ class Coordination:
         self._forged_lock = threading.Lock()
         self._forged_since, self._forged_said, self._forged_unsaid = -float("inf"), 0, 0
         self.signed = SignedStore(self.control, token, on_rejected=self._on_rejected_write)
-        self.seal = Seal(token, f"/resilient/{config.run_id}/", on_rejected=self._on_rejected_write)
+        self.seal = Seal(token, run_root(config.run_id), on_rejected=self._on_rejected_write)
         """Signs and checks the values under the run's etcd keys that are written outside :attr:`signed` (the
         rendezvous rounds, the presence keys)."""
         self._token = token
@@ -99,7 +101,7 @@ class Coordination:
 
         client = EtcdClient(etcd, on_outage=on_outage)
         self._etcd_client = client
-        return EtcdControlStore(client, f"/resilient/{self._config.run_id}/")
+        return EtcdControlStore(client, run_root(self._config.run_id))
 
     def _on_rejected_write(self, key: str, problem: str) -> None:
         """A forged or altered entry was ignored: a ``forged_key`` event, at most :data:`FORGED_EVENTS` a minute
@@ -123,12 +125,12 @@ class Coordination:
         node, no round): signed in etcd, as the rounds and decisions write it; a forged counter counts from the
         launch's current generation."""
         if self._config.store_url is None:
-            return int(self.control.add("generation", 1))
+            return int(self.control.add(keyspace.GENERATION, 1))
         while True:
-            entry, value = self.signed.get_entry("generation")
+            entry, value = self.signed.get_entry(keyspace.GENERATION)
             base = int(value["generation"]) if value is not None else (0 if entry is None else self._current())
-            done, _ = self.signed.compare_and_swap("generation", entry.mod_revision if entry is not None else 0,
-                                                   {"generation": base + 1})
+            revision = entry.mod_revision if entry is not None else 0
+            done, _ = self.signed.compare_and_swap(keyspace.GENERATION, revision, {"generation": base + 1})
             if done:
                 return base + 1
 
@@ -136,7 +138,7 @@ class Coordination:
         """The launch's current generation as its signed recovery key says (0: none yet)."""
         if self.shared is None:
             return 0
-        found = self.signed.get(f"{self.shared.prefix}rec/current")
+        found = self.signed.get(self.shared.keys.current())
         return int(found["generation"]) if found is not None else 0
 
     def _probed(self, node: str, up: bool, why: str) -> None:
@@ -172,15 +174,15 @@ class Coordination:
             return (f"{problem}: {token_file} does not match the token the run's first agent published. Copy "
                     "<run_dir>/token from that node to every node (or pass --token-file FILE with it); if no "
                     f"agent of run {c.run_id} holds that token any more, delete key "
-                    f"/resilient/{c.run_id}/token_fingerprint")
+                    f"{run_root(c.run_id)}{keyspace.TOKEN_FINGERPRINT}")
         decision = begin_launch(self.signed, c.launch_id)
-        root = f"/resilient/{c.run_id}/"
+        root = run_root(c.run_id)
         if c.store_url is not None and self.launch_watch is None:
             from ..coord.watch import PrefixWatch
 
             # Every launch of the run and the run's launch record, followed for the agent's life: the shared
             # facts, the presence of the nodes and the recovery keys are read from it, not polled.
-            self.launch_watch = PrefixWatch(self._etcd_client, root + "launch", on_error=self._store_unreachable,
+            self.launch_watch = PrefixWatch(self._etcd_client, root + keyspace.LAUNCH, on_error=self._store_unreachable,
                                             on_crash=self._watch_crashed)
             self.launch_watch.start()
         self.shared = SharedFacts(self.signed, decision.launch_id, c.node_id, c.restart.budget_scope,
@@ -192,7 +194,7 @@ class Coordination:
             from ..coord.presence import Presence
 
             assert self.launch_watch is not None
-            self._presence = Presence(self._etcd_client, f"{root}{self.shared.prefix}", c.node_id,
+            self._presence = Presence(self._etcd_client, LaunchKeys(decision.launch_id, root), c.node_id,
                                       self._on_node_lost, self._store_unreachable, watch=self.launch_watch,
                                       probe_host=c.local_addr, on_probe=self._probed, extra=self.presence_extra,
                                       silence_s=c.node_silence_s, seal=self.seal,
@@ -206,7 +208,7 @@ class Coordination:
         facts would otherwise be woken by), and only the scorer opens it."""
         from ..coord.watch import PrefixWatch
 
-        self.timing_watch = PrefixWatch(self._etcd_client, f"/resilient/{self._config.run_id}/timing/",
+        self.timing_watch = PrefixWatch(self._etcd_client, run_root(self._config.run_id) + keyspace.TIMING,
                                         on_error=self._store_unreachable, on_crash=self._watch_crashed).start()
         return self.timing_watch
 
@@ -252,7 +254,7 @@ class Coordination:
 
         assert self.shared is not None and self._config.store_url is not None
         presence = self._presence
-        return ClusterStore(self.signed, self._etcd_client, f"/resilient/{self._config.run_id}/", self.shared.prefix,
+        return ClusterStore(self.signed, self._etcd_client, run_root(self._config.run_id), self.shared.keys,
                             self._config.node_id, self._token,
                             lease=(lambda: presence.lease) if presence is not None else None,
                             live=presence.live if presence is not None else None, watch=self.launch_watch)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..coord import keyspace
 from ..core.collective import is_collective_error
 from ..core.events import Emit, EventKind, FailureKind
 from ..core.exitcodes import describe_exit
@@ -242,7 +243,7 @@ def publish_incident(incident: Incident, run_dir: RunDir, store: SignedStore, em
     signed: they feed the failure rate that paces the run's saves)."""
     path = write_incident(run_dir.incidents, incident)
     try:
-        store.put(f"incidents/{incident.id}", incident.store_record())
+        store.put(keyspace.incident(incident.id), incident.store_record())
     except Exception as e:  # noqa: BLE001  whatever the store raises, the incident file is written
         emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
     return path

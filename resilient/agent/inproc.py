@@ -501,7 +501,7 @@ class InProcess:
     def follow_launch(self, store: ClusterStore, threads: ThreadReports) -> None:
         """Follow the joined launch's recovery keys in the store (again after another launch was joined): a
         change wakes the watch loop (:attr:`changed`)."""
-        if self.cluster is not None and self.cluster.store.prefix == store.prefix:
+        if self.cluster is not None and self.cluster.store.keys == store.keys:
             return
         self.leave_launch()
         state = self.cluster = ClusterState(store=store)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..coord.etcd_transport import NOT_FOUND
+from ..coord.keyspace import GENERATION, rendezvous_space, run_root
 from ..coord.proof import Seal
-from ..coord.rendezvous import rendezvous_space
 from ..coord.rounds import (
     RendezvousClosedError,
     RendezvousTimeoutError,
@@ -38,7 +38,7 @@ from ..coord.rounds import (
     Waiting,
     ready_to_close,
 )
-from ..coord.store import ControlStore, ControlStoreError, Entry, StoreRequestError, run_prefix
+from ..coord.store import ControlStore, ControlStoreError, Entry, StoreRequestError
 from ..coord.watch import PrefixWatch, View
 from ..core.errors import ConfigError
 
@@ -87,7 +87,7 @@ class OneNodeRendezvous:
         """The next round, at once; raises :class:`RendezvousClosedError` once closed."""
         if self._closed:
             raise RendezvousClosedError("the rendezvous is closed")
-        generation = self._control.add("generation", 1)
+        generation = self._control.add(GENERATION, 1)
         return Assignment(0, 1, generation, self._local_addr, free_port(self._local_addr))
 
     def num_nodes_waiting(self) -> int:
@@ -332,7 +332,7 @@ def etcd_rendezvous(client: Any, run_id: str, launch_id: str, node: str, local_a
                     floor: Callable[[], int] = lambda: 0,
                     renew_lease: Callable[[], int] | None = None) -> EtcdRendezvous:
     """Many machines: launch ``launch_id``'s rounds in its rendezvous space, numbered by the run's counter."""
-    return EtcdRendezvous(client, rendezvous_space(run_id, launch_id), run_prefix(run_id) + "generation", node,
+    return EtcdRendezvous(client, rendezvous_space(run_id, launch_id), run_root(run_id) + GENERATION, node,
                           local_addr, min_nodes=min_nodes, max_nodes=max_nodes, timeouts=timeouts, lease=lease,
                           live=live, on_error=on_error, on_crash=on_crash, seal=seal, floor=floor,
                           renew_lease=renew_lease)

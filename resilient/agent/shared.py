@@ -44,7 +44,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
-from ..coord.launch import LAUNCH_KEY, current_launch, end_launch, launch_prefix, record_of
+from ..coord import keyspace
+from ..coord.keyspace import LaunchKeys
+from ..coord.launch import current_launch, end_launch, record_of
 from ..coord.proof import SignedStore
 from ..coord.watch import PrefixWatch
 from .policy import FailureMark, History
@@ -58,12 +60,12 @@ class SharedFacts:
     def __init__(self, signed: SignedStore, launch_id: str, node_id: str, budget_scope: BudgetScope = "launch",
                  watch: PrefixWatch | None = None, root: str = "",
                  timing_watch: Callable[[], PrefixWatch] | None = None) -> None:
-        """``watch``: a watch of ``root + "launch"`` (every launch of the run and the run's launch record), where
-        ``root`` is the control store's prefix; ``timing_watch``: opens a started watch of ``root + "timing/"``
-        (for the scorer, when it first reads the windows)."""
+        """``watch``: a watch of every launch of the run and the run's launch record (the launch record's key as
+        a prefix, under ``root``, the control store's prefix); ``timing_watch``: opens a started watch of the
+        launches' timing windows (for the scorer, when it first reads them)."""
         self.signed = signed
         self.launch_id = launch_id
-        self.prefix = launch_prefix(launch_id)
+        self.keys = LaunchKeys(launch_id)
         self._node = node_id
         self._scope = budget_scope
         self._watch = watch
@@ -93,41 +95,41 @@ class SharedFacts:
 
     def verdict(self, *, read: bool = False) -> dict[str, Any] | None:
         """The launch's verdict (verified), or ``None``; ``read``: from the store, not the watch's copy."""
-        key = self.prefix + "verdict"
+        key = self.keys.verdict()
         return self.signed.get(key) if read else self._get(key)
 
     def publish_verdict(self, verdict: str, reason: str, exit_code: int) -> None:
         """Publish a stop verdict (a peer's earlier one stays) and mark the launch ended."""
         record = {"verdict": verdict, "reason": reason, "exit_code": exit_code, "node": self._node}
-        self.signed.put_if_absent(self.prefix + "verdict", record)
+        self.signed.put_if_absent(self.keys.verdict(), record)
         self.end(f"verdict {verdict}")
 
     def stop(self) -> dict[str, Any] | None:
         """The agreed graceful stop ``{stop_at_step, reason, node}``, or ``None``."""
-        return self._get(self.prefix + "stop")
+        return self._get(self.keys.stop())
 
     def propose_stop(self, stop_at_step: int, reason: str) -> int:
         """Propose a stop step; returns the agreed one (a peer's earlier proposal wins)."""
         record = {"stop_at_step": stop_at_step, "reason": reason, "node": self._node}
-        _, agreed = self.signed.put_if_absent(self.prefix + "stop", record)
+        _, agreed = self.signed.put_if_absent(self.keys.stop(), record)
         return int(agreed["stop_at_step"])
 
     def stop_request(self) -> dict[str, Any] | None:
         """A request from ``resilient stop --store`` (verified), or ``None``."""
-        return self._get(self.prefix + "stop_request")
+        return self._get(self.keys.stop_request())
 
     def detectors(self) -> dict[str, Any] | None:
         """Detector changes requested through the store ``{seq, changes, by}`` (verified), or ``None``."""
-        return self._get(self.prefix + "detectors")
+        return self._get(self.keys.detectors())
 
     def publish_timing(self, record: dict[str, Any]) -> None:
         """This node's newest timing windows (:meth:`~resilient.agent.slowness.SlownessWatch.outbox`)."""
-        self.signed.put(f"timing/{self.launch_id}/{self._node}", record)
+        self.signed.put(self.keys.timing(self._node), record)
 
     def timing(self) -> list[dict[str, Any]]:
         """Every node's newest timing windows (verified), this node's included: the scorer's read, from a watch
         opened at the first call (:meth:`stop_timing` closes it)."""
-        under = f"timing/{self.launch_id}/"
+        under = self.keys.timings()
         if self._timing_watch is None and self._open_timing is not None:
             self._timing_watch = self._open_timing()
         if self._timing_watch is None or not self._timing_watch.fresh:
@@ -142,25 +144,25 @@ class SharedFacts:
 
     def scorer(self) -> dict[str, Any] | None:
         """The node that scores stragglers now and its timing link ``{node, address, generation}``, or ``None``."""
-        return self._get(self.prefix + "scorer")
+        return self._get(self.keys.scorer())
 
     def announce_scorer(self, address: str, generation: int) -> None:
         """This node scores stragglers from ``generation`` on; its timing link listens at ``address``."""
-        self.signed.put(self.prefix + "scorer", {"node": self._node, "address": address, "generation": generation})
+        self.signed.put(self.keys.scorer(), {"node": self._node, "address": address, "generation": generation})
 
     def publish_stragglers(self, record: dict[str, Any]) -> None:
         """The scorer's standing flags of every node (:meth:`~resilient.agent.slowness.SlownessWatch.flags_out`)."""
-        self.signed.put(self.prefix + "stragglers", record)
+        self.signed.put(self.keys.stragglers(), record)
 
     def stragglers(self) -> dict[str, Any] | None:
         """The scorer's newest flags record (verified), or ``None``."""
-        return self._get(self.prefix + "stragglers")
+        return self._get(self.keys.stragglers())
 
     def ended(self, *, read: bool = False) -> bool:
         """This launch is over: marked ended, or another launch of the run replaced it.  ``read``: from the
         store, not the watch's copy (which a node cut off the network for a while may hold stale, its watch
         not yet caught up, when a fresh read already found the launch's rendezvous closed)."""
-        watched, value = (False, None) if read else self._watched(LAUNCH_KEY)
+        watched, value = (False, None) if read else self._watched(keyspace.LAUNCH)
         record = record_of(value) if watched else current_launch(self.signed)
         return record is None or record.id != self.launch_id or record.state == "ended"
 
@@ -171,16 +173,17 @@ class SharedFacts:
     # -- the restart budget ---------------------------------------------------
     def _records(self, scope: BudgetScope) -> list[dict[str, Any]]:
         if scope == "launch":
-            return list(self.signed.get_prefix(self.prefix + "restarts/").values())
-        return list(self.signed.get_prefix("launch/", only=lambda key: "/restarts/" in key).values())
+            return list(self.signed.get_prefix(self.keys.restarts()).values())
+        return list(self.signed.get_prefix(keyspace.LAUNCHES, only=keyspace.is_restart).values())
 
     def restarts_used(self) -> int:
         """Restarts counted against the budget (this launch's, or the run's with ``budget_scope="run"``), for
         status: from the watch when it follows the store (a record written a moment ago may not be in yet)."""
         if self._watch is None or not self._watch.fresh:
             return len(self._records(self._scope))
-        under = self.prefix + "restarts/" if self._scope == "launch" else "launch/"
-        return len(self._verified_in(self._watch, lambda key: key.startswith(under) and "/restarts/" in key))
+        under = self.keys.restarts()
+        counted = (lambda key: key.startswith(under)) if self._scope == "launch" else keyspace.is_restart
+        return len(self._verified_in(self._watch, counted))
 
     def history(self, committed_step: int | None, exclude_generation: int | None = None) -> History:
         """The global restart history: every node reads the same records.
@@ -201,12 +204,12 @@ class SharedFacts:
 
     def restarted(self, generation: int) -> dict[str, Any] | None:
         """The restart record of ``generation``, once a node counted one (its nodes meet again in a rendezvous)."""
-        return self._get(f"{self.prefix}restarts/{generation:08d}")
+        return self._get(self.keys.restart(generation))
 
     def take_place(self, generation: int, slot: int) -> bool:
         """Claim place ``slot`` of the nodes lost before the restart after ``generation`` for this node (a spare
         node taking it in the restart's rendezvous): True for the one node that holds it."""
-        _, holder = self.signed.put_if_absent(f"{self.prefix}places/{generation:08d}/{slot}", {"node": self._node})
+        _, holder = self.signed.put_if_absent(self.keys.place(generation, slot), {"node": self._node})
         return holder.get("node") == self._node
 
     def count_restart(self, generation: int, reason: str, committed_step: int | None,
@@ -214,4 +217,4 @@ class SharedFacts:
         """Record one restart for ``generation`` after ``failure``, once for all nodes (the first writer wins)."""
         record = {"generation": generation, "node": self._node, "reason": reason, "committed_step": committed_step,
                   "launch": self.launch_id, "failure": None if failure is None else failure.to_record()}
-        self.signed.put_if_absent(f"{self.prefix}restarts/{generation:08d}", record)
+        self.signed.put_if_absent(self.keys.restart(generation), record)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..coord import keyspace
 from ..core.events import Emit, EventKind
 from ..core.fsutil import write_json_atomic
 from ..core.supervised import Supervised, ThreadReports
@@ -219,7 +220,7 @@ class StatusPublisher:
                 self._refresh_restarts()
             snap = self._latest
             if put and self._store_put is not None and snap is not None:
-                self._store_put(f"status/{self._config.node_id}", json.dumps(snap).encode())
+                self._store_put(keyspace.status(self._config.node_id), json.dumps(snap).encode())
                 self._store_published_at = time.time()
         except Exception as e:  # reported, never fatal: status is for humans
             self._emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")

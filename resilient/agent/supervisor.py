@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import IO, Any
 
+from ..coord import keyspace
 from ..coord.store import ControlStoreError
 from ..core.events import EventKind, EventLog, OutcomeKind
 from ..core.exitcodes import AgentVerdict
@@ -130,7 +131,7 @@ class Agent:
         if config.store_url is None and self.accounting.resumed:
             # The embedded store lives in this process: continue the generation numbers of the agent that
             # ran before on this run directory, so incident ids and logs do not collide.
-            self.coordination.control.put("generation", str(self.accounting.ledger.generation).encode())
+            self.coordination.control.put(keyspace.GENERATION, str(self.accounting.ledger.generation).encode())
         self.last_outcome: OutcomeKind | None = None
         """How the previous generation ended; None before the first."""
         self.reporting = NodeReporting(config, self.run_dir, tracker=self.tracker, accounting=self.accounting,
@@ -471,7 +472,7 @@ class Agent:
         if c.mtbf_from_history:
             records = load_incidents(self.run_dir.incidents)
             try:
-                records += list(self.coordination.signed.get_prefix("incidents/").values())
+                records += list(self.coordination.signed.get_prefix(keyspace.INCIDENTS).values())
             except Exception as e:
                 self.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
         start = self.accounting.ledger.start_t

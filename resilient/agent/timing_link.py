@@ -25,6 +25,7 @@ import socket
 import threading
 from typing import Any
 
+from ..coord.keyspace import LaunchKeys
 from ..coord.proof import RejectCallback, sign, verify
 from ..core.supervised import Supervised, ThreadReports
 
@@ -37,7 +38,7 @@ PUBLISHED_AS = "timing"
 
 def timing_key(launch_id: str, node: str) -> str:
     """The key a node's timing record is signed under (and stored under, in etcd)."""
-    return f"timing/{launch_id}/{node}"
+    return LaunchKeys(launch_id).timing(node)
 
 
 class TimingLink:

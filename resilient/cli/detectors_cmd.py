@@ -86,14 +86,14 @@ def through_store(args: argparse.Namespace, changes: dict[str, Any]) -> int:
     import getpass
     import socket
 
-    from ..coord.launch import launch_prefix
+    from ..coord.keyspace import LaunchKeys
     from ..watchdog.settings import apply, flatten
     from ..watchdog.slowdown import SlowdownConfig
     from ..watchdog.straggler import StragglerConfig
     from .stop_cmd import signed_launch
 
     signed, launch = signed_launch(args, "change the detectors of")
-    key = launch_prefix(launch["id"]) + "detectors"
+    key = LaunchKeys(launch["id"]).detectors()
     while True:
         entry, current = signed.get_entry(key)
         merged = {**((current or {}).get("changes") or {}), **changes}

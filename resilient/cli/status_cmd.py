@@ -78,20 +78,21 @@ def live_status(saved: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]
 
 
 def collect_from_store(url: str, run_id: str) -> dict[str, Any]:
+    from ..coord import keyspace
     from ..coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
-    from ..coord.launch import LAUNCH_KEY, launch_prefix
 
-    store = EtcdControlStore(EtcdClient(EtcdConfig.from_url(url, outage_tolerance_s=5.0)), f"/resilient/{run_id}/")
-    nodes = [json.loads(e.value) for e in sorted(store.get_prefix("status/"), key=lambda e: e.key)]
-    incidents = [body for e in sorted(store.get_prefix("incidents/"), key=lambda e: e.key)
+    store = EtcdControlStore(EtcdClient(EtcdConfig.from_url(url, outage_tolerance_s=5.0)), keyspace.run_root(run_id))
+    nodes = [json.loads(e.value) for e in sorted(store.get_prefix(keyspace.STATUS), key=lambda e: e.key)]
+    incidents = [body for e in sorted(store.get_prefix(keyspace.INCIDENTS), key=lambda e: e.key)
                  if (body := _signed_body(e)) is not None]
     # Verdict and restarts belong to the current launch (incidents to the run).  Status needs no token, so
     # it shows signed entries without checking their proofs; the agents themselves ignore forged ones.
-    launch = _signed_body(store.get(LAUNCH_KEY))
+    launch = _signed_body(store.get(keyspace.LAUNCH))
     verdict = restarts = None
     if launch is not None:
-        verdict = _signed_body(store.get(launch_prefix(launch["id"]) + "verdict"))
-        restarts = len(store.get_prefix(launch_prefix(launch["id"]) + "restarts/"))
+        keys = keyspace.LaunchKeys(launch["id"])
+        verdict = _signed_body(store.get(keys.verdict()))
+        restarts = len(store.get_prefix(keys.restarts()))
     return {
         "source": f"{url} run {run_id}", "nodes": nodes, "restarts_used": restarts or 0, "launch": launch,
         "verdicts": [verdict] if verdict is not None else [], "incidents": incidents,

@@ -74,7 +74,7 @@ def signed_launch(args: argparse.Namespace, what: str) -> tuple[Any, dict[str, A
     record, for ``--store URL --run-id ID``; ConfigError naming what is missing or wrong."""
     from ..agent.rundir import read_token
     from ..coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
-    from ..coord.launch import LAUNCH_KEY
+    from ..coord.keyspace import LAUNCH
     from ..coord.proof import SignedStore
 
     if not args.run_id:
@@ -88,7 +88,7 @@ def signed_launch(args: argparse.Namespace, what: str) -> tuple[Any, dict[str, A
     problem = signed.check_fingerprint(publish=False)
     if problem is not None:
         raise ConfigError(f"cannot {what} run {args.run_id} with {token_file}: {problem}; use its agents' token file")
-    launch = signed.get(LAUNCH_KEY)
+    launch = signed.get(LAUNCH)
     if launch is None:
         raise ConfigError(f"run {args.run_id} has no launch in {args.store}: is the run id right?")
     return signed, launch
@@ -98,13 +98,13 @@ def stop_through_store(args: argparse.Namespace) -> int:
     """Write a signed stop request under the run's current launch."""
     import socket
 
-    from ..coord.launch import launch_prefix
+    from ..coord.keyspace import LaunchKeys
 
     signed, launch = signed_launch(args, "stop")
     if launch.get("state") == "ended":
         print(f"run {args.run_id}: launch {launch['id']} already ended ({launch.get('reason')}); nothing to stop")
         return 0
     request = {"reason": args.reason, "by": socket.gethostname()}
-    created, current = signed.put_if_absent(launch_prefix(launch["id"]) + "stop_request", request)
+    created, current = signed.put_if_absent(LaunchKeys(launch["id"]).stop_request(), request)
     print(json.dumps({"run_id": args.run_id, "launch_id": launch["id"], "requested": created, "request": current}))
     return 0

@@ -5,6 +5,7 @@
 * :mod:`.etcd`: :class:`EtcdClient`, our standard-library etcd v3 client (key-value, leases), and
   :class:`EtcdControlStore`, the store protocol over it;
 * :mod:`.etcd_transport`: how its requests reach etcd (failover, outage retries, auth, TLS);
+* :mod:`.keyspace`: the name of every key the project keeps in the store, and their parsers;
 * :mod:`.rendezvous`: torch elastic ``RendezvousBackend`` over etcd and
   :func:`create_etcd_rendezvous_handler`;
 * :mod:`.etcd_store`: a torch c10d ``Store`` over etcd.

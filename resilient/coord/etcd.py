@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .etcd_transport import NOT_FOUND, EtcdConfig, EtcdTransport, OutageCallback
-from .store import ControlStore, Entry, StoreRequestError, run_prefix
+from .keyspace import run_root
+from .store import ControlStore, Entry, StoreRequestError
 from .txn import Compare, Delete, Put, Txn, TxnResult
 
 __all__ = ["Compacted", "EtcdClient", "EtcdConfig", "OutageCallback", "WatchBatch"]
@@ -241,8 +242,8 @@ class EtcdControlStore(ControlStore):
 
     @classmethod
     def for_run(cls, client: EtcdClient, run_id: str) -> EtcdControlStore:
-        """The store of run ``run_id``: keys under ``/resilient/<run_id>/``."""
-        return cls(client, run_prefix(run_id))
+        """The store of run ``run_id``: keys under its root (:func:`~resilient.coord.keyspace.run_root`)."""
+        return cls(client, run_root(run_id))
 
     @property
     def prefix(self) -> str:

@@ -1,9 +1,10 @@
 """Launches: each submission of a run id gets its own launch, agreed on through the store.
 
 A run id names a training run across requeues; a *launch* is one submission
-of it (one Slurm job, one Kubernetes restart).  Stop requests, verdicts,
-restart records and the rendezvous live under ``launch/<launch id>/``, so a
-verdict or a closed rendezvous of an earlier launch cannot end the next one.
+of it (one Slurm job, one Kubernetes restart).  Stop requests, verdicts and
+restart records live under ``launch/<launch id>/``, the rendezvous in a space
+of the launch's own (:mod:`.keyspace`), so a verdict or a closed rendezvous of
+an earlier launch cannot end the next one.
 What outlives a launch is explicit: the generation counter, incidents,
 checkpoints, the token fingerprint, and the restart budget when the user
 asks for a run-wide one.
@@ -34,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..core.errors import ConfigError
+from .keyspace import LAUNCH, LaunchKeys
 from .proof import SignedStore
 
-LAUNCH_KEY = "launch"
 _LAUNCH_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 LaunchAction = Literal["create", "join", "replace"]
@@ -73,11 +74,6 @@ def new_launch_id() -> str:
     return secrets.token_hex(6)
 
 
-def launch_prefix(launch_id: str) -> str:
-    """Where a launch's keys live, relative to the run prefix."""
-    return f"launch/{launch_id}/"
-
-
 def decide_launch(current: LaunchRecord | None, verdict: bool, requested: str | None, fresh: str) -> LaunchDecision:
     """Join the current launch or start one; ``verdict``: a verified verdict exists under ``current``."""
     if requested is not None:
@@ -102,7 +98,7 @@ def record_of(value: dict[str, Any] | None) -> LaunchRecord | None:
 
 
 def _read(signed: SignedStore) -> tuple[int, LaunchRecord | None]:
-    entry, value = signed.get_entry(LAUNCH_KEY)
+    entry, value = signed.get_entry(LAUNCH)
     return (0 if entry is None else entry.mod_revision), record_of(value)
 
 
@@ -115,12 +111,12 @@ def begin_launch(signed: SignedStore, requested: str | None = None, *, max_tries
     """Agree on this agent's launch through the store; compare-and-swap so concurrent starters agree."""
     for _ in range(max_tries):
         revision, current = _read(signed)
-        verdict = current is not None and signed.get(launch_prefix(current.id) + "verdict") is not None
+        verdict = current is not None and signed.get(LaunchKeys(current.id).verdict()) is not None
         decision = decide_launch(current, verdict, requested, new_launch_id())
         if decision.action == "join":
             return decision
         record = {"id": decision.launch_id, "state": "running", "reason": decision.reason}
-        ok, _ = signed.compare_and_swap(LAUNCH_KEY, revision, record)
+        ok, _ = signed.compare_and_swap(LAUNCH, revision, record)
         if ok:
             return decision
     raise AssertionError(f"the launch record kept changing for {max_tries} tries")
@@ -132,7 +128,7 @@ def end_launch(signed: SignedStore, launch_id: str, reason: str, *, max_tries: i
         revision, current = _read(signed)
         if current is None or current.id != launch_id or current.state == "ended":
             return False
-        ok, _ = signed.compare_and_swap(LAUNCH_KEY, revision, {"id": launch_id, "state": "ended", "reason": reason})
+        ok, _ = signed.compare_and_swap(LAUNCH, revision, {"id": launch_id, "state": "ended", "reason": reason})
         if ok:
             return True
     return False

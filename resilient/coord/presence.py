@@ -28,6 +28,7 @@ from typing import Any
 
 from ..core.supervised import CrashCallback, FatalCallback, Supervised, quiet
 from .etcd import EtcdClient
+from .keyspace import LaunchKeys
 from .liveness import INTERVAL_S, PROBERS, SILENCE_S, Evidence, Prober, ProbeServer, Verdict, judge, ring_after
 from .proof import Seal
 from .store import ControlStoreError
@@ -43,14 +44,15 @@ LEASE_GRACE_S = 2.0
 class Presence:
     """Keeps this node's presence key alive and its probes running, and reports peers judged lost."""
 
-    def __init__(self, client: EtcdClient, prefix: str, node: str, on_lost: Callable[[str, str], None],
+    def __init__(self, client: EtcdClient, keys: LaunchKeys, node: str, on_lost: Callable[[str, str], None],
                  on_error: Callable[[str], None], *, watch: PrefixWatch, ttl_s: int = TTL_S,
                  interval_s: float | None = None, probe_host: str | None = None, probe_interval_s: float = INTERVAL_S,
                  silence_s: float = SILENCE_S, on_probe: Callable[[str, bool, str], None] | None = None,
                  extra: Mapping[str, str] | None = None, seal: Seal, on_crash: CrashCallback = quiet,
                  on_fatal: FatalCallback = quiet) -> None:
-        """``prefix``: the launch's keys (``nodes/``, ``suspect/`` and ``vouch/`` go under it).  ``watch``: a
-        started watch of a prefix that holds ``prefix`` (the agent's, shared with its other readers).
+        """``keys``: the launch's keys, under the run's root (the presence keys, accusations and vouches are
+        among them).  ``watch``: a started watch of a prefix that holds ``keys.prefix`` (the agent's, shared with
+        its other readers).
         ``probe_host``: the address this agent answers probes on (None: presence by lease alone).
         ``on_lost(node, why)``; ``on_probe(node, up, why)``: this agent's probes of a peer failed (it accuses
         it) or are answered again.  ``extra``: more addresses this agent serves, published in its key
@@ -63,10 +65,7 @@ class Presence:
             raise ValueError(f"presence needs ttl_s >= 2 and 0 < interval_s < ttl_s, got {ttl_s}, {interval_s}")
         self._client = client
         self._seal = seal
-        self._prefix = prefix
-        self._nodes = prefix + "nodes/"
-        self._suspect = prefix + "suspect/"
-        self._vouch = prefix + "vouch/"
+        self._launch = keys
         self._node = node
         self._on_lost = on_lost
         self._on_error = on_error
@@ -104,7 +103,8 @@ class Presence:
         if self._server is not None:
             self._server.start()
         self._announce()
-        self._watch.subscribe(self._judge, under=(self._nodes, self._suspect, self._vouch))
+        keys = self._launch
+        self._watch.subscribe(self._judge, under=(keys.nodes(), keys.suspects(), keys.vouches()))
         if self._prober is not None:
             self._prober.start()
         self._judge()
@@ -149,7 +149,8 @@ class Presence:
         value: dict[str, Any] = {"state": "running", **self._extra}
         if self._server is not None:
             value["probe"] = self._server.address
-        self._client.put(self._nodes + self._node, self._seal.seal(self._nodes + self._node, value), lease=self._lease)
+        key = self._launch.node(self._node)
+        self._client.put(key, self._seal.seal(key, value), lease=self._lease)
         with self._keys:
             self._written.clear()  # the old lease took them with it
 
@@ -161,8 +162,10 @@ class Presence:
         vouches: dict[str, set[str]] = {}
         published: dict[str, dict[str, str]] = {}
         parsed: dict[str, tuple[int, str, str | None, dict[str, str]]] = {}
-        for key, entry in self._watch.view().under(self._prefix).items():
-            if key.startswith(self._nodes):
+        keys = self._launch
+        for key, entry in self._watch.view().under(keys.prefix).items():
+            name = keys.node_of(key)
+            if name is not None:
                 known = self._parsed.get(key)
                 if known is None or known[0] != entry.mod_revision:
                     value = self._seal.open(entry)
@@ -173,7 +176,6 @@ class Presence:
                              {str(k): str(v) for k, v in value.items() if k not in ("state", "probe")})
                 parsed[key] = known
                 _, state, probe, extra = known
-                name = key[len(self._nodes):]
                 if state == "running":
                     running.add(name)
                     published[name] = extra
@@ -181,12 +183,10 @@ class Presence:
                         addresses[name] = probe
                 elif state == "left":
                     left.add(name)
-            else:
-                for base, found in ((self._suspect, suspects), (self._vouch, vouches)):
-                    if key.startswith(base) and self._seal.open(entry) is not None:
-                        target, _, by = key[len(base):].partition("/")
-                        if target and by:
-                            found.setdefault(target, set()).add(by)
+            elif (said := keys.accusation_of(key)) is not None and self._seal.open(entry) is not None:
+                kind, target, by = said
+                if target and by:
+                    (suspects if kind == "suspect" else vouches).setdefault(target, set()).add(by)
         self._parsed = parsed  # the next judgement parses only the keys that changed (a large launch has many)
         evidence = Evidence(frozenset(running), {n: frozenset(b) for n, b in suspects.items() if n not in left},
                             {n: frozenset(b) for n, b in vouches.items() if n not in left})
@@ -254,11 +254,11 @@ class Presence:
         with self._keys:
             for node in targets:
                 if node in down:
-                    key = f"{self._suspect}{node}/{self._node}"
+                    key = self._launch.suspect(node, self._node)
                     desired[key] = self._seal.seal(key, {"why": down[node], "at": time.time()})
             for node in targets:
                 if state.get(node) is True and node not in evidence.running:
-                    key = f"{self._vouch}{node}/{self._node}"
+                    key = self._launch.vouch(node, self._node)
                     desired[key] = self._seal.seal(key, {"at": time.time()})
             # A key already written stays as written (its time is when it was first said).
             self._desired = {k: self._written.get(k, v) for k, v in desired.items()}
@@ -312,7 +312,8 @@ class Presence:
         if self._prober is not None:
             self._prober.close()
         try:
-            self._client.put(self._nodes + self._node, self._seal.seal(self._nodes + self._node, {"state": "left"}))
+            key = self._launch.node(self._node)
+            self._client.put(key, self._seal.seal(key, {"state": "left"}))
             if self._lease:
                 self._client.lease_revoke(self._lease)
         except ControlStoreError as e:

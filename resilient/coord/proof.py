@@ -37,9 +37,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from .keyspace import TOKEN_FINGERPRINT
 from .store import ControlStore, Entry
 
-FINGERPRINT_KEY = "token_fingerprint"
 VERIFIED_KEPT = 16384
 """Entries whose proof a :class:`SignedStore` remembers having checked (a launch's recovery keys, its pool and
 its presence: a few per node), so that a watch's view read again after one key changed costs no second check of
@@ -222,9 +222,9 @@ class SignedStore:
         """Compare this token's fingerprint with the run's (publishing it first if none): ``None`` or the problem."""
         mine = token_fingerprint(self._token)
         if publish:
-            _, entry = self.store.put_if_absent(FINGERPRINT_KEY, mine.encode())
+            _, entry = self.store.put_if_absent(TOKEN_FINGERPRINT, mine.encode())
         else:
-            found = self.store.get(FINGERPRINT_KEY)
+            found = self.store.get(TOKEN_FINGERPRINT)
             if found is None:
                 return "the run has published no token fingerprint (no agent of it started)"
             entry = found

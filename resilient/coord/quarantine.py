@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import ConfigError
+from .keyspace import FleetKeys, check_name
 from .txn import Txn
 
 if TYPE_CHECKING:
@@ -33,23 +33,6 @@ if TYPE_CHECKING:
 
     from .etcd import EtcdClient
     from .store import Entry
-
-FLEET_ROOT = "/resilient-fleet/"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-
-
-def check_name(what: str, name: str) -> str:
-    """A fleet or node name that is safe as one key segment, or a ConfigError naming the rule."""
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ConfigError(f"{what} {name!r} is invalid: use 1-63 letters, digits, '.', '_' or '-', starting with a "
-                          "letter or digit")
-    return name
-
-
-def fleet_prefix(fleet: str) -> str:
-    """The etcd key prefix of a fleet's quarantine records, offences and burn-in results."""
-    return f"{FLEET_ROOT}{check_name('fleet name', fleet)}/"
-
 
 @dataclass(frozen=True, kw_only=True)
 class QuarantineConfig:
@@ -153,19 +136,15 @@ class FleetQuarantine:
     def __init__(self, client: EtcdClient, config: QuarantineConfig | None = None) -> None:
         self.client = client
         self.config = config or QuarantineConfig()
-        self.prefix = fleet_prefix(self.config.fleet)
-
-    def _key(self, kind: str, node: str) -> str:
-        return f"{self.prefix}{kind}/{check_name('node id', node)}"
+        self.keys = FleetKeys(self.config.fleet)
 
     def get(self, node: str) -> Standing | None:
         """The node's record in force, or None (never quarantined, lapsed or released)."""
-        return self._standing(node, self.client.get(self._key("quarantine", node)))
+        return self._standing(node, self.client.get(self.keys.quarantine(node)))
 
     def list(self) -> list[Standing]:
         """Every record in force in the fleet, by node."""
-        found = (self._standing(e.key.rsplit("/", 1)[-1], e)
-                 for e in self.client.get_prefix(f"{self.prefix}quarantine/"))
+        found = (self._standing(FleetKeys.node_of(e.key), e) for e in self.client.get_prefix(self.keys.quarantined()))
         return [s for s in found if s is not None]
 
     def _standing(self, node: str, entry: Entry | None) -> Standing | None:
@@ -179,7 +158,7 @@ class FleetQuarantine:
 
     def keys_of(self, node: str) -> tuple[str, str]:
         """The node's quarantine record and offence count keys (what a watch of the node follows)."""
-        return self._key("quarantine", node), self._key("offences", node)
+        return self.keys.quarantine(node), self.keys.offences_of(node)
 
     def standing_in(self, node: str, entries: Mapping[str, Entry]) -> Standing | None:
         """:meth:`get` from a watch's copy of the record's key (no request unless a record stands: its lease's
@@ -188,17 +167,17 @@ class FleetQuarantine:
 
     def standing_and_offences(self, node: str) -> tuple[Standing | None, int]:
         """:meth:`get` and :meth:`offences` together, in one request (a read-only transaction, one revision)."""
-        keys = (self._key("quarantine", node), self._key("offences", node))
+        keys = self.keys_of(node)
         found = self.client.txn(Txn((), (), read=keys)).entries
         return self._standing(node, found[keys[0]]), _count(found[keys[1]])
 
     def offences(self, node: str) -> int:
         """How many times the node was quarantined in this fleet (kept across runs and releases)."""
-        return _count(self.client.get(self._key("offences", node)))
+        return _count(self.client.get(self.keys.offences_of(node)))
 
     def all_offences(self) -> dict[str, int]:
         """Every node with an offence on record in this fleet, with its count."""
-        return {e.key.rsplit("/", 1)[-1]: _count(e) for e in self.client.get_prefix(f"{self.prefix}offences/")}
+        return {FleetKeys.node_of(e.key): _count(e) for e in self.client.get_prefix(self.keys.offences())}
 
     def add(self, node: str, *, reason: str, source: str, by: str,
             evidence: dict[str, Any] | None = None) -> tuple[bool, QuarantineRecord]:
@@ -212,7 +191,7 @@ class FleetQuarantine:
         record = QuarantineRecord(node=node, reason=reason, source=source, offence=before + 1, expiry_s=expiry,
                                   expiry_reason=why, by=by, evidence=dict(evidence or {}))
         lease = self.client.lease_grant(math.ceil(expiry))
-        key = self._key("quarantine", node)
+        key = self.keys.quarantine(node)
         for _ in range(3):
             created, entry = self.client.put_if_absent(key, record.encode(), lease=lease)
             if created or not entry.lease or self.client.lease_ttl(entry.lease) >= 0:
@@ -230,7 +209,7 @@ class FleetQuarantine:
         return True, record
 
     def _count_offence(self, node: str, record: QuarantineRecord) -> None:
-        key = self._key("offences", node)
+        key = self.keys.offences_of(node)
         current = self.client.get(key)
         while True:
             value = json.dumps({"offences": _count(current) + 1, "last": asdict(record)}).encode()
@@ -241,26 +220,26 @@ class FleetQuarantine:
     def release(self, node: str, *, forget: bool = False) -> bool:
         """End the node's record now (it still burns in before it rejoins); ``forget``: its offences too.
         Returns whether a record stood."""
-        entry = self.client.get(self._key("quarantine", node))
+        entry = self.client.get(self.keys.quarantine(node))
         if forget:
-            self.client.delete(self._key("offences", node))
+            self.client.delete(self.keys.offences_of(node))
         if entry is None:
             return False
         if entry.lease:
             self.client.lease_revoke(entry.lease)
-        self.client.delete(self._key("quarantine", node))
+        self.client.delete(self.keys.quarantine(node))
         return True
 
     def publish_burn_in(self, node: str, result: dict[str, Any]) -> None:
         """Record the node's latest burn-in (the fleet's numbers the next returning node is judged by)."""
-        self.client.put(self._key("burn_in", node), json.dumps(result, sort_keys=True).encode())
+        self.client.put(self.keys.burn_in(node), json.dumps(result, sort_keys=True).encode())
 
     def burn_ins(self) -> dict[str, dict[str, Any]]:
         """Every node's latest burn-in result, by node."""
         out = {}
-        for entry in self.client.get_prefix(f"{self.prefix}burn_in/"):
+        for entry in self.client.get_prefix(self.keys.burn_ins()):
             try:
-                out[entry.key.rsplit("/", 1)[-1]] = dict(json.loads(entry.value))
+                out[FleetKeys.node_of(entry.key)] = dict(json.loads(entry.value))
             except (ValueError, TypeError):
                 continue
         return out

@@ -24,12 +24,13 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .etcd import EtcdClient, EtcdConfig, OutageCallback
-from .store import ControlStoreError, StoreUnavailableError, run_prefix
+from .keyspace import TORCH_STATE, TORCH_STATES, c10d, rendezvous_space, run_root, torch_state
+from .store import ControlStoreError, StoreUnavailableError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousBackend
 
-DEFAULT_KEY_PREFIX = "/resilient/rdzv"
+DEFAULT_KEY_PREFIX = TORCH_STATES
 BACKEND_NAME = "resilient-etcd-v3"
 
 
@@ -60,7 +61,7 @@ def _backend_class() -> type:
             if ttl_s is not None and ttl_s < 2:
                 raise ValueError(f"ttl_s={ttl_s} is too short for a rendezvous state: use >= 2 s or None")
             self._client = client
-            self.key = f"{key_prefix.rstrip('/')}/{run_id}"
+            self.key = torch_state(key_prefix, run_id)
             self._ttl_s = ttl_s
             self._clock = clock
             self._lease = 0
@@ -129,15 +130,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def rendezvous_space(run_id: str, launch_id: str) -> str:
-    """Where launch ``launch_id``'s rendezvous keeps its state and store: beside the launch's keys
-    (``/resilient/<run_id>/rdzv/<launch_id>/``), not under them.  Every agent follows the launch's keys through
-    a watch, and torch's keep-alive rewrites the rendezvous state (a blob that grows with the nodes) every few
-    seconds on every node: under the launch each rewrite would reach every agent, N² events a keep-alive
-    period."""
-    return f"{run_prefix(run_id)}rdzv/{launch_id}/"
-
-
 def create_etcd_rendezvous_handler(
     etcd_config: EtcdConfig,
     run_id: str,
@@ -160,8 +152,8 @@ def create_etcd_rendezvous_handler(
     With ``launch_id`` the rendezvous belongs to that launch of the run: its
     state is ``<rendezvous_space>rdzv`` and the store given to the handler
     (used to publish the master address) is under ``<rendezvous_space>c10d/``
-    (:func:`rendezvous_space`), so a rendezvous closed when one launch ended
-    cannot refuse the next.  Without it (a rendezvous
+    (:func:`~resilient.coord.keyspace.rendezvous_space`), so a rendezvous
+    closed when one launch ended cannot refuse the next.  Without it (a rendezvous
     outside a run's launches) the state is ``/resilient/rdzv/<run_id>`` and
     the store ``/resilient/<run_id>/c10d/``.  ``client`` defaults to a new
     :class:`EtcdClient` over ``etcd_config`` reporting outages to ``on_outage``.
@@ -178,11 +170,11 @@ def create_etcd_rendezvous_handler(
         client = EtcdClient(etcd_config, on_outage=on_outage)
     if launch_id is None:
         backend = make_etcd_rendezvous_backend(client, run_id)
-        space, torch_run_id = run_prefix(run_id), run_id
+        space, torch_run_id = run_root(run_id), run_id
     else:
         space, torch_run_id = rendezvous_space(run_id, launch_id), f"{run_id}.{launch_id}"
-        backend = make_etcd_rendezvous_backend(client, "rdzv", key_prefix=space)
-    store = make_etcd_c10d_store(client, space + "c10d/", timedelta(seconds=store_timeout_s))
+        backend = make_etcd_rendezvous_backend(client, TORCH_STATE, key_prefix=space)
+    store = make_etcd_c10d_store(client, c10d(space), timedelta(seconds=store_timeout_s))
     timeout = RendezvousTimeout(
         join=timedelta(seconds=join_timeout_s),
         last_call=timedelta(seconds=last_call_s),

@@ -1,6 +1,7 @@
 """The launch's rendezvous across machines: rounds of nodes, each formed by one etcd transaction.
 
-Keys, under the launch's rendezvous space (``/resilient/<run>/rdzv/<launch>/``):
+Keys, under the launch's rendezvous space (``/resilient/<run>/rdzv/<launch>/``,
+named by :class:`~resilient.coord.keyspace.RoundKeys`):
 
 * ``round``: the number of the round open for joining (absent: 0).  Only
   the transaction that forms a round moves it.
@@ -56,6 +57,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .keyspace import RoundKeys
 from .proof import Seal
 from .store import ControlStoreError, Entry
 from .txn import Compare, Put, Txn, TxnResult
@@ -163,28 +165,6 @@ def order_members(joins: Mapping[str, Entry], previous: Sequence[str], max_nodes
     return tuple(returning + sorted(first_come, key=node_order))
 
 
-class RoundKeys:
-    def __init__(self, space: str) -> None:
-        self.space = space
-        self.round = space + "round"
-        self.out = space + "out/"
-        self.waiting = self.out + "waiting"
-        self.closed = self.out + "closed"
-
-    def joins(self, n: int) -> str:
-        return f"{self.space}j/{n:08d}/"
-
-    def join(self, n: int, node: str) -> str:
-        return self.joins(n) + node
-
-    def result(self, n: int) -> str:
-        return f"{self.out}r/{n:08d}"
-
-    @staticmethod
-    def node_of(key: str) -> str:
-        return key.rsplit("/", 1)[1]
-
-
 class RoundStore:
     """The rounds' store operations, each a bounded number of requests (the waiting is the caller's)."""
 
@@ -208,7 +188,7 @@ class RoundStore:
         return Round.of(found) if found is not None else None
 
     def _newest_result(self) -> Round | None:
-        results = [self.round_of(e) for e in self.client.get_prefix(self.keys.out + "r/")]
+        results = [self.round_of(e) for e in self.client.get_prefix(self.keys.results)]
         return max((r for r in results if r is not None), key=lambda r: r.number, default=None)
 
     def _open_number(self, entry: Entry | None) -> int:

@@ -4,8 +4,9 @@ The agent keeps membership, the global restart budget, generations and the
 latest-commit pointer in a :class:`ControlStore`.  Two implementations share
 one contract, tested by the same tests:
 
-* :class:`~resilient.coord.etcd.EtcdControlStore`: keys under
-  ``/resilient/<run_id>/`` in etcd v3 (many machines), beside the etcd client;
+* :class:`~resilient.coord.etcd.EtcdControlStore`: keys under a prefix in
+  etcd v3, a run's root (:mod:`.keyspace`) on many machines, beside the etcd
+  client;
 * :class:`MemoryControlStore`: a thread-safe in-process store, the embedded
   default on one machine.
 
@@ -22,7 +23,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
-from ..core.errors import ConfigError, ResilientError
+from ..core.errors import ResilientError
 
 
 class ControlStoreError(ResilientError):
@@ -114,13 +115,6 @@ def _parse_int(key: str, value: bytes) -> int:
     except (UnicodeDecodeError, ValueError):
         msg = f"key {key!r} holds {value[:40]!r}, not a decimal integer; add() needs a counter key"
         raise StoreRequestError(msg) from None
-
-
-def run_prefix(run_id: str) -> str:
-    """The key prefix of a run, ``/resilient/<run_id>/``; rejects ids that would escape it."""
-    if not run_id or "/" in run_id or run_id in (".", ".."):
-        raise ConfigError(f"run id {run_id!r} is invalid: use a non-empty name without '/'")
-    return f"/resilient/{run_id}/"
 
 
 class MemoryControlStore(ControlStore):

@@ -21,6 +21,11 @@ worker:
 
 This module imports torch only inside its functions, so the agent can build
 and publish assignments without importing torch.
+
+Its keys (:func:`assignment_key`, :func:`abort_key`, :func:`grow_key`,
+:func:`group_prefix`) are those of an agent's own TCPStore, not etcd's: they
+are named here, beside their protocol, and not in
+:mod:`resilient.coord.keyspace`, which names every etcd key.
 """
 
 from __future__ import annotations
