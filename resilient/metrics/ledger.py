@@ -63,7 +63,6 @@ holds whatever the agent feeds.
 from __future__ import annotations
 
 import bisect
-from collections import deque
 from typing import Any
 
 from ..core.events import OutcomeKind
@@ -86,7 +85,7 @@ from .ledger_codec import (
     ledger_to_dict,
 )
 from .ledger_state import Account, IncidentCost, LedgerConfig, WindowAccount
-from .timeline import N_CATEGORIES, Timeline
+from .timeline import Timeline
 
 __all__ = ["Account", "IncidentCost", "Ledger", "LedgerConfig", "WindowAccount"]
 

@@ -11,10 +11,12 @@ clamped); :func:`build_account` turns it into the frozen ``Account``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from .catalogue import CATEGORIES
 from .ledger_codec import LOST_TO_ETTR, PRODUCTIVE, REPLAY, LedgerBooks, Piece
 from .ledger_state import Account, IncidentCost, WindowAccount
 from .timeline import Timeline
+
 
 @dataclass(frozen=True)
 class Totals:
