@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,12 +220,21 @@ def test_gc_dry_run_removes_nothing(ckpt: Path, capsys: pytest.CaptureFixture[st
 
 
 def test_gc_keeps_newest(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (ckpt / ".staging" / "step_0000000008.deadbeef").mkdir(parents=True)
+    crashed = ckpt / ".staging" / "step_0000000008.deadbeef"
+    crashed.mkdir(parents=True)
+    (crashed / "rank_00000.bin").write_bytes(b"x")
+    for path in (crashed / "rank_00000.bin", crashed):
+        os.utime(path, (time.time() - 7200, time.time() - 7200))  # a save that crashed two hours ago
+    live = ckpt / ".staging" / "step_0000000009.cafe"
+    live.mkdir()
     code, out, _ = _cli(capsys, "gc", str(ckpt), "--keep", "1")
     assert code == 0
     assert LocalStorage(ckpt).list_committed() == [NEWEST]
     assert f"deleted      {NAMES[0]}" in out and "removed 1 leftovers" in out
-    assert os.listdir(ckpt / ".staging") == []
+    assert os.listdir(ckpt / ".staging") == [live.name], "a save written to a moment ago may be under way"
+    assert "skipped      .staging/step_0000000009.cafe  (written 0 s ago, within the minimum age of 3600 s" in out
+    code, out, _ = _cli(capsys, "gc", str(ckpt), "--keep", "1", "--min-age", "0")
+    assert code == 0 and os.listdir(ckpt / ".staging") == [] and "removed 1 leftovers" in out
 
 
 def test_gc_permanent_every(ckpt: Path, capsys: pytest.CaptureFixture[str]) -> None:

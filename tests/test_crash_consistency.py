@@ -95,4 +95,4 @@ def test_kill_during_save_to_s3_loses_nothing(tmp_path, reference, s3_url, point
     assert resumed.starts[-1]["restored_from"] == expected
     assert_same_run(reference, resumed)
     assert storage.list_committed() == ["step_0000000015"]
-    assert storage.collect_garbage() == [], "leftovers of the crashed save survived the resumed run"
+    assert storage.collect_garbage().removed == (), "leftovers of the crashed save survived the resumed run"

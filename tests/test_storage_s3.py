@@ -214,7 +214,8 @@ def test_uncommitted_staging_is_invisible_and_collected(s3_url: tuple[str, str])
     c.create_multipart_upload(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000010/current/rank_00000.bin")
     assert store.list_committed() == [checkpoint_name(7)]
 
-    removed = store.collect_garbage(keep_token="current")
+    assert store.collect_garbage(keep_token="current", min_age_s=3600).removed == (), "every save here is fresh"
+    removed = store.collect_garbage(keep_token="current").removed
     assert sorted(removed) == [
         "step_0000000005/crashed/",
         "step_0000000007/loser/",
@@ -228,8 +229,12 @@ def test_uncommitted_staging_is_invisible_and_collected(s3_url: tuple[str, str])
     left = [u["UploadId"] for u in c.list_multipart_uploads(Bucket=bucket_of(s3_url)).get("Uploads", [])]
     assert upload["UploadId"] not in left and len(left) == 1
     assert store.list_committed() == [checkpoint_name(7)]
-    assert store.collect_garbage(keep_token="current") == []
-    assert store.collect_garbage() == [
+    assert store.collect_garbage(keep_token="current").removed == ()
+    young = store.collect_garbage(min_age_s=3600)
+    assert young.removed == () and [entry for entry, _ in young.skipped] == [
+        "step_0000000006/current/", "step_0000000010/current/rank_00000.bin (incomplete multipart upload)"]
+    assert all("within the minimum age of 3600 s: a save may be under way" in why for _, why in young.skipped)
+    assert list(store.collect_garbage().removed) == [
         "step_0000000006/current/",
         "step_0000000010/current/rank_00000.bin (incomplete multipart upload)",
     ]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from ..core.fsutil import write_json_atomic
 
 FENCE_FILE = ".fence.json"
 LOCK_FILE = ".fence.lock"
+OPERATOR_LOCK_WAIT_S = 60.0
+"""How long an operator's command (``resilient checkpoint gc``) waits for the fence lock of a directory before it
+gives up: a job holds it only while it publishes or deletes a checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,17 +142,36 @@ class LocalFence:
         self._lock_path = os.path.join(root, LOCK_FILE)
 
     @contextmanager
-    def locked(self) -> Iterator[Fence | None]:
-        """Hold the lock; yield the current fence."""
+    def locked(self, wait_s: float | None = None) -> Iterator[Fence | None]:
+        """Hold the lock; yield the current fence.  ``wait_s``: give up after this long (StorageError), for an
+        operator's command, which must not wait forever behind a stopped job that holds the lock."""
         try:
             fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise StorageError(f"could not open the fence lock {self._lock_path}: {e.strerror or e}") from e
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if wait_s is None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                self._lock_within(fd, wait_s)
             yield self.read()
         finally:
             os.close(fd)  # releases the lock
+
+    def _lock_within(self, fd: int, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StorageError(
+                        f"the fence lock {self._lock_path} stayed held for {wait_s:g} s: a job is committing or "
+                        "deleting there (or a stopped process holds the lock); try again, or find the holder with "
+                        f"`fuser {self._lock_path}`"
+                    ) from None
+                time.sleep(0.05)
 
     def read(self) -> Fence | None:
         try:
@@ -175,10 +198,12 @@ class LocalFence:
     def held(self, ours: Fence | None, action: str) -> Iterator[None]:
         """Run the body under the lock if the fence is still ours; FencedError otherwise.
 
-        ``ours`` None skips the check (an operator's tool, not a job).
+        ``ours`` None skips the check but not the lock (an operator's tool, not a job): a job's commit or
+        deletion never runs in the middle of it.  The operator waits at most :data:`OPERATOR_LOCK_WAIT_S`.
         """
         if ours is None:
-            yield
+            with self.locked(wait_s=OPERATOR_LOCK_WAIT_S):
+                yield
             return
         with self.locked() as holder:
             if fence_moved(holder, ours):

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import CheckpointCorruptError, CheckpointMismatchError
+from ..core.errors import CheckpointCorruptError, CheckpointMismatchError, StorageError
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest, step_of
 from .retention import decide_retention
-from .storage import Storage
+from .storage import GC_MIN_AGE_S, Garbage, Storage
 
 if TYPE_CHECKING:
     from .verify import FileCheck
@@ -113,6 +113,8 @@ class GcReport:
     failed: tuple[tuple[str, str], ...]
     """(name, problem) of newer checkpoints that failed verification on the way."""
     reason: str
+    skipped: tuple[tuple[str, str], ...] = ()
+    """(entry, why) of what was left alone: saves that may be under way, checkpoints a job deleted meanwhile."""
 
 
 def list_checkpoints(storage: Storage) -> list[CheckpointInfo]:
@@ -252,6 +254,7 @@ def collect(
     keep: int,
     permanent_every: int | None,
     dry_run: bool,
+    min_age_s: float = GC_MIN_AGE_S,
     verify: Callable[[Storage, str], VerifyReport] = verify_checkpoint,
 ) -> GcReport:
     """Remove crash leftovers and apply retention, protecting the newest verified checkpoint.
@@ -262,6 +265,11 @@ def collect(
     at fault).  Raises :class:`CheckpointMismatchError`, before touching
     anything, if a newer resilient wrote any of the checkpoints (this build
     cannot judge them), :class:`StorageError` on I/O failure.
+
+    Safe beside a live job: a save written to within ``min_age_s`` is left
+    alone (it may be under way), the directory backend takes the location's
+    lock for each step, and a checkpoint the job's own retention deleted
+    meanwhile is reported as skipped.
     """
     committed = storage.list_committed()
     for name in committed:  # manifests only: cheap next to verifying files
@@ -292,17 +300,26 @@ def collect(
     decision = decide_retention(committed, keep=keep, permanent_every=permanent_every, newest_verified=newest_verified,
                                 pinned=storage.list_pins())
     assert newest_verified is None or newest_verified in decision.keep
-    garbage: list[str] = []
+    garbage = Garbage()
+    deleted: list[str] = []
+    gone: list[tuple[str, str]] = []
     if not dry_run:
-        garbage = storage.collect_garbage()
+        garbage = storage.collect_garbage(min_age_s=min_age_s)
         for victim in decision.delete:
-            storage.delete(victim)
+            try:
+                storage.delete(victim)
+                deleted.append(victim)
+            except StorageError:
+                if victim in storage.list_committed():
+                    raise
+                gone.append((victim, "already deleted (the job's own retention, or another collection)"))
     return GcReport(
         dry_run=dry_run,
-        garbage=tuple(garbage),
+        garbage=garbage.removed,
         kept=decision.keep,
-        deleted=decision.delete,
+        deleted=decision.delete if dry_run else tuple(deleted),
         newest_verified=newest_verified,
         failed=tuple(failed),
         reason=decision.reason,
+        skipped=garbage.skipped + tuple(gone),
     )

@@ -130,7 +130,7 @@ class CheckpointManager:
                              generation=self.fence.generation, launch=self.fence.launch,
                              previous=previous.to_json() if previous else None)
         try:
-            removed = self.storage.collect_garbage(keep_token=token, fence=self.fence)
+            removed = list(self.storage.collect_garbage(keep_token=token, fence=self.fence).removed)
         except FencedError as e:  # claimed a moment ago and already taken: we are stale
             self._fenced("gc", e, name=None, step=None)
             raise

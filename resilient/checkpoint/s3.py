@@ -52,7 +52,7 @@ from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
 from .s3_client import ABSENT, CONFLICT, S3Bucket
 from .s3_support import ViewsReader, group_views
-from .storage import PINS_DIR, RangeReader, Staging, Storage, pieces
+from .storage import PINS_DIR, Garbage, RangeReader, Staging, Storage, pieces
 
 MULTIPART_THRESHOLD = 16 << 20  # larger objects go up as parallel multipart parts
 PART_BYTES = 8 << 20  # smallest part we build; S3's minimum is 5 MiB (except the last)
@@ -312,9 +312,23 @@ class S3Storage(S3Bucket, Storage):
             raise StorageError(f"cannot delete {name}: there is no such checkpoint in {self.url}")
         self._delete_keys(rest)
 
-    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None) -> list[str]:
+    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None, *,
+                        min_age_s: float = 0.0) -> Garbage:
+        # S3 has no lock to take: a save in progress is told apart by its age (its newest object's LastModified;
+        # S3 refuses requests from a clock more than 15 minutes off, so this host's clock is close enough).
         self._check_fence(fence, "garbage collection")
-        removed = []
+        removed: list[str] = []
+        skipped: list[tuple[str, str]] = []
+        now = time.time()
+
+        def young(shown: str, written: list[float]) -> bool:
+            age = now - max(written, default=0.0)
+            if min_age_s > 0 and age < min_age_s:
+                skipped.append((shown, f"written {max(0.0, age):.0f} s ago, within the minimum age of {min_age_s:g} s: "
+                                       "a save may be under way"))
+                return True
+            return False
+
         for name in (n for n in self._ls(self._root)[1] if step_of(n) is not None):
             raw = self.read_manifest(name)
             keep = _referenced_tokens(raw) if raw else set()
@@ -323,15 +337,20 @@ class S3Storage(S3Bucket, Storage):
             if keep_token is not None:
                 keep.add(keep_token)
             keys, tokens = self._ls(self._key(name) + "/")
-            if not raw:  # stray objects of an uncommitted name (e.g. a half-finished delete)
-                self._delete_keys(keys)
-                removed += [key[len(self._root) :] for key in keys]
+            if not raw and keys:  # stray objects of an uncommitted name (e.g. a half-finished delete)
+                if not young(f"{name}/ (objects outside a save)", list(self._written(self._key(name) + "/").values())):
+                    self._delete_keys(keys)
+                    removed += [key[len(self._root) :] for key in keys]
             for token in tokens:
-                if token not in keep:
-                    self._delete_keys([k for k, _ in self._objects(self._key(name, token) + "/")])
-                    removed.append(f"{name}/{token}/")
-        removed += self._abort_uploads(self._root, keep_token)
-        return removed
+                if token in keep:
+                    continue
+                written = self._written(self._key(name, token) + "/")
+                if young(f"{name}/{token}/", list(written.values())):
+                    continue
+                self._delete_keys(list(written))
+                removed.append(f"{name}/{token}/")
+        aborted, busy = self._abort_uploads(self._root, keep_token, min_age_s=min_age_s, now=now)
+        return Garbage(removed=tuple(removed + aborted), skipped=tuple(skipped + busy))
 
     def list_quarantined(self) -> list[str]:
         return sorted(self._ls(f"{self._root}{QUARANTINE_DIR}/")[1])

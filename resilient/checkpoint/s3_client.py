@@ -180,6 +180,11 @@ class S3Bucket:
         """(key, size) of every object under ``prefix``."""
         return [(o["Key"], o["Size"]) for p in self._pages("list_objects_v2", prefix) for o in p.get("Contents", [])]
 
+    def _written(self, prefix: str) -> dict[str, float]:
+        """Key -> when it was last written (Unix time, the store's clock) of every object under ``prefix``."""
+        return {o["Key"]: o["LastModified"].timestamp()
+                for p in self._pages("list_objects_v2", prefix) for o in p.get("Contents", [])}
+
     def _ls(self, prefix: str) -> tuple[list[str], list[str]]:
         """Keys directly under ``prefix`` and names of its "subdirectories"."""
         keys, dirs = [], []
@@ -201,16 +206,35 @@ class S3Bucket:
                     f"{err.get('Code')} {err.get('Message')}; check that the credentials allow s3:DeleteObject"
                 )
 
-    def _abort_uploads(self, prefix: str, keep_token: str | None = None) -> list[str]:
-        removed = []
+    def _abort_uploads(self, prefix: str, keep_token: str | None = None, *, min_age_s: float = 0.0,
+                       now: float = 0.0) -> tuple[list[str], list[tuple[str, str]]]:
+        """Abort incomplete multipart uploads (but ``keep_token``'s, and those that uploaded a part within
+        ``min_age_s`` of ``now``: those are skipped, with why)."""
+        removed, skipped = [], []
         for page in self._pages("list_multipart_uploads", prefix):
             for up in page.get("Uploads", []):
                 rel = up["Key"][len(self._root) :]
                 if keep_token is not None and rel.split("/")[1:2] == [keep_token]:
                     continue
+                if min_age_s > 0:
+                    age = now - self._upload_written(up)
+                    if age < min_age_s:
+                        skipped.append((f"{rel} (incomplete multipart upload)",
+                                        f"written {max(0.0, age):.0f} s ago, within the minimum age of {min_age_s:g} s: "
+                                        "a save may be under way"))
+                        continue
                 self._abort_upload(up["Key"], up["UploadId"])
                 removed.append(f"{rel} (incomplete multipart upload)")
-        return removed
+        return removed, skipped
+
+    def _upload_written(self, up: dict[str, Any]) -> float:
+        """When an incomplete multipart upload last wrote: its newest part, else its start."""
+        newest = up["Initiated"].timestamp()
+        for page in self._client.get_paginator("list_parts").paginate(Bucket=self.bucket, Key=up["Key"],
+                                                                    UploadId=up["UploadId"]):
+            for part in page.get("Parts", []):
+                newest = max(newest, part["LastModified"].timestamp())
+        return newest
 
     def _abort_upload(self, key: str, upload_id: str) -> None:
         self._call("abort_multipart_upload", key, absent=("NoSuchUpload",), Key=key, UploadId=upload_id)

@@ -14,7 +14,11 @@ The commit renames the fully written and fsynced staging directory to its
 final name and fsyncs ROOT, so a crash leaves either the old state or the
 new checkpoint, never a torn one.  The rename, retention deletes and
 garbage collection run under the fence lock, after checking that the fence
-still holds the writer's claim.
+still holds the writer's claim (an operator's command, which holds no
+claim, takes the lock all the same).  Before the rename the commit checks
+that every file its manifest names is staged at its size, and garbage
+collection takes a staging area out of ``.staging/`` by a rename under the
+lock, so a collection can fail a save but never publish one half deleted.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ WRITE_PIECE = 16 << 20
 PINS_DIR = ".pins"
 """Where pins live in a location (``.pins/<checkpoint>/<holder>.json``): outside the committed set."""
 
+GC_MIN_AGE_S = 3600.0
+"""``resilient checkpoint gc`` leaves a save that may still be under way alone: a staging area (on S3, a save's
+objects or an incomplete upload) written to within this long is skipped and reported (``--min-age``)."""
+
 ReadBuffer = bytearray | mmap.mmap
 """A file's content: writable, so tensors can be decoded from it without a copy."""
 
@@ -51,6 +59,24 @@ class Staging:
     name: str
     token: str
     file_prefix: str
+
+
+@dataclass(frozen=True)
+class Garbage:
+    """What garbage collection removed, and what it left alone and why."""
+
+    removed: tuple[str, ...] = ()
+    skipped: tuple[tuple[str, str], ...] = ()
+    """(entry, why) of leftovers it did not touch: written to within the minimum age (a save may be under way)."""
+
+
+def staged_files(manifest: bytes) -> dict[str, int] | None:
+    """Path -> size of every file a manifest names (None when it is not one this module can read: the readers'
+    parse reports that)."""
+    try:
+        return {str(f["path"]): int(f["size"]) for f in json.loads(manifest)["files"]}
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -201,10 +227,13 @@ class Storage(ABC):
         """
 
     @abstractmethod
-    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None) -> list[str]:
+    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None, *,
+                        min_age_s: float = 0.0) -> Garbage:
         """Remove leftovers of crashed saves and deletions (except ``keep_token``'s).
 
-        Raises :class:`FencedError` (removing nothing) if ``fence`` is given and no longer held.
+        A save written to within ``min_age_s`` may still be under way (an operator's collection, beside a live
+        job): it is skipped, and reported.  Raises :class:`FencedError` (removing nothing) if ``fence`` is given
+        and no longer held.
         """
 
     @abstractmethod
@@ -337,6 +366,7 @@ class LocalStorage(Storage):
         # newer generation cannot claim in between, and a stale writer whose
         # staging area was already collected is told why, not "file not found".
         with self._fence.held(fence, f"commit of {staging.name}"):
+            self._check_staged(staging, src, manifest)
             try:
                 fd = os.open(mpath, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
@@ -356,6 +386,22 @@ class LocalStorage(Storage):
                     raise CommitConflictError(f"checkpoint {staging.name} is already committed at {dst}") from e
                 raise _storage_error("publish", dst, e) from e
             fsync_dir(self.root)
+
+    def _check_staged(self, staging: Staging, src: str, manifest: bytes) -> None:
+        """Refuse to publish a manifest whose files are not all in the staging area in full (under the lock, which
+        garbage collection takes as well: what is checked here is what the rename publishes)."""
+        files = staged_files(manifest)
+        for path, size in (files or {}).items():
+            full = os.path.join(src, path)
+            try:
+                have = f"{os.stat(full).st_size} bytes"
+            except FileNotFoundError:
+                have = "missing"
+            except OSError as e:
+                raise _storage_error("check", full, e) from e
+            if have != f"{size} bytes":
+                raise StorageError(f"refusing to commit {staging.name}: {full} is {have}, manifest says {size} bytes "
+                                   "(was its staging area collected while the save ran?)")
 
     def abort(self, staging: Staging) -> None:
         shutil.rmtree(self._staging_dir(staging), ignore_errors=True)
@@ -431,23 +477,55 @@ class LocalStorage(Storage):
                 raise _storage_error("delete", name, e) from e
         shutil.rmtree(trash, ignore_errors=True)
 
-    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None) -> list[str]:
+    def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None, *,
+                        min_age_s: float = 0.0) -> Garbage:
+        # Under the lock, a staging area leaves .staging/ by a rename (a commit, under the same lock, then fails
+        # on its missing files instead of publishing them half deleted); the files go after the lock is released.
+        doomed: list[tuple[str, str]] = []
+        skipped: list[tuple[str, str]] = []
         with self._fence.held(fence, "garbage collection"):
-            return self._collect(keep_token)
-
-    def _collect(self, keep_token: str | None) -> list[str]:
-        removed = []
-        for parent in (self._staging_root, self._trash_root):
-            try:
-                entries = os.listdir(parent)
-            except FileNotFoundError:
-                continue
-            for entry in entries:
-                if keep_token is not None and parent == self._staging_root and entry.endswith("." + keep_token):
+            for entry in _entries(self._trash_root):
+                doomed.append((os.path.join(".trash", entry), os.path.join(self._trash_root, entry)))
+            now = self._fs_now() if min_age_s > 0 else 0.0
+            staged: list[tuple[str, str]] = []
+            for entry in _entries(self._staging_root):
+                if keep_token is not None and entry.endswith("." + keep_token):
                     continue
-                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-                removed.append(os.path.join(os.path.basename(parent), entry))
-        return removed
+                shown, path = os.path.join(".staging", entry), os.path.join(self._staging_root, entry)
+                if min_age_s > 0:
+                    age = now - _newest_mtime(path)
+                    if age < min_age_s:
+                        skipped.append((shown, f"written {max(0.0, age):.0f} s ago, within the minimum age of "
+                                               f"{min_age_s:g} s: a save may be under way"))
+                        continue
+                moved = os.path.join(self._trash_root, f"{entry}.gc.{os.getpid()}.{time.monotonic_ns()}")
+                try:
+                    self._mkdirs(self._trash_root)
+                    os.rename(path, moved)
+                except FileNotFoundError:
+                    continue  # gone meanwhile (its job aborted it)
+                except OSError as e:
+                    raise _storage_error("collect", path, e) from e
+                staged.append((shown, moved))
+            doomed = staged + doomed
+        for _, path in doomed:
+            shutil.rmtree(path, ignore_errors=True)
+        return Garbage(removed=tuple(shown for shown, _ in doomed), skipped=tuple(skipped))
+
+    def _fs_now(self) -> float:
+        """The file system's clock (a probe file's mtime), which the staging areas' ages are measured on."""
+        probe = os.path.join(self._staging_root, f".clock.{os.getpid()}.{time.monotonic_ns()}")
+        try:
+            with open(probe, "wb"):
+                pass
+            try:
+                return os.stat(probe).st_mtime
+            finally:
+                os.remove(probe)
+        except FileNotFoundError:
+            return time.time()  # no staging area at all: nothing is measured against it
+        except OSError as e:
+            raise _storage_error("write to", self._staging_root, e) from e
 
     def list_quarantined(self) -> list[str]:
         try:
@@ -487,3 +565,19 @@ class LocalStorage(Storage):
                 for n in names if os.path.isdir(os.path.join(root, n))}
         return {n: holders for n, holders in pins.items() if holders}
 
+
+def _entries(parent: str) -> list[str]:
+    try:
+        return sorted(e for e in os.listdir(parent) if not e.startswith(".clock."))
+    except FileNotFoundError:
+        return []
+
+
+def _newest_mtime(path: str) -> float:
+    """The newest modification time in a tree (its directories' and files'): when a save last wrote to it."""
+    newest = 0.0
+    for root, dirs, files in os.walk(path):
+        for name in (root, *(os.path.join(root, n) for n in (*dirs, *files))):
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, os.lstat(name).st_mtime)
+    return newest

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -18,6 +19,7 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+from ..checkpoint.storage import GC_MIN_AGE_S
 from ..core.errors import CheckpointCorruptError, CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -53,12 +55,16 @@ def add_parser(commands: Any) -> None:
         parents=[common],
         help="apply retention and remove leftovers of crashed saves",
         description="Keep the newest K checkpoints, every M-th step and the newest one that passes "
-        "verification; delete the rest. Run it only while no job writes to this location: it also "
-        "removes staging areas, including a save in progress.",
+        "verification; delete the rest, and leftovers of crashed saves. Safe beside a live job: on a directory "
+        "it takes the location's lock (a commit never runs in the middle of it), and a save written to within "
+        "--min-age seconds is taken for one in progress and left alone (listed as skipped).",
     )
     gc.add_argument("--keep", type=int, required=True, metavar="K", help="newest checkpoints to keep (>= 1)")
     gc.add_argument("--permanent-every", type=int, metavar="M", help="also keep steps that are multiples of M")
     gc.add_argument("--dry-run", action="store_true", help="only say what would be removed")
+    gc.add_argument("--min-age", type=float, default=GC_MIN_AGE_S, metavar="S",
+                    help=f"leave saves written to within S seconds alone: they may still be under way (default "
+                         f"{GC_MIN_AGE_S:g}; 0 removes every unfinished save, only when no job writes here)")
     gc.set_defaults(handler=cmd_gc)
 
 
@@ -189,8 +195,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise ConfigError(f"--keep {args.keep}: keep at least 1 checkpoint")
     if args.permanent_every is not None and args.permanent_every < 1:
         raise ConfigError(f"--permanent-every {args.permanent_every} must be >= 1")
+    if not (args.min_age >= 0 and math.isfinite(args.min_age)):
+        raise ConfigError(f"--min-age {args.min_age} must be a finite number of seconds >= 0")
     storage = open_location(args)
-    report = collect(storage, keep=args.keep, permanent_every=args.permanent_every, dry_run=args.dry_run)
+    report = collect(storage, keep=args.keep, permanent_every=args.permanent_every, dry_run=args.dry_run,
+                     min_age_s=args.min_age)
     if args.json:
         _print_json({"location": storage.url, **asdict(report)})
         return 0
@@ -286,6 +295,8 @@ def _print_gc(report: GcReport, keep: int, permanent_every: int | None) -> None:
         print("dry run: nothing was removed (leftovers of crashed saves are listed only when removed)")
     else:
         print(f"removed {len(report.garbage)} leftovers of crashed saves" + "".join(f"\n  {g}" for g in report.garbage))
+    for entry, reason in report.skipped:
+        print(f"{'skipped':<13}{entry}  ({reason})")
 
 
 def human_size(n: int | None) -> str:
