@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
+import socket
 import stat
+import tempfile
 import time
 
 import pytest
 
 from resilient.agent.control import ControlError, ControlServer, call
-from resilient.agent.rundir import RunDir, read_token
+from resilient.agent.rundir import RunDir, check_private_dir, read_token
 from resilient.cli.main import main
 from resilient.core.errors import ConfigError
 from resilient.core.supervised import ThreadReports
@@ -102,3 +106,126 @@ def test_a_bug_answering_a_request_is_reported_and_the_socket_still_serves(tmp_p
         assert second == {"ok": True, "status": {"node": "n0"}}
     finally:
         server.close()
+
+
+NOBODY = 65534
+"""A second local user (``nobody``) who plays the other user on a shared host."""
+
+
+def _start_as_nobody(work, *args) -> int:  # type: ignore[no-untyped-def]
+    """Run ``work(*args)`` in a forked child as ``nobody``; its pid.  It exits 0 when ``work`` returned True (it did
+    what it tried), 2 when False, 1 when it raised."""
+    pid = os.fork()
+    if pid == 0:  # the child: stdlib only, and never back into pytest
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            code = 0 if work(*args) else 2
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _as_nobody(work, *args) -> int:  # type: ignore[no-untyped-def]
+    """Run ``work(*args)`` as ``nobody`` to its end: its exit status (see :func:`_start_as_nobody`)."""
+    return os.waitstatus_to_exitcode(os.waitpid(_start_as_nobody(work, *args), 0)[1])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_a_long_run_directory_s_sockets_go_to_a_private_directory_no_other_user_can_have_made(tmp_path):
+    """The socket directory used to be /tmp/resilient-<hash of the node directory>, made with exist_ok: another
+    user who made it first (mode 0777) could put a socket of theirs at control.sock.  Now it is made fresh, with a
+    random name, private to the agent's user; and a directory that is not the user's own is refused."""
+    run_dir = RunDir(tmp_path / ("x" * 100) / "run", "n0")
+    token = run_dir.create()
+    old = f"/tmp/resilient-{hashlib.sha256(os.fsencode(run_dir.node_dir.resolve())).hexdigest()[:16]}"
+
+    def squat(directory: str) -> bool:
+        os.mkdir(directory)
+        os.chmod(directory, 0o777)
+        return True
+
+    assert _as_nobody(squat, old) == 0
+    try:
+        server = ControlServer(run_dir.socket_path("control.sock"), token, lambda: {"node": "n0"}, lambda _: None)
+        try:
+            home = server.path.parent
+            st = os.lstat(home)
+            assert str(home) != old and (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o700) and stat.S_ISDIR(st.st_mode)
+
+            def swap(target: str) -> bool:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.bind(f"{old}/evil.sock")
+                try:
+                    os.rename(f"{old}/evil.sock", target)
+                except PermissionError:
+                    return False
+                return True
+
+            assert _as_nobody(swap, str(server.path)) == 2, "another user replaced the agent's control socket"
+            assert call(server.path, {"op": "status"})["ok"] is True
+        finally:
+            server.close()
+        run_dir.remove_socket_dir()
+        assert not home.exists()
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    with pytest.raises(ConfigError, match="open to other users"):
+        check_private_dir(shared)
+    os.chown(shared, NOBODY, NOBODY)
+    with pytest.raises(ConfigError, match=f"belongs to uid {NOBODY}"):
+        check_private_dir(shared)
+    (tmp_path / "link").symlink_to(shared)
+    with pytest.raises(ConfigError, match="symbolic link"):
+        check_private_dir(tmp_path / "link")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_resilient_stop_sends_nothing_to_a_socket_another_user_serves(tmp_path, capsys):
+    """status.json names a control socket that another user's process serves: `resilient stop` connects, asks the
+    kernel who serves it, and sends nothing (the run token stays home)."""
+    run_dir = RunDir(tmp_path / "run", "n0")
+    token = run_dir.create()
+    theirs = tempfile.mkdtemp()
+    os.chown(theirs, NOBODY, NOBODY)
+    path = f"{theirs}/control.sock"
+    got_r, got_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+
+    def listen() -> bool:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(path)
+            os.chmod(path, 0o777)
+            s.listen(1)
+            os.write(ready_w, b"1")
+            s.settimeout(20)
+            conn, _ = s.accept()
+            with conn:
+                conn.settimeout(2)
+                try:
+                    received = conn.recv(65536)
+                except TimeoutError:
+                    received = b""
+            os.write(got_w, received or b"-")
+        return True
+
+    pid = _start_as_nobody(listen)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        run_dir.status_file.write_text(json.dumps({"node": "n0", "phase": "running", "control_socket": path}))
+        assert main(["stop", "--run-dir", str(run_dir.root), "--reason", "drain"]) == 1
+        err = capsys.readouterr().err
+        assert f"is served by uid {NOBODY}, not by the run's user (0)" in err and "nothing was sent" in err
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        received = os.read(got_r, 65536)
+        assert received == b"-" and token.encode() not in received
+    finally:
+        for fd in (got_r, got_w, ready_r, ready_w):
+            os.close(fd)
+        shutil.rmtree(theirs, ignore_errors=True)

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 import socket
+import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,14 +132,26 @@ def _read_request(conn: socket.socket) -> dict[str, Any]:
     return request
 
 
-def call(path: Path, request: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-    """Send one request to the agent listening on ``path`` and return its answer."""
+def call(path: Path, request: dict[str, Any], timeout_s: float = 10.0, *,
+         owners: Collection[int] | None = None) -> dict[str, Any]:
+    """Send one request to the agent listening on ``path`` and return its answer.
+
+    Nothing is sent unless the process serving ``path`` runs as one of ``owners`` (default: this user): a socket
+    another user put in its place never receives the request (nor the run token in it).
+    """
+    allowed = {os.geteuid()} if owners is None else set(owners)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         try:
             s.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise ControlError(f"no agent is listening on {path} ({e.strerror}); is the run still going?") from None
+        served_by = peer_uid(s, path)
+        if served_by not in allowed:
+            raise ControlError(
+                f"{path} is served by uid {served_by}, not by the run's user ({', '.join(map(str, sorted(allowed)))}): "
+                "another user's process may have put its socket there; nothing was sent (find it with "
+                f"`ss -xlp | grep {path.name}`)")
         s.sendall(json.dumps(request).encode() + b"\n")
         answer = b""
         while not answer.endswith(b"\n"):
@@ -149,3 +163,12 @@ def call(path: Path, request: dict[str, Any], timeout_s: float = 10.0) -> dict[s
         return dict(json.loads(answer.decode()))
     except ValueError:
         raise ControlError(f"the agent on {path} sent an unreadable answer") from None
+
+
+def peer_uid(s: socket.socket, path: Path) -> int:
+    """The user id of the process serving a connected unix socket (from the kernel where it says: SO_PEERCRED;
+    else the socket file's owner)."""
+    if hasattr(socket, "SO_PEERCRED"):
+        creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+        return int(struct.unpack("iII", creds)[1])
+    return os.lstat(path).st_uid

@@ -16,15 +16,22 @@ share a filesystem)::
     <run_dir>/nodes/<node>/g<G>/rank<R>.stacks.txt  faulthandler dumps
     <run_dir>/nodes/<node>/g<G>/control.json        stop request for the workers
 
-The unix socket for worker heartbeats lives in a short private directory
-under the system temp dir when the run directory's path is too long for one.
+The unix sockets (the control socket, the workers' heartbeat sockets) live
+in the node directory, or, when its path is too long for a socket's, in a
+private directory the agent makes under the system temp dir: a random name
+(``mkdtemp``: created by this call, owned by the agent's user, mode 0700),
+so another user on the host cannot have made it first and put a socket of
+theirs in it.  Clients find a socket through ``status.json`` (the control
+socket) or the environment (a worker's heartbeat socket), never by name.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import os
 import secrets
+import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,14 +71,24 @@ class RunDir:
         return self.node_dir / f"g{generation}"
 
     def socket_path(self, name: str) -> Path:
-        """A unix socket path for ``name``, short enough for the kernel's limit."""
+        """A unix socket path for ``name``, short enough for the kernel's limit: in the node directory, else in
+        this agent's private directory under the system temp dir (made on first use, see the module doc)."""
         path = self.node_dir / name
         if len(os.fsencode(path)) <= SOCKET_PATH_LIMIT:
             return path
-        key = hashlib.sha256(os.fsencode(self.node_dir.resolve())).hexdigest()[:16]
-        short = Path(tempfile.gettempdir()) / f"resilient-{key}"
-        short.mkdir(mode=0o700, exist_ok=True)
-        return short / name
+        return self._socket_dir / name
+
+    @functools.cached_property
+    def _socket_dir(self) -> Path:
+        made = Path(tempfile.mkdtemp(prefix="resilient-"))
+        check_private_dir(made)
+        return made
+
+    def remove_socket_dir(self) -> None:
+        """Remove the private socket directory this RunDir made, if it made one (at the agent's end)."""
+        made = self.__dict__.get("_socket_dir")
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
     def create(self) -> str:
         """Create the directories (private to the user) and the token; return the token."""
@@ -79,6 +96,18 @@ class RunDir:
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         return ensure_token(self.token_file)
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse a directory for sockets that is a symlink, not a directory, not owned by this user, or open to
+    others (ConfigError naming the path and the fix)."""
+    st = os.lstat(path)
+    problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory" if not stat.S_ISDIR(st.st_mode)
+               else f"belongs to uid {st.st_uid}, not to this user ({os.geteuid()})" if st.st_uid != os.geteuid()
+               else f"has mode {stat.S_IMODE(st.st_mode):o}, open to other users" if st.st_mode & 0o077 else None)
+    if problem is not None:
+        raise ConfigError(f"the socket directory {path} {problem}: another user may have made it to capture this "
+                          "run's sockets; remove it, or set TMPDIR to a directory only you can write")
 
 
 def heartbeat_socket(run_dir: RunDir, local_rank: int) -> str:

@@ -296,6 +296,7 @@ class Agent:
             self.reporting.stop()
             for receiver in self._receivers:
                 receiver.close()
+            self.run_dir.remove_socket_dir()
             if self.inproc is not None:
                 self.inproc.leave_launch()
                 self.inproc.close()

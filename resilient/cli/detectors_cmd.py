@@ -50,7 +50,7 @@ def parse_assignments(items: list[str]) -> dict[str, Any]:
 
 def cmd_detectors(args: argparse.Namespace) -> int:
     from ..agent.control import ControlError, call
-    from .stop_cmd import live_agents
+    from .stop_cmd import live_agents, run_owners
 
     changes = parse_assignments(args.set)
     if args.store:
@@ -64,7 +64,7 @@ def cmd_detectors(args: argparse.Namespace) -> int:
     failed = 0
     for s in live:
         try:
-            answer = call(Path(s["control_socket"]), request)
+            answer = call(Path(s["control_socket"]), request, owners=run_owners(args.run_dir))
         except ControlError as e:
             print(f"node {s['node']}: {e}", file=sys.stderr)
             failed += 1

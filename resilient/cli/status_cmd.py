@@ -23,6 +23,7 @@ from typing import Any
 
 from ..core.errors import ConfigError
 from .checkpoint_cmd import age, format_table
+from .stop_cmd import run_owners
 
 
 def add_parser(commands: Any) -> None:
@@ -41,7 +42,8 @@ def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
 
     if not run_dir.is_dir():
         raise ConfigError(f"no run directory at {run_dir}: pass the --run-dir that `resilient run` printed")
-    nodes = [live_status(s) for p in sorted((run_dir / "nodes").glob("*/status.json"))
+    owners = run_owners(run_dir)
+    nodes = [live_status(s, owners=owners) for p in sorted((run_dir / "nodes").glob("*/status.json"))
              if (s := read_json(p)) is not None]
     events = read_events(run_dir / "events.jsonl")
     restarts = [e for e in events if e.get("kind") == "restart"]
@@ -54,7 +56,7 @@ def collect_from_run_dir(run_dir: Path) -> dict[str, Any]:
     }
 
 
-def live_status(saved: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]:
+def live_status(saved: dict[str, Any], timeout_s: float = 2.0, *, owners: set[int] | None = None) -> dict[str, Any]:
     """The node's status from its running agent (``"read": "live"``), else ``saved``, its status.json (``"file"``).
 
     The agent answers with a snapshot taken as it answers, so its rank rows
@@ -69,7 +71,7 @@ def live_status(saved: dict[str, Any], timeout_s: float = 2.0) -> dict[str, Any]
     if not sock or str(saved.get("phase", "")).startswith("finished"):
         return {**saved, "read": "file"}
     try:
-        answer = call(Path(sock), {"op": "status"}, timeout_s=timeout_s)
+        answer = call(Path(sock), {"op": "status"}, timeout_s=timeout_s, owners=owners)
     except (ControlError, OSError) as e:
         return {**saved, "read": "file", "live_error": str(e)}
     if answer.get("ok") and isinstance(answer.get("status"), dict):

@@ -14,7 +14,9 @@ the run token: ``--token-file`` (or ``--run-dir`` for ``<run_dir>/token``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
     failed = 0
     for s in live:
         try:
-            answer = call(Path(s["control_socket"]), {"op": "stop", "token": token, "reason": args.reason})
+            answer = call(Path(s["control_socket"]), {"op": "stop", "token": token, "reason": args.reason},
+                          owners=run_owners(args.run_dir))
         except ControlError as e:
             print(f"node {s['node']}: {e}", file=sys.stderr)
             failed += 1
@@ -52,6 +55,15 @@ def cmd_stop(args: argparse.Namespace) -> int:
         print(f"node {s['node']}: {json.dumps(answer)}")
         failed += 0 if answer.get("ok") else 1
     return 1 if failed else 0
+
+
+def run_owners(run_dir: Path) -> set[int]:
+    """Who may serve the run's control sockets: this user, and the user whose run it is (the token file's owner:
+    root may stop another user's run, nobody else can read its token)."""
+    owners = {os.geteuid()}
+    with contextlib.suppress(OSError):
+        owners.add((run_dir / "token").stat().st_uid)
+    return owners
 
 
 def live_agents(run_dir: Path) -> tuple[str, list[dict[str, Any]]]:
