@@ -17,9 +17,11 @@ token's text, should a log have printed it, is replaced wherever it appears.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
+import os
 import tarfile
 import time
 from collections.abc import Mapping
@@ -31,8 +33,9 @@ from ..checkpoint.locations import open_storage
 from ..checkpoint.manifest import parse_manifest, step_of
 from ..core.errors import ConfigError
 from ..core.fsutil import read_json
+from ..core.redact import PASSWORD_ENV, scrub
 from .incident_view import find, incidents_of
-from .launch_record import read_launch_record
+from .launch_record import read_launch_record, read_secrets
 
 CHECKPOINT_LIMIT = 1 << 30
 """A checkpoint up to this size is copied into the bundle; a larger one is referenced (``--with-checkpoint``)."""
@@ -137,7 +140,7 @@ def make_bundle(run_dir: Path, wanted: str, out: Path | None = None, *, with_che
              "script": script_record, "launch": launch is not None, "checkpoint": checkpoint,
              "members": sorted(members)}
     members["bundle.json"] = json.dumps(index, indent=1).encode()
-    _redact(members, run_dir)
+    _redact(members, run_dir, launch)
     path = out if out is not None else Path(f"incident-{ident}.tar.gz")
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
@@ -159,18 +162,22 @@ def _near(line: str, wall: float) -> bool:
     return isinstance(when, (int, float)) and abs(when - wall) <= EVENTS_WINDOW_S
 
 
-def _redact(members: dict[str, bytes], run_dir: Path) -> None:
-    """The run token's text replaced wherever it appears (a log that printed it)."""
-    try:
-        token = (run_dir / "token").read_text().strip()
-    except OSError:
-        return
-    if len(token) < 8:
-        return
-    secret = token.encode()
+def _redact(members: dict[str, bytes], run_dir: Path, launch: Mapping[str, Any] | None) -> None:
+    """Every secret the bundle could carry replaced wherever it appears (a log, an error or an event that printed
+    it): the run token (from ``<run_dir>/token`` and from the token file the agent was given), the etcd password
+    (when it is in this environment), and the values of the secret flags the agents and workers were started with
+    (their ``secrets.json``).  The script is left as it is: it is code, and a replay checks its SHA-256."""
+    tokens = []
+    settings = (launch or {}).get("settings") or {}
+    for path in (run_dir / "token", Path(str(settings.get("token_file") or run_dir / "token"))):
+        with contextlib.suppress(OSError):
+            tokens.append(path.read_text().strip())
+    others = [v for v in (os.environ.get(PASSWORD_ENV),) if v]
+    for node_dir in sorted((run_dir / "nodes").glob("*")):
+        others += read_secrets(run_dir, node_dir.name)
     for name, data in members.items():
-        if secret in data:
-            members[name] = data.replace(secret, b"<run token>")
+        if not name.startswith("script/"):
+            members[name] = scrub(scrub(data, tokens, "<run token>"), others)
 
 
 def checkpoint_location(run_dir: Path, node: str) -> str | None:

@@ -29,8 +29,8 @@ from typing import Any
 
 from ..coord.liveness import SILENCE_S
 from ..core.errors import ConfigError
+from ..core.redact import PASSWORD_ENV
 
-PASSWORD_ENV = "RESILIENT_ETCD_PASSWORD"
 
 
 def launch_id_from(explicit: str | None, environ: dict[str, str]) -> str | None:
@@ -387,7 +387,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
         monitor_interval_s=args.monitor_interval, stop_grace_s=args.stop_grace, preempt_grace_s=args.preempt_grace,
         signalled_together_s=args.signalled_together, node_silence_s=args.node_silence_timeout,
         fault_plan=args.fault_plan.absolute() if args.fault_plan else None, echo_output=not args.quiet,
-        worker_env={**environ, **({"RESILIENT_RESUME_CHECK": args.resume_check} if args.resume_check else {})},
+        worker_env={**{k: v for k, v in environ.items() if k != PASSWORD_ENV},  # the workers never need it
+                    **({"RESILIENT_RESUME_CHECK": args.resume_check} if args.resume_check else {})},
         fork_server=args.fork_server, memory_tier=args.memory_tier,
         memory_root=args.memory_root.absolute(), memory_limit=parse_size(args.memory_limit, "--memory-limit"),
         memory_every=None if args.memory_every == "auto" else parse_count(args.memory_every, "--memory-every"),
