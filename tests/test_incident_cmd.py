@@ -155,6 +155,15 @@ def test_an_incident_is_listed_by_id_and_shown_with_the_failing_steps_samples(tm
     shutil.rmtree(ckpt)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # Asked first: what would run, and nothing runs without --yes.
+    asked = replay(out, "--workdir", str(tmp_path / "w0"), cwd=elsewhere, yes=False)
+    sha = hashlib.sha256(SCRIPT.encode()).hexdigest()
+    assert asked.returncode == 2 and "run this again with --yes" in asked.stderr, asked.stdout + asked.stderr
+    assert f"sha256 {sha} (as the bundle recorded it); the same as the run's script at {script}" in asked.stdout
+    assert not (tmp_path / "w0" / "results").exists() and not (tmp_path / "w0" / "rank0.log").exists()
+    script.write_text(SCRIPT + "\n# edited since the run\n")
+    asked = replay(out, "--workdir", str(tmp_path / "w0b"), cwd=elsewhere, yes=False)
+    assert f"DIFFERENT from the run's script at {script} (changed since the run?)" in asked.stdout, asked.stdout
     replayed = replay(out, "--workdir", str(tmp_path / "w1"), cwd=elsewhere)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     text = replayed.stdout
@@ -181,8 +190,9 @@ def test_an_id_prefix_names_one_incident_or_is_refused_naming_them() -> None:
     assert all(len(line) <= 60 for line in out) and out[3].startswith("g0002-n1-lost") and " - " in out[3]
 
 
-def replay(bundle: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "resilient", "incident", "replay", str(bundle), *args],
+def replay(bundle: Path, *args: str, cwd: Path, yes: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "resilient", "incident", "replay", str(bundle), *args,
+                           *(["--yes"] if yes else [])],
                           capture_output=True, text=True, timeout=300, env=agent_env(), cwd=cwd, check=False)
 
 
@@ -264,3 +274,61 @@ def test_a_persistent_nan_on_two_ranks_is_bundled_and_replayed_on_two_ranks(tmp_
     found = re.search(r"samples of step 3 on rank 0: \[([\d, ]+)\] \(the run's rank 1 read \[([\d, ]+)\]\)", text)
     assert found and bad in [int(i) for i in found.group(1).split(",")], text
     assert [int(i) for i in found.group(2).split(",")] == order.indices_at(14, 2), text
+
+
+def _hand_made_bundle(tmp_path: Path, name: str, body: bytes, recorded: str | None = None) -> Path:
+    """A bundle written by hand: its index names ``name`` as the script, with ``recorded`` as its SHA-256."""
+    top = tmp_path / "made"
+    (top / "script").mkdir(parents=True)
+    if "/" not in name and name not in ("", ".", ".."):
+        (top / "script" / name).write_bytes(body)
+    index = {"script": {"name": name, "path": "/nowhere/train.py",
+                        "sha256": recorded or hashlib.sha256(body).hexdigest()}}
+    (top / "bundle.json").write_text(json.dumps(index))
+    (top / "incident.json").write_text(json.dumps({"id": "g0001-n0", "step": 3, "kind": "exit"}))
+    (top / "launch.json").write_text(json.dumps({"entrypoint": ["python", "train.py"]}))
+    out = tmp_path / f"made-{len(list(tmp_path.glob('made-*')))}.tar.gz"
+    with tarfile.open(out, "w:gz") as tar:
+        tar.add(top, arcname="bundle")
+    shutil.rmtree(top)
+    return out
+
+
+@pytest.mark.parametrize("name", ["/bin/sh", "../../outside.py", "sub/train.py", ".."])
+def test_a_bundle_whose_script_name_is_a_path_is_refused(tmp_path: Path, name: str) -> None:
+    from resilient.agent.incident_replay import prepare
+
+    with pytest.raises(ConfigError, match="not a bare file name"):
+        prepare(_hand_made_bundle(tmp_path, name, b"print('hi')\n"), workdir=tmp_path / "w")
+
+
+def test_a_bundle_whose_script_was_changed_after_it_was_written_is_refused(tmp_path: Path) -> None:
+    from resilient.agent.incident_replay import prepare
+
+    bundle = _hand_made_bundle(tmp_path, "train.py", b"import os; os.system('id')\n",
+                               recorded=hashlib.sha256(b"print('the original')\n").hexdigest())
+    with pytest.raises(ConfigError, match="does not match the SHA-256 the bundle recorded"):
+        prepare(bundle, workdir=tmp_path / "w")
+    fine = prepare(_hand_made_bundle(tmp_path, "train.py", b"print('hi')\n"), workdir=tmp_path / "w2")
+    assert "the run's script /nowhere/train.py is not on this host" in "\n".join(fine.lines)
+
+
+def test_a_replayed_script_sees_neither_secrets_nor_the_callers_directory(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks run in the work directory with only KEPT_ENV of the caller's environment: no etcd password, no
+    cloud credentials, no run token or settings."""
+    from resilient.agent.incident_replay import KEPT_ENV, _run
+
+    for name in ("RESILIENT_ETCD_PASSWORD", "AWS_SECRET_ACCESS_KEY", "API_TOKEN"):
+        monkeypatch.setenv(name, "s3cr3t")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    monkeypatch.chdir(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    show = "import json, os; print(json.dumps({'cwd': os.getcwd(), 'env': dict(os.environ)}))"
+    assert _run([sys.executable, "-c", show], 1, work / "replay.json", work, timeout_s=60) == [0]
+    seen = json.loads((work / "rank0.log").read_text())
+    assert seen["cwd"] == str(work)
+    assert "s3cr3t" not in json.dumps(seen["env"]) and seen["env"]["LANG"] == "C.UTF-8"
+    ranks = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "RESILIENT_REPLAY"}
+    assert set(seen["env"]) <= set(KEPT_ENV) | ranks | {"LC_CTYPE", "PWD", "SHLVL", "_"}, sorted(seen["env"])

@@ -10,10 +10,19 @@ checkpoint, save nothing, and stop once the failing step is behind
 (:mod:`resilient.run.replay`).  Then the ranks' outcomes are compared with
 the incident: the same exception at the same step is a reproduction, and
 the samples each read at that step are compared with the run's.
+
+A replay runs code that came in a file: :func:`prepare` unpacks the bundle
+and says what would run (the script's path and SHA-256, checked against
+the bundle's record and against the run's own script where that is on this
+host), and nothing runs until the caller says yes (``--yes``).  A script
+name with a path in it is refused.  The ranks run in the replay's work
+directory, with only the environment variables of :data:`KEPT_ENV` (no
+credentials, no tokens, none of the run's settings).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -29,8 +38,13 @@ from typing import Any
 
 from ..checkpoint.locations import open_storage
 from ..core.errors import ConfigError
+from ..core.redact import REDACTED
 from .consequences import short_error
 from .incident_bundle import copy_checkpoint
+
+KEPT_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR",
+            "PYTHONPATH", "VIRTUAL_ENV", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+"""The only variables of the caller's environment a replayed script sees (besides those that set up its ranks)."""
 
 GRACE_S = 20.0
 """How long the other ranks get to end once one has failed (they may wait in a collective for it)."""
@@ -71,17 +85,45 @@ def _json(path: Path, what: str) -> dict[str, Any]:
     return found
 
 
-def _command(root: Path, index: Mapping[str, Any], launch: Mapping[str, Any]) -> list[str]:
-    """The worker command with the bundled script, under this Python."""
+def _script(root: Path, index: Mapping[str, Any]) -> Path:
+    """The bundled script: a bare file name under the bundle's ``script/``, whose SHA-256 is the bundle's record."""
     script = index.get("script") or {}
-    body = root / "script" / str(script.get("name", ""))
-    if not script or not body.is_file():
+    if not script:
         raise ConfigError("the bundle holds no training script (the run's entrypoint was not a .py file); a replay "
                           "needs one")
+    name = str(script.get("name", ""))
+    if not name or name in (".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
+        raise ConfigError(f"the bundle names its script {name!r}, not a bare file name: `resilient incident bundle` "
+                          "never writes that, so this bundle was made or changed by hand; refusing to run it")
+    body = root / "script" / name
+    if not body.is_file() or body.is_symlink():
+        raise ConfigError(f"the bundle has no file script/{name} (or it is a link): bundle the incident again")
+    if _sha256(body) != script.get("sha256"):
+        raise ConfigError(f"script/{name} does not match the SHA-256 the bundle recorded for it: the bundle was "
+                          "changed after it was written; refusing to run it")
+    return body
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _command(body: Path, launch: Mapping[str, Any]) -> list[str]:
+    """The worker command with the bundled script, under this Python."""
     entry = [str(a) for a in launch.get("entrypoint") or ()]
     at = next((i for i, a in enumerate(entry) if a.endswith(".py")), None)
     args = entry[at + 1:] if at is not None else []
     return [sys.executable, "-u", str(body), *args]
+
+
+def _against_the_run(body: Path, recorded: Mapping[str, Any]) -> str:
+    """How the bundled script compares with the run's own script, where that is on this host."""
+    original = Path(str(recorded.get("path") or ""))
+    if not recorded.get("path") or not original.is_file():
+        return f"the run's script {original} is not on this host: nothing to compare it with"
+    if _sha256(original) == _sha256(body):
+        return f"the same as the run's script at {original}"
+    return f"DIFFERENT from the run's script at {original} (changed since the run?)"
 
 
 def _checkpoint(root: Path, work: Path, index: Mapping[str, Any], endpoint_url: str | None) -> tuple[Path, str]:
@@ -107,8 +149,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(cmd: Sequence[str], world: int, plan: Path, work: Path, cwd: Path, timeout_s: float) -> list[int | None]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("RESILIENT_", "TORCHELASTIC_"))}
+def _run(cmd: Sequence[str], world: int, plan: Path, work: Path, timeout_s: float) -> list[int | None]:
+    base = {k: v for k, v in os.environ.items() if k in KEPT_ENV}
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -116,7 +158,7 @@ def _run(cmd: Sequence[str], world: int, plan: Path, work: Path, cwd: Path, time
                "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
                "RESILIENT_REPLAY": str(plan)}
         log = open(work / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process has ended
-        procs.append((subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append((subprocess.Popen(list(cmd), cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     deadline, failed_at = time.monotonic() + timeout_s, None
     try:
         while any(p.poll() is None for p, _ in procs):
@@ -135,9 +177,24 @@ def _run(cmd: Sequence[str], world: int, plan: Path, work: Path, cwd: Path, time
     return [p.returncode for p, _ in procs]
 
 
-def replay(bundle: Path, *, ranks: int | None = None, workdir: Path | None = None, timeout_s: float = 600.0,
-           endpoint_url: str | None = None) -> ReplayReport:
-    """Replay ``bundle``'s failing step; the report says whether the failure came back and what differed."""
+@dataclass
+class Prepared:
+    """A bundle unpacked for a replay, not run yet: what would run, and with what."""
+
+    work: Path
+    root: Path
+    index: dict[str, Any]
+    incident: dict[str, Any]
+    position: dict[str, Any]
+    world: int
+    script: Path
+    cmd: list[str]
+    lines: list[str]
+    """What would run, for the caller to read before saying yes."""
+
+
+def prepare(bundle: Path, *, ranks: int | None = None, workdir: Path | None = None) -> Prepared:
+    """Unpack ``bundle`` and check it; nothing runs (:func:`replay` runs it)."""
     work = workdir if workdir is not None else Path(tempfile.mkdtemp(prefix="resilient-replay-"))
     work.mkdir(parents=True, exist_ok=True)
     root = _unpack(bundle, work)
@@ -152,18 +209,32 @@ def replay(bundle: Path, *, ranks: int | None = None, workdir: Path | None = Non
                           "to replay")
     position = index.get("position") or error.get("position") or {}
     world = ranks or int(position.get("world_size") or 1)
-    cmd = _command(root, index, launch)
-    source, how = _checkpoint(root, work, index, endpoint_url)
+    body = _script(root, index)
+    cmd = _command(body, launch)
+    lines = [f"script: {body}", f"  sha256 {_sha256(body)} (as the bundle recorded it); "
+             f"{_against_the_run(body, index['script'])}",
+             f"command: {' '.join(cmd)}",
+             f"runs as uid {os.geteuid()} on {world} rank(s), in {work}, with only {', '.join(KEPT_ENV)} of this "
+             "environment"]
+    if REDACTED in cmd:
+        lines.append(f"note: the values of the run's secret flags are not in the bundle; the script gets {REDACTED} "
+                     "for them, so a step that needs them does not replay as it ran")
+    return Prepared(work, root, index, incident, dict(position), world, body, cmd, lines)
+
+
+def replay(prepared: Prepared, *, timeout_s: float = 600.0, endpoint_url: str | None = None) -> ReplayReport:
+    """Replay a prepared bundle's failing step; the report says whether the failure came back and what differed."""
+    work, step = prepared.work, prepared.incident["step"]
+    source, how = _checkpoint(prepared.root, work, prepared.index, endpoint_url)
     results = work / "results"
     results.mkdir(exist_ok=True)
     plan = work / "replay.json"
     plan.write_text(json.dumps({"checkpoint": str(source), "step": step, "results": str(results)}))
-    cwd = Path(str(launch.get("cwd") or ""))
-    codes = _run(cmd, world, plan, work, cwd if cwd.is_dir() else root, timeout_s)
+    codes = _run(prepared.cmd, prepared.world, plan, work, timeout_s)
     found = []
     for path in sorted(results.glob("rank*.json")):
         found.append(json.loads(path.read_text()))
-    return _compare(incident, position, world, how, found, codes, work)
+    return _compare(prepared.incident, prepared.position, prepared.world, how, found, codes, work)
 
 
 def _compare(incident: Mapping[str, Any], position: Mapping[str, Any], world: int, how: str,

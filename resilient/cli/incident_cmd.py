@@ -58,12 +58,15 @@ def add_parser(commands: Any) -> None:
         description="Unpack the bundle, restore its checkpoint, run the bundled script with the run's arguments "
                     "on --ranks processes (the run's world size by default) up to and through the failing step, and "
                     "say whether the same exception came back at the same step, with the samples each read. "
-                    "Exit 0: reproduced; 1: not.")
+                    "It first prints the script's path and SHA-256 and runs nothing without --yes: a bundle's "
+                    "script is code, run as you. Exit 0: reproduced; 1: not; 2: not run.")
     rep.add_argument("bundle", type=Path, metavar="BUNDLE", help="the tarball `resilient incident bundle` wrote")
     rep.add_argument("--ranks", type=int, metavar="N", help="processes to replay on (default: the run's world size)")
     rep.add_argument("--workdir", type=Path, metavar="DIR", help="where to unpack and run (default: a new temp dir)")
     rep.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (600)")
     rep.add_argument("--endpoint-url", help="S3-compatible endpoint of a referenced s3:// checkpoint")
+    rep.add_argument("--yes", action="store_true",
+                     help="run the bundled script (read what it is first: the replay prints it without --yes)")
     rep.set_defaults(handler=cmd_replay)
 
 
@@ -124,14 +127,19 @@ def cmd_release(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from ..agent.incident_replay import replay
+    from ..agent.incident_replay import prepare, replay
     from ..core.errors import ConfigError
     from .checkpoint_cmd import resolve_endpoint
 
     if args.ranks is not None and args.ranks < 1:
         raise ConfigError(f"--ranks {args.ranks}: replay on at least one process")
-    report = replay(args.bundle, ranks=args.ranks, workdir=args.workdir, timeout_s=args.timeout,
-                    endpoint_url=resolve_endpoint(args.endpoint_url, os.environ))
+    prepared = prepare(args.bundle, ranks=args.ranks, workdir=args.workdir)
+    print("\n".join(prepared.lines))
+    if not args.yes:
+        print("not run: the bundle's script is code that runs as you. Read it (above), then run this again with "
+              "--yes", file=sys.stderr)
+        return 2
+    report = replay(prepared, timeout_s=args.timeout, endpoint_url=resolve_endpoint(args.endpoint_url, os.environ))
     print("\n".join(report.lines))
     print(f"work directory: {report.workdir}")
     return 0 if report.reproduced else 1
