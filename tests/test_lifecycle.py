@@ -12,8 +12,6 @@ only the last command of a move answers, and that a life ends only by
 from __future__ import annotations
 
 import dataclasses
-import re
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -24,9 +22,11 @@ from resilient.agent.incidents import Incident
 from resilient.agent.outcome import Outcome
 from resilient.agent.policy import Failure, History, RestartConfig
 from resilient.agent.rendezvous import Assignment
-from resilient.elastic.decide import Action, RecoveryDecision
 from resilient.core.events import EventKind, OutcomeKind
 from resilient.core.exitcodes import EXIT_CONFIG, EXIT_STOPPED, EXIT_UNHEALTHY, AgentVerdict
+from resilient.elastic.decide import Action, RecoveryDecision
+
+from .helpers import assert_diagram_is_the_code_s
 
 POLICY = RestartConfig(max_restarts=2, crash_loop_restarts=5)
 A = Assignment(node_rank=0, num_nodes=2, generation=3, master_addr="10.0.0.1", master_port=29500)
@@ -307,14 +307,4 @@ def _examples(command: type) -> list[lc.Event]:
 
 
 def test_the_diagram_in_the_architecture_is_the_code_s() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
-    found = re.search(r"## The agent's lifecycle\n.*?```mermaid\n(.*?)```", doc, re.DOTALL)
-    assert found, "docs/architecture.md has no section 'The agent's lifecycle' with a mermaid diagram"
-    names = {p.value: p for p in lc.Phase}
-    drawn = set()
-    for a, b in re.findall(r"^\s*(\S+)\s*-->\s*(\S+?)\s*(?::.*)?$", found.group(1), re.MULTILINE):
-        if a == "[*]" or b == "[*]":
-            continue
-        assert a in names and b in names, f"the diagram names a phase the code does not have: {a} --> {b}"
-        drawn.add((names[a], names[b]))
-    assert drawn == set(lc.EDGES), (sorted(set(lc.EDGES) - drawn, key=str), sorted(drawn - set(lc.EDGES), key=str))
+    assert_diagram_is_the_code_s("The agent's lifecycle", lc.Phase, lc.EDGES)
