@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from .launch import Finished, run_ranks
@@ -84,3 +87,20 @@ def assert_same_tree(x: object, y: object, where: str = "state") -> None:
             assert_same_tree(u, v, f"{where}[{i}]")
     else:
         assert x == y, f"{where}: {x!r} != {y!r}"
+
+
+def assert_diagram_is_the_code_s(section: str, phases: type[Enum], edges: Iterable[tuple[Enum, Enum]]) -> None:
+    """The mermaid diagram under ``## <section>`` of docs/architecture.md draws exactly ``edges`` between the
+    ``phases`` (named by their values), and no phase the code does not have."""
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    found = re.search(rf"## {re.escape(section)}\n.*?```mermaid\n(.*?)```", doc, re.DOTALL)
+    assert found, f"docs/architecture.md has no section {section!r} with a mermaid diagram"
+    names = {p.value: p for p in phases}
+    drawn = set()
+    for a, b in re.findall(r"^\s*(\S+)\s*-->\s*(\S+?)\s*(?::.*)?$", found.group(1), re.MULTILINE):
+        if a == "[*]" or b == "[*]":
+            continue
+        assert a in names and b in names, f"the diagram names a phase the code does not have: {a} --> {b}"
+        drawn.add((names[a], names[b]))
+    expected = set(edges)
+    assert drawn == expected, (sorted(expected - drawn, key=str), sorted(drawn - expected, key=str))

@@ -454,8 +454,9 @@ def test_a_worker_killed_while_the_agent_looks_is_a_failure_on_the_next_pass_nev
     tracker = RankTracker()
     settled: list[int] = []
     ctx = SimpleNamespace(config=SimpleNamespace(signalled_together_s=0.0, health_paths=()), clock=lambda: 0.0,
-                          tracker=tracker, inproc=None, slowness=None, interrupted=lambda: False,
-                          stop_requested=lambda: None, settle_heartbeats=lambda: settled.append(1))
+                          tracker=tracker, inproc=None, slowness=None,
+                          asked=SimpleNamespace(interrupted=lambda: False, stop_requested=lambda: None),
+                          settle_heartbeats=lambda: settled.append(1))
     peers = SimpleNamespace(verdict=None, quarantined=None, waiting=0, ended=False, stop=None, stop_request=None,
                             detectors=None)
     state = machine.WatchState(machine.Phase.RUNNING, next_health=1e9)

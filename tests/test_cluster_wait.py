@@ -29,9 +29,10 @@ from typing import Any
 from resilient.agent.cluster import ClusterStore
 from resilient.agent.cluster_flow import report_lost, start, tick
 from resilient.agent.config import AgentConfig
+from resilient.agent.decision import Restarts
 from resilient.agent.incidents import Incident
 from resilient.agent.inproc import InProcess
-from resilient.agent.policy import Failure
+from resilient.agent.policy import Failure, History, RestartConfig
 from resilient.agent.rendezvous import Assignment
 from resilient.coord.etcd import EtcdClient, EtcdConfig, EtcdControlStore
 from resilient.coord.keyspace import LaunchKeys
@@ -39,7 +40,7 @@ from resilient.coord.proof import SignedStore, sign
 from resilient.coord.watch import PrefixWatch
 from resilient.core.events import EventKind
 from resilient.core.supervised import ThreadReports
-from resilient.elastic.observe import FaultKind, RestartOutlook
+from resilient.elastic.observe import FaultKind
 from resilient.worker.protocol import Heartbeat
 
 from .agent_helpers import wait_for
@@ -96,8 +97,8 @@ class _Node:
         self.inp.changed = self.group.changed
         self.ctx = SimpleNamespace(
             config=config, inproc=self.inp, clock=time.monotonic, emit=self.emit, shared=None,
-            restart_outlook=lambda failure: RestartOutlook(allowed=True, reason="restart 1 of 3"),
-            record_incident=lambda incident: None)
+            generations=SimpleNamespace(restarts=lambda: Restarts(History(), RestartConfig())),
+            books=SimpleNamespace(record_incident=lambda incident: None))
         self.a = Assignment(node_rank=node_rank, num_nodes=2, generation=GENERATION, master_addr="127.0.0.1",
                             master_port=0, members=("n0", "n1"))
         self.passes: list[float] = []

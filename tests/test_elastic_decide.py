@@ -18,18 +18,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resilient.agent.policy import Action as RestartAction
-from resilient.agent.policy import Failure, History, RestartConfig, RestartDecision, decide_restart
+from resilient.agent.decision import LadderCase, Restarts, decide
+from resilient.agent.policy import Failure, History, RestartConfig
 from resilient.elastic.costs import RecoveryCosts, shrink_or_wait
-from resilient.elastic.decide import Action, LadderConfig, Promotion, RecoveryDecision, decide_recovery
+from resilient.elastic.decide import Action, LadderConfig, Promotion, RecoveryDecision
 from resilient.elastic.grow import GrowAction, decide_grow
-from resilient.elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
+from resilient.elastic.observe import Fault, FaultKind, Membership, Observation, Spare
 from resilient.core.errors import ConfigError
 
 NOW = 1000.0
-RESTART_OK = RestartOutlook(allowed=True, reason="restart 1 of 3 now after: rank 1 failed")
 CFG = LadderConfig()
 COSTS = RecoveryCosts()
+FAILURE = Failure(kind="exit", time=NOW, rank=1, exit_code=1, step=57)
+FRESH = Restarts(History(), RestartConfig())
+"""No restart used yet: the policy allows one now."""
+FRESH_SAYS = ("restart 1 of 3 now after: rank 1 failed with exit 1 at step 57; no commit reported yet (the workers "
+              "restore the newest that verifies, if any)")
+"""The restart policy's reason under FRESH, which follows the ladder's in a restart's."""
+REFUSED = Restarts(History(restarts_used=3), RestartConfig(max_restarts=3))
+"""The budget is spent: the policy stops."""
+
+
+def decide_recovery(obs: Observation, costs: RecoveryCosts, cfg: LadderConfig, now: float, *,
+                    restarts: Restarts = FRESH, failure: Failure = FAILURE) -> RecoveryDecision:
+    """The one decision on a failure with the ladder on offer, as the agent takes it."""
+    return decide(failure, restarts, now, ladder=LadderCase(obs, costs, cfg))
 
 
 def members(world: int = 4, *, min_size: int = 2, max_size: int | None = None, full: int | None = None,
@@ -47,7 +60,7 @@ def spare(sid: str, node: str = "s-node", *, ready_since: float = 0.0, **kw: obj
 
 
 def observe(fault: Fault, m: Membership | None = None, *, spares: tuple[Spare, ...] = (), step: int = 56,
-            restart: RestartOutlook = RESTART_OK, **kw: object) -> Observation:
+            **kw: object) -> Observation:
     """All survivors alive, opted in and agreeing on ``step`` unless told otherwise."""
     m = m or members()
     lost = set(fault.ranks) | ({r for r, n in enumerate(m.rank_nodes) if n in fault.nodes}
@@ -56,17 +69,11 @@ def observe(fault: Fault, m: Membership | None = None, *, spares: tuple[Spare, .
         "survivor_steps": {r: step for r in range(m.world_size) if r not in lost}, "opted_in": True,
     }
     fields.update(kw)
-    return Observation(fault=fault, membership=m, restart=restart, spares=spares, **fields)  # type: ignore[arg-type]
+    return Observation(fault=fault, membership=m, spares=spares, **fields)  # type: ignore[arg-type]
 
 
 def crash(*ranks: int, step: int = 57, **kw: object) -> Fault:
     return Fault(kind=FaultKind.CRASH, step=step, ranks=frozenset(ranks), **kw)  # type: ignore[arg-type]
-
-
-def outlook(d: RestartDecision) -> RestartOutlook:
-    """How the agent hands decide_restart's outcome to the ladder."""
-    return RestartOutlook(allowed=d.action is RestartAction.RESTART, reason=d.reason, delay_s=d.delay_s,
-                          verdict=d.verdict)
 
 
 # --- the exit-code contract ------------------------------------------------------------------------------
@@ -190,7 +197,7 @@ def test_no_shrink_below_min_or_to_an_infeasible_size(m: Membership, why: str) -
     d = decide_recovery(observe(crash(3), m), COSTS, CFG, NOW)
     assert (d.action, d.world_size, d.dropped_ranks) == (Action.RESTART, 4, ())
     assert d.reason == (f"rank 3 failed at step 57; no ready spare for rank 3 and {why}; the repair time is "
-                        "unknown, so no wait; restart 1 of 3 now after: rank 1 failed")
+                        f"unknown, so no wait; {FRESH_SAYS}")
 
 
 def test_without_a_shrink_a_lost_node_is_waited_for_and_a_crash_restarts() -> None:
@@ -238,7 +245,7 @@ def test_in_process_blockers_fall_back_to_restart(fault: Fault, kw: dict[str, ob
         assert d.action is Action.PROMOTE_SPARE  # 2 failed recoveries of 3 allowed: still in-process
         return
     assert (d.action, d.promotions, d.world_size) == (Action.RESTART, (), 4)
-    assert d.reason == f"in-process recovery impossible: {blocker}; restart 1 of 3 now after: rank 1 failed"
+    assert d.reason == f"in-process recovery impossible: {blocker}; {FRESH_SAYS}"
 
 
 HSDP = ((0, 2), (1, 3))
@@ -263,8 +270,8 @@ def test_a_shard_without_a_surviving_replica_restarts_from_the_newest_commit(
     d = decide_recovery(observe(crash(*lost), spares=(spare("s1"), spare("s2")), replicas=replicas), COSTS, CFG, NOW)
     assert (d.action, d.promotions) == (Action.RESTART, ())
     assert d.reason == (f"in-process recovery impossible: no survivor holds a copy of the sharded state of {why}, so "
-                        "only a restart restores it (from the node's memory tier, else the newest commit); restart 1 "
-                        "of 3 now after: rank 1 failed")
+                        "only a restart restores it (from the node's memory tier, else the newest commit); "
+                        f"{FRESH_SAYS}")
 
 
 def test_sharded_state_never_shrinks() -> None:
@@ -283,18 +290,17 @@ def test_an_unhealthy_node_whose_ranks_died_is_replaced_in_process() -> None:
 
 
 def test_the_restart_policys_backoff_and_refusal_are_kept() -> None:
-    failure = Failure(kind="exit", time=NOW, rank=1, exit_code=1, step=57)
-    later = outlook(decide_restart(failure, History(restarts_since_progress=1), RestartConfig(backoff_initial_s=2.0),
-                                   NOW))
-    d = decide_recovery(observe(crash(1), opted_in=False, restart=later), COSTS, CFG, NOW)
-    assert (d.action, d.not_before, d.numbers["delay_s"]) == (Action.RESTART, NOW + 4.0, 4.0)
-    refused = outlook(decide_restart(failure, History(restarts_used=3), RestartConfig(max_restarts=3), NOW))
-    d = decide_recovery(observe(crash(1), opted_in=False, restart=refused), COSTS, CFG, NOW)
+    later = Restarts(History(restarts_since_progress=1), RestartConfig(backoff_initial_s=2.0))
+    d = decide_recovery(observe(crash(1), opted_in=False), COSTS, CFG, NOW, restarts=later)
+    assert (d.action, d.not_before, d.numbers["delay_s"], d.delay_s) == (Action.RESTART, NOW + 4.0, 4.0, 4.0)
+    assert d.reason.startswith("in-process recovery impossible: the script did not opt in")
+    assert "; restart 1 of 3 in 4.0 s after: rank 1 failed with exit 1 at step 57" in d.reason
+    d = decide_recovery(observe(crash(1), opted_in=False), COSTS, CFG, NOW, restarts=REFUSED)
     assert (d.action, d.verdict) == (Action.STOP, "budget_exhausted")
     assert d.reason.startswith("stop: in-process recovery impossible: the script did not opt in")
     assert "; and restart budget exhausted: 3 of max_restarts=3 used by the whole launch" in d.reason
     # The same refusal stops a run whose shrink is not allowed, rather than looping.
-    d = decide_recovery(observe(crash(3), members(4, min_size=4), restart=refused), COSTS, CFG, NOW)
+    d = decide_recovery(observe(crash(3), members(4, min_size=4)), COSTS, CFG, NOW, restarts=REFUSED)
     assert (d.action, d.verdict) == (Action.STOP, "budget_exhausted")
 
 
@@ -376,10 +382,7 @@ def observations(draw: st.DrawFn) -> Observation:
     else:
         fault = Fault(kind=kind, step=9, ranks=ranks, nodes=frozenset({draw(st.sampled_from(nodes))}),
                       exit_codes=codes)
-    refused = draw(st.booleans())
-    restart = (RestartOutlook(allowed=False, reason="restart budget exhausted", verdict="budget_exhausted")
-               if refused else RESTART_OK)
-    return observe(fault, m, spares=tuple(draw(spares_st)), restart=restart, opted_in=draw(st.booleans()),
+    return observe(fault, m, spares=tuple(draw(spares_st)), opted_in=draw(st.booleans()),
                    inproc_failures=draw(st.integers(0, 2)),
                    waiting_since=draw(st.one_of(st.none(), st.floats(NOW - 400, NOW))))
 
@@ -389,18 +392,18 @@ costs_st = st.builds(RecoveryCosts, repair_s=st.one_of(st.none(), st.floats(0, 1
 
 
 @settings(max_examples=400, deadline=None)
-@given(obs=observations(), costs=costs_st)
-def test_invariants_of_every_decision(obs: Observation, costs: RecoveryCosts) -> None:
-    d = decide_recovery(obs, costs, CFG, NOW)
+@given(obs=observations(), costs=costs_st, refused=st.booleans())
+def test_invariants_of_every_decision(obs: Observation, costs: RecoveryCosts, refused: bool) -> None:
+    d = decide_recovery(obs, costs, CFG, NOW, restarts=REFUSED if refused else FRESH)
     m = obs.membership
     assert d.reason and "\n" not in d.reason
     json.dumps(d.to_event(), allow_nan=False)
     if obs.fault.exit_codes & {78, 79}:
         assert (d.action, d.verdict) == (Action.STOP, "do_not_restart")
     if not obs.opted_in:
-        stops = bool(obs.fault.exit_codes & {78, 79}) or not obs.restart.allowed
+        stops = bool(obs.fault.exit_codes & {78, 79}) or refused
         assert d.action is (Action.STOP if stops else Action.RESTART)
-    if not obs.restart.allowed:
+    if refused:
         assert d.action is not Action.RESTART
     chosen = [p.spare for p in d.promotions]
     assert len(chosen) == len(set(chosen)), "a spare was named twice"
@@ -494,7 +497,6 @@ def test_bad_config_is_named(make, words: str) -> None:  # type: ignore[no-untyp
         (lambda: Fault(kind=FaultKind.COLLECTIVE_ERROR, step=1, ranks=frozenset({1})), "every rank is alive"),
         (lambda: Fault(kind=FaultKind.CRASH, step=1), "a crash Fault needs the ranks that failed"),
         (lambda: members(4, min_size=5, full=4), "1 <= min_size <= full_size <= max_size"),
-        (lambda: RestartOutlook(allowed=False, reason="no"), "needs its verdict"),
     ],
 )
 def test_inconsistent_observations_are_named(make, words: str) -> None:  # type: ignore[no-untyped-def]

@@ -11,8 +11,7 @@ only the last command of a move answers, and that a life ends only by
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
+import dataclasses
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +24,9 @@ from resilient.agent.policy import Failure, History, RestartConfig
 from resilient.agent.rendezvous import Assignment
 from resilient.core.events import EventKind, OutcomeKind
 from resilient.core.exitcodes import EXIT_CONFIG, EXIT_STOPPED, EXIT_UNHEALTHY, AgentVerdict
+from resilient.elastic.decide import Action, RecoveryDecision
+
+from .helpers import assert_diagram_is_the_code_s
 
 POLICY = RestartConfig(max_restarts=2, crash_loop_restarts=5)
 A = Assignment(node_rank=0, num_nodes=2, generation=3, master_addr="10.0.0.1", master_port=29500)
@@ -38,6 +40,14 @@ def incident(kind: str = "exit") -> Incident:
 def failed(exit_code: int = 1) -> Outcome:
     return Outcome(OutcomeKind.FAILED, "rank 0 failed", failure=Failure(kind="exit", time=1.0, rank=0, exit_code=exit_code),
                    incident=incident())
+
+
+def decided(action: Action, **kw: object) -> Outcome:
+    """A failed generation whose failure the ladder already decided (restart or stop) while it ran."""
+    verdict = kw.pop("verdict", None)
+    decision = RecoveryDecision(action=action, reason=f"ladder: {action.value}", step=7, world_size=4, not_before=50.0,
+                                verdict=verdict, **kw)  # type: ignore[arg-type]
+    return dataclasses.replace(failed(), decision=decision)
 
 
 def walk(life: lc.Life, *events: lc.Event) -> lc.Move:
@@ -155,6 +165,30 @@ def test_a_worker_that_says_do_not_restart_me_gives_the_agent_its_exit_code() ->
     assert finish.ending.verdict is AgentVerdict.DO_NOT_RESTART and finish.ending.code == 79
 
 
+def test_a_peer_s_do_not_restart_code_stops_the_run_though_the_incident_is_about_another_rank() -> None:
+    deciding = lc.Life(lc.Phase.DECIDING, spare=False, policy=POLICY, generation=3)
+    outcome = dataclasses.replace(failed(exit_code=1), exit_codes=(1, 78))
+    finish = lc.next_move(deciding, lc.HistoryRead(outcome, History(), 100.0)).commands[-1]
+    assert isinstance(finish, lc.Finish)
+    assert (finish.ending.verdict, finish.ending.code) == (AgentVerdict.DO_NOT_RESTART, 78)
+
+
+def test_a_decision_the_generation_took_is_carried_out_as_it_is_without_a_second() -> None:
+    """The ladder's restart (with its delay) or stop is the one decision: no history read, no policy asked again."""
+    running = lc.Life(lc.Phase.RUNNING, spare=False, policy=POLICY, generation=3)
+    outcome = decided(Action.RESTART, numbers={"delay_s": 2.0})
+    move = lc.next_move(running, lc.GenerationEnded(outcome, 3))
+    assert move.commands == (lc.RecordFailure(outcome, outcome.decision), lc.Restart(outcome, outcome.decision, 3),
+                             lc.Check())
+    assert move.life.phase is lc.Phase.CHECKING and outcome.decision is not None and outcome.decision.delay_s == 2.0
+    stop = decided(Action.STOP, verdict="do_not_restart", exit_code=78)
+    record, publish, finish = lc.next_move(running, lc.GenerationEnded(stop, 3)).commands
+    assert isinstance(publish, lc.PublishVerdict) and publish.ending.verdict is AgentVerdict.DO_NOT_RESTART
+    assert finish == lc.Finish(lc.Ending(78, AgentVerdict.DO_NOT_RESTART, "ladder: stop"), 3)
+    with pytest.raises(ValueError, match="restarted or stopped, not shrink"):
+        lc.next_move(running, lc.GenerationEnded(decided(Action.SHRINK), 3))
+
+
 @pytest.mark.parametrize(("kind", "ending", "from_launch"), [
     (OutcomeKind.SUCCEEDED, lc.Ending(0, AgentVerdict.SUCCEEDED, "why"), False),
     (OutcomeKind.PREEMPTED, lc.Ending(75, AgentVerdict.PREEMPTED, "why"), False),
@@ -201,6 +235,7 @@ OUTCOMES = st.sampled_from([
     Outcome(OutcomeKind.INTERRUPTED, "int"), Outcome(OutcomeKind.VERDICT, "n1"),
     Outcome(OutcomeKind.UNHEALTHY, "disk", incident=incident("unhealthy")),
     Outcome(OutcomeKind.QUARANTINED, "q"), Outcome(OutcomeKind.MEMBERSHIP, "grew"), failed(), failed(79),
+    decided(Action.RESTART, numbers={"delay_s": 2.0}), decided(Action.STOP, verdict="crash_loop"),
     Outcome(OutcomeKind.FAILED, "n1 lost", takes_place_of="n1"),
 ])
 VERDICT = {"exit_code": 80, "verdict": "crash_loop", "reason": "loop"}
@@ -272,14 +307,4 @@ def _examples(command: type) -> list[lc.Event]:
 
 
 def test_the_diagram_in_the_architecture_is_the_code_s() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
-    found = re.search(r"## The agent's lifecycle\n.*?```mermaid\n(.*?)```", doc, re.DOTALL)
-    assert found, "docs/architecture.md has no section 'The agent's lifecycle' with a mermaid diagram"
-    names = {p.value: p for p in lc.Phase}
-    drawn = set()
-    for a, b in re.findall(r"^\s*(\S+)\s*-->\s*(\S+?)\s*(?::.*)?$", found.group(1), re.MULTILINE):
-        if a == "[*]" or b == "[*]":
-            continue
-        assert a in names and b in names, f"the diagram names a phase the code does not have: {a} --> {b}"
-        drawn.add((names[a], names[b]))
-    assert drawn == set(lc.EDGES), (sorted(set(lc.EDGES) - drawn, key=str), sorted(drawn - set(lc.EDGES), key=str))
+    assert_diagram_is_the_code_s("The agent's lifecycle", lc.Phase, lc.EDGES)

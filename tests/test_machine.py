@@ -11,10 +11,8 @@ exactly ``EDGES``.
 
 from __future__ import annotations
 
-import re
 import signal
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,6 +50,8 @@ from resilient.agent.rendezvous import Assignment
 from resilient.elastic.observe import FaultKind
 from resilient.core.events import OutcomeKind
 from resilient.watchdog.sections import RankView, SectionTimeouts
+
+from .helpers import assert_diagram_is_the_code_s
 
 GiB = 1 << 30
 CFG = Settings(preempt_grace_s=30.0, health_interval_s=10.0, health=HealthConfig(),
@@ -272,14 +272,4 @@ def test_every_pass_changes_phase_only_along_an_edge(state: WatchState, observed
 
 
 def test_the_diagram_in_the_architecture_is_the_code_s() -> None:
-    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
-    found = re.search(r"## The generation's state machine\n.*?```mermaid\n(.*?)```", doc, re.DOTALL)
-    assert found, "docs/architecture.md has no section 'The generation's state machine' with a mermaid diagram"
-    names = {p.value: p for p in Phase}
-    drawn = set()
-    for a, b in re.findall(r"^\s*(\S+)\s*-->\s*(\S+?)\s*(?::.*)?$", found.group(1), re.MULTILINE):
-        if a == "[*]" or b == "[*]":
-            continue
-        assert a in names and b in names, f"the diagram names a phase the code does not have: {a} --> {b}"
-        drawn.add((names[a], names[b]))
-    assert drawn == set(EDGES), (sorted(set(EDGES) - drawn, key=str), sorted(drawn - set(EDGES), key=str))
+    assert_diagram_is_the_code_s("The generation's state machine", Phase, EDGES)

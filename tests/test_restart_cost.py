@@ -17,7 +17,7 @@ from resilient.agent.config import AgentConfig
 from resilient.agent.inproc import RESTART_COST_EVERY_S, InProcess
 from resilient.elastic.costs import RecoveryCosts
 from resilient.elastic.decide import Action, LadderConfig, decide_recovery
-from resilient.elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook
+from resilient.elastic.observe import Fault, FaultKind, Membership, Observation
 from resilient.metrics.ledger import LedgerConfig
 
 
@@ -97,7 +97,6 @@ def test_a_cheap_measured_restart_beats_holding_for_a_warming_spare() -> None:
     membership = Membership(rank_nodes=("a", "a", "b", "b"), min_size=4, max_size=4, full_size=4,
                             feasible_world_sizes=frozenset({4}))
     obs = Observation(fault=Fault(kind=FaultKind.CRASH, step=57, ranks=frozenset({3})), membership=membership,
-                      restart=RestartOutlook(allowed=True, reason="restart 1 of 3"),
                       survivor_steps={0: 56, 1: 56, 2: 56}, opted_in=True)
     held = decide_recovery(obs, RecoveryCosts(repair_s=3.0), LadderConfig(), 1000.0)
     assert held.action is Action.WAIT_FOR_REPAIR, held.reason

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from resilient.agent.decision import Restarts, decide
 from resilient.agent.policy import (
     Action,
     Failure,
@@ -33,6 +34,7 @@ from resilient.core.exitcodes import (
     describe_exit,
     exit_code_for,
 )
+from resilient.elastic.decide import Action as DecisionAction
 
 from .agent_helpers import events, start_agent
 
@@ -95,12 +97,31 @@ def test_backoff_grows_without_progress_and_is_capped() -> None:
 
 
 def test_do_not_restart_exit_codes_stop_even_with_budget_left() -> None:
+    """The exit-code contract is the one decision's first check, before the restart policy's rungs."""
     bad_config = Failure(kind="exit", time=1.0, rank=0, exit_code=78, section="init", step=0)
-    d = decide_restart(bad_config, History(), RestartConfig(), now=1.0)
-    assert (d.action, d.verdict) == (Action.STOP, "do_not_restart")
+    d = decide(bad_config, Restarts(History(), RestartConfig()), now=1.0, world_size=2)
+    assert (d.action, d.verdict, d.exit_code, d.world_size) == (DecisionAction.STOP, "do_not_restart", 78, 2)
     assert d.reason.startswith(
-        "not restarting: rank 0 failed with exit 78 (configuration error: not restarted) in section 'init' at step 0"
+        "stop: rank 0 failed with exit 78 (configuration error: not restarted) in section 'init' at step 0; exit 78 "
+        "says by the exit-code contract that no recovery can help"
     )
+    # Another failed rank's code counts as well: the failure an incident is about may be a peer's plain crash.
+    d = decide(CRASH, Restarts(History(), RestartConfig()), now=1.0, exit_codes=(1, 79))
+    assert (d.action, d.verdict, d.exit_code) == (DecisionAction.STOP, "do_not_restart", 79)
+    # Checked there only: the policy's own rungs know nothing of the contract.
+    assert decide_restart(bad_config, History(), RestartConfig(), now=1.0).action is Action.RESTART
+
+
+def test_the_decision_without_the_ladder_is_the_policys() -> None:
+    """No in-process recovery on offer: the decision is the restart policy's, its reason and delay unchanged."""
+    history, cfg = History(restarts_used=1, restarts_since_progress=1), RestartConfig(backoff_initial_s=2.0)
+    policy = decide_restart(CRASH, history, cfg, now=5.0)
+    d = decide(CRASH, Restarts(history, cfg), now=5.0)
+    assert (d.action, d.reason, d.delay_s, d.not_before, d.verdict) == \
+        (DecisionAction.RESTART, policy.reason, 4.0, 9.0, None)
+    spent = decide(CRASH, Restarts(History(restarts_used=3), RestartConfig(max_restarts=3)), now=5.0)
+    assert (spent.action, spent.verdict) == (DecisionAction.STOP, "budget_exhausted")
+    assert spent.reason.startswith("restart budget exhausted: 3 of max_restarts=3 used")
 
 
 def test_budget_is_global_across_two_agents_on_a_real_etcd(tmp_path, etcd_server, etcd_run_id) -> None:

@@ -11,9 +11,11 @@ waits, closing, timeouts, the load at rest) runs against a real etcd.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from resilient.agent.rendezvous import EtcdRendezvous, RendezvousTimeouts
+from resilient.agent.rendezvous import MASTER_PORTS_FROM, EtcdRendezvous, RendezvousTimeouts, ephemeral_ports, free_port
 from resilient.coord.etcd import EtcdClient, EtcdConfig
 from resilient.coord.proof import Seal
 from resilient.coord.rounds import (
@@ -546,3 +548,21 @@ def test_a_node_whose_lease_expired_unnoticed_joins_on_a_new_one(cluster_factory
     assert {x.num_nodes for x in second} == {2} and c.renewed == ["b"]
     joined = c.clients["b"].get(RoundKeys(c.space).join(1, "b"))
     assert joined is None or joined.lease == c.leases["b"]
+
+
+def test_the_master_port_is_chosen_below_the_kernels_ephemeral_range(tmp_path: Path) -> None:
+    """A port from the ephemeral range can be handed to any process's outgoing connection before the rank-0 worker
+    binds it; one below it only to an explicit bind.  A taken candidate is passed over."""
+    low, high = ephemeral_ports()
+    assert low > MASTER_PORTS_FROM, (low, high)
+    ports = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(MASTER_PORTS_FROM <= p < low for p in ports), sorted(ports)
+    assert len(ports) > 1, "the same port every time: two agents on one host would collide"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port("127.0.0.1")))
+        busy = taken.getsockname()[1]
+        assert all(free_port("127.0.0.1") != busy for _ in range(50))
+    custom = tmp_path / "range"
+    custom.write_text("40000\t50000\n")
+    assert ephemeral_ports(str(custom)) == (40000, 50000)
+    assert ephemeral_ports(str(tmp_path / "absent")) == (32768, 60999)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from resilient.elastic.costs import RecoveryCosts
 from resilient.elastic.decide import Action, LadderConfig, decide_recovery
 from resilient.elastic.mesh_rebind import ShardLayout
-from resilient.elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
+from resilient.elastic.observe import Fault, FaultKind, Membership, Observation, Spare
 from resilient.elastic.shard_sync import shard_sources
 from resilient.elastic.state_sync import StateSyncError, decide_source
 
@@ -47,7 +47,7 @@ def faults(draw: st.DrawFn) -> tuple[Observation, dict[int, str]]:
         fault=fault,
         membership=Membership(rank_nodes=("n0",) * world, min_size=min_size, max_size=world, full_size=world,
                               feasible_world_sizes=frozenset(range(1, world + 1))),
-        restart=RestartOutlook(allowed=True, reason="restart 1 of 3"), spares=spares,
+        spares=spares,
         survivor_steps={r: STEP for r in range(world) if r not in lost},
         dirty=frozenset(r for r in range(world) if r not in lost and positions[r] != "before"),
         opted_in=True, replicas=((0, 2), (1, 3)) if sharded else None,
@@ -116,7 +116,6 @@ def test_the_ladder_says_why_a_dirty_survivor_sends_the_run_to_its_newest_commit
         fault=Fault(kind=FaultKind.CRASH, step=4, ranks=frozenset({1}), exit_codes=frozenset({137})),
         membership=Membership(rank_nodes=("n0", "n0"), min_size=1, max_size=2, full_size=2,
                               feasible_world_sizes=frozenset({1, 2})),
-        restart=RestartOutlook(allowed=True, reason="restart 1 of 3 now"),
         spares=[Spare(id="s2", node="n0", ready_since=0.0)], survivor_steps={0: 4}, dirty=frozenset({0}),
         opted_in=True,
     )

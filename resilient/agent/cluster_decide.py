@@ -2,8 +2,9 @@
 
 Taken over what every node published: the members, who waits, who was
 lost, who fell silent (presumed lost with their node once the settle time
-passed), the pool's spares and the batch plan.  The ladder is the same pure
-:func:`~resilient.elastic.decide.decide_recovery` as on one machine.
+passed), the pool's spares and the batch plan.  The decision is the same
+one as on one machine (:func:`resilient.agent.decision.decide`: the
+exit-code contract, the ladder, the restart policy).
 
 The collector asks the ladder first without claiming anything: while it
 holds for a repair, the collector asks again on every pass of its watch
@@ -29,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 from ..coord import claims
 from ..coord.store import ControlStoreError
 from ..elastic.batch import feasible_world_sizes
-from ..elastic.decide import Action, RecoveryDecision, decide_recovery
+from ..elastic.decide import Action, RecoveryDecision
 from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
 from .cluster import GenerationView, Involvement, PoolEntry, folded_at_step
+from .decision import Restarts
 from .incidents import Incident
 from .inproc import FOLDED_PER_STEP
 from .inproc_state import clean_position
@@ -71,9 +73,9 @@ def decide(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: Inv
             return (f"ranks {alive} on live nodes neither left the failed group of generation {a.generation} nor "
                     f"failed within {ctx.config.recovery_timeout_s:g} s")
     failed = _failed(ctx, view, inv, now, members, missing)
-    _, obs = observation(ctx, view, members, failed.fault, failed.outlook, failed.survivor_steps,
-                         cs.store.live_nodes(), now, inv.wait_since, failed.dirty)
-    ahead = inp.decide_cluster(obs)  # asked holding nothing: a hold writes nothing
+    _, obs = observation(ctx, view, members, failed.fault, failed.survivor_steps, cs.store.live_nodes(), now,
+                         inv.wait_since, failed.dirty)
+    ahead = inp.decide_cluster(failed.failure, failed.restarts, obs)  # asked holding nothing: a hold writes nothing
     if ahead.action is Action.WAIT_FOR_REPAIR:
         inp.report_cluster(ahead, obs)
         if inv.wait_since is None:
@@ -101,8 +103,10 @@ class _Failed:
     """The newest step any member reached (the one whose attempt failed)."""
     detail: str
     fault: Fault
-    outlook: Any
-    """What the restart policy says about this failure now (the ladder's lower rungs)."""
+    failure: Failure
+    """This node's view of it (its own member's failure, else its collectives failed or a node went silent)."""
+    restarts: Restarts
+    """The run's restart history when the failure was read, for the restart policy's rungs."""
     survivor_steps: dict[int, int]
     """Each survivor's last completed step (members without state take the newest)."""
     dirty: frozenset[int]
@@ -141,8 +145,8 @@ def _failed(ctx: GenerationContext, view: GenerationView, inv: Involvement, now:
     # This node's own view when none of its members died: its collectives failed (or a node went silent).
     failure = inv.failure or Failure(kind="node_lost" if kind is FaultKind.NODE_LOST else "collective", time=now,
                                      node=", ".join(sorted(silent)) or ctx.config.node_id, step=step, detail=detail)
-    assert ctx.restart_outlook is not None
-    return _Failed(kind=kind, step=step, detail=detail, fault=fault, outlook=ctx.restart_outlook(failure),
+    return _Failed(kind=kind, step=step, detail=detail, fault=fault, failure=failure,
+                   restarts=ctx.generations.restarts(),
                    survivor_steps={r: s for r, s in steps.items() if r not in lost}, dirty=dirty - lost)
 
 
@@ -158,9 +162,9 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
     kind, step, detail = failed.kind, failed.step, failed.detail
     live = cs.store.live_nodes()
     for _ in range(3):
-        pool, obs = observation(ctx, view, members, failed.fault, failed.outlook, failed.survivor_steps, live, now,
+        pool, obs = observation(ctx, view, members, failed.fault, failed.survivor_steps, live, now,
                                 inv.wait_since, failed.dirty)
-        decision = inp.decide_cluster(obs)
+        decision = inp.decide_cluster(failed.failure, failed.restarts, obs)
         inp.report_cluster(decision, obs)
         if decision.action is Action.WAIT_FOR_REPAIR:
             if inv.wait_since is None:
@@ -201,8 +205,7 @@ def _decided(ctx: GenerationContext, a: Assignment, view: GenerationView, inv: I
             continue  # a spare was taken or left meanwhile: decide again over the pool as it is now
         if not _committed(outcome, cs, held):
             return None
-        assert ctx.record_incident is not None
-        ctx.record_incident(incident)
+        ctx.books.record_incident(incident)
         return body
     cs.store.release_claim(held)
     return None
@@ -219,7 +222,7 @@ def _committed(outcome: claims.Outcome, cs: Any, held: claims.Claim) -> bool:
 
 
 def observation(ctx: GenerationContext, view: GenerationView, members: dict[int, tuple[str, str]], fault: Fault,
-                outlook: Any, survivor_steps: dict[int, int], live: set[str], now: float,
+                survivor_steps: dict[int, int], live: set[str], now: float,
                 waiting_since: float | None, dirty: frozenset[int] = frozenset()) -> tuple[list[PoolEntry], Observation]:
     """What the ladder decides over across machines: every node's members and opt-in, the pool's spares on live
     nodes (read now), the batch plan; with the pool entries the spares came from."""
@@ -230,8 +233,8 @@ def observation(ctx: GenerationContext, view: GenerationView, members: dict[int,
                     claimed=s.claimed is not None) for s in pool]
     opted = all(n.get("opted_in") for n in view.nodes.values()) and ctx.config.in_process
     replicas = next((n["replicas"] for n in view.nodes.values() if n.get("replicas") is not None), None)
-    return pool, Observation(fault=fault, membership=membership_of(ctx, view, members), restart=outlook,
-                             spares=spares, survivor_steps=survivor_steps, opted_in=opted, dirty=dirty,
+    return pool, Observation(fault=fault, membership=membership_of(ctx, view, members), spares=spares,
+                             survivor_steps=survivor_steps, opted_in=opted, dirty=dirty,
                              declined=ctx.inproc.declined, inproc_failures=inproc_failures(ctx, fault.step),
                              waiting_since=waiting_since, replicas=replicas)
 
@@ -253,14 +256,14 @@ def preview(ctx: GenerationContext, a: Assignment, lost: dict[int, str], kind: F
     is out).  Every survivor is taken to agree on ``failure.step``: the other nodes' steps are theirs to report
     when a rank is lost, and the decision checks them."""
     inp = ctx.inproc
-    assert inp is not None and inp.cluster is not None and ctx.restart_outlook is not None
+    assert inp is not None and inp.cluster is not None
     view = inp.cluster.store.view(a.generation)
     members = view.members()
     step = failure.step or 0
     fault = Fault(kind=kind, step=step, ranks=frozenset(lost), detail=failure.describe())
-    _, obs = observation(ctx, view, members, fault, ctx.restart_outlook(failure),
+    _, obs = observation(ctx, view, members, fault,
                          {r: step for r in members if r not in lost}, inp.cluster.store.live_nodes(), ctx.clock(), None)
-    return decide_recovery(obs, inp.costs(), inp.ladder, ctx.clock()), len(members), obs.opted_in
+    return inp.decide_cluster(failure, ctx.generations.restarts(), obs), len(members), obs.opted_in
 
 
 def describe(view: GenerationView, missing: dict[int, tuple[str, str]], silent: frozenset[str], kind: FaultKind,

@@ -8,11 +8,13 @@ sends the decisions of a run across machines to :mod:`resilient.agent.cluster_fl
   promotion, to keep ``--spares`` warm processes (each on a heartbeat socket
   slot no live process uses);
 * :func:`continue_locally` when members were lost (exited, or a hung rank the
-  agent killed): it asks the ladder (:class:`~resilient.agent.inproc.InProcess`)
-  and either carries out a promotion or a shrink, records the incident with
-  that decision and returns the generation's new :class:`Assignment`, or
-  returns None: the generation ends as a failure and the restart path runs
-  as it always has;
+  agent killed): it takes the one decision on the failure
+  (:func:`resilient.agent.decision.decide`, through
+  :class:`~resilient.agent.inproc.InProcess`) and either carries out a
+  promotion or a shrink, records the incident with that decision and returns
+  the generation's new :class:`Assignment`, or returns the decision to
+  restart or stop: the generation ends as a failure and the lifecycle carries
+  that decision out;
 * :func:`follow_locally` on every tick: spares that exited, the members' progress
   through a recovery under way (every member ``rejoined``: the recovery is
   complete; a deadline passed: a failure), a hold for a spare
@@ -34,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.events import EventKind
 from ..elastic.decide import Action, RecoveryDecision
-from ..elastic.observe import FaultKind, RestartOutlook
+from ..elastic.observe import FaultKind
 from ..worker import standby
 from .inproc import ACTING
 from .inproc_grow import carry_out_grow, consider_grow
@@ -100,8 +102,8 @@ def continue_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, 
                      hold: Hold | None = None) -> Assignment | Hold | RecoveryDecision | None:
     """:func:`~resilient.agent.recover.continue_after` on one machine (its answers, or None when no member
     survives): the survivors settle, the ladder decides, and a rung that acts is carried out here."""
-    inp, outlook_of, next_generation, record = ctx.inproc, ctx.restart_outlook, ctx.next_generation, ctx.record_incident
-    assert inp is not None and outlook_of is not None and next_generation is not None and record is not None
+    inp = ctx.inproc
+    assert inp is not None
     # Members that died since the failure was read (ranks lost together, a moment apart) are lost with it: a dead
     # member is no survivor, whose last heartbeat would be taken for its step.
     gone = {r: (w.worker_id, w.exit.returncode) for r, w in group.workers.items()
@@ -131,9 +133,8 @@ def continue_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, 
     step = max([*survivors.values(), *([failure.step] if failure.step is not None else [])], default=0)
     if survivors:  # members without state have nothing to agree on: they take the source's, as replacements do
         survivors.update({r: max(survivors.values()) for r in stateless})
-    outlook = outlook_of(failure)
     dirty = inp.dirty_ranks(a.generation, left)  # a member without state is never a source either
-    decision = inp.decide(group, lost, kind, step, exit_codes, outlook, survivors, failure.describe(),
+    decision = inp.decide(group, lost, kind, step, exit_codes, failure, ctx.generations.restarts(), survivors,
                           waiting_since=hold.since if hold is not None else None, dirty=dirty)
     if decision.action is Action.WAIT_FOR_REPAIR:
         if hold is None:
@@ -141,10 +142,10 @@ def continue_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, 
         return hold or Hold(lost, kind, step, exit_codes, failure, incident, detected_at, last_progress_at, now)
     if decision.action not in ACTING:
         return decision
-    generation = next_generation()
+    generation = ctx.generations.next_generation()
     incident = replace(incident, decision={"action": decision.action.value, "reason": decision.reason,
                                            "verdict": None, "delay_s": 0.0, "generation": generation})
-    record(incident)
+    ctx.books.record_incident(incident)
     ctx.accounting.failure(detected_at, last_progress_at, incident.id, incident.kind)
     pids = inp.carry_out(group, decision, lost, generation, detected_at, incident.id)
     return continue_as(ctx, group, a, gdir, generation, pids, decision.action.value, decision.reason)
@@ -159,7 +160,7 @@ def continue_as(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     moved = replace(a, generation=generation)
     world = world_size if world_size is not None else len(pids)
     ctx.tracker.start_generation(pids, ctx.clock(), generation, carried=frozenset(pids.values()))
-    ctx.workers_started(generation, pids)
+    ctx.books.workers_started(generation, pids)
     if pids:
         ctx.accounting.generation_started(generation, world, c.max_nodes * c.nproc_per_node,
                                           restart=action != "grow", lead_rank=min(pids))
@@ -222,8 +223,8 @@ def follow_locally(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
                     f"{record['resumed_after_step']}, {redone} step(s) re-done")
         inp.last_completed = line
         print(f"resilient: {line}", file=sys.stderr, flush=True)
-        if ctx.recovered is not None and recovering.incident_id is not None:
-            ctx.recovered(recovering.incident_id, record)
+        if recovering.incident_id is not None:
+            ctx.books.recovered(recovering.incident_id, record)
         return None
     if now > recovering.deadline:
         inp.abandon_recovery()
@@ -282,14 +283,12 @@ def _maybe_retry(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir
                         generation=a.generation, kind="collective", rank=None, pid=None, section="step", step=step,
                         summary=summary)
     last = max((i.last_seen for i in ranks.values()), default=now)
-    ended: Assignment | Hold | RecoveryDecision | None = None
-    if ctx.restart_outlook is not None and ctx.next_generation is not None and ctx.record_incident is not None:
-        start_spares(ctx, group, a, gdir)
-        ended = continue_locally(ctx, group, a, gdir, lost={}, kind=FaultKind.COLLECTIVE_ERROR, failure=failure,
-                                 exit_codes=(), incident=incident, detected_at=now, last_progress_at=last)
+    start_spares(ctx, group, a, gdir)
+    ended = continue_locally(ctx, group, a, gdir, lost={}, kind=FaultKind.COLLECTIVE_ERROR, failure=failure,
+                             exit_codes=(), incident=incident, detected_at=now, last_progress_at=last)
     if isinstance(ended, Assignment):
         return ended
-    why = ended.reason if isinstance(ended, RecoveryDecision) else "in-process recovery is not on offer"
+    why = ended.reason if isinstance(ended, RecoveryDecision) else "no member survives"
     return f"every rank's collective failed at step {step} with none dead, and it was not retried in place: {why}"
 
 
@@ -341,8 +340,8 @@ def place_boundary(furthest: int, rate: float, lead_s: float, total: int | None)
 def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path,
                 now: float) -> Assignment | None:
     """A world below full size grows onto a settled spare at a boundary a little ahead of every rank."""
-    inp, next_generation = ctx.inproc, ctx.next_generation
-    if inp is None or next_generation is None or len(group.workers) >= ctx.config.nproc_per_node or not group.spares:
+    inp = ctx.inproc
+    if inp is None or len(group.workers) >= ctx.config.nproc_per_node or not group.spares:
         return None
     boundary = grow_boundary(ctx, group, a, now, GROW_LEAD_S)
     if boundary is None:
@@ -351,14 +350,7 @@ def _maybe_grow(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     decision = consider_grow(inp, group, at_step, now, remaining_s=boundary.remaining_s)
     if decision is None:
         return None
-    generation = next_generation()
+    generation = ctx.generations.next_generation()
     pids = carry_out_grow(inp, group, decision, generation, a.generation, at_step, ctx.clock())
     return continue_as(ctx, group, a, gdir, generation, pids, "grow", f"{decision.reason} (at step {at_step})",
                         at_step=at_step)
-
-
-def outlook_from(decision: Any) -> RestartOutlook:
-    """The restart policy's decision as the ladder's :class:`RestartOutlook`."""
-    if decision.verdict is not None:
-        return RestartOutlook(allowed=False, reason=decision.reason, verdict=str(decision.verdict))
-    return RestartOutlook(allowed=True, reason=decision.reason, delay_s=decision.delay_s)

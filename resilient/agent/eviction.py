@@ -46,9 +46,9 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
     when the ladder answered restart or stop after all)."""
     rank = int(flag["rank"])
     worker = group.workers.get(rank)
-    inproc, outlook_of, slowness = ctx.inproc, ctx.restart_outlook, ctx.slowness
+    inproc, slowness = ctx.inproc, ctx.slowness
     if flag.get("generation") != a.generation or worker is None or worker.exit is not None or inproc is None \
-            or outlook_of is None or slowness is None:
+            or slowness is None:
         return None
     info = ctx.tracker.ranks().get(rank)
     section, step = (info.section, info.step) if info is not None else (None, None)
@@ -64,8 +64,8 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
             ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")
             return None
     else:
-        ladder = inproc.preview(group, lost, FaultKind.STRAGGLER, at, (), outlook_of(failure), survivors,
-                                failure.describe())
+        ladder = inproc.preview(group, lost, FaultKind.STRAGGLER, at, (), failure, ctx.generations.restarts(),
+                                survivors)
         world, opted = len(group.workers), inproc.opted_in([w.worker_id for w in group.workers.values()])
     case = StragglerCase(
         rank=rank, section=str(flag["section"]), rank_s=float(flag["rank_s"]), peers_s=float(flag["peers_s"]),
@@ -104,4 +104,4 @@ def weigh_straggler(ctx: GenerationContext, group: WorkerGroup, a: Assignment, g
     group.stop(ctx.config.stop_grace_s)
     return Outcome(OutcomeKind.FAILED, failure.describe(), failure,
                    replace(incident, ladder=ended.to_event() if ended is not None else None),
-                   detected_at=now, last_progress_at=last_progress)
+                   detected_at=now, last_progress_at=last_progress, decision=ended)

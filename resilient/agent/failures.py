@@ -90,7 +90,8 @@ def stop_on_failure(ctx: GenerationContext, group: WorkerGroup, a: Assignment, r
     info = ranks.get(first.rank) if first.rank is not None else None
     last_progress = info.last_seen if info is not None else first.time
     return Outcome(OutcomeKind.FAILED, incident.summary, first, incident, detected_at=first.time,
-                   last_progress_at=last_progress)
+                   last_progress_at=last_progress, exit_codes=tuple(e.returncode for e in exits if e.returncode > 0),
+                   decision=ladder)
 
 
 PEER_VERDICT_WAIT_S = 2.0
@@ -240,6 +241,7 @@ def end_on_hang(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir:
     group.stop(ctx.config.stop_grace_s)
     incident = replace(incident, other_failures=_casualties(ctx, group, gdir, ranks, failure),
                        ladder=ladder.to_event() if ladder is not None else None)
-    return Outcome(OutcomeKind.FAILED, summary, failure, incident, detected_at=now, last_progress_at=last_progress)
+    return Outcome(OutcomeKind.FAILED, summary, failure, incident, detected_at=now, last_progress_at=last_progress,
+                   decision=ladder)
 
 

@@ -82,12 +82,11 @@ class PeerWatch:
                 self.stop = ctx.shared.stop()
                 self.stop_request = ctx.shared.stop_request()
                 if multi:
-                    self.waiting = ctx.waiting()
+                    self.waiting = ctx.asked.nodes_waiting()
                     self.ended = ctx.shared.ended()
                     self.detectors = ctx.shared.detectors()
                     self._exchange_timing()
-                if ctx.quarantined is not None:
-                    self.quarantined = ctx.quarantined()
+                self.quarantined = ctx.asked.quarantined()
             except (ControlStoreError, OSError) as e:  # an outage must not end a healthy generation (anything else
                 ctx.emit(EventKind.STORE_UNREACHABLE, error=f"{type(e).__name__}: {e}")  # is a bug: reported)
 
@@ -181,7 +180,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
     group.attempt = attempt
     pids = {rank: w.pid for rank, w in group.workers.items()}
     ctx.tracker.start_generation(pids, ctx.clock(), a.generation)
-    ctx.workers_started(a.generation, pids)
+    ctx.books.workers_started(a.generation, pids)
     if pids:
         ctx.accounting.generation_started(a.generation, a.num_nodes * ctx.config.nproc_per_node,
                                           ctx.config.max_nodes * ctx.config.nproc_per_node,
@@ -209,7 +208,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
         expected, reports = ctx.tracker.restores()
         if not reported and reports and (final or len(reports) >= len(expected)):
             reported = True
-            ctx.restored(summarise_restores(a.generation, ctx.config.node_id, expected, reports,
+            ctx.books.restored(summarise_restores(a.generation, ctx.config.node_id, expected, reports,
                                             multi_node=a.num_nodes > 1))
             if not final and restart:
                 deferred = {r: int(rep.get("step") or 0) for r, rep in reports.items()}
@@ -226,7 +225,7 @@ def run_generation(ctx: GenerationContext, a: Assignment, attempt: int, *, resta
             ctx.inproc.group_stopped()
         report_restores(True)
         ctx.status.detach()
-        ctx.workers_stopped(a.generation, group.stuck)
+        ctx.books.workers_stopped(a.generation, group.stuck)
 
 
 def _watch(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Path, peers: PeerWatch,
@@ -275,7 +274,7 @@ def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
     news = _news(follow(ctx, group, a, gdir, now)) if not stopping else None
     together = False
     if failed and not stopping and news is None and state.hold is None:
-        together = _signalled_with_agent(exits, ctx.stop_requested, ctx.clock, c.signalled_together_s)
+        together = _signalled_with_agent(exits, ctx.asked.stop_requested, ctx.clock, c.signalled_together_s)
     running = {r: w for r, w in group.workers.items() if w.exit is None}
     views = {r: v for r, v in ctx.tracker.views().items() if r in running}
     waiting: list[int] = []
@@ -301,8 +300,8 @@ def _observe(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gdir: Pa
         sections=sections, across_machines=ctx.inproc is not None and ctx.inproc.cluster is not None,
         verdict=peers.verdict, quarantined=peers.quarantined.describe() if peers.quarantined is not None else None,
         waiting_nodes=peers.waiting, run_ended=peers.ended, straggler=straggler, news=news,
-        recovering=ctx.inproc is not None and ctx.inproc.recovering is not None, interrupted=ctx.interrupted(),
-        stop_asked=bool(ctx.stop_requested() or peers.stop or peers.stop_request), health=health)
+        recovering=ctx.inproc is not None and ctx.inproc.recovering is not None, interrupted=ctx.asked.interrupted(),
+        stop_asked=bool(ctx.asked.stop_requested() or peers.stop or peers.stop_request), health=health)
 
 
 def _news(followed: str | Assignment | Outcome | None) -> machine.News | None:
@@ -379,7 +378,7 @@ def _request_stop(ctx: GenerationContext, group: WorkerGroup, gdir: Path, shared
     else:
         views = ctx.tracker.views()
         furthest = max([v.step for v in views.values()] + [ctx.tracker.max_step])
-        asked = ctx.stop_requested() or (request and str(request.get("reason", ""))) or "stop requested"
+        asked = ctx.asked.stop_requested() or (request and str(request.get("reason", ""))) or "stop requested"
         stop_at, reason = furthest + ctx.config.preempt_margin_steps, asked
         try:
             stop_at = ctx.shared.propose_stop(stop_at, reason)  # another node's earlier step wins

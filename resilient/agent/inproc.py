@@ -34,12 +34,14 @@ from ..core.events import Emit, EventKind
 from ..core.supervised import ThreadReports
 from ..elastic.batch import feasible_world_sizes
 from ..elastic.costs import RecoveryCosts
-from ..elastic.decide import Action, LadderConfig, RecoveryDecision, decide_recovery
-from ..elastic.observe import Fault, FaultKind, Membership, Observation, RestartOutlook, Spare
+from ..elastic.decide import Action, LadderConfig, RecoveryDecision
+from ..elastic.observe import Fault, FaultKind, Membership, Observation, Spare
 from ..elastic.reform import Member, abort_key, plan_assignments, publish_assignments
 from .cluster_watch import ClusterState, ClusterWatch
+from .decision import LadderCase, Restarts, decide
 from .inproc_state import Recovering, Reports, SpareState, clean_position
 from .launcher import why_not_renice
+from .policy import Failure
 
 if TYPE_CHECKING:
     from ..elastic.reform import Assignment
@@ -291,45 +293,47 @@ class InProcess:
         return RecoveryCosts(**measured, repair_s=repair)
 
     def decide(self, group: WorkerGroup, lost: Mapping[int, str], kind: FaultKind, step: int,
-               exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
-               detail: str, waiting_since: float | None = None, *, dirty: frozenset[int] = frozenset()) -> RecoveryDecision:
-        """The ladder's answer to losing ``lost`` (old rank -> worker id) of the current members; ``dirty``:
-        survivors whose state is partial (:func:`dirty_ranks`)."""
-        decision = self.preview(group, lost, kind, step, exit_codes, restart, survivor_steps, detail, waiting_since,
-                                dirty=dirty)
+               exit_codes: Sequence[int], failure: Failure, restarts: Restarts, survivor_steps: Mapping[int, int],
+               waiting_since: float | None = None, *, dirty: frozenset[int] = frozenset()) -> RecoveryDecision:
+        """The one decision (:func:`~resilient.agent.decision.decide`) on losing ``lost`` (old rank -> worker
+        id) of the current members, the ladder on offer; ``dirty``: survivors whose state is partial
+        (:func:`dirty_ranks`)."""
+        decision = self.preview(group, lost, kind, step, exit_codes, failure, restarts, survivor_steps,
+                                waiting_since, dirty=dirty)
         if waiting_since is None or decision.action is not Action.WAIT_FOR_REPAIR:
             # A hold is decided again on every tick: its event and status line once, then only what ends it.
             self.note_decision(f"{decision.action.value}: {decision.reason}", decision.to_event())
         return decision
 
     def preview(self, group: WorkerGroup, lost: Mapping[int, str], kind: FaultKind, step: int,
-                exit_codes: Sequence[int], restart: RestartOutlook, survivor_steps: Mapping[int, int],
-                detail: str, waiting_since: float | None = None, *,
+                exit_codes: Sequence[int], failure: Failure, restarts: Restarts, survivor_steps: Mapping[int, int],
+                waiting_since: float | None = None, *,
                 dirty: frozenset[int] = frozenset()) -> RecoveryDecision:
-        """What the ladder would answer to losing ``lost`` now, reported nowhere (:meth:`decide` reports it)."""
+        """What the one decision would be on losing ``lost`` now, reported nowhere (:meth:`decide` reports it)."""
         c = self.config
         old_world = len(group.workers)
         survivors = [r for r in group.workers if r not in lost]
         spares, feasible = self.spare_view(group)
         failures = self.failed_recoveries(step)
         obs = Observation(
-            fault=Fault(kind=kind, step=step, ranks=frozenset(lost), exit_codes=frozenset(exit_codes), detail=detail),
+            fault=Fault(kind=kind, step=step, ranks=frozenset(lost), exit_codes=frozenset(exit_codes),
+                        detail=failure.describe()),
             membership=Membership(rank_nodes=(c.node_id,) * old_world, min_size=min(c.min_ranks, old_world),
                                   max_size=c.nproc_per_node, full_size=c.nproc_per_node,
                                   feasible_world_sizes=feasible),
-            restart=restart, spares=spares,
+            spares=spares,
             survivor_steps={r: survivor_steps[r] for r in survivors if r in survivor_steps},
             dirty=dirty & set(survivors),
             opted_in=self.opted_in([group.workers[r].worker_id for r in survivors]) and self.config.in_process,
             declined=self.declined,
             inproc_failures=failures, waiting_since=waiting_since, replicas=self.replicas(),
         )
-        return decide_recovery(obs, self.costs(), self.ladder, self._clock())
+        return self.decide_cluster(failure, restarts, obs)
 
-    def decide_cluster(self, obs: Observation) -> RecoveryDecision:
-        """The ladder over the whole launch's membership (across machines), with this agent's measured costs;
-        reported nowhere (:meth:`report_cluster` reports the answer acted on)."""
-        return decide_recovery(obs, self.costs(), self.ladder, self._clock())
+    def decide_cluster(self, failure: Failure, restarts: Restarts, obs: Observation) -> RecoveryDecision:
+        """The one decision over ``obs`` (across machines: the whole launch's membership), with this agent's
+        measured costs; reported nowhere (:meth:`report_cluster` reports the answer acted on)."""
+        return decide(failure, restarts, self._clock(), ladder=LadderCase(obs, self.costs(), self.ladder))
 
     def report_cluster(self, decision: RecoveryDecision, obs: Observation) -> None:
         """Report the ladder's answer over ``obs`` across machines: a hold once, when it starts (``obs`` has no

@@ -12,9 +12,11 @@ worker node in it.
 :func:`next_move` takes where the agent is (:class:`Life`) and what the last
 command found (an event) and returns the next :class:`Move`: the new state
 and the commands to carry out, in order; the last command's answer is the
-next event.  Every choice of the agent's outer loop is made here, and the
-restart policy (:func:`~resilient.agent.policy.decide_restart`) is asked
-here, once per failed generation.  The executor is
+next event.  Every choice of the agent's outer loop is made here.  A
+failed generation is carried out as the one decision on its failure
+(:func:`~resilient.agent.decision.decide`): the one the generation took with
+the ladder on offer, else the one taken here, from the run's restart
+history, without the ladder.  The executor is
 :meth:`resilient.agent.supervisor.Agent.run`: it carries out the commands
 and reads what the store and the node say, never deciding.
 
@@ -32,7 +34,9 @@ from ..core.events import EventKind, OutcomeKind
 from ..core.exitcodes import EXIT_CONFIG, EXIT_PREEMPTED_AGENT, EXIT_STOPPED, EXIT_UNHEALTHY, AgentVerdict
 from .incidents import Incident
 from .outcome import Outcome
-from .policy import Action, History, RestartConfig, RestartDecision, decide_restart
+from ..elastic.decide import Action, RecoveryDecision
+from .decision import Restarts, decide
+from .policy import History, RestartConfig
 from .rendezvous import Assignment
 
 EXIT_INTERRUPTED = 130
@@ -53,7 +57,7 @@ class Phase(Enum):
     RUNNING = "running"
     """A generation runs on this node (its watch loop is :mod:`resilient.agent.machine`)."""
     DECIDING = "deciding"
-    """The generation failed: the restart policy answers, from the run's restart history."""
+    """The generation failed with no decision taken on it: it is taken from the run's restart history."""
     ENDED = "ended"
     """The agent ends with a verdict."""
 
@@ -184,7 +188,7 @@ class GenerationEnded:
 
 @dataclass(frozen=True)
 class HistoryRead:
-    """A failed generation: the run's restart history (from the store) and the time, for the restart policy."""
+    """A failed generation: the run's restart history (from the store) and the time, for the decision."""
 
     outcome: Outcome
     history: History
@@ -261,17 +265,18 @@ class MembershipChanged:
 
 @dataclass(frozen=True)
 class ReadHistory:
-    """A failed generation: read the run's restart history: answers :class:`HistoryRead`."""
+    """A failed generation with no decision taken on it: read the run's restart history: answers
+    :class:`HistoryRead`."""
 
     outcome: Outcome
 
 
 @dataclass(frozen=True)
 class RecordFailure:
-    """The failed generation's incident, with the restart policy's decision, and its cost in the ledger."""
+    """The failed generation's incident, with the decision taken on it, and its cost in the ledger."""
 
     outcome: Outcome
-    decision: RestartDecision
+    decision: RecoveryDecision
 
 
 @dataclass(frozen=True)
@@ -279,7 +284,7 @@ class Restart:
     """Count the restart in the run's budget, say so, wait the policy's delay; the next round restarts workers."""
 
     outcome: Outcome
-    decision: RestartDecision
+    decision: RecoveryDecision
     generation: int
 
 
@@ -376,7 +381,9 @@ def next_move(life: Life, event: Event) -> Move:
         case Phase.RUNNING, GenerationEnded(outcome=outcome, generation=g):
             return _after_generation(replace(life, generation=g, restart=outcome.kind.restarts_workers), outcome)
         case Phase.DECIDING, HistoryRead(outcome=outcome, history=history, now=now):
-            return _after_failure(life, outcome, history, now)
+            assert outcome.failure is not None
+            return _after_failure(life, outcome, decide(outcome.failure, Restarts(history, life.policy), now,
+                                                        exit_codes=outcome.exit_codes))
     raise ValueError(f"no move from phase {life.phase.value} on {event!r}")
 
 
@@ -420,18 +427,20 @@ def _after_generation(life: Life, outcome: Outcome) -> Move:
     if kind is OutcomeKind.MEMBERSHIP:
         return _check(life, MembershipChanged(life.generation, outcome.reason))
     if kind is OutcomeKind.FAILED and outcome.failure is not None and outcome.incident is not None:
+        if outcome.decision is not None:  # taken with the ladder on offer: carried out as it is
+            return _after_failure(life, outcome, outcome.decision)
         return Move(replace(life, phase=Phase.DECIDING), (ReadHistory(outcome),))
     raise ValueError(f"a generation cannot end as {kind.value} without its failure and incident: {outcome!r}")
 
 
-def _after_failure(life: Life, outcome: Outcome, history: History, now: float) -> Move:
-    assert outcome.failure is not None
-    decision = decide_restart(outcome.failure, history, life.policy, now)
+def _after_failure(life: Life, outcome: Outcome, decision: RecoveryDecision) -> Move:
+    if decision.action not in (Action.RESTART, Action.STOP):
+        raise ValueError(f"a generation that ended as a failure is restarted or stopped, not {decision.action.value}")
     recorded = RecordFailure(outcome, decision)
     if decision.action is Action.STOP:
         verdict = AgentVerdict(decision.verdict or AgentVerdict.STOPPED)
         # A worker that said "do not restart me" with its exit code: the agent exits with that code.
-        code = outcome.failure.exit_code if verdict is AgentVerdict.DO_NOT_RESTART and outcome.failure.exit_code \
+        code = decision.exit_code if verdict is AgentVerdict.DO_NOT_RESTART and decision.exit_code \
             else EXIT_STOPPED
         ending = Ending(code, verdict, decision.reason)
         return _end(life, ending, recorded, PublishVerdict(ending))

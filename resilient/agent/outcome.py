@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core.events import OutcomeKind
+from ..elastic.decide import RecoveryDecision
 from ..elastic.observe import FaultKind
 from .incidents import Incident
 from .policy import Failure
@@ -30,6 +31,11 @@ class Outcome:
     takes_place_of: str | None = None
     """A spare node's generation ended to take this lost node's place in the run's restart (it joins the
     rendezvous as a node of the run)."""
+    exit_codes: tuple[int, ...] = ()
+    """Every failed rank's non-zero exit status (the exit-code contract is checked over all of them)."""
+    decision: RecoveryDecision | None = None
+    """The one decision already taken on this failure (:mod:`.decision`, with the ladder on offer): restart or
+    stop, which the lifecycle carries out as it is.  None: the lifecycle takes it, without the ladder."""
 
 
 @dataclass

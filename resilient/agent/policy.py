@@ -1,19 +1,20 @@
 """The restart policy: after a failure, restart the group (and when) or stop the run, and why.
 
-Pure functions of (failure, history, config, now); the supervisor gathers the
-inputs (the restart count lives in the store, so the budget is global, not
-per agent, and covers one launch or, if asked, the whole run) and carries out the decision.  Checks, in order:
+Pure functions of (failure, history, config, now): the restart rungs of the
+agent's one decision per failure (:func:`resilient.agent.decision.decide`),
+which checks the exit-code contract before them, and the in-process ladder
+too when it is on offer.  The inputs come from the store (the restart count
+lives there, so the budget is global, not per agent, and covers one launch
+or, if asked, the whole run).  Checks, in order:
 
-1. exit-code contract: a rank that exited with a code in
-   :data:`~resilient.core.exitcodes.NO_RESTART_CODES` said restarting cannot help;
-2. crash-loop breaker: ``crash_loop_restarts`` restarts in a row without a
+1. crash-loop breaker: ``crash_loop_restarts`` restarts in a row without a
    newly committed checkpoint, each attempt failing *the same way* as this
    one (:func:`same_way`: at the same step, or with the same error in the
    same place), means a restart cannot get past it; named before the budget
    because it says more.  Independent faults (other ranks, signals, steps)
    are left to the budget: each restart may still get further;
-3. global budget: ``max_restarts`` restarts used;
-4. otherwise restart after an exponential backoff in the restarts since the
+2. global budget: ``max_restarts`` restarts used;
+3. otherwise restart after an exponential backoff in the restarts since the
    last progress (a run that keeps committing is never slowed down).
 
 :func:`first_failure` picks the failure an incident is about when several
@@ -30,9 +31,9 @@ from typing import Literal
 
 from ..core.errors import ConfigError
 from ..core.events import FAILURE_KINDS, FailureKind
-from ..core.exitcodes import NO_RESTART_CODES, describe_exit, signal_name
+from ..core.exitcodes import describe_exit, signal_name
 
-Verdict = Literal["budget_exhausted", "crash_loop", "do_not_restart"]
+Verdict = Literal["budget_exhausted", "crash_loop"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,18 +273,13 @@ def _resume_point(history: History) -> str:
 
 
 def decide_restart(failure: Failure, history: History, cfg: RestartConfig, now: float) -> RestartDecision:
-    """Restart or stop after ``failure``; call with ``history`` already updated by :meth:`History.with_commit`."""
+    """Restart or stop after ``failure``; call with ``history`` already updated by :meth:`History.with_commit`.
+    The exit-code contract is not checked here: :func:`resilient.agent.decision.decide` checks it first."""
     what = failure.describe()
 
     def stop(verdict: Verdict, reason: str) -> RestartDecision:
         return RestartDecision(action=Action.STOP, delay_s=0.0, not_before=now, reason=reason, verdict=verdict)
 
-    if failure.kind == "exit" and failure.exit_code in NO_RESTART_CODES:
-        return stop(
-            "do_not_restart",
-            f"not restarting: {what}; by the exit-code contract a restart cannot help. Fix the cause "
-            "(the rank's error file has the traceback) and start the run again",
-        )
     independent = ""
     if history.restarts_since_progress >= cfg.crash_loop_restarts:
         mark = FailureMark.of(failure)

@@ -36,7 +36,7 @@ def continue_after(ctx: GenerationContext, group: WorkerGroup, a: Assignment, gd
     in-process recovery is not on offer.
     """
     inp = ctx.inproc
-    if inp is None or ctx.restart_outlook is None or ctx.next_generation is None or ctx.record_incident is None:
+    if inp is None:
         return None
     start_spares(ctx, group, a, gdir)  # a failure before the workers had restored: the spares start now
     if inp.cluster is not None:  # across machines the decision goes through the store

@@ -19,6 +19,7 @@ stale-address failure seen with a store shared across restarts).
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -318,9 +319,41 @@ class EtcdRendezvous:
         self.leave()
 
 
-def free_port(addr: str) -> int:
-    """A port that is free on ``addr`` now (the rank-0 worker binds it moments later)."""
-    with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM) as s:
+MASTER_PORTS_FROM = 20000
+"""The lowest port the agent offers its rank-0 worker (MASTER_PORT); the highest is below the kernel's ephemeral
+range."""
+
+
+def ephemeral_ports(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int]:
+    """The range the kernel hands out ports from, to a bind to port 0 and to every outgoing connection."""
+    try:
+        with open(path, encoding="ascii") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(addr: str, *, tries: int = 64) -> int:
+    """A port that is free on ``addr`` now, for the rank-0 worker to bind moments later (its TCPStore).
+
+    Chosen at random below the kernel's ephemeral range: a port the kernel picked (a bind to port 0) comes from
+    the range it also gives every outgoing connection, so any process's connection may take it in the seconds
+    before the worker binds it (the worker then fails to listen, and the generation restarts for nothing).  Only
+    another explicit bind can take a port below the range.  Falls back to the kernel's choice when none of
+    ``tries`` candidates is free.
+    """
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    low, _ = ephemeral_ports()
+    pool = range(MASTER_PORTS_FROM, low)
+    for port in random.sample(pool, min(tries, len(pool))):
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return int(s.getsockname()[1])
 

@@ -1,7 +1,7 @@
 """The node agent's loop: rendezvous, start the workers, watch them, decide, repeat.
 
 Composed, not inherited: the decisions come from pure policies
-(:func:`~resilient.agent.policy.decide_restart`,
+(:func:`~resilient.agent.decision.decide`,
 :func:`~resilient.watchdog.sections.decide_hang`,
 :func:`~resilient.agent.health.assess`), one generation's processes and
 watch from :mod:`~resilient.agent.generation`, and the rest from one
@@ -28,13 +28,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..coord import keyspace
 from ..coord.store import ControlStoreError
 from ..core.events import EventKind, EventLog, OutcomeKind
 from ..core.exitcodes import AgentVerdict
-from ..elastic.observe import RestartOutlook
 from ..metrics.ledger import LedgerConfig
 from . import generation as gen_mod
 from . import lifecycle, severance
@@ -42,7 +41,7 @@ from .accounting import NodeAccounting
 from .bookkeeping import ProcessBookkeeping
 from .config import AgentConfig
 from .context import GenerationContext
-from .continuation import outlook_from
+from .decision import Restarts
 from .control import ControlServer
 from .coordination import Coordination
 from .failure_rate import failure_rate_env
@@ -59,13 +58,18 @@ from .memory_replica import PUBLISHED_AS
 from .memory_tier import NodeMemory
 from .notices import Notices
 from .outcome import Outcome
-from .policy import Failure, FailureMark, decide_restart
+from .policy import FailureMark
 from .rendezvous import Assignment, RendezvousClosedError
 from .reporting import NodeReporting
 from .rundir import RunDir, heartbeat_socket, read_token
 from .slowness import SlownessWatch
 from .tracker import HeartbeatIntake, RankTracker, stale_events
 from .worker_env import base_env
+
+if TYPE_CHECKING:
+    from ..coord.quarantine import Standing
+    from .restores import RestoreSummary
+    from .sweep import Stuck
 
 __all__ = ["Agent", "AgentResult", "heartbeat_socket", "run_agent"]
 
@@ -232,18 +236,11 @@ class Agent:
         """The pieces of this agent a generation works with."""
         shared = self.coordination.shared
         assert shared is not None
-        rendezvous = self.coordination.rendezvous
         return GenerationContext(
             config=self.config, run_dir=self.run_dir, launch_id=shared.launch_id, clock=self.clock,
             echo_to=self.echo_to, tracker=self.tracker, accounting=self.accounting, status=self.reporting.status,
-            shared=shared, emit=self.emit,
-            waiting=(lambda: rendezvous.num_nodes_waiting()) if rendezvous is not None else (lambda: 0),
-            stop_requested=lambda: self.stop_requested, interrupted=lambda: self.interrupted,
-            workers_started=self.bookkeeping.workers_started, workers_stopped=self.bookkeeping.workers_stopped,
-            restored=self.incidents.restored, inproc=self.inproc, restart_outlook=self._restart_outlook,
-            next_generation=self._next_generation, record_incident=self.incidents.record_open,
-            recovered=self.incidents.recovered, slowness=self.slowness,
-            quarantined=self.gate.check if self.gate is not None else None, spawner=self.spawner,
+            shared=shared, emit=self.emit, asked=_Asked(self), books=_Books(self), generations=_Generations(self),
+            inproc=self.inproc, slowness=self.slowness, spawner=self.spawner,
             settle_heartbeats=self._settle_heartbeats, threads=self.coordination.threads,
             timing_link=self.coordination.timing_link,
         )
@@ -252,12 +249,12 @@ class Agent:
         for receiver in self._receivers:
             receiver.settle()
 
-    def _restart_outlook(self, failure: Failure) -> RestartOutlook:
-        """What the restart policy would decide about ``failure`` now, for the ladder's lower rungs."""
+    def restarts(self) -> Restarts:
+        """The run's restart history now (from the store: other generations' restarts) and the policy's bounds."""
         history = self.coordination.history(self.tracker.committed_step, exclude_generation=self._generation)
-        return outlook_from(decide_restart(failure, history, self.config.restart, self.clock()))
+        return Restarts(history, self.config.restart)
 
-    def _next_generation(self) -> int:
+    def next_generation(self) -> int:
         """The run's next generation number, for a generation formed in process (no rendezvous round)."""
         self._generation = self.coordination.next_generation()
         return self._generation
@@ -340,8 +337,7 @@ class Agent:
                 self.emit(EventKind.MEMBERSHIP_CHANGED, generation=generation, reason=reason)
                 self.accounting.restarted("membership")
             case lifecycle.ReadHistory(outcome=outcome):
-                history = self.coordination.history(self.tracker.committed_step, exclude_generation=self._generation)
-                return lifecycle.HistoryRead(outcome, history, self.clock())
+                return lifecycle.HistoryRead(outcome, self.restarts().history, self.clock())
             case lifecycle.RecordFailure(outcome=outcome, decision=decision):
                 assert outcome.incident is not None
                 incident = outcome.incident.with_decision(decision)
@@ -516,6 +512,62 @@ class Agent:
         self.emit(EventKind.AGENT_FINISHED, exit_code=ending.code, verdict=ending.verdict, reason=ending.reason,
                   generation=generation, restarts_used=result.restarts_used)
         return result
+
+
+class _Asked:
+    """What a generation is asked from outside it (:class:`~resilient.agent.context.Asked`), from its agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def stop_requested(self) -> str | None:
+        return self._agent.stop_requested
+
+    def interrupted(self) -> bool:
+        return self._agent.interrupted
+
+    def nodes_waiting(self) -> int:
+        rendezvous = self._agent.coordination.rendezvous
+        return rendezvous.num_nodes_waiting() if rendezvous is not None else 0
+
+    def quarantined(self) -> Standing | None:
+        gate = self._agent.gate
+        return gate.check() if gate is not None else None
+
+
+class _Books:
+    """Where a generation records what happened (:class:`~resilient.agent.context.Books`): its agent's books."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def workers_started(self, generation: int, pids: dict[int, int]) -> None:
+        self._agent.bookkeeping.workers_started(generation, pids)
+
+    def workers_stopped(self, generation: int, stuck: tuple[Stuck, ...]) -> None:
+        self._agent.bookkeeping.workers_stopped(generation, stuck)
+
+    def restored(self, summary: RestoreSummary) -> None:
+        self._agent.incidents.restored(summary)
+
+    def record_incident(self, incident: Incident) -> None:
+        self._agent.incidents.record_open(incident)
+
+    def recovered(self, incident_id: str, record: dict[str, Any]) -> None:
+        self._agent.incidents.recovered(incident_id, record)
+
+
+class _Generations:
+    """The run's restarts and generations (:class:`~resilient.agent.context.Generations`), from its agent."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def restarts(self) -> Restarts:
+        return self._agent.restarts()
+
+    def next_generation(self) -> int:
+        return self._agent.next_generation()
 
 
 def run_agent(config: AgentConfig, *, install_signals: bool = True) -> AgentResult:

@@ -1,29 +1,30 @@
-"""The recovery decision: which rung of the ladder answers a failure, and when a shrunk run grows back.
+"""The recovery ladder: which in-process rung answers a failure, and when a shrunk run grows back.
 
 :func:`decide_recovery` is a pure function of an :class:`Observation` (the
-fault, the membership, the spare pool, the survivors' state, the restart
-policy's outcome), the measured :class:`~resilient.elastic.costs.RecoveryCosts`,
-a :class:`LadderConfig` and ``now``.  Checks, in order, cheapest rung first:
+fault, the membership, the spare pool, the survivors' state), the measured
+:class:`~resilient.elastic.costs.RecoveryCosts`, a :class:`LadderConfig` and
+``now``.  It is one part of the agent's single decision per failure
+(:func:`resilient.agent.decision.decide`), which checks the exit-code
+contract before it and hands a RESTART to the restart policy after it.
+Checks, in order, cheapest rung first:
 
-1. exit-code contract: a rank that exited 78 or 79 said no recovery can help:
-   STOP, whatever else holds;
-2. in-process blockers: the script did not opt in (``run.attempt()``), no
+1. in-process blockers: the script did not opt in (``run.attempt()``), no
    survivor holds the replicated state, a lost rank's shard has no surviving
    replica (sharded state: pure FSDP, or every HSDP replica of it lost),
    survivors' states diverged or disagree on the last completed step, an
    unhealthy node's ranks are alive
    (they must move), or in-process recovery of this step already failed
    ``max_inproc_retries_per_step`` times (no loop of failing re-formations).
-   Any of them: RESTART, or STOP when the restart policy refuses;
-3. every rank alive, a collective failed: RETRY_IN_PLACE among the same members;
-4. a warm, healthy, unclaimed spare for every lost rank: PROMOTE_SPARE
+   Any of them: RESTART (the restart policy says when, or STOP);
+2. every rank alive, a collective failed: RETRY_IN_PLACE among the same members;
+3. a warm, healthy, unclaimed spare for every lost rank: PROMOTE_SPARE
    (same rank; no spare is ever named twice, the lowest lost ranks first);
-5. the ranks left without a spare: SHRINK (with the promotions that were
+4. the ranks left without a spare: SHRINK (with the promotions that were
    possible; never for sharded state, which cannot be resharded in process)
    when the smaller world is >= MIN and feasible for the batch plan
    and shrinking beats holding (:func:`~resilient.elastic.costs.shrink_or_wait`);
    else WAIT_FOR_REPAIR while a return is expected within ``max_wait_s`` and
-   cheaper than a restart; else RESTART (or STOP).
+   cheaper than a restart; else RESTART.
 
 Ranks dropped by a shrink are the highest lost ranks: a spare then fills the
 lowest, and survivors above a dropped rank move down by as little as possible.
@@ -40,7 +41,6 @@ from types import MappingProxyType
 from typing import Any
 
 from ..core.errors import ConfigError
-from ..core.exitcodes import NO_RESTART_CODES
 from .costs import RecoveryCosts, shrink_or_wait
 from .observe import FaultKind, Observation, pick_spares, ranks_text
 
@@ -123,6 +123,8 @@ class RecoveryDecision:
     """WAIT_FOR_REPAIR: hold until a member returns or this time, then decide again."""
     verdict: str | None = None
     """STOP: why the run stops (``do_not_restart``, or the restart policy's verdict)."""
+    exit_code: int | None = None
+    """STOP by the exit-code contract: the code a rank exited with (78 or 79), which its agent exits with."""
     numbers: Mapping[str, float] = field(default_factory=dict)
     """The quantities the choice compared (costs, r, R, gain), for the event log."""
 
@@ -131,6 +133,11 @@ class RecoveryDecision:
         assert (self.action is Action.STOP) == (self.verdict is not None), (self.action, self.verdict)
         assert (self.action is Action.WAIT_FOR_REPAIR) == (self.wait_until is not None), self.action
         assert not self.dropped_ranks or self.action is Action.SHRINK, self.action
+
+    @property
+    def delay_s(self) -> float:
+        """RESTART: the restart policy's backoff before the workers start again (0 for any other action)."""
+        return float(self.numbers.get("delay_s", 0.0))
 
     def rank_map(self, old_world: int) -> Mapping[int, int]:
         """Old rank -> new rank for every member after the decision: promoted spares keep the lost rank;
@@ -151,23 +158,15 @@ class RecoveryDecision:
             "not_before": self.not_before,
             "wait_until": self.wait_until,
             "verdict": self.verdict,
+            **({"exit_code": self.exit_code} if self.exit_code is not None else {}),
             "numbers": {name: _json_number(value) for name, value in self.numbers.items()},
         }
 
 
-def _restart_or_stop(obs: Observation, why: str, now: float, numbers: Mapping[str, float]) -> RecoveryDecision:
-    """The rungs below in-process: whatever the restart policy decided (its budget and crash-loop breaker)."""
-    outlook = obs.restart
-    world = obs.membership.world_size
-    if not outlook.allowed:
-        return RecoveryDecision(
-            action=Action.STOP, reason=f"stop: {why}; and {outlook.reason}", step=obs.fault.step,
-            world_size=world, not_before=now, verdict=outlook.verdict, numbers=numbers,
-        )
-    return RecoveryDecision(
-        action=Action.RESTART, reason=f"{why}; {outlook.reason}", step=obs.fault.step, world_size=world,
-        not_before=now + outlook.delay_s, numbers={**numbers, "delay_s": outlook.delay_s},
-    )
+def _restart(obs: Observation, why: str, now: float, numbers: Mapping[str, float]) -> RecoveryDecision:
+    """In-process recovery cannot answer: a restart (the restart policy, asked next, says when, or stops)."""
+    return RecoveryDecision(action=Action.RESTART, reason=why, step=obs.fault.step,
+                            world_size=obs.membership.world_size, not_before=now, numbers=numbers)
 
 
 def _inproc_blockers(obs: Observation, cfg: LadderConfig) -> list[str]:
@@ -228,19 +227,9 @@ def decide_recovery(obs: Observation, costs: RecoveryCosts, cfg: LadderConfig, n
     world = members.world_size
     base = {"inproc_s": costs.inproc_s, "restart_s": costs.restart_s}
 
-    contract = sorted(fault.exit_codes & NO_RESTART_CODES)
-    if contract:
-        codes = ", ".join(map(str, contract))
-        return RecoveryDecision(
-            action=Action.STOP, verdict="do_not_restart", step=fault.step, world_size=world, not_before=now,
-            reason=(f"stop: {what}; exit {codes} says by the exit-code contract that no recovery can help "
-                    "(78: configuration, 79: unrecoverable state). Fix the cause (the rank's error file has the "
-                    "traceback) and start the run again"),
-        )
-
     blockers = _inproc_blockers(obs, cfg)
     if blockers:
-        return _restart_or_stop(obs, f"in-process recovery impossible: {'; '.join(blockers)}", now, base)
+        return _restart(obs, f"in-process recovery impossible: {'; '.join(blockers)}", now, base)
 
     agreed = obs.survivor_steps[obs.survivors[0]]  # the blockers made sure every survivor reported the same
     if fault.kind is FaultKind.COLLECTIVE_ERROR:
@@ -316,7 +305,7 @@ def decide_recovery(obs: Observation, costs: RecoveryCosts, cfg: LadderConfig, n
                         f"{restart_cost:.1f} s"),
             )
         wait_note = f"waiting ({wait_cost:.1f} s) is no cheaper than a restart ({restart_cost:.1f} s)"
-    return _restart_or_stop(obs, f"{what}; {no_spare} and {why_not}; {wait_note}", now, numbers)
+    return _restart(obs, f"{what}; {no_spare} and {why_not}; {wait_note}", now, numbers)
 
 
 def _wait_window(obs: Observation, costs: RecoveryCosts, cfg: LadderConfig, now: float) -> tuple[str, float | None]:

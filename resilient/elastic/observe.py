@@ -1,12 +1,12 @@
 """What the recovery decision observes: the fault, the membership, the spare pool, the survivors' state.
 
 These frozen dataclasses are the contract between the node agent (which
-gathers them from its workers, the store and the restart policy) and the pure
-decision in :mod:`resilient.elastic.decide`.  They check their own
-consistency on construction and say what is wrong, so a mistake in the
-gathering fails where it is made, not as an odd decision later.  The
-restart policy's outcome comes in as a :class:`RestartOutlook`, not as the
-agent's own type: this package sits below the agent and never imports it.
+gathers them from its workers and the store) and the pure ladder in
+:mod:`resilient.elastic.decide`.  They check their own consistency on
+construction and say what is wrong, so a mistake in the gathering fails
+where it is made, not as an odd decision later.  The restart policy is not
+in them: the agent's one decision (:mod:`resilient.agent.decision`) asks it
+after the ladder.
 """
 
 from __future__ import annotations
@@ -165,34 +165,11 @@ class Membership:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RestartOutlook:
-    """What the restart policy (``resilient.agent.policy.decide_restart``) said about restarting now."""
-
-    allowed: bool
-    """A restart is allowed; False when the policy would stop (budget exhausted, crash loop)."""
-    reason: str
-    """The policy's own reason, quoted in the ladder's."""
-    delay_s: float = 0.0
-    """Backoff before the restart."""
-    verdict: str | None = None
-    """Why the policy would stop; required when ``allowed`` is False."""
-
-    def __post_init__(self) -> None:
-        if not self.allowed and not self.verdict:
-            raise ValueError("a RestartOutlook that refuses the restart needs its verdict (e.g. 'budget_exhausted')")
-        if self.allowed and self.verdict is not None:
-            raise ValueError(f"a RestartOutlook that allows the restart has no verdict, got {self.verdict!r}")
-        if not self.delay_s >= 0:
-            raise ValueError(f"RestartOutlook.delay_s={self.delay_s} must be >= 0")
-
-
-@dataclass(frozen=True, kw_only=True)
 class Observation:
     """Everything the recovery decision looks at for one fault."""
 
     fault: Fault
     membership: Membership
-    restart: RestartOutlook
     spares: Sequence[Spare] = ()
     survivor_steps: Mapping[int, int] = field(default_factory=dict)
     """Last completed step each surviving rank reported; in-process recovery needs them all equal."""
