@@ -20,7 +20,7 @@ import pytest
 
 from resilient.checkpoint.inspect import verify_checkpoint
 from resilient.checkpoint.locations import open_storage
-from resilient.cli import main
+from resilient.cli.main import main
 
 from .helpers import run_worker
 
@@ -37,12 +37,13 @@ def _events(prefix: Path, rank: int = 0) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("where", ["directory", "s3"])
 def test_gc_in_a_loop_beside_a_live_job_never_tears_a_commit(tmp_path: Path, where: str,
-                                                               request: pytest.FixtureRequest) -> None:
+                                                               request: pytest.FixtureRequest,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
     if where == "s3":
         location, endpoint = request.getfixturevalue("s3_url")
         reach = ["--endpoint-url", endpoint]
         # The saves take their time: each step sleeps, so that the collections fall between and inside them.
-        slow = ["--step-sleep", "0.05"]
+        slow = ["--step-sleep", "0.3"]
     else:
         location, endpoint, reach = str(tmp_path / "ckpt"), None, []
         # Rank 0's commit waits before it takes the lock: its staging area sits complete, unpublished, meanwhile.
@@ -57,25 +58,31 @@ def test_gc_in_a_loop_beside_a_live_job_never_tears_a_commit(tmp_path: Path, whe
         except BaseException as e:  # noqa: BLE001 - handed to the test's thread
             job_failed.append(e)
 
+    storage = open_storage(location, endpoint_url=endpoint)
     worker = threading.Thread(target=job, name="training job")
     worker.start()
-    runs, codes = 0, []
+    runs, codes, reports = 0, [], []
     deadline = time.monotonic() + GC_LOOP_BOUND_S
+    while worker.is_alive() and not storage.list_committed() and time.monotonic() < deadline:
+        time.sleep(0.05)  # gc needs a location to look at: the job's first commit makes it
     while worker.is_alive() and time.monotonic() < deadline:
         codes.append(main(["checkpoint", "gc", location, *reach, "--keep", "2", "--json"]))
+        reports.append(json.loads(capsys.readouterr().out))
         runs += 1
+        time.sleep(0.02)
     worker.join(timeout=30)
     assert not worker.is_alive(), "the job did not end"
     assert not job_failed, job_failed[0]
     assert runs >= 3, f"only {runs} collections ran while the job trained: they proved nothing"
     assert set(codes) == {0}, codes
+    # No collection ever saw a checkpoint that failed verification (one the job deleted meanwhile is skipped).
+    assert [r["failed"] for r in reports if r["failed"]] == []
 
     log = _events(events)
     committed = [e["name"] for e in log if e.get("kind") == "checkpoint_committed"]
     failed = [e for e in log if e.get("kind") in ("checkpoint_failed", "checkpoint_fenced")]
     assert not failed, failed
     assert len(committed) == STEPS // EVERY, committed
-    storage = open_storage(location, endpoint_url=endpoint)
     present = storage.list_committed()
     assert committed[-1] in present, (committed, present)
     for name in present:

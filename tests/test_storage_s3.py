@@ -211,7 +211,10 @@ def test_uncommitted_staging_is_invisible_and_collected(s3_url: tuple[str, str])
     c = client_for(s3_url)
     c.put_object(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000009/leftover.bin", Body=b"x")
     upload = c.create_multipart_upload(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000010/crashed/rank_00000.bin")
-    c.create_multipart_upload(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000010/current/rank_00000.bin")
+    current = c.create_multipart_upload(Bucket=bucket_of(s3_url), Key="ckpts/step_0000000010/current/rank_00000.bin")
+    # Each upload has a part (moto dates every upload's start 2010-11-10: an upload's age is its newest part's).
+    for up in (upload, current):
+        c.upload_part(Bucket=bucket_of(s3_url), Key=up["Key"], UploadId=up["UploadId"], PartNumber=1, Body=b"y" * 10)
     assert store.list_committed() == [checkpoint_name(7)]
 
     assert store.collect_garbage(keep_token="current", min_age_s=3600).removed == (), "every save here is fresh"

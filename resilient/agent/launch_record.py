@@ -42,6 +42,8 @@ def _public(value: Any) -> Any:
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(k): _public(v) for k, v in value.items() if not secret_name(str(k))}
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return redact_argv(value)  # a command line (the entrypoint, --restart-args, --burn-in-arg): flag values hidden
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_public(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:

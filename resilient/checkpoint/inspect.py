@@ -280,13 +280,18 @@ def collect(
         except CheckpointMismatchError as e:
             raise CheckpointMismatchError(f"{e}; not collecting garbage in {storage.url} with this version") from e
     failed: list[tuple[str, str]] = []
+    gone: list[tuple[str, str]] = []
     newest_verified = None
     for name in reversed(committed):
         report = verify(storage, name)
         if report.ok:
             newest_verified = name
             break
+        if name not in storage.list_committed():  # a live job's retention deleted it while it was being read
+            gone.append((name, "deleted while it was being verified (the job's own retention)"))
+            continue
         failed.append((name, report.problem or "failed verification"))
+    committed = [n for n in committed if n not in {g for g, _ in gone}]
     if committed and newest_verified is None:
         return GcReport(
             dry_run=dry_run,
@@ -296,13 +301,13 @@ def collect(
             newest_verified=None,
             failed=tuple(failed),
             reason=f"none of the {len(committed)} checkpoints passed verification; deleting nothing",
+            skipped=tuple(gone),
         )
     decision = decide_retention(committed, keep=keep, permanent_every=permanent_every, newest_verified=newest_verified,
                                 pinned=storage.list_pins())
     assert newest_verified is None or newest_verified in decision.keep
     garbage = Garbage()
     deleted: list[str] = []
-    gone: list[tuple[str, str]] = []
     if not dry_run:
         garbage = storage.collect_garbage(min_age_s=min_age_s)
         for victim in decision.delete:
