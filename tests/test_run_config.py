@@ -86,7 +86,8 @@ def test_a_run_started_from_a_config_file_runs_as_its_flags_say(tmp_path):
 
 def test_torchrun_s_rendezvous_flags_mean_what_they_mean_or_are_refused_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    etcd = config(tmp_path, "--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "--run-id", "r", SCRIPT)
+    etcd = config(tmp_path, "--rdzv-backend", "etcd", "--rdzv-endpoint", "10.0.0.1:2379", "--run-id", "r",
+                  "--local-addr", "10.0.0.2", SCRIPT)
     assert etcd.store_url == "etcd://10.0.0.1:2379"
     one = config(tmp_path, "--rdzv-backend", "c10d", SCRIPT)  # torchrun --standalone's, on one machine: nothing to meet
     assert one.store_url is None and config(tmp_path, "--standalone", SCRIPT).store_url is None
@@ -145,3 +146,21 @@ def test_the_node_silence_is_set_from_the_command_line_and_refused_below_a_few_p
     assert config(tmp_path, "--node-silence-timeout", "4", SCRIPT).node_silence_s == 4.0
     with pytest.raises(ConfigError, match=r"--node-silence-timeout must be at least 0.5 s .* got 0.2"):
         config(tmp_path, "--node-silence-timeout", "0.2", SCRIPT)
+
+
+def test_a_loopback_address_is_refused_when_the_store_is_on_another_machine(tmp_path, monkeypatch):
+    """Peers on other machines would probe their own loopback for this node: refused, saying what to pass.  With
+    the store on this machine too (every node here), loopback is right, and a store whose name does not resolve
+    here is not judged."""
+    monkeypatch.chdir(tmp_path)
+    remote_store = ("--store", "etcd://10.0.0.1:2379", "--run-id", "r")
+    with pytest.raises(ConfigError, match="--local-addr is 127.0.0.1, on loopback, but the store etcd://10.0.0.1:2379 "
+                                          "is on another machine"):
+        config(tmp_path, *remote_store, "--local-addr", "127.0.0.1", SCRIPT)
+    monkeypatch.setattr("socket.getfqdn", lambda *_: "localhost")  # a host whose name maps to loopback
+    with pytest.raises(ConfigError, match=r"this host's name \(localhost, the default address\).*Pass --local-addr"):
+        config(tmp_path, *remote_store, SCRIPT)
+    assert config(tmp_path, *remote_store, "--local-addr", "10.0.0.2", SCRIPT).local_addr == "10.0.0.2"
+    here = config(tmp_path, "--store", "etcd://127.0.0.1:2379", "--run-id", "r", "--local-addr", "127.0.0.1", SCRIPT)
+    assert here.local_addr == "127.0.0.1"
+    assert config(tmp_path, "--store", "etcd://etcd-0.invalid:2379", "--run-id", "r", SCRIPT).store_url

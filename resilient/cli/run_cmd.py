@@ -19,6 +19,7 @@ launch.  Without ``--run-id`` and ``--node-id`` a Slurm job's run is
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shlex
 import socket
@@ -85,7 +86,8 @@ def add_parser(commands: Any) -> None:
     g.add_argument("--preload", default="", metavar="MOD,...",
                    help="modules the fork server imports before forking the workers, besides torch")
     g.add_argument("--local-addr", "--local_addr", metavar="ADDR",
-                   help="address peers reach this node at (default 127.0.0.1 alone, else the host name)")
+                   help="address peers reach this node at (default 127.0.0.1 alone, else the host name; a loopback "
+                        "address is refused while the store is on another machine)")
     g = p.add_argument_group("recovery", "what answers a failure: spares, in-process recovery, shrinking, restarts")
     g.add_argument("--spares", type=int, default=0, metavar="N",
                    help="extra processes kept ready (torch imported; the script starts once one is promoted, with "
@@ -228,6 +230,41 @@ def add_parser(commands: Any) -> None:
     p.set_defaults(handler=cmd_run)
 
 
+def _addresses(host: str) -> set[str]:
+    """What ``host`` (a name or an address) resolves to here; empty when it does not resolve."""
+    try:
+        return {str(info[4][0]).split("%", 1)[0] for info in socket.getaddrinfo(host.strip("[]"), None)}
+    except (OSError, UnicodeError):
+        return set()
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` resolves, and only to loopback addresses."""
+    found = _addresses(host)
+    return bool(found) and all(ipaddress.ip_address(a).is_loopback for a in found)
+
+
+def remote(host: str) -> bool:
+    """Whether ``host`` resolves, and to no loopback address (a name that does not resolve here is neither)."""
+    found = _addresses(host)
+    return bool(found) and not any(ipaddress.ip_address(a).is_loopback for a in found)
+
+
+def check_reachable(local_addr: str, store: str, *, given: bool) -> None:
+    """Refuse an address peers cannot reach: a loopback one while the store is on another machine (the nodes are
+    then on other machines too, and each would probe its own loopback for this node)."""
+    from ..coord.etcd import EtcdConfig
+
+    hosts = [e.split("://", 1)[1].rsplit(":", 1)[0] for e in EtcdConfig.from_url(store).endpoints]
+    if not loopback(local_addr) or not any(remote(h) for h in hosts):
+        return
+    source = "--local-addr" if given else f"this host's name ({socket.getfqdn()}, the default address)"
+    raise ConfigError(
+        f"{source} is {local_addr}, on loopback, but the store {store} is on another machine: its other nodes "
+        "could not reach this node there. Pass --local-addr with an address they reach (this host's address on "
+        "the cluster network; in Kubernetes the pod IP)")
+
+
 def rendezvous_store(args: argparse.Namespace, max_nodes: int) -> str | None:
     """The control store URL from ``--store`` and torchrun's rendezvous flags, each meaning what it means under
     torchrun or refused with the fix: the nodes of a run meet through etcd, never a TCPStore."""
@@ -338,6 +375,8 @@ def build_config(args: argparse.Namespace, environ: dict[str, str]) -> Any:
     run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
     node_id = node_id or socket.gethostname().split(".")[0]
     local_addr = args.local_addr or ("127.0.0.1" if store is None else socket.getfqdn())
+    if store is not None:
+        check_reachable(local_addr, store, given=args.local_addr is not None)
     if args.no_python:
         entry = (args.script, *args.script_args)
     elif args.module:
