@@ -10,6 +10,7 @@ import socket
 import stat
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -229,3 +230,31 @@ def test_resilient_stop_sends_nothing_to_a_socket_another_user_serves(tmp_path, 
         for fd in (got_r, got_w, ready_r, ready_w):
             os.close(fd)
         shutil.rmtree(theirs, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_a_memory_tier_directory_another_user_made_first_is_refused(tmp_path):
+    """The memory tier's directory has a name a later agent of the run must find again, so it is known in advance:
+    another user who made it first (to read the weights the ranks put there) gets a refusal, not the weights."""
+    from resilient.agent.memory_tier import NodeMemory, directory_for
+
+    shm = Path(tempfile.mkdtemp())
+    os.chmod(shm, 0o1777)  # as /dev/shm: anyone may create, only the owner may remove
+    try:
+        run_dir = tmp_path / "run"
+        target = directory_for(shm, "r", "n0", run_dir)
+
+        def make(path: str) -> bool:
+            os.mkdir(path)
+            os.chmod(path, 0o777)
+            return True
+
+        assert _as_nobody(make, str(target)) == 0
+        with pytest.raises(ConfigError, match=f"memory tier directory {target} belongs to uid {NOBODY}"):
+            NodeMemory(shm, run_id="r", node_id="n0", run_dir=run_dir, limit=1 << 20, every=None,
+                       emit=lambda *a, **k: None)
+        shutil.rmtree(target)
+        NodeMemory(shm, run_id="r", node_id="n0", run_dir=run_dir, limit=1 << 20, every=None, emit=lambda *a, **k: None)
+        assert os.lstat(target).st_uid == 0 and stat.S_IMODE(os.lstat(target).st_mode) == 0o700
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

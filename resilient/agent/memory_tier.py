@@ -30,6 +30,7 @@ from ..core.errors import ConfigError
 from ..core.events import Emit, EventKind
 from ..core.supervised import ThreadReports
 from .memory_replica import MemoryReplication
+from .rundir import check_private_dir
 
 PREFIX = "resilient-memory-"
 OWNER = "owner.json"
@@ -79,6 +80,10 @@ class NodeMemory:
         self._sweep()
         found = self.path.is_dir()
         self.path.mkdir(mode=0o700, exist_ok=True)
+        # Its name is known in advance (a later agent of the run finds it): whoever made it must be this user.
+        check_private_dir(self.path, "memory tier directory",
+                          "remove it (the run's in-memory copies are not in a directory someone else owns), or give "
+                          "--memory-root a directory only you can write")
         (self.path / OWNER).write_text(json.dumps({"run_dir": str(self._run_dir), "run_id": run_id, "node": node_id,
                                                    "agent_pid": os.getpid(), "since": time.time()}))
         if found:  # an earlier agent of this run on this node was killed: its workers' state is still here

@@ -98,16 +98,17 @@ class RunDir:
         return ensure_token(self.token_file)
 
 
-def check_private_dir(path: Path) -> None:
-    """Refuse a directory for sockets that is a symlink, not a directory, not owned by this user, or open to
-    others (ConfigError naming the path and the fix)."""
+def check_private_dir(path: Path, what: str = "socket directory",
+                      fix: str = "remove it, or set TMPDIR to a directory only you can write") -> None:
+    """Refuse a private directory of the run (``what``) that is a symlink, not a directory, not owned by this user,
+    or open to others (ConfigError naming the path and ``fix``)."""
     st = os.lstat(path)
     problem = ("is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory" if not stat.S_ISDIR(st.st_mode)
                else f"belongs to uid {st.st_uid}, not to this user ({os.geteuid()})" if st.st_uid != os.geteuid()
                else f"has mode {stat.S_IMODE(st.st_mode):o}, open to other users" if st.st_mode & 0o077 else None)
     if problem is not None:
-        raise ConfigError(f"the socket directory {path} {problem}: another user may have made it to capture this "
-                          "run's sockets; remove it, or set TMPDIR to a directory only you can write")
+        raise ConfigError(f"the {what} {path} {problem}: another user may have made it to capture what the run "
+                          f"keeps there; {fix}")
 
 
 def heartbeat_socket(run_dir: RunDir, local_rank: int) -> str:
