@@ -7,8 +7,11 @@ the pin is released.
 
 from __future__ import annotations
 
+import pytest
+
 from resilient.checkpoint.locations import open_storage
 from resilient.checkpoint.retention import decide_retention
+from resilient.core.errors import StorageError
 
 from .tiny import tiny_run, train
 
@@ -50,3 +53,25 @@ def test_the_retention_policy_keeps_the_pinned_and_says_so() -> None:
                          pinned=["step_0000000020", "step_0000000099"])
     assert d.keep == ("step_0000000020", "step_0000000040") and d.delete == ("step_0000000010", "step_0000000030")
     assert d.reason.endswith("pinned step_0000000020; deleting 2"), d.reason
+
+
+def test_a_pin_written_after_retention_read_the_pins_still_keeps_the_checkpoint(store) -> None:
+    """Retention decided from the pins it read; an incident's bundle pins one of its victims just after.  The
+    deletion reads the pins again (on a directory under the lock a pin is written under) and keeps it; a pin of a
+    checkpoint retention already deleted is refused, and leaves nothing behind."""
+    run = tiny_run(store.url, store.endpoint, every=3, keep=3)
+    train(run, 6)
+    run.close()
+    storage = open_storage(store.url, endpoint_url=store.endpoint)
+    assert committed(storage) == ["step_0000000003", "step_0000000006"]
+    decision = decide_retention(committed(storage), keep=1, permanent_every=None, newest_verified=None,
+                                pinned=storage.list_pins())
+    assert decision.delete == ("step_0000000003",)
+    storage.pin("step_0000000003", HOLDER, b"{}")  # between the retention's read of the pins and its deletion
+    assert storage.delete("step_0000000003", keep_pinned=True) is False
+    assert committed(storage) == ["step_0000000003", "step_0000000006"]
+    assert storage.unpin("step_0000000003", HOLDER)
+    assert storage.delete("step_0000000003", keep_pinned=True) is True
+    with pytest.raises(StorageError, match="cannot pin step_0000000003: it is not committed"):
+        storage.pin("step_0000000003", HOLDER, b"{}")
+    assert storage.list_pins() == {}

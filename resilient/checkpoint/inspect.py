@@ -312,8 +312,10 @@ def collect(
         garbage = storage.collect_garbage(min_age_s=min_age_s)
         for victim in decision.delete:
             try:
-                storage.delete(victim)
-                deleted.append(victim)
+                if storage.delete(victim, keep_pinned=True):
+                    deleted.append(victim)
+                else:
+                    gone.append((victim, "pinned while gc ran (an incident's bundle): kept"))
             except StorageError:
                 if victim in storage.list_committed():
                     raise

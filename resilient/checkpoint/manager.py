@@ -387,8 +387,8 @@ class CheckpointManager:
             deleted = []
             try:
                 for victim in decision.delete:
-                    self.storage.delete(victim, fence=self.fence)
-                    deleted.append(victim)
+                    if self.storage.delete(victim, fence=self.fence, keep_pinned=True):
+                        deleted.append(victim)  # else pinned since the pins were read: kept
             finally:
                 if deleted:
                     self.events.emit(EventKind.CHECKPOINT_RETENTION, deleted=deleted, reason=decision.reason)

@@ -301,8 +301,10 @@ class S3Storage(S3Bucket, Storage):
         self._delete_keys([k for k, _ in objects if k != manifest])
         return self._where(dst)
 
-    def delete(self, name: str, fence: Fence | None = None) -> None:
+    def delete(self, name: str, fence: Fence | None = None, *, keep_pinned: bool = False) -> bool:
         self._check_fence(fence, f"deletion of {name}")
+        if keep_pinned and self._ls(f"{self._root}{PINS_DIR}/{name}/")[0]:
+            return False  # pinned after retention read the pins (read again just before: S3 has no lock)
         manifest = self._key(name, MANIFEST_FILE)
         committed = self._has_manifest(name)
         if committed:
@@ -311,6 +313,7 @@ class S3Storage(S3Bucket, Storage):
         if not committed and not rest:
             raise StorageError(f"cannot delete {name}: there is no such checkpoint in {self.url}")
         self._delete_keys(rest)
+        return True
 
     def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None, *,
                         min_age_s: float = 0.0) -> Garbage:
@@ -361,6 +364,9 @@ class S3Storage(S3Bucket, Storage):
     def pin(self, name: str, holder: str, record: bytes) -> None:
         key = self._pin_key(name, holder)
         self._call("put_object", key, Key=key, Body=record, ContentType="application/json")
+        if not self._has_manifest(name):  # retention deleted it first: leave no pin of nothing behind
+            self._call("delete_object", key, Key=key)
+            raise StorageError(f"cannot pin {name}: it is not committed in {self.url} (retention deleted it?)")
 
     def unpin(self, name: str, holder: str) -> bool:
         key = self._pin_key(name, holder)

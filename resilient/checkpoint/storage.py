@@ -220,8 +220,9 @@ class Storage(ABC):
         """Move a committed checkpoint out of the committed set; return where it went."""
 
     @abstractmethod
-    def delete(self, name: str, fence: Fence | None = None) -> None:
-        """Remove a committed checkpoint; it leaves the committed set first.
+    def delete(self, name: str, fence: Fence | None = None, *, keep_pinned: bool = False) -> bool:
+        """Remove a committed checkpoint; it leaves the committed set first.  ``keep_pinned`` (retention): leave
+        it when it is pinned now (on a directory, checked under the lock a pin is written under); False then.
 
         Raises :class:`FencedError` (deleting nothing) if ``fence`` is given and no longer held.
         """
@@ -242,7 +243,8 @@ class Storage(ABC):
 
     @abstractmethod
     def pin(self, name: str, holder: str, record: bytes) -> None:
-        """Keep checkpoint ``name`` from retention until ``holder`` (an incident's id) lets go of it."""
+        """Keep checkpoint ``name`` from retention until ``holder`` (an incident's id) lets go of it.  StorageError
+        when ``name`` is not committed (retention deleted it first): no pin is left behind."""
 
     @abstractmethod
     def unpin(self, name: str, holder: str) -> bool:
@@ -466,16 +468,19 @@ class LocalStorage(Storage):
             raise _storage_error("quarantine", name, e) from e
         return dst
 
-    def delete(self, name: str, fence: Fence | None = None) -> None:
+    def delete(self, name: str, fence: Fence | None = None, *, keep_pinned: bool = False) -> bool:
         self._mkdirs(self._trash_root)
         trash = os.path.join(self._trash_root, f"{name}.{os.getpid()}.{time.monotonic_ns()}")
         with self._fence.held(fence, f"deletion of {name}"):
+            if keep_pinned and self.list_pins().get(name):
+                return False  # pinned after retention read the pins: a pin is written under this lock too
             try:
                 os.rename(os.path.join(self.root, name), trash)  # leaves the committed set atomically
                 fsync_dir(self.root)
             except OSError as e:
                 raise _storage_error("delete", name, e) from e
         shutil.rmtree(trash, ignore_errors=True)
+        return True
 
     def collect_garbage(self, keep_token: str | None = None, fence: Fence | None = None, *,
                         min_age_s: float = 0.0) -> Garbage:
@@ -535,11 +540,14 @@ class LocalStorage(Storage):
 
     def pin(self, name: str, holder: str, record: bytes) -> None:
         path = os.path.join(self.root, PINS_DIR, name, f"{holder}.json")
-        self._mkdirs(os.path.dirname(path))
-        try:
-            write_text_atomic(path, record.decode())
-        except OSError as e:
-            raise _storage_error("pin", name, e) from e
+        with self._fence.held(None, f"pin of {name}"):  # no retention deletion in between (it checks pins under it)
+            if not os.path.isfile(os.path.join(self.root, name, MANIFEST_FILE)):
+                raise StorageError(f"cannot pin {name}: it is not committed in {self.root} (retention deleted it?)")
+            self._mkdirs(os.path.dirname(path))
+            try:
+                write_text_atomic(path, record.decode())
+            except OSError as e:
+                raise _storage_error("pin", name, e) from e
 
     def unpin(self, name: str, holder: str) -> bool:
         path = os.path.join(self.root, PINS_DIR, name, f"{holder}.json")
