@@ -76,7 +76,7 @@ def _stage(storage, name: str, token: str):
     return staging, manifest.to_bytes()
 
 
-def test_stale_claim_commit_delete_and_gc_are_refused(store):
+def test_stale_claim_commit_delete_gc_and_quarantine_are_refused(store):
     storage = _storage(store)
     old, new = Fence(launch=L1, generation=1), Fence(launch=L1, generation=2)
     assert storage.claim_fence(old) is None
@@ -95,6 +95,8 @@ def test_stale_claim_commit_delete_and_gc_are_refused(store):
         storage.delete("step_0000000001", fence=old)
     with pytest.raises(FencedError, match="garbage collection"):
         storage.collect_garbage(keep_token="tokold2", fence=old)
+    with pytest.raises(FencedError, match="quarantine of step_0000000001"):  # a stale restore that failed to verify
+        storage.quarantine("step_0000000001", "digest mismatch", fence=old)
     assert storage.list_committed() == ["step_0000000001"], "a stale writer changed the committed set"
     assert storage.read_fence() == new
 

@@ -427,7 +427,7 @@ class CheckpointManager:
         same error on every rank.
         """
         restored = restore_newest(self.storage, self.coord, self.events, elastic=self.config.elastic,
-                                  targets=targets, live=live)
+                                  targets=targets, live=live, fence=self.fence)
         if restored is not None:
             self.last_committed = restored.manifest
         return restored

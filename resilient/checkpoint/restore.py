@@ -36,6 +36,7 @@ from ..core.errors import (
 from ..core.events import EventKind, EventLog
 from . import sharded
 from .coordinator import Coordinator
+from .fence import Fence
 from .manifest import MANIFEST_FILE, FileEntry, Manifest, parse_manifest
 from .placed import can_place, live_paths, read_placed
 from .shard import decode
@@ -68,7 +69,8 @@ Live = Callable[[], dict[str, Any]]
 
 
 def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, elastic: bool,
-                   targets: Targets | None = None, live: Live | None = None) -> Restored | None:
+                   targets: Targets | None = None, live: Live | None = None,
+                   fence: Fence | None = None) -> Restored | None:
     """Load the newest committed checkpoint that verifies on every rank (see the module docstring).
 
     A checkpoint of sharded state is resharded onto ``targets`` (called
@@ -89,7 +91,7 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
                 raise CheckpointCorruptError(name, MANIFEST_FILE, "manifest is missing")
             manifest = parse_manifest(raw, name)
         except CheckpointCorruptError as e:
-            _quarantine(storage, coord, events, name, f"{e.file}: {e.problem}")
+            _quarantine(storage, coord, events, name, f"{e.file}: {e.problem}", fence)
             problems.append(str(e))
             continue
         _check_world(storage, coord, events, manifest, elastic)
@@ -109,7 +111,7 @@ def restore_newest(storage: Storage, coord: Coordinator, events: EventLog, *, el
             raise StorageError(f"cannot read checkpoint {name} from {storage.url}: {why}")
         if kind == "mismatch":
             raise CheckpointMismatchError(why)
-        _quarantine(storage, coord, events, name, why)
+        _quarantine(storage, coord, events, name, why, fence)
         problems.append(f"{name}: {why}")
     if names:
         raise NoValidCheckpointError(
@@ -336,11 +338,12 @@ def _guarded(read: Callable[[], Any]) -> tuple[str, str, Any]:
         return "error", f"{type(e).__name__}: {e}", None
 
 
-def _quarantine(storage: Storage, coord: Coordinator, events: EventLog, name: str, reason: str) -> None:
+def _quarantine(storage: Storage, coord: Coordinator, events: EventLog, name: str, reason: str,
+                fence: Fence | None) -> None:
     if not coord.is_root:
         return
     try:
-        where = storage.quarantine(name, reason)
+        where = storage.quarantine(name, reason, fence=fence)  # a stale process quarantines nothing
         events.emit(EventKind.CHECKPOINT_QUARANTINED, name=name, reason=reason, moved_to=where)
     except Exception as e:  # noqa: BLE001  the next checkpoint is tried either way; the event says why not moved
         events.emit(EventKind.CHECKPOINT_QUARANTINE_FAILED, name=name, reason=reason, error=str(e))

@@ -283,7 +283,8 @@ class S3Storage(S3Bucket, Storage):
         return buf, hasher.result()
 
     # ----------------------------------------------------- remove and move
-    def quarantine(self, name: str, reason: str) -> str:
+    def quarantine(self, name: str, reason: str, fence: Fence | None = None) -> str:
+        self._check_fence(fence, f"quarantine of {name}")
         if not self._has_manifest(name):
             raise StorageError(f"cannot quarantine {name}: it is not committed in {self.url}")
         entry = f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{os.getpid()}"

@@ -216,8 +216,11 @@ class Storage(ABC):
         return RangeReader(buf)
 
     @abstractmethod
-    def quarantine(self, name: str, reason: str) -> str:
-        """Move a committed checkpoint out of the committed set; return where it went."""
+    def quarantine(self, name: str, reason: str, fence: Fence | None = None) -> str:
+        """Move a committed checkpoint out of the committed set; return where it went.
+
+        Raises :class:`FencedError` (moving nothing) if ``fence`` is given and no longer held.
+        """
 
     @abstractmethod
     def delete(self, name: str, fence: Fence | None = None, *, keep_pinned: bool = False) -> bool:
@@ -456,9 +459,13 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("read", full, e) from e
 
-    def quarantine(self, name: str, reason: str) -> str:
+    def quarantine(self, name: str, reason: str, fence: Fence | None = None) -> str:
         self._mkdirs(self._quarantine_root)
         dst = os.path.join(self._quarantine_root, f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{os.getpid()}")
+        with self._fence.held(fence, f"quarantine of {name}"):
+            return self._quarantine(name, reason, dst)
+
+    def _quarantine(self, name: str, reason: str, dst: str) -> str:
         try:
             os.rename(os.path.join(self.root, name), dst)
             fsync_dir(self.root)
