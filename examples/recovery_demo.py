@@ -217,9 +217,11 @@ def nan_incident(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     shutil.rmtree(replay_dir, ignore_errors=True)
     for verb in (["ls", run_dir], ["bundle", run_dir, incident, "--out", bundle]):
         show(subprocess.run([*cli, *verb], capture_output=True, text=True, timeout=300, check=False), verb)
-    replayed = subprocess.run([*cli, "replay", bundle, "--workdir", replay_dir], capture_output=True, text=True,
-                              timeout=args.timeout, check=False, cwd=args.workdir)
-    show(replayed, ["replay", bundle, "--workdir", replay_dir])
+    # --yes: the bundle was made a moment ago from this demo's own script (a replay prints what it would run and
+    # runs nothing without it).
+    replayed = subprocess.run([*cli, "replay", bundle, "--workdir", replay_dir, "--yes"], capture_output=True,
+                              text=True, timeout=args.timeout, check=False, cwd=args.workdir)
+    show(replayed, ["replay", bundle, "--workdir", replay_dir, "--yes"])
     return {"sample": sample, "step": step, "incident": incident, "bundle": bundle,
             "replay_exit": replayed.returncode, "reproduced": replayed.returncode == 0}
 
