@@ -219,7 +219,9 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 data = resilient.ElasticLoader(Samples(), batch_size=2, seed=7)
-ckpt = resilient.CheckpointConfig(dir=sys.argv[2], every_steps=2, when_busy="wait")
+# Synchronous: step 2's checkpoint is committed before step 3 starts (an asynchronous save commits once both ranks
+# have written it, and rank 1 may die at step 3 first: the bundle would then have no checkpoint to start from).
+ckpt = resilient.CheckpointConfig(dir=sys.argv[2], every_steps=2, when_busy="wait", async_save=False)
 with resilient.Run(model=model, optimizer=opt, data=data, checkpoint=ckpt, ddp=True) as run:
     for step in run.steps(8):
         with run.attempt():
