@@ -52,7 +52,7 @@ from .fence import Fence, check_claim, fence_moved, parse_fence, refused
 from .manifest import MANIFEST_FILE, step_of
 from .s3_client import ABSENT, CONFLICT, S3Bucket
 from .s3_support import ViewsReader, group_views
-from .storage import PINS_DIR, Garbage, RangeReader, Staging, Storage, pieces
+from .storage import PINS_DIR, Garbage, RangeReader, Staging, Storage, pieces, staged_files
 
 MULTIPART_THRESHOLD = 16 << 20  # larger objects go up as parallel multipart parts
 PART_BYTES = 8 << 20  # smallest part we build; S3's minimum is 5 MiB (except the last)
@@ -195,10 +195,10 @@ class S3Storage(S3Bucket, Storage):
 
     def _check_staged(self, staging: Staging, manifest: bytes) -> None:
         """Refuse to publish a manifest whose files are not all uploaded in full."""
-        try:
-            files = {self._key(staging.name, str(f["path"])): int(f["size"]) for f in json.loads(manifest)["files"]}
-        except (ValueError, TypeError, KeyError):
+        named = staged_files(manifest)
+        if named is None:
             return  # not ours to validate; readers run parse_manifest
+        files = {self._key(staging.name, path): size for path, size in named.items()}
         stored = dict(self._objects(self._key(staging.name) + "/"))
         for key, size in files.items():
             if stored.get(key) != size:

@@ -61,10 +61,11 @@ def cmd_detectors(args: argparse.Namespace) -> int:
     request: dict[str, Any] = {"op": "detectors"}
     if changes:
         request.update(token=token, set=changes)
+    owners = run_owners(args.run_dir)
     failed = 0
     for s in live:
         try:
-            answer = call(Path(s["control_socket"]), request, owners=run_owners(args.run_dir))
+            answer = call(Path(s["control_socket"]), request, owners=owners)
         except ControlError as e:
             print(f"node {s['node']}: {e}", file=sys.stderr)
             failed += 1

@@ -43,11 +43,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     from ..agent.control import ControlError, call
 
     token, live = live_agents(args.run_dir)
+    owners = run_owners(args.run_dir)
     failed = 0
     for s in live:
         try:
             answer = call(Path(s["control_socket"]), {"op": "stop", "token": token, "reason": args.reason},
-                          owners=run_owners(args.run_dir))
+                          owners=owners)
         except ControlError as e:
             print(f"node {s['node']}: {e}", file=sys.stderr)
             failed += 1
